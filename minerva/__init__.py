@@ -1,0 +1,1 @@
+from minerva.errors import MinervaError

@@ -1,0 +1,1 @@
+"""File formats: GGUF, SafeTensors, quantization types, tokenizers, chat templates."""

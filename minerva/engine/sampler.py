@@ -1,0 +1,102 @@
+"""Sampling parameters and the sampler that applies them to a row of logits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from minerva.errors import MinervaError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        rules = [
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "a number >= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "a number > 0"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "an integer"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "token ids >= 0"),
+        ]
+        for name, ok, what in rules:
+            if not ok:
+                raise MinervaError(f"invalid sampling parameter {name}={getattr(self, name)!r}: "
+                                   f"must be {what}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class SamplerState:
+    """What one request's sampler remembers: its own generator and the tokens seen."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    seen: list[int] = field(default_factory=list)
+
+
+def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.device) -> SamplerState:
+    gen = torch.Generator(device=device)
+    if params.seed is not None:
+        gen.manual_seed(params.seed)
+    else:
+        gen.seed()
+    return SamplerState(params, gen, list(prompt_ids))
+
+
+def sample(logits: torch.Tensor, state: SamplerState) -> int:
+    """Pick the next token from float32 logits [vocab]."""
+    p = state.params
+    logits = logits.float()
+    if p.repetition_penalty != 1.0 and state.seen:
+        ids = torch.tensor(sorted(set(state.seen)), device=logits.device)
+        picked = logits[ids]
+        logits = logits.clone()
+        logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                  picked * p.repetition_penalty)
+    if p.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = (cum - sorted_probs) > p.top_p * cum[-1]  # keep the smallest set reaching top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=state.generator))

@@ -1,0 +1,102 @@
+"""GGUF files, read through the `gguf` package's memory-mapped reader.
+
+Opening a file reads only its header; tensor data stays in the page cache and is
+handed out as zero-copy uint8 views, so loading never copies the whole file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from minerva.errors import MinervaError
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its type, logical shape and packed bytes."""
+
+    name: str
+    qtype: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: outermost first, innermost (contiguous) last
+    data: np.ndarray  # packed bytes, uint8, one row per leading index
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def raw(self) -> torch.Tensor:
+        """The packed bytes as a uint8 tensor that shares memory with the file."""
+        return torch.from_numpy(self.data)
+
+
+class GGUFFile:
+    """Metadata and tensors of one GGUF file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise MinervaError(f"GGUF file '{self.path}' does not exist")
+        try:
+            # mode "c" (copy-on-write) gives writable arrays without copying the file,
+            # so torch can wrap them without warnings.
+            reader = gguf.GGUFReader(self.path, "c")
+        except Exception as exc:  # the reader raises bare ValueError/IndexError/OSError on bad bytes
+            raise MinervaError(
+                f"'{self.path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                "it may be truncated or corrupt — re-download it"
+            ) from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in reader.fields.items():
+            try:
+                self.metadata[key] = field.contents()
+            except Exception:
+                raise MinervaError(f"'{self.path}': metadata field '{key}' is corrupt") from None
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            data = t.data
+            if data.dtype != np.uint8:  # F32/F16/... come back typed; keep bytes uniform
+                data = data.view(np.uint8)
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            block, type_size = gguf.GGML_QUANT_SIZES.get(t.tensor_type, (1, 0))
+            expected = rows * (shape[-1] // block) * type_size
+            if data.nbytes != expected:
+                raise MinervaError(
+                    f"'{self.path}': tensor '{t.name}' has {data.nbytes} bytes, expected {expected}; "
+                    "the file is truncated or corrupt — re-download it")
+            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, data.reshape(rows, -1))
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise MinervaError(f"'{self.path}' has no general.architecture in its metadata")
+        return arch
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Architecture-scoped metadata: get("block_count") reads "<arch>.block_count"."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise MinervaError(f"'{self.path}' lacks metadata key '{self.architecture}.{key}'")
+        return value
+
+    @property
+    def file_type_name(self) -> str:
+        """The quantization mix the file calls itself (e.g. MOSTLY_Q4_K_M -> Q4_K_M)."""
+        ftype = self.metadata.get("general.file_type")
+        try:
+            return gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_")
+        except (ValueError, TypeError):
+            counts: dict[str, int] = {}
+            for t in self.tensors.values():
+                counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
+            return max(counts, key=counts.get) if counts else "unknown"

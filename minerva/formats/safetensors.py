@@ -1,0 +1,73 @@
+"""Hugging Face model directories: config.json plus one or many *.safetensors files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from minerva.errors import MinervaError
+
+SUPPORTED_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class SafeTensorsDir:
+    """Tensors of a single-file or sharded (model.safetensors.index.json) checkpoint."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
+        except FileNotFoundError:
+            raise MinervaError(f"'{self.path}' has no config.json; a Hugging Face model directory "
+                               "needs config.json and *.safetensors") from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MinervaError(f"cannot read '{self.path / 'config.json'}': {exc}") from None
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError) as exc:
+                raise MinervaError(f"cannot read '{index}': {exc}") from None
+            files = sorted({self.path / f for f in weight_map.values()})
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES]
+            if pickles:
+                raise MinervaError(
+                    f"'{self.path}' holds only pickle checkpoints ({', '.join(pickles)}); Minerva "
+                    "refuses them because loading a pickle can run arbitrary code — convert the "
+                    "model to safetensors")
+            raise MinervaError(f"'{self.path}' has no *.safetensors files")
+        self._where: dict[str, Any] = {}
+        self._handles = []
+        for file in files:
+            if not file.is_file():
+                raise MinervaError(f"shard '{file}' named in the index does not exist")
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types on bad headers
+                raise MinervaError(f"'{file}' is not a readable safetensors file ({exc}); "
+                                   "it may be truncated or corrupt") from None
+            self._handles.append(handle)
+            for name in handle.keys():
+                self._where[name] = handle
+
+    def tensor_names(self) -> list[str]:
+        return list(self._where)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            t = self._where[name].get_tensor(name)
+        except Exception as exc:
+            raise MinervaError(f"'{self.path}': cannot read tensor '{name}' ({exc}); "
+                               "the file may be truncated") from None
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise MinervaError(f"'{self.path}': tensor '{name}' has dtype {t.dtype}; "
+                               "supported are float32, float16 and bfloat16")
+        return t

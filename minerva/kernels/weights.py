@@ -1,0 +1,80 @@
+"""Weight formats: how a linear layer's weight is stored and multiplied.
+
+A `Linear` holds one of these and calls `matmul`; the model code never knows
+the format. Packed kernels for quantized formats replace `GGUFWeight.matmul`
+per device without touching any model file.
+"""
+
+from __future__ import annotations
+
+import gguf
+import torch
+import torch.nn.functional as F
+
+from minerva.formats.quant import dequantize
+
+
+class DenseWeight:
+    """A plain float tensor [out_features, in_features]."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.tensor)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tensor[ids]
+
+    def dense(self) -> torch.Tensor:
+        return self.tensor
+
+
+class GGUFWeight:
+    """A GGML-quantized weight, kept as its packed bytes (one row of blocks per output).
+
+    Rows can be gathered packed and dequantized on their own (embedding lookup).
+    `matmul` uses a dequantized copy made once by `materialize`; the packed
+    kernels of the CPU and CUDA backends replace that copy.
+    """
+
+    def __init__(self, packed: torch.Tensor, qtype: gguf.GGMLQuantizationType,
+                 shape: tuple[int, int], dtype: torch.dtype):
+        self.packed = packed  # uint8 [rows, bytes_per_row]
+        self.qtype = qtype
+        self.shape = shape
+        self.dtype = dtype
+        self._dense: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def materialize(self) -> None:
+        if self._dense is None:
+            self._dense = dequantize(self.packed, self.qtype, self.shape).to(self.dtype)
+
+    def dense(self) -> torch.Tensor:
+        self.materialize()
+        return self._dense
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense())
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._dense is not None:
+            return self._dense[ids]
+        picked = self.packed[ids.reshape(-1)]
+        out = dequantize(picked, self.qtype, (picked.shape[0], self.shape[1])).to(self.dtype)
+        return out.reshape(*ids.shape, self.shape[1])
+
+
+Weight = DenseWeight | GGUFWeight

@@ -1,0 +1,76 @@
+"""The model configuration: one frozen dataclass built from GGUF metadata or config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minerva.errors import MinervaError
+
+FULL, SLIDING = "full", "sliding"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling: none, linear (position interpolation) or llama3."""
+
+    kind: str = "none"  # none | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # key of minerva.models.ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool = True
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    # Sliding-window attention: layer_types[i] is FULL or SLIDING.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # base for sliding layers when it differs (Gemma 3)
+    attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
+    final_logit_softcap: float | None = None
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        checks = {
+            "num_layers": self.num_layers > 0,
+            "hidden_size": self.hidden_size > 0,
+            "num_heads": self.num_heads > 0,
+            "num_kv_heads": self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+            "head_dim": self.head_dim > 0 and self.head_dim % 2 == 0,
+            "vocab_size": self.vocab_size > 0,
+            "layer_types": len(self.layer_types) == self.num_layers
+            and set(self.layer_types) <= {FULL, SLIDING},
+            "sliding_window": SLIDING not in self.layer_types or (self.sliding_window or 0) > 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise MinervaError(f"invalid model config ({', '.join(bad)}): {self}")
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "architecture": self.architecture,
+            "layers": self.num_layers,
+            "hidden": self.hidden_size,
+            "heads": f"{self.num_heads}/{self.num_kv_heads}",
+            "vocab": self.vocab_size,
+            "context": self.max_position,
+        }

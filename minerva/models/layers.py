@@ -1,0 +1,201 @@
+"""Shared building blocks: every architecture is assembled from these.
+
+Tensors are laid out token-major: hidden states are [T, hidden] for the T new
+tokens of one forward pass; attention metadata arrives in an
+`AttentionContext` that the caller (the engine) builds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minerva.kernels.weights import Weight
+from minerva.models.config import SLIDING, ModelConfig, RopeScaling
+
+
+class KVStore(Protocol):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store new k/v [T, Hkv, D] at `positions`; return all keys, values and key positions."""
+
+
+@dataclass
+class AttentionContext:
+    positions: torch.Tensor  # [T] absolute position of each new token
+    kv: KVStore
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), whatever format W is stored in."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight.matmul(x)
+        return y if self.bias is None else y + self.bias
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = weight
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
+                  freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:  # GGUF files carry llama3 scaling as precomputed factors
+        return inv_freq / freq_factors.float()
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, half-split ("neox") layout."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        super().__init__()
+        self.inv_freq = inv_freq
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+        return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [T, L]: query i sees key j when j <= i (and i - j < window)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear,
+                 o: Linear, rotary: Rotary, q_norm: RMSNorm | None = None,
+                 k_norm: RMSNorm | None = None):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, config.head_dim)
+        self.scale = config.softmax_scale
+        self.window = config.sliding_window if config.layer_types[layer] == SLIDING else None
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
+        keys, values, key_pos = ctx.kv.update(self.layer, k, v, ctx.positions)
+        mask = attention_mask(ctx.positions, key_pos, self.window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
+            attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU for Gemma."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear, activation: str):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; optional post-norms (Gemma) wrap each sublayer's output."""
+
+    def __init__(self, attn: Attention, mlp: GatedMLP, input_norm: RMSNorm, pre_mlp_norm: RMSNorm,
+                 post_attn_norm: RMSNorm | None = None, post_mlp_norm: RMSNorm | None = None):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.input_norm, self.pre_mlp_norm = input_norm, pre_mlp_norm
+        self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
+
+    def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        a = self.attn(self.input_norm(h), ctx)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        h = h + a
+        m = self.mlp(self.pre_mlp_norm(h))
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return h + m
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> output projection."""
+
+    def __init__(self, config: ModelConfig, embed: Weight, layers: list[DecoderLayer],
+                 norm: RMSNorm, lm_head: Linear, embed_scale: float | None = None):
+        super().__init__()
+        self.config = config
+        self.embed = embed
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Hidden states [T, hidden] of the new tokens."""
+        h = self.embed.rows(input_ids)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the selected hidden states."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,345 @@
+"""Load a model from a GGUF file or a Hugging Face SafeTensors directory.
+
+Everything format-specific lives here: the config builders, one table per
+format that maps file tensor names to canonical names, and the few tensor
+transforms a format needs (llama.cpp's Q/K row permutation, Gemma's +1 norms).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import torch
+
+from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile, GGUFTensor
+from minerva.formats.quant import QUANT_TYPES
+from minerva.formats.safetensors import SafeTensorsDir
+from minerva.formats.tokenizer import Tokenizer
+from minerva.kernels.weights import DenseWeight, GGUFWeight, Weight
+from minerva.models import gemma3, llama
+from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling
+from minerva.models.layers import CausalLM, Linear
+
+# ---------------------------------------------------------------- name tables
+
+GGUF_GLOBAL = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head",
+               "rope_freqs": "rope_freqs"}
+GGUF_LAYER = {
+    "attn_norm": "input_norm", "attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj",
+    "attn_output": "o_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
+    "post_attention_norm": "post_attn_norm", "ffn_norm": "pre_mlp_norm",
+    "post_ffw_norm": "post_mlp_norm", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
+}
+HF_GLOBAL = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
+_HF_COMMON = {
+    "input_layernorm": "input_norm", "self_attn.q_proj": "q_proj", "self_attn.k_proj": "k_proj",
+    "self_attn.v_proj": "v_proj", "self_attn.o_proj": "o_proj", "mlp.gate_proj": "gate_proj",
+    "mlp.up_proj": "up_proj", "mlp.down_proj": "down_proj",
+}
+HF_LAYER = {
+    "llama": {**_HF_COMMON, "post_attention_layernorm": "pre_mlp_norm"},
+    "gemma3": {**_HF_COMMON, "post_attention_layernorm": "post_attn_norm",
+               "pre_feedforward_layernorm": "pre_mlp_norm",
+               "post_feedforward_layernorm": "post_mlp_norm",
+               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"},
+}
+NORMS = {"norm", "input_norm", "pre_mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"}
+
+
+def canonical(name: str, global_table: dict, layer_table: dict, layer_prefix: str) -> str | None:
+    """File tensor name -> canonical name, or None for tensors the model does not use."""
+    base = name.removesuffix(".weight")
+    if base in global_table:
+        return global_table[base]
+    if base.startswith(layer_prefix):
+        index, _, rest = base[len(layer_prefix):].partition(".")
+        if index.isdigit() and rest in layer_table:
+            return f"layers.{index}.{layer_table[rest]}"
+    return None
+
+
+# ------------------------------------------------------------- architectures
+
+def _gguf_llama(f: GGUFFile) -> dict[str, Any]:
+    scaling = RopeScaling()
+    if f.get("rope.scaling.type") == "linear":
+        scaling = RopeScaling("linear", float(f.get("rope.scaling.factor", 1.0)))
+    return dict(rope_scaling=scaling)
+
+
+def _gguf_gemma3(f: GGUFFile) -> dict[str, Any]:
+    n = int(f.require("block_count"))
+    scaling = RopeScaling()
+    if f.get("rope.scaling.type") == "linear":
+        scaling = RopeScaling("linear", float(f.get("rope.scaling.factor", 1.0)))
+    head_dim = int(f.require("attention.key_length"))
+    return dict(
+        layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)),
+        sliding_window=int(f.require("attention.sliding_window")),
+        rope_local_theta=10000.0,  # llama.cpp's fixed base for Gemma 3 local layers
+        rope_scaling=scaling,
+        attn_scale=float(f.get("attention.scale") or head_dim**-0.5),
+        final_logit_softcap=f.get("final_logit_softcapping"),
+    )
+
+
+def _hf_rope(cfg: dict, layer_type: str = "full_attention") -> tuple[float, RopeScaling]:
+    params = cfg.get("rope_parameters") or {}
+    params = params.get(layer_type, params)  # per-layer-type parameters (Gemma 3)
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rs = cfg.get("rope_scaling") or params
+    kind = rs.get("rope_type") or rs.get("type") or "default"
+    if kind == "linear":
+        return theta, RopeScaling("linear", float(rs["factor"]))
+    if kind == "llama3":
+        return theta, RopeScaling("llama3", float(rs["factor"]), float(rs["low_freq_factor"]),
+                                  float(rs["high_freq_factor"]),
+                                  int(rs["original_max_position_embeddings"]))
+    if kind != "default":
+        raise MinervaError(f"rope scaling type '{kind}' in config.json is not supported "
+                           "(supported: linear, llama3)")
+    return theta, RopeScaling()
+
+
+def _hf_llama(cfg: dict) -> dict[str, Any]:
+    window = cfg.get("sliding_window")
+    n = cfg["num_hidden_layers"]
+    extra: dict[str, Any] = {}
+    if window and cfg.get("model_type") == "mistral":
+        extra = dict(layer_types=(SLIDING,) * n, sliding_window=int(window))
+    return extra
+
+
+def _hf_gemma3(cfg: dict) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
+        for i in range(n)]
+    return dict(
+        layer_types=tuple(SLIDING if t == "sliding_attention" else FULL for t in types),
+        sliding_window=int(cfg["sliding_window"]),
+        rope_local_theta=float(cfg.get("rope_local_base_freq")
+                               or _hf_rope(cfg, "sliding_attention")[0]),
+        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        final_logit_softcap=cfg.get("final_logit_softcapping"),
+    )
+
+
+@dataclass(frozen=True)
+class Architecture:
+    build: Callable[[ModelConfig, Any], CausalLM]
+    gguf_config: Callable[[GGUFFile], dict[str, Any]]
+    hf_config: Callable[[dict], dict[str, Any]]
+    hf_layer_names: dict[str, str]
+    permute_qk: bool = False  # GGUF llama stores Q/K rows in llama.cpp's interleaved rope order
+    norm_offset: float = 0.0  # HF Gemma norms compute (1 + w); GGUF stores w + 1 already
+
+
+ARCHITECTURES = {
+    "llama": Architecture(llama.build, _gguf_llama, _hf_llama, HF_LAYER["llama"], permute_qk=True),
+    "mistral": Architecture(llama.build, _gguf_llama, _hf_llama, HF_LAYER["llama"], permute_qk=True),
+    "gemma3": Architecture(gemma3.build, _gguf_gemma3, _hf_gemma3, HF_LAYER["gemma3"],
+                           norm_offset=1.0),
+}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "gemma3_text": "gemma3"}
+
+
+def _architecture(name: str, source: str) -> Architecture:
+    if name not in ARCHITECTURES:
+        raise MinervaError(f"{source}: architecture '{name}' is not supported "
+                           f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[name]
+
+
+def unpermute_qk(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope pairs -> half-split)."""
+    r = rows.shape[0]
+    return rows.reshape(n_head, r // n_head // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+# -------------------------------------------------------------- weight sources
+
+class GGUFWeights:
+    def __init__(self, f: GGUFFile, arch: Architecture, config: ModelConfig,
+                 device: torch.device, dtype: torch.dtype):
+        self.f, self.arch, self.config, self.device, self.dtype = f, arch, config, device, dtype
+        self.by_name: dict[str, GGUFTensor] = {}
+        for t in f.tensors.values():
+            name = canonical(t.name, GGUF_GLOBAL, GGUF_LAYER, "blk.")
+            if name is not None:
+                self.by_name[name] = t
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def _get(self, name: str) -> tuple[GGUFTensor, torch.Tensor]:
+        if name not in self.by_name:
+            raise MinervaError(f"'{self.f.path}' lacks the tensor for '{name}' "
+                               f"that a {self.f.architecture} model needs; the file is incomplete")
+        t = self.by_name[name]
+        raw = t.raw()
+        if self.arch.permute_qk and name.endswith(("q_proj", "k_proj")):
+            heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
+            raw = unpermute_qk(raw, heads)
+        return t, raw
+
+    def weight(self, name: str) -> Weight:
+        t, raw = self._get(name)
+        if t.qtype in _FLOAT_TYPES:
+            return DenseWeight(_float_view(raw, t).to(self.device, self.dtype))
+        if t.qtype not in QUANT_TYPES:
+            raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
+                               "which Minerva cannot read")
+        return GGUFWeight(raw.to(self.device), t.qtype, t.shape, self.dtype)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t, raw = self._get(name)
+        if t.qtype not in _FLOAT_TYPES:
+            raise MinervaError(f"'{self.f.path}': tensor '{t.name}' should be a float tensor, "
+                               f"found {t.qtype.name}")
+        return _float_view(raw, t).float().to(self.device)
+
+
+_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32,
+                gguf.GGMLQuantizationType.F16: torch.float16,
+                gguf.GGMLQuantizationType.BF16: torch.bfloat16}
+
+
+def _float_view(raw: torch.Tensor, t: GGUFTensor) -> torch.Tensor:
+    return raw.contiguous().view(_FLOAT_TYPES[t.qtype]).reshape(t.shape)
+
+
+class SafeTensorsWeights:
+    def __init__(self, d: SafeTensorsDir, arch: Architecture, device: torch.device,
+                 dtype: torch.dtype):
+        self.d, self.arch, self.device, self.dtype = d, arch, device, dtype
+        self.by_name: dict[str, str] = {}
+        for file_name in d.tensor_names():
+            name = canonical(file_name, HF_GLOBAL, arch.hf_layer_names, "model.layers.")
+            if name is not None:
+                self.by_name[name] = file_name
+
+    def has(self, name: str) -> bool:
+        return name in self.by_name
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.by_name:
+            raise MinervaError(f"'{self.d.path}' lacks the tensor for '{name}'; the checkpoint is incomplete")
+        return self.d.tensor(self.by_name[name])
+
+    def weight(self, name: str) -> Weight:
+        return DenseWeight(self._get(name).to(self.device, self.dtype))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        t = self._get(name).float()
+        if name.rsplit(".", 1)[-1] in NORMS:
+            t = t + self.arch.norm_offset
+        return t.to(self.device)
+
+
+# ------------------------------------------------------------------- loading
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    load_seconds: float
+    weight_bytes: int
+
+
+def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
+    heads = int(f.require("attention.head_count"))
+    hidden = int(f.require("embedding_length"))
+    embed = f.tensors.get("token_embd.weight")
+    if embed is None:
+        raise MinervaError(f"'{f.path}' has no token_embd.weight tensor")
+    return ModelConfig(
+        architecture=f.architecture,
+        vocab_size=embed.shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(f.require("feed_forward_length")),
+        num_layers=int(f.require("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(f.get("attention.head_count_kv") or heads),
+        head_dim=int(f.get("attention.key_length") or f.get("rope.dimension_count") or hidden // heads),
+        rms_norm_eps=float(f.require("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(f.get("rope.freq_base") or 10000.0),
+        max_position=int(f.get("context_length") or 4096),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        **arch.gguf_config(f),
+    )
+
+
+def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
+    model_type = cfg.get("model_type")
+    arch_name = HF_MODEL_TYPES.get(model_type, model_type or "?")
+    arch = _architecture(arch_name, f"'{path / 'config.json'}'")
+    theta, scaling = _hf_rope(cfg)
+    try:
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        fields = dict(
+            architecture=arch_name,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MinervaError(f"'{path / 'config.json'}' lacks or has a bad field {exc}") from None
+    fields.update(arch.hf_config(cfg))
+    return ModelConfig(**fields), arch
+
+
+def _prepare(model: CausalLM) -> int:
+    """Make every linear weight ready for its kernel; return bytes of weights held."""
+    total = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            if isinstance(module.weight, GGUFWeight):
+                module.weight.materialize()
+            total += module.weight.nbytes
+    if id(model.embed) not in seen:
+        total += model.embed.nbytes
+    return total
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> LoadedModel:
+    start = time.perf_counter()
+    path = Path(path)
+    device = torch.device(device)
+    if path.is_dir():
+        d = SafeTensorsDir(path)
+        config, arch = _config_from_hf(d.config, path)
+        weights: Any = SafeTensorsWeights(d, arch, device, dtype)
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    else:
+        f = GGUFFile(path)
+        arch = _architecture(f.architecture, f"'{path}'")
+        config = _config_from_gguf(f, arch)
+        weights = GGUFWeights(f, arch, config, device, dtype)
+        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+    with torch.inference_mode():
+        model = arch.build(config, weights)
+        nbytes = _prepare(model)
+    model.eval()
+    return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, nbytes)

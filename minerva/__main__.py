@@ -1,0 +1,5 @@
+import sys
+
+from minerva.cli import main
+
+sys.exit(main())

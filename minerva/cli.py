@@ -1,0 +1,238 @@
+"""The `minerva` command: pull, list, generate, chat, perplexity."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from minerva.errors import MinervaError
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def _peak_rss_mb() -> float:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return float("nan")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
+    """`[MODEL] X`: one positional is X (default model), two are MODEL and X."""
+    if len(args) == 2:
+        return args[0], args[1]
+    if len(args) == 1:
+        return None, args[0]
+    if not args and not rest_required:
+        return None, None
+    raise MinervaError(f"expected [MODEL] {what}, got {len(args)} arguments")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activation dtype (default float32)")
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _sampling(args):
+    from minerva.engine.sampler import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _load(model: str | None, args):
+    from minerva.llm import LLM
+
+    llm = LLM(model, device=args.device, dtype=args.dtype)
+    c = llm.config
+    print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, "
+          f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights) on {llm.device} in "
+          f"{llm.loaded.load_seconds:.2f} s; peak RSS {_peak_rss_mb():.0f} MB", file=sys.stderr)
+    return llm
+
+
+def _stream_one(llm, prompt, params) -> None:
+    start = time.perf_counter()
+    first = None
+    n = 0
+    finish = None
+    for delta in llm.stream(prompt, params):
+        if first is None:
+            first = time.perf_counter()
+        n += len(delta.token_ids)
+        finish = delta.finish_reason or finish
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    decode = f", {max(n - 1, 0) / (end - first):.1f} tokens/s decode" if first and n > 1 and end > first else ""
+    print(f"[{n} tokens, finish={finish}, first token {((first or end) - start) * 1e3:.0f} ms{decode}]",
+          file=sys.stderr)
+
+
+def cmd_pull(args) -> int:
+    from minerva.store import pull
+
+    path = pull(args.name, verify=args.verify)
+    print(path)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from minerva.store import KNOWN_MODELS, list_models
+
+    entries = list_models()
+    if not entries:
+        print(f"no models pulled yet; try `minerva pull {next(iter(KNOWN_MODELS))}` "
+              f"(known: {', '.join(KNOWN_MODELS)})")
+        return 0
+    print(f"{'NAME':<16} {'ARCH':<8} {'QUANT':<8} {'SIZE':>9}  PATH")
+    for e in entries:
+        print(f"{e.name:<16} {e.architecture:<8} {e.quantization:<8} {e.size / 1e6:>7.1f}MB  {e.path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    model, prompt = _model_and_rest(args.args, '"PROMPT"', rest_required=False)
+    prompt = prompt if prompt is not None else DEFAULT_PROMPT
+    params = _sampling(args)
+    llm = _load(model, args)
+    if not args.raw:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = llm.apply_chat_template(messages + [{"role": "user", "content": prompt}])
+    _stream_one(llm, prompt, params)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    if len(args.model) > 1:
+        raise MinervaError("chat takes at most one MODEL argument")
+    params = _sampling(args)
+    llm = _load(args.model[0] if args.model else None, args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    print("chat: type a message; /reset clears the history; Ctrl-D leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/reset", "/clear"):
+            history = []
+            print("[history cleared]", file=sys.stderr)
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.apply_chat_template(system + history)
+        reply = []
+        try:
+            for delta in llm.stream(prompt, params):
+                reply.append(delta.text)
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+        except MinervaError as exc:  # e.g. the history outgrew the context: keep the session
+            history.pop()
+            print(f"\nerror: {exc} (use /reset)", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_perplexity(args) -> int:
+    from minerva.engine.perplexity import perplexity
+
+    model, file = _model_and_rest(args.args, "FILE", rest_required=True)
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MinervaError(f"cannot read text file '{file}': {exc}") from None
+    llm = _load(model, args)
+    ids = llm.tokenizer.encode(text)
+    context = args.context or min(llm.config.max_position, 1024)
+    start = time.perf_counter()
+    r = perplexity(llm.loaded.model, ids, context=context, stride=args.stride, device=llm.device,
+                   dtype=llm.dtype,
+                   progress=lambda done, total: print(f"\r{done}/{total} tokens", end="", file=sys.stderr))
+    seconds = time.perf_counter() - start
+    print(file=sys.stderr)
+    print(f"perplexity {r.perplexity:.4f}  (nll {r.nll:.4f} nats/token over {r.tokens} tokens, "
+          f"{r.windows} windows, context {context}, stride {args.stride or context}, "
+          f"{r.tokens / seconds:.0f} tokens/s)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="fetch a known model into the model store")
+    p.add_argument("name")
+    p.add_argument("--verify", action="store_true", help="re-hash an already pulled file")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", help="show pulled models")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("generate", help="generate an answer to a prompt, streamed",
+                       description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "
+                                   "file or a Hugging Face directory (default smollm2-135m)")
+    p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT")
+    p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    _add_model_options(p)
+    _add_sampling_options(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's template")
+    p.add_argument("model", nargs="*", metavar="MODEL")
+    p.add_argument("--system", default=None)
+    _add_model_options(p)
+    _add_sampling_options(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("perplexity", help="perplexity of a model over a text file")
+    p.add_argument("args", nargs="+", metavar="[MODEL] FILE")
+    p.add_argument("--context", type=int, default=None, help="window length in tokens (default min(1024, model context))")
+    p.add_argument("--stride", type=int, default=None, help="window step in tokens (default = context)")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_perplexity)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MinervaError as exc:
+        print(f"minerva: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

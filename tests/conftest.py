@@ -1,0 +1,52 @@
+"""Shared fixtures: the two real models, pulled once into the model store, and loaded once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minerva.store import pull
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    return pull("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    return pull("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    from minerva import LLM
+
+    return LLM(str(smollm2_gguf), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma3_llm(gemma3_gguf):
+    from minerva import LLM
+
+    return LLM(str(gemma3_gguf), device="cpu")
+
+
+def load_hf_reference(path):
+    """transformers loading the same GGUF, dequantized to fp32: the independent reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    return load_hf_reference(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_gguf):
+    return load_hf_reference(gemma3_gguf)

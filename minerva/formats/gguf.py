@@ -91,12 +91,14 @@ class GGUFFile:
 
     @property
     def file_type_name(self) -> str:
-        """The quantization mix the file calls itself (e.g. MOSTLY_Q4_K_M -> Q4_K_M)."""
+        """The quantization mix the file calls itself (MOSTLY_Q4_K_M -> Q4_K_M), else the
+        tensor type holding the most weights."""
         ftype = self.metadata.get("general.file_type")
         try:
-            return gguf.LlamaFileType(ftype).name.removeprefix("MOSTLY_")
+            name = gguf.LlamaFileType(int(ftype) & ~int(gguf.LlamaFileType.GUESSED)).name
+            return name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except (ValueError, TypeError):
             counts: dict[str, int] = {}
             for t in self.tensors.values():
-                counts[t.qtype.name] = counts.get(t.qtype.name, 0) + 1
+                counts[t.qtype.name] = counts.get(t.qtype.name, 0) + int(np.prod(t.shape))
             return max(counts, key=counts.get) if counts else "unknown"

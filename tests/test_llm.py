@@ -1,0 +1,87 @@
+"""The offline API on the real default model: sampling controls, stop rules, streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from minerva import LLM, MinervaError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_model_by_name(smollm2_gguf):
+    llm = LLM()  # no name: the default model, already pulled by the fixture
+    assert llm.path == smollm2_gguf
+    assert llm.config.architecture == "llama"
+
+
+def test_same_seed_same_text(smollm2_llm):
+    p = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    a, b = smollm2_llm.generate(["Write a word:", "Write a word:"], p)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+    other = smollm2_llm.generate("Write a word:", SamplingParams(**{**p.__dict__, "seed": 99}))[0]
+    assert other.token_ids != a.token_ids
+
+
+def test_top_k_one_equals_greedy(smollm2_llm):
+    greedy = smollm2_llm.generate("Tell me a fact:", SamplingParams(max_tokens=12, temperature=0))[0]
+    topk1 = smollm2_llm.generate("Tell me a fact:", SamplingParams(max_tokens=12, temperature=1.5,
+                                                                      top_k=1, seed=5))[0]
+    assert greedy.token_ids == topk1.token_ids
+
+
+def test_stream_concatenates_to_generate(smollm2_llm):
+    p = SamplingParams(max_tokens=30, temperature=0)
+    prompt = smollm2_llm.apply_chat_template([{"role": "user", "content": "Name three fruits."}])
+    full = smollm2_llm.generate(prompt, p)[0]
+    deltas = list(smollm2_llm.stream(prompt, p))
+    assert "".join(d.text for d in deltas) == full.text
+    assert sum((d.token_ids for d in deltas), []) == full.token_ids
+    assert deltas[-1].finish_reason == full.finish_reason
+
+
+def test_stop_string_truncates(smollm2_llm):
+    p = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    free = smollm2_llm.generate("1, 2, 3, 4,", p)[0].text
+    assert " 7" in free
+    stopped = smollm2_llm.generate("1, 2, 3, 4,", SamplingParams(**{**p.__dict__, "stop": (" 7",)}))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free[: free.index(" 7")]
+    streamed = "".join(d.text for d in smollm2_llm.stream("1, 2, 3, 4,", SamplingParams(
+        **{**p.__dict__, "stop": (" 7",)})))
+    assert streamed == stopped.text
+
+
+def test_chat_ends_at_end_of_turn(smollm2_llm):
+    out = smollm2_llm.chat([{"role": "user", "content": "Say hello."}],
+                           SamplingParams(max_tokens=200, temperature=0))
+    assert out.finish_reason == "stop"
+    assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+def test_max_tokens_length(smollm2_llm):
+    out = smollm2_llm.generate("Count:", SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+
+
+def test_token_id_prompt(smollm2_llm):
+    ids = smollm2_llm.tokenizer.encode("The capital of France is")
+    a = smollm2_llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))[0]
+    b = smollm2_llm.generate("The capital of France is", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert a.token_ids == b.token_ids and a.prompt_token_ids == ids
+
+
+def test_prompt_longer_than_context(smollm2_llm):
+    ids = [100] * (smollm2_llm.config.max_position + 5)
+    with pytest.raises(MinervaError, match="context"):
+        smollm2_llm.generate([ids], SamplingParams(max_tokens=1))
+    with pytest.raises(MinervaError, match="token ids"):
+        smollm2_llm.generate([[10**9]], SamplingParams(max_tokens=1))
+
+
+def test_gemma_chat_uses_builtin_template(gemma3_llm):
+    prompt = gemma3_llm.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.startswith("<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
+    out = gemma3_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0))[0]
+    assert out.prompt_token_ids.count(gemma3_llm.tokenizer.bos_token_id) == 1
+    assert out.text.strip()

@@ -13,12 +13,12 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 16, 32, 1, 2, 1
 
 def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
                      odd_tensor_type: gguf.GGMLQuantizationType | None = None) -> Path:
-    """A 1-layer llama with a byte-level GPT-2 tokenizer of 256 tokens and random F32 weights.
+    """A 1-layer llama with a byte-level GPT-2 tokenizer (256 bytes + one merge) and random F32 weights.
 
     `odd_tensor_type` stores ffn_up with that type (raw random bytes) to exercise type checks.
     """
     rng = np.random.default_rng(0)
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"]
     vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
@@ -33,7 +33,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    w.add_token_merges([])
+    w.add_token_merges(["Ġ t"])  # llama.cpp and Minerva refuse a gpt2 vocabulary without merges
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     head_dim = HIDDEN // HEADS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,9 +23,13 @@ def _peak_rss_mb() -> float:
 
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
     """`[MODEL] X`: one positional is X (default model), two are MODEL and X."""
+    from minerva.store import KNOWN_MODELS
+
     if len(args) == 2:
         return args[0], args[1]
     if len(args) == 1:
+        if args[0] in KNOWN_MODELS or args[0].endswith(".gguf"):
+            raise MinervaError(f"'{args[0]}' looks like a model; give {what} after it")
         return None, args[0]
     if not args and not rest_required:
         return None, None
@@ -157,6 +162,8 @@ def cmd_chat(args) -> int:
             history.pop()
             print(f"\nerror: {exc} (use /reset)", file=sys.stderr)
             continue
+        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the session
+            print("\n[interrupted]", file=sys.stderr)
         sys.stdout.write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -165,13 +172,17 @@ def cmd_perplexity(args) -> int:
     from minerva.engine.perplexity import perplexity
 
     model, file = _model_and_rest(args.args, "FILE", rest_required=True)
+    for flag in ("context", "stride"):
+        value = getattr(args, flag)
+        if value is not None and value < (2 if flag == "context" else 1):
+            raise MinervaError(f"--{flag} must be at least {2 if flag == 'context' else 1}, got {value}")
     try:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MinervaError(f"cannot read text file '{file}': {exc}") from None
     llm = _load(model, args)
     ids = llm.tokenizer.encode(text)
-    context = args.context or min(llm.config.max_position, 1024)
+    context = args.context if args.context is not None else min(llm.config.max_position, 1024)
     start = time.perf_counter()
     r = perplexity(llm.loaded.model, ids, context=context, stride=args.stride, device=llm.device,
                    dtype=llm.dtype,
@@ -232,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into e.g. `head`, which closed early
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ def parse_device(device: str | None) -> torch.device:
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise MinervaError(f"unknown device '{name}'; use cpu, cuda or cuda:N") from None
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise MinervaError(f"unknown device '{name}'; use cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MinervaError(f"device '{name}' requested but no CUDA GPU is available; use --device cpu")
     return dev

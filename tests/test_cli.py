@@ -79,6 +79,32 @@ def test_unsupported_tensor_type(tmp_path):
     assert_clean_error(run("generate", str(path), "hi"), "IQ2_XXS")
 
 
+def test_metadata_inconsistent_with_tensors(tmp_path):
+    path = write_tiny_llama(tmp_path / "heads.gguf", claimed_heads=4)
+    assert_clean_error(run("generate", str(path), "hi"), "blk.0.attn_", "shape")
+
+
+def test_zero_heads(tmp_path):
+    path = write_tiny_llama(tmp_path / "zero.gguf", claimed_heads=0)
+    assert_clean_error(run("generate", str(path), "hi"), "zero.gguf")
+
+
+def test_model_name_without_prompt(tiny):
+    assert_clean_error(run("generate", "gemma3-270m"), "looks like a model")
+
+
+@pytest.mark.parametrize("flag", ["--context", "--stride"])
+def test_perplexity_bad_window(tiny, flag):
+    assert_clean_error(run("perplexity", str(tiny), str(tiny), flag, "0"), flag)
+
+
+def test_output_into_closed_pipe(tiny):
+    cmd = (f"{sys.executable} -m minerva generate {tiny} hello --raw -n 30 --temperature 0 "
+           "--ignore-eos | head -c 1")
+    proc = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
 def test_prompt_longer_than_context(tiny):
     assert_clean_error(run("generate", str(tiny), "x" * 100, "--raw"), "context is 32")
 
@@ -100,8 +126,9 @@ def test_pickle_checkpoint_refused(tmp_path):
     assert_clean_error(run("generate", str(d), "hi"), "pickle")
 
 
-def test_bad_device(tiny):
-    assert_clean_error(run("generate", str(tiny), "hi", "--device", "tpu9"), "tpu9")
+@pytest.mark.parametrize("device", ["tpu9", "meta", "mps"])
+def test_bad_device(tiny, device):
+    assert_clean_error(run("generate", str(tiny), "hi", "--device", device), device)
 
 
 def test_perplexity_missing_text(tiny, tmp_path):

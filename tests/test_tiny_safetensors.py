@@ -12,7 +12,7 @@ from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, M
 
 from minerva.engine.kv_cache import ContiguousKVCache
 from minerva.errors import MinervaError
-from minerva.models.layers import AttentionContext
+from minerva.engine.generate import run_tokens
 from minerva.models.loader import load_model
 
 VOCAB = 256
@@ -65,10 +65,8 @@ def logits_pair(path, ids):
     loaded = load_model(path)
     m = loaded.model
     cache = ContiguousKVCache(m.config, len(ids), torch.device("cpu"), torch.float32)
-    pos = torch.arange(len(ids))
-    cache.begin(pos, len(ids))
     with torch.inference_mode():
-        mine = m.logits(m(torch.tensor(ids), AttentionContext(pos, cache)))
+        mine = m.logits(run_tokens(m, cache, ids, chunk=16))  # several chunks through the KV cache
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(
             torch.tensor([ids])).logits[0]
     return mine, ref
@@ -114,4 +112,25 @@ def test_unsupported_model_type(tmp_path):
     cfg["model_type"] = "gpt_bigcode"
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MinervaError, match="gpt_bigcode.*not supported"):
+        load_model(path)
+
+
+def test_incomplete_rope_scaling(tmp_path):
+    path = save(tmp_path, "llama-tied")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_scaling"] = {"rope_type": "llama3"}  # no factor
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MinervaError, match="config.json"):
+        load_model(path)
+
+
+def test_untied_checkpoint_without_lm_head(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save(tmp_path, "llama-untied")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MinervaError, match="lm_head"):
         load_model(path)

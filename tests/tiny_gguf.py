@@ -12,10 +12,12 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 16, 32, 1, 2, 1
 
 
 def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
-                     odd_tensor_type: gguf.GGMLQuantizationType | None = None) -> Path:
+                     odd_tensor_type: gguf.GGMLQuantizationType | None = None,
+                     claimed_heads: int = HEADS) -> Path:
     """A 1-layer llama with a byte-level GPT-2 tokenizer (256 bytes + one merge) and random F32 weights.
 
-    `odd_tensor_type` stores ffn_up with that type (raw random bytes) to exercise type checks.
+    `odd_tensor_type` stores ffn_up with that type (raw random bytes) to exercise type checks;
+    `claimed_heads` writes a head count into the metadata that the tensors may not match.
     """
     rng = np.random.default_rng(0)
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"]
@@ -25,7 +27,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
     w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
-    w.add_head_count(HEADS)
+    w.add_head_count(claimed_heads)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)

@@ -32,6 +32,20 @@ class StopChecker:
         return min(hits) if hits else None
 
 
+@torch.inference_mode()
+def run_tokens(model: CausalLM, cache: ContiguousKVCache, ids: list[int], start: int = 0,
+               chunk: int = 512) -> torch.Tensor:
+    """Run tokens at positions start.. through the model in chunks; hidden states [T, hidden]."""
+    device = cache.k.device
+    out = []
+    for i in range(0, len(ids), chunk):
+        piece = ids[i:i + chunk]
+        cache.begin(start + i + len(piece))
+        pos = torch.arange(start + i, start + i + len(piece), device=device)
+        out.append(model(torch.tensor(piece, device=device), AttentionContext(pos, cache)))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
 class SimpleGenerator:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, device: torch.device,
                  dtype: torch.dtype, prefill_chunk: int = 512):
@@ -51,18 +65,10 @@ class SimpleGenerator:
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise MinervaError(f"prompt token ids must be in [0, {vocab})")
 
-    @torch.inference_mode()
     def forward(self, cache: ContiguousKVCache, ids: list[int], start: int) -> torch.Tensor:
-        """Run tokens at positions start.. and return logits of the last one."""
-        last = None
-        for i in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[i:i + self.prefill_chunk]
-            pos = torch.arange(start + i, start + i + len(chunk), device=self.device)
-            cache.begin(pos, start + i + len(chunk))
-            tokens = torch.tensor(chunk, device=self.device)
-            hidden = self.model(tokens, AttentionContext(pos, cache))
-            last = hidden[-1:]
-        return self.model.logits(last)[0]
+        """Logits of the last of `ids` (at positions start..)."""
+        with torch.inference_mode():
+            return self.model.logits(run_tokens(self.model, cache, ids, start, self.prefill_chunk)[-1:])[0]
 
     def stream(self, request: Request) -> Iterator[StreamDelta]:
         self.check(request)
@@ -79,7 +85,7 @@ class SimpleGenerator:
         while True:
             token = sample(logits, state)
             state.seen.append(token)
-            finish = None
+            finish, cut = None, None
             if token in stop_ids:
                 finish = "stop"
             else:
@@ -92,6 +98,8 @@ class SimpleGenerator:
                     text, finish = text[:cut], "stop"
                 elif len(request.output_token_ids) >= budget:
                     finish = "length"
+            if finish and cut is None:
+                text += detok.flush()  # an incomplete character at the very end
             end = len(text) if finish else max(emitted, len(text) - stops.holdback)
             if finish or end > emitted or pending:
                 request.output_text = text

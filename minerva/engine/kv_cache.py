@@ -18,8 +18,8 @@ class ContiguousKVCache:
         self.capacity = capacity
         self.length = 0  # tokens whose K/V are stored (after the current forward)
 
-    def begin(self, positions: torch.Tensor, end: int) -> None:
-        """Announce the positions a forward writes; `end` = last position + 1."""
+    def begin(self, end: int) -> None:
+        """Announce a forward whose last new token sits at position `end` - 1."""
         if end > self.capacity:
             raise ValueError(f"KV cache holds {self.capacity} tokens, forward needs {end}")
         self.length = end

@@ -15,7 +15,8 @@ import torch
 
 from minerva.engine.kv_cache import ContiguousKVCache
 from minerva.errors import MinervaError
-from minerva.models.layers import AttentionContext, CausalLM
+from minerva.engine.generate import run_tokens
+from minerva.models.layers import CausalLM
 
 
 @dataclass(frozen=True)
@@ -31,20 +32,14 @@ def window_nll(model: CausalLM, ids: list[int], num_scored: int, device: torch.d
                dtype: torch.dtype, chunk: int = 512) -> float:
     """Sum of -log p(token) over the last `num_scored` tokens of `ids`, from one fresh pass."""
     cache = ContiguousKVCache(model.config, len(ids), device, dtype)
-    tokens = torch.tensor(ids, device=device)
-    first = len(ids) - num_scored  # index of the first scored token
+    hidden = run_tokens(model, cache, ids, 0, chunk)
+    targets = torch.tensor(ids, device=device)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for s in range(0, len(ids), chunk):
-        e = min(s + chunk, len(ids))
-        pos = torch.arange(s, e, device=device)
-        cache.begin(pos, e)
-        hidden = model(tokens[s:e], AttentionContext(pos, cache))
-        # hidden at position p predicts token p + 1; keep those whose target is scored
-        lo, hi = max(s, first - 1), min(e, len(ids) - 1)
-        for r in range(lo, hi, 256):
-            r2 = min(r + 256, hi)
-            logp = torch.log_softmax(model.logits(hidden[r - s:r2 - s]), dim=-1)
-            total -= logp.gather(1, tokens[r + 1:r2 + 1, None]).sum().double()
+    # hidden at position p predicts token p + 1; score the last num_scored tokens
+    for r in range(len(ids) - 1 - num_scored, len(ids) - 1, 256):
+        r2 = min(r + 256, len(ids) - 1)
+        logp = torch.log_softmax(model.logits(hidden[r:r2]), dim=-1)
+        total -= logp.gather(1, targets[r + 1:r2 + 1, None]).sum().double()
     return float(total)
 
 

@@ -10,6 +10,9 @@ import torch
 from minerva.errors import MinervaError
 
 
+GREEDY_BELOW = 1e-5  # temperatures this small divide logits into overflow; treat them as greedy
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens. temperature 0 means greedy."""
@@ -50,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _finite(x) -> bool:
@@ -79,6 +82,9 @@ def sample(logits: torch.Tensor, state: SamplerState) -> int:
     """Pick the next token from float32 logits [vocab]."""
     p = state.params
     logits = logits.float()
+    if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+        raise MinervaError("the model produced NaN/inf logits (numeric overflow); "
+                           "run with --dtype bfloat16 or float32")
     if p.repetition_penalty != 1.0 and state.seen:
         ids = torch.tensor(sorted(set(state.seen)), device=logits.device)
         picked = logits[ids]

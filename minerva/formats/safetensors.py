@@ -12,7 +12,32 @@ from safetensors import safe_open
 from minerva.errors import MinervaError
 
 SUPPORTED_DTYPES = {torch.float32, torch.float16, torch.bfloat16}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def pickle_refusal(path: Path) -> MinervaError:
+    return MinervaError(f"'{path}' holds pickle checkpoints (.bin/.pt), which Minerva refuses because "
+                        "loading a pickle can run arbitrary code; convert the model to safetensors")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The *.safetensors files of a Hugging Face directory, with a clear error for anything else."""
+    if not (path / "config.json").is_file():
+        raise MinervaError(f"directory '{path}' has no config.json; a Hugging Face model directory "
+                           "needs config.json and *.safetensors weights")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise MinervaError(f"cannot read '{index}': {exc}") from None
+        return sorted({path / f for f in weight_map.values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        if any(p.suffix.lower() in PICKLE_SUFFIXES for p in path.iterdir()):
+            raise pickle_refusal(path)
+        raise MinervaError(f"directory '{path}' has config.json but no *.safetensors weights")
+    return files
 
 
 class SafeTensorsDir:
@@ -20,30 +45,13 @@ class SafeTensorsDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        files = checkpoint_files(self.path)
         try:
             self.config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
-        except FileNotFoundError:
-            raise MinervaError(f"'{self.path}' has no config.json; a Hugging Face model directory "
-                               "needs config.json and *.safetensors") from None
         except (OSError, json.JSONDecodeError) as exc:
             raise MinervaError(f"cannot read '{self.path / 'config.json'}': {exc}") from None
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError) as exc:
-                raise MinervaError(f"cannot read '{index}': {exc}") from None
-            files = sorted({self.path / f for f in weight_map.values()})
-        else:
-            files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            pickles = [p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES]
-            if pickles:
-                raise MinervaError(
-                    f"'{self.path}' holds only pickle checkpoints ({', '.join(pickles)}); Minerva "
-                    "refuses them because loading a pickle can run arbitrary code — convert the "
-                    "model to safetensors")
-            raise MinervaError(f"'{self.path}' has no *.safetensors files")
+        if not isinstance(self.config, dict):
+            raise MinervaError(f"'{self.path / 'config.json'}' is not a JSON object")
         self._where: dict[str, Any] = {}
         self._handles = []
         for file in files:

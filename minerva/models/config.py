@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
 from minerva.errors import MinervaError
 
 FULL, SLIDING = "full", "sliding"
@@ -57,20 +55,11 @@ class ModelConfig:
             and set(self.layer_types) <= {FULL, SLIDING},
             "sliding_window": SLIDING not in self.layer_types or (self.sliding_window or 0) > 0,
         }
-        bad = [k for k, ok in checks.items() if not ok]
+        bad = [f"{k}={getattr(self, k)!r}" for k, ok in checks.items() if not ok]
         if bad:
-            raise MinervaError(f"invalid model config ({', '.join(bad)}): {self}")
+            raise MinervaError(f"invalid model config: {', '.join(bad)} "
+                               f"(heads={self.num_heads}, kv_heads={self.num_kv_heads})")
 
     @property
     def softmax_scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "architecture": self.architecture,
-            "layers": self.num_layers,
-            "hidden": self.hidden_size,
-            "heads": f"{self.num_heads}/{self.num_kv_heads}",
-            "vocab": self.vocab_size,
-            "context": self.max_position,
-        }

@@ -27,6 +27,6 @@ def build(config: ModelConfig, w: WeightSource) -> CausalLM:
                                    post_attn_norm=norm("post_attn_norm"),
                                    post_mlp_norm=norm("post_mlp_norm")))
     embed = w.weight("embed_tokens")
-    head = w.weight("lm_head") if w.has("lm_head") else embed
+    head = embed if config.tie_word_embeddings else w.weight("lm_head")
     return CausalLM(config, embed, layers, RMSNorm(w.tensor("norm"), eps), Linear(head),
                     embed_scale=config.hidden_size**0.5)

@@ -60,7 +60,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
                   freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if freq_factors is not None:  # GGUF files carry llama3 scaling as precomputed factors
-        return inv_freq / freq_factors.float()
+        return inv_freq / freq_factors.float().to(inv_freq.device)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":
@@ -81,10 +81,10 @@ class Rotary(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor):
         super().__init__()
-        self.inv_freq = inv_freq
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # moves with model.to(device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)

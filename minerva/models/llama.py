@@ -22,7 +22,7 @@ def build(config: ModelConfig, w: WeightSource) -> CausalLM:
         layers.append(DecoderLayer(attn, mlp, RMSNorm(w.tensor(p + "input_norm"), eps),
                                    RMSNorm(w.tensor(p + "pre_mlp_norm"), eps)))
     embed = w.weight("embed_tokens")
-    head = w.weight("lm_head") if w.has("lm_head") else embed
+    head = embed if config.tie_word_embeddings else w.weight("lm_head")
     return CausalLM(config, embed, layers, RMSNorm(w.tensor("norm"), eps), Linear(head))
 
 

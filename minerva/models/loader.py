@@ -51,6 +51,31 @@ HF_LAYER = {
 }
 NORMS = {"norm", "input_norm", "pre_mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"}
 
+# Shape each canonical tensor must have, from the config (torch order: out, in).
+SHAPES: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
+    "embed_tokens": lambda c: (c.vocab_size, c.hidden_size),
+    "lm_head": lambda c: (c.vocab_size, c.hidden_size),
+    "norm": lambda c: (c.hidden_size,),
+    "rope_freqs": lambda c: (c.head_dim // 2,),
+    "q_proj": lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+    "k_proj": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "v_proj": lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+    "o_proj": lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+    "gate_proj": lambda c: (c.intermediate_size, c.hidden_size),
+    "up_proj": lambda c: (c.intermediate_size, c.hidden_size),
+    "down_proj": lambda c: (c.hidden_size, c.intermediate_size),
+    **dict.fromkeys(["input_norm", "pre_mlp_norm", "post_attn_norm", "post_mlp_norm"],
+                    lambda c: (c.hidden_size,)),
+    **dict.fromkeys(["q_norm", "k_norm"], lambda c: (c.head_dim,)),
+}
+
+
+def check_shape(name: str, file_name: str, shape: tuple[int, ...], config: ModelConfig, source: str) -> None:
+    expected = SHAPES[name.rsplit(".", 1)[-1]](config)
+    if tuple(shape) != expected:
+        raise MinervaError(f"{source}: tensor '{file_name}' has shape {tuple(shape)} but the model's "
+                           f"config implies {expected}; the file is inconsistent or corrupt")
+
 
 def canonical(name: str, global_table: dict, layer_table: dict, layer_prefix: str) -> str | None:
     """File tensor name -> canonical name, or None for tensors the model does not use."""
@@ -66,25 +91,31 @@ def canonical(name: str, global_table: dict, layer_table: dict, layer_prefix: st
 
 # ------------------------------------------------------------- architectures
 
+def _gguf_rope_scaling(f: GGUFFile) -> RopeScaling:
+    kind = f.get("rope.scaling.type") or "none"
+    if kind == "none":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", float(f.get("rope.scaling.factor", 1.0)))
+    raise MinervaError(f"'{f.path}': rope scaling type '{kind}' is not supported (supported: linear, "
+                       "and llama3 through the rope_freqs tensor)")
+
+
 def _gguf_llama(f: GGUFFile) -> dict[str, Any]:
-    scaling = RopeScaling()
-    if f.get("rope.scaling.type") == "linear":
-        scaling = RopeScaling("linear", float(f.get("rope.scaling.factor", 1.0)))
-    return dict(rope_scaling=scaling)
+    return {}
 
 
 def _gguf_gemma3(f: GGUFFile) -> dict[str, Any]:
     n = int(f.require("block_count"))
-    scaling = RopeScaling()
-    if f.get("rope.scaling.type") == "linear":
-        scaling = RopeScaling("linear", float(f.get("rope.scaling.factor", 1.0)))
+    hidden, heads = int(f.require("embedding_length")), int(f.require("attention.head_count"))
     head_dim = int(f.require("attention.key_length"))
+    # llama.cpp's rule: the 27B model (62 layers) scales queries by hidden / heads, the rest by head_dim
+    query_scalar = hidden / heads if n == 62 else head_dim
     return dict(
         layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)),
         sliding_window=int(f.require("attention.sliding_window")),
         rope_local_theta=10000.0,  # llama.cpp's fixed base for Gemma 3 local layers
-        rope_scaling=scaling,
-        attn_scale=float(f.get("attention.scale") or head_dim**-0.5),
+        attn_scale=float(f.get("attention.scale") or query_scalar**-0.5),
         final_logit_softcap=f.get("final_logit_softcapping"),
     )
 
@@ -183,6 +214,10 @@ class GGUFWeights:
             raise MinervaError(f"'{self.f.path}' lacks the tensor for '{name}' "
                                f"that a {self.f.architecture} model needs; the file is incomplete")
         t = self.by_name[name]
+        if t.qtype not in _FLOAT_TYPES and t.qtype not in QUANT_TYPES:
+            raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
+                               "which Minerva cannot read")
+        check_shape(name, t.name, t.shape, self.config, f"'{self.f.path}'")
         raw = t.raw()
         if self.arch.permute_qk and name.endswith(("q_proj", "k_proj")):
             heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
@@ -193,9 +228,6 @@ class GGUFWeights:
         t, raw = self._get(name)
         if t.qtype in _FLOAT_TYPES:
             return DenseWeight(_float_view(raw, t).to(self.device, self.dtype))
-        if t.qtype not in QUANT_TYPES:
-            raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
-                               "which Minerva cannot read")
         return GGUFWeight(raw.to(self.device), t.qtype, t.shape, self.dtype)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -216,9 +248,9 @@ def _float_view(raw: torch.Tensor, t: GGUFTensor) -> torch.Tensor:
 
 
 class SafeTensorsWeights:
-    def __init__(self, d: SafeTensorsDir, arch: Architecture, device: torch.device,
-                 dtype: torch.dtype):
-        self.d, self.arch, self.device, self.dtype = d, arch, device, dtype
+    def __init__(self, d: SafeTensorsDir, arch: Architecture, config: ModelConfig,
+                 device: torch.device, dtype: torch.dtype):
+        self.d, self.arch, self.config, self.device, self.dtype = d, arch, config, device, dtype
         self.by_name: dict[str, str] = {}
         for file_name in d.tensor_names():
             name = canonical(file_name, HF_GLOBAL, arch.hf_layer_names, "model.layers.")
@@ -231,7 +263,9 @@ class SafeTensorsWeights:
     def _get(self, name: str) -> torch.Tensor:
         if name not in self.by_name:
             raise MinervaError(f"'{self.d.path}' lacks the tensor for '{name}'; the checkpoint is incomplete")
-        return self.d.tensor(self.by_name[name])
+        t = self.d.tensor(self.by_name[name])
+        check_shape(name, self.by_name[name], t.shape, self.config, f"'{self.d.path}'")
+        return t
 
     def weight(self, name: str) -> Weight:
         return DenseWeight(self._get(name).to(self.device, self.dtype))
@@ -256,34 +290,38 @@ class LoadedModel:
 
 
 def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
-    heads = int(f.require("attention.head_count"))
-    hidden = int(f.require("embedding_length"))
     embed = f.tensors.get("token_embd.weight")
     if embed is None:
         raise MinervaError(f"'{f.path}' has no token_embd.weight tensor")
-    return ModelConfig(
-        architecture=f.architecture,
-        vocab_size=embed.shape[0],
-        hidden_size=hidden,
-        intermediate_size=int(f.require("feed_forward_length")),
-        num_layers=int(f.require("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(f.get("attention.head_count_kv") or heads),
-        head_dim=int(f.get("attention.key_length") or f.get("rope.dimension_count") or hidden // heads),
-        rms_norm_eps=float(f.require("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(f.get("rope.freq_base") or 10000.0),
-        max_position=int(f.get("context_length") or 4096),
-        tie_word_embeddings="output.weight" not in f.tensors,
-        **arch.gguf_config(f),
-    )
+    try:
+        heads = int(f.require("attention.head_count"))
+        hidden = int(f.require("embedding_length"))
+        return ModelConfig(
+            architecture=f.architecture,
+            vocab_size=embed.shape[0],
+            hidden_size=hidden,
+            intermediate_size=int(f.require("feed_forward_length")),
+            num_layers=int(f.require("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(f.get("attention.head_count_kv") or heads),
+            head_dim=int(f.get("attention.key_length") or f.get("rope.dimension_count") or hidden // heads),
+            rms_norm_eps=float(f.require("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(f.get("rope.freq_base") or 10000.0),
+            rope_scaling=_gguf_rope_scaling(f),
+            max_position=int(f.get("context_length") or 4096),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            **arch.gguf_config(f),
+        )
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise MinervaError(f"'{f.path}' has invalid model metadata ({exc})") from None
 
 
 def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
     model_type = cfg.get("model_type")
     arch_name = HF_MODEL_TYPES.get(model_type, model_type or "?")
     arch = _architecture(arch_name, f"'{path / 'config.json'}'")
-    theta, scaling = _hf_rope(cfg)
     try:
+        theta, scaling = _hf_rope(cfg)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         fields = dict(
@@ -300,10 +338,10 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
             rope_scaling=scaling,
             max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            **arch.hf_config(cfg),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         raise MinervaError(f"'{path / 'config.json'}' lacks or has a bad field {exc}") from None
-    fields.update(arch.hf_config(cfg))
     return ModelConfig(**fields), arch
 
 
@@ -330,7 +368,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     if path.is_dir():
         d = SafeTensorsDir(path)
         config, arch = _config_from_hf(d.config, path)
-        weights: Any = SafeTensorsWeights(d, arch, device, dtype)
+        weights: Any = SafeTensorsWeights(d, arch, config, device, dtype)
         tokenizer = Tokenizer.from_pretrained_dir(path)
     else:
         f = GGUFFile(path)
@@ -341,5 +379,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     with torch.inference_mode():
         model = arch.build(config, weights)
         nbytes = _prepare(model)
-    model.eval()
+    model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, nbytes)

@@ -11,7 +11,7 @@ from minerva.engine.generate import SimpleGenerator
 from minerva.engine.request import Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
-from minerva.formats.chat import chat_template_for, render_chat
+from minerva.formats.chat import render_chat
 from minerva.models.loader import LoadedModel, load_model
 from minerva.store import resolve
 
@@ -53,7 +53,7 @@ class LLM:
         self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
-        self.chat_template = chat_template_for(self.tokenizer.chat_template, self.config.architecture)
+        self.chat_template = self.tokenizer.resolved_chat_template
         self._generator = SimpleGenerator(self.loaded.model, self.tokenizer, self.device, self.dtype)
 
     # ------------------------------------------------------------ prompts

@@ -11,23 +11,10 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TopPLogitsWarper)
 
 from minerva import SamplingParams
-from minerva.engine.sampler import new_state, sample
+from minerva.engine.sampler import new_state, process_logits, sample
 from minerva.errors import MinervaError
 
 V = 50
-
-
-def support(params: SamplingParams, logits: torch.Tensor) -> set[int]:
-    """Tokens our sampler can emit: many seeded draws (the support is tiny so this is exhaustive)."""
-    state = new_state(params, [], torch.device("cpu"))
-    return {sample(logits, state) for _ in range(400)}
-
-
-def reference_support(logits: torch.Tensor, *warpers) -> set[int]:
-    scores = logits[None].clone()
-    for w in warpers:
-        scores = w(torch.zeros(1, 1, dtype=torch.long), scores)
-    return set(torch.nonzero(torch.isfinite(scores[0])).flatten().tolist())
 
 
 @pytest.fixture
@@ -38,36 +25,61 @@ def logits():
     return x
 
 
-def test_top_k(logits):
-    p = SamplingParams(temperature=1.0, top_k=3)
-    assert support(p, logits) <= reference_support(logits, TopKLogitsWarper(3))
-    assert len(reference_support(logits, TopKLogitsWarper(3))) == 3
+def hf_chain(logits: torch.Tensor, seen: list[int], p: SamplingParams) -> torch.Tensor:
+    """transformers' processors in the order its generate() applies them."""
+    chain = []
+    if p.repetition_penalty != 1.0:
+        chain.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+    chain.append(TemperatureLogitsWarper(p.temperature))
+    if p.top_k:
+        chain.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        chain.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0:
+        chain.append(MinPLogitsWarper(p.min_p))
+    scores, ids = logits[None].clone(), torch.tensor([seen or [0]])
+    for proc in chain:
+        scores = proc(ids, scores)
+    return scores[0]
 
 
-def test_top_p(logits):
-    p = SamplingParams(temperature=0.7, top_p=0.6)
-    ref = reference_support(logits, TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.6))
-    ours = support(p, logits)
-    assert ours <= ref and len(ours) == len(ref)
+CASES = [
+    dict(top_k=3),
+    dict(top_k=10, temperature=0.7),
+    dict(top_p=0.6, temperature=0.7),
+    dict(top_p=0.95),
+    dict(min_p=0.2),
+    dict(min_p=0.05, temperature=1.3),
+    dict(repetition_penalty=1.3, temperature=0.9),
+    dict(top_k=20, top_p=0.8, min_p=0.1, temperature=0.6, repetition_penalty=1.2),
+]
 
 
-def test_min_p(logits):
-    p = SamplingParams(temperature=1.0, min_p=0.2)
-    ref = reference_support(logits, MinPLogitsWarper(0.2))
-    ours = support(p, logits)
-    assert ours <= ref and len(ours) == len(ref)
+@pytest.mark.parametrize("kwargs", CASES, ids=lambda k: ",".join(f"{a}={v}" for a, v in k.items()))
+def test_processing_matches_transformers(logits, kwargs):
+    seen = [0, 3, 7, 7, 12, 30, 41]  # includes strongly positive and negative logits
+    assert (logits[seen] < 0).any() and (logits[seen] > 0).any()
+    params = SamplingParams(**kwargs)
+    ours = process_logits(logits, new_state(params, seen, torch.device("cpu")))
+    ref = hf_chain(logits, seen if params.repetition_penalty != 1.0 else [], params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    kept = torch.isfinite(ref)
+    assert kept.sum() >= 1
+    torch.testing.assert_close(ours[kept], ref[kept])
 
 
-def test_repetition_penalty_matches_transformers(logits):
-    seen = [0, 3, 7, 7, 12]
-    proc = RepetitionPenaltyLogitsProcessor(1.3)
-    ref = proc(torch.tensor([seen]), logits[None].clone())[0]
-    # with temperature 0 the sampler takes the argmax of the penalized logits
-    state = new_state(SamplingParams(temperature=0, repetition_penalty=1.3), seen, torch.device("cpu"))
-    assert sample(logits, state) == int(ref.argmax())
-    strong = new_state(SamplingParams(temperature=0, repetition_penalty=50.0), [int(logits.argmax())],
-                       torch.device("cpu"))
-    assert sample(logits, strong) != int(logits.argmax())
+def test_sampled_tokens_stay_in_the_kept_set(logits):
+    params = SamplingParams(top_k=20, top_p=0.8, min_p=0.1, temperature=0.6, seed=0)
+    kept = set(torch.nonzero(torch.isfinite(hf_chain(logits, [], params))).flatten().tolist())
+    state = new_state(params, [], torch.device("cpu"))
+    drawn = {sample(logits, state) for _ in range(300)}
+    assert drawn <= kept and len(drawn) > 1
+
+
+def test_repetition_penalty_changes_the_greedy_choice(logits):
+    top = int(logits.argmax())
+    strong = new_state(SamplingParams(temperature=0, repetition_penalty=50.0), [top], torch.device("cpu"))
+    assert sample(logits, strong) != top
 
 
 def test_greedy_is_argmax(logits):

@@ -78,8 +78,11 @@ def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.devic
     return SamplerState(params, gen, list(prompt_ids))
 
 
-def sample(logits: torch.Tensor, state: SamplerState) -> int:
-    """Pick the next token from float32 logits [vocab]."""
+def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """Apply the request's parameters to float32 logits [vocab]; removed tokens become -inf.
+
+    Order as in transformers' generation: repetition penalty, temperature, top-k, top-p, min-p.
+    """
     p = state.params
     logits = logits.float()
     if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
@@ -92,17 +95,26 @@ def sample(logits: torch.Tensor, state: SamplerState) -> int:
         logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty,
                                   picked * p.repetition_penalty)
     if p.greedy:
-        return int(torch.argmax(logits))
+        return logits
     logits = logits / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        drop = (cum - sorted_probs) > p.top_p * cum[-1]  # keep the smallest set reaching top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        ascending, order = torch.sort(logits)
+        drop = torch.softmax(ascending, -1).cumsum(-1) <= 1 - p.top_p
+        drop[-1] = False  # always keep the most likely token
+        logits = logits.masked_fill(drop.scatter(0, order, drop), -math.inf)
+    if p.min_p > 0:
+        probs = torch.softmax(logits, -1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    return logits
+
+
+def sample(logits: torch.Tensor, state: SamplerState) -> int:
+    """Pick the next token from float32 logits [vocab]."""
+    logits = process_logits(logits, state)
+    if state.params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=state.generator))

@@ -26,10 +26,6 @@ class GGUFTensor:
     shape: tuple[int, ...]  # torch order: outermost first, innermost (contiguous) last
     data: np.ndarray  # packed bytes, uint8, one row per leading index
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
     def raw(self) -> torch.Tensor:
         """The packed bytes as a uint8 tensor that shares memory with the file."""
         return torch.from_numpy(self.data)

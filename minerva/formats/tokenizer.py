@@ -209,6 +209,7 @@ class Tokenizer:
         # The end-of-turn token the chat template (the model's own, else the
         # built-in one for its architecture) writes after each message.
         template = chat_template_for(chat_template, architecture or "")
+        self.resolved_chat_template = template  # what chat requests are rendered with
         for name in END_OF_TURN_TOKENS:
             if name in template:
                 token_id = backend.token_to_id(name)

@@ -21,21 +21,16 @@ class DenseWeight:
         self.tensor = tensor
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.tensor.shape)
-
-    @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    compute_nbytes = nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.tensor)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tensor[ids]
-
-    def dense(self) -> torch.Tensor:
-        return self.tensor
 
 
 class GGUFWeight:
@@ -56,7 +51,13 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
+        """Bytes as stored in the file (packed)."""
         return self.packed.numel()
+
+    @property
+    def compute_nbytes(self) -> int:
+        """Bytes held for computing: the dequantized copy, when one was made."""
+        return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
 
     def materialize(self) -> None:
         if self._dense is None:

@@ -286,7 +286,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path
     load_seconds: float
-    weight_bytes: int
+    weight_bytes: int  # as stored (packed for quantized GGUF tensors)
+    compute_bytes: int  # dequantized copies held for the matmuls
 
 
 def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
@@ -345,19 +346,15 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
     return ModelConfig(**fields), arch
 
 
-def _prepare(model: CausalLM) -> int:
-    """Make every linear weight ready for its kernel; return bytes of weights held."""
-    total = 0
-    seen: set[int] = set()
-    for module in model.modules():
-        if isinstance(module, Linear) and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            if isinstance(module.weight, GGUFWeight):
-                module.weight.materialize()
-            total += module.weight.nbytes
-    if id(model.embed) not in seen:
-        total += model.embed.nbytes
-    return total
+def _prepare(model: CausalLM) -> tuple[int, int]:
+    """Make every linear weight ready for its kernel; return (stored, compute) bytes of weights."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
+    for w in weights.values():
+        if isinstance(w, GGUFWeight):
+            w.materialize()
+    weights[id(model.embed)] = model.embed
+    return (sum(w.nbytes for w in weights.values()),
+            sum(w.compute_nbytes for w in weights.values()))
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
@@ -378,6 +375,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
     with torch.inference_mode():
         model = arch.build(config, weights)
-        nbytes = _prepare(model)
+        stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
-    return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, nbytes)
+    return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
+                       compute)

@@ -17,6 +17,39 @@ import torch
 from minerva.errors import MinervaError
 
 
+class _Reader(gguf.GGUFReader):
+    """The `gguf` package's reader, with array fields parsed in one pass.
+
+    The stock reader recurses once per array element, which costs ~9 s and ~700 MB
+    for a 262k-token vocabulary. Here a numeric array becomes one numpy view and a
+    string array a list of memoryview slices: the same `ReaderField` structure (the
+    tests compare every field with the stock reader), built ~30x faster.
+    """
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        sub = gguf.GGUFValueType(int(itype[0]))
+        n, offs = int(alen[0]), orig_offs + 12
+        types = [gguf.GGUFValueType.ARRAY, sub]
+        if sub in self.gguf_scalar_to_np:
+            values = self._get(offs, self.gguf_scalar_to_np[sub], n)
+            return 12 + int(values.nbytes), [itype, alen, values], [2], types
+        if sub != gguf.GGUFValueType.STRING:  # nested arrays: rare and small
+            return super()._get_field_parts(orig_offs, raw_type)
+        mv = memoryview(self.data)
+        parts: list = [itype, alen]
+        idxs = []
+        for _ in range(n):
+            length = int.from_bytes(mv[offs:offs + 8], "little")
+            parts += (mv[offs:offs + 8], mv[offs + 8:offs + 8 + length])
+            idxs.append(len(parts) - 1)
+            offs += 8 + length
+        return offs - orig_offs, parts, idxs, types
+
+
 @dataclass(frozen=True)
 class GGUFTensor:
     """One tensor of a GGUF file: its type, logical shape and packed bytes."""
@@ -41,7 +74,7 @@ class GGUFFile:
         try:
             # mode "c" (copy-on-write) gives writable arrays without copying the file,
             # so torch can wrap them without warnings.
-            reader = gguf.GGUFReader(self.path, "c")
+            reader = _Reader(self.path, "c")
         except Exception as exc:  # the reader raises bare ValueError/IndexError/OSError on bad bytes
             raise MinervaError(
                 f"'{self.path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); "

@@ -59,9 +59,16 @@ class GGUFWeight:
         """Bytes held for computing: the dequantized copy, when one was made."""
         return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
 
-    def materialize(self) -> None:
-        if self._dense is None:
-            self._dense = dequantize(self.packed, self.qtype, self.shape).to(self.dtype)
+    def materialize(self, rows_per_chunk: int = 8192) -> None:
+        """Dequantize once, a slab of rows at a time so temporaries stay small."""
+        if self._dense is not None:
+            return
+        rows, cols = self.shape
+        out = torch.empty(rows, cols, dtype=self.dtype, device=self.packed.device)
+        for r in range(0, rows, rows_per_chunk):
+            slab = self.packed[r:r + rows_per_chunk]
+            out[r:r + slab.shape[0]] = dequantize(slab, self.qtype, (slab.shape[0], cols))
+        self._dense = out
 
     def dense(self) -> torch.Tensor:
         self.materialize()

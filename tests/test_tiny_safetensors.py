@@ -15,7 +15,7 @@ from minerva.errors import MinervaError
 from minerva.engine.generate import run_tokens
 from minerva.models.loader import load_model
 
-VOCAB = 256
+VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge
 
 
 def write_tokenizer(path):
@@ -126,3 +126,21 @@ def test_incomplete_rope_scaling(tmp_path):
     with pytest.raises(MinervaError, match="config.json"):
         load_model(path)
 
+
+
+@pytest.mark.parametrize("name", ["llama-untied", "llama3-rope-scaling", "tinyllama-mha"])
+def test_gguf_conversion_matches_transformers(tmp_path, name):
+    """The same weights written as GGUF the way llama.cpp converts them (Q/K rows permuted,
+    llama3 scaling as a rope_freqs tensor): Minerva's GGUF path against transformers."""
+    from tests.tiny_gguf import write_llama_from_hf
+
+    hf_dir = save(tmp_path, name)
+    ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    path = write_llama_from_hf(tmp_path / f"{name}.gguf", ref_model)
+    ids = torch.randint(0, VOCAB, (40,)).tolist()
+    loaded = load_model(path)
+    cache = ContiguousKVCache(loaded.config, len(ids), torch.device("cpu"), torch.float32)
+    with torch.inference_mode():
+        mine = loaded.model.logits(run_tokens(loaded.model, cache, ids, chunk=16))
+        ref = ref_model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max()

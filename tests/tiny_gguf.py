@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -20,9 +21,8 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
     `claimed_heads` writes a head count into the metadata that the tensors may not match.
     """
     rng = np.random.default_rng(0)
-    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"]
-    vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), arch)
+    vocab = _add_tokenizer(w)
     w.add_block_count(LAYERS)
     w.add_context_length(context)
     w.add_embedding_length(HIDDEN)
@@ -31,13 +31,6 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
-    w.add_token_merges(["Ġ t"])  # llama.cpp and Minerva refuse a gpt2 vocabulary without merges
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
     head_dim = HIDDEN // HEADS
     shapes = {
         "token_embd.weight": (vocab, HIDDEN), "output_norm.weight": (HIDDEN,),
@@ -55,8 +48,88 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
         cols = max(HIDDEN, block)
         raw = rng.integers(0, 256, (FFN, cols // block * size), dtype=np.uint8)
         w.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=raw.shape, raw_dtype=odd_tensor_type)
+    _finish(w)
+    return path
+
+
+def _add_tokenizer(w: gguf.GGUFWriter) -> int:
+    """A byte-level GPT-2 vocabulary: the 256 byte symbols plus one merge; returns its size."""
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    w.add_token_merges(["Ġ t"])  # llama.cpp and Minerva refuse a gpt2 vocabulary without merges
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    return len(tokens)
+
+
+def _finish(w: gguf.GGUFWriter) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def llama3_rope_factors(cfg) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's converter writes for llama3 rope scaling."""
+    rs = cfg.rope_parameters if getattr(cfg, "rope_parameters", None) else cfg.rope_scaling
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    base = rs.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    old, lo, hi, factor = (rs["original_max_position_embeddings"], rs["low_freq_factor"],
+                           rs["high_freq_factor"], rs["factor"])
+    factors = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / hi:
+            factors.append(1.0)
+        elif wavelen > old / lo:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - lo) / (hi - lo)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order (rope pairs interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_from_hf(path: Path, model) -> Path:
+    """Convert a transformers Llama model to an F32 GGUF the way llama.cpp's converter does."""
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rs = getattr(cfg, "rope_parameters", None) or cfg.rope_scaling or {}
+    w.add_rope_freq_base(rs.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    assert _add_tokenizer(w) == cfg.vocab_size
+    if rs.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, ours in names.items():
+            t = sd[f"model.layers.{i}.{hf}.weight"]
+            if ours == "attn_q":
+                t = _permute(t, cfg.num_attention_heads)
+            elif ours == "attn_k":
+                t = _permute(t, cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{ours}.weight", np.ascontiguousarray(t))
+    _finish(w)
     return path

@@ -1,0 +1,122 @@
+"""Paged KV cache and paged attention in plain torch: the reference for fast kernels.
+
+The pool is a set of fixed-size blocks shared by all requests; a request's keys
+live in the blocks its block table lists, in order. A token's slot is
+`block_id * block_size + offset`.
+
+Attention runs one request at a time, on exactly that request's keys with its
+own mask, so a request's output is bitwise the same whatever it is batched with
+(no padding to another request's length, no shared reduction). Fast kernels
+must keep that property and are tested against this code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minerva.kernels.kv_quant import (
+    SCALE_DTYPE, dequantize_kv, kv_format, quantize_kv, resolve_format, storage_dtype)
+
+
+class PagedKVCache:
+    """One preallocated pool per layer: k/v [num_blocks, block_size, Hkv, D]
+    (+ scales [num_blocks, block_size, Hkv] float32 for quantized formats)."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, *, k_format: str, v_format: str, dtype: torch.dtype, device):
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.k_format, self.v_format, self.dtype = k_format, v_format, dtype
+        # "auto" means the compute dtype: store the resolved dtype's format name.
+        self._formats = {"k": resolve_format(k_format, dtype), "v": resolve_format(v_format, dtype)}
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.data: dict[str, list[torch.Tensor]] = {}
+        self.scales: dict[str, list[torch.Tensor] | None] = {}
+        for kind, fmt in self._formats.items():
+            self.data[kind] = [torch.zeros(shape, dtype=storage_dtype(fmt, dtype), device=device)
+                               for _ in range(num_layers)]
+            self.scales[kind] = ([torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+                                  for _ in range(num_layers)] if kv_format(fmt).scaled else None)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        k_format: str, v_format: str, dtype: torch.dtype) -> int:
+        """Bytes one block takes over all layers, K and V and scales: size the pool from a budget."""
+        tokens = block_size * num_kv_heads
+        total = 0
+        for fmt in (resolve_format(k_format, dtype), resolve_format(v_format, dtype)):
+            element = torch.empty((), dtype=storage_dtype(fmt, dtype)).element_size()
+            total += tokens * head_dim * element
+            if kv_format(fmt).scaled:
+                total += tokens * torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return num_layers * total
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for kind in ("k", "v") for t in self.data[kind] + (self.scales[kind] or [])]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store K/V [T, Hkv, D] of T new tokens at their slots (int64 [T])."""
+        for kind, x in (("k", k), ("v", v)):
+            data, scale = quantize_kv(x, self._formats[kind])
+            self.data[kind][layer].view(-1, self.num_kv_heads, self.head_dim)[slot_mapping] = data
+            if scale is not None:
+                self.scales[kind][layer].view(-1, self.num_kv_heads)[slot_mapping] = scale
+
+    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int, dtype: torch.dtype,
+               start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized K/V [num_tokens - start, Hkv, D] of the tokens at positions start..num_tokens-1."""
+        first, last = start // self.block_size, -(-num_tokens // self.block_size)
+        blocks = block_table[first:last]
+        lo, hi = start - first * self.block_size, num_tokens - first * self.block_size
+        out = []
+        for kind in ("k", "v"):
+            data = self.data[kind][layer][blocks].flatten(0, 1)[lo:hi]
+            scales = self.scales[kind]
+            scale = None if scales is None else scales[layer][blocks].flatten(0, 1)[lo:hi]
+            out.append(dequantize_kv(data, scale, dtype))
+        return out[0], out[1]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""
+        for kind in ("k", "v"):
+            for t in self.data[kind] + (self.scales[kind] or []):
+                t[dst] = t[src]
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc: list[int],
+                    seq_lens: list[int], block_tables, positions: torch.Tensor,
+                    window: int | None, scale: float) -> torch.Tensor:
+    """Causal (optionally sliding-window) attention of q [T, H, D] over the paged cache.
+
+    Request b's queries are q[query_start_loc[b]:query_start_loc[b+1]], its last
+    n tokens: positions seq_lens[b]-n .. seq_lens[b]-1 (chunked prefill, decode
+    and speculative verification all have this shape). The mask is built from
+    `positions`; that layout is only used, on the host, to skip keys no query
+    can reach (before the window of the first query) and the mask of a lone
+    decode query, which then sees every gathered key.
+    block_tables: a list of int64 tensors or a padded [B, max_blocks] tensor.
+    """
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != cache.num_kv_heads
+    for b, seq_len in enumerate(seq_lens):
+        s, e = query_start_loc[b], query_start_loc[b + 1]
+        n = e - s
+        if n == 0:
+            continue
+        start = 0 if window is None else max(0, seq_len - n - window + 1)
+        k, v = cache.gather(layer, block_tables[b], seq_len, q.dtype, start=start)
+        mask = None
+        if n > 1:
+            key_pos = torch.arange(start, seq_len, device=q.device)
+            diff = positions[s:e, None] - key_pos[None, :]
+            mask = diff >= 0
+            if window is not None:
+                mask &= diff < window
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s:e] = o.transpose(0, 1)
+    return out

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Sequence
 
 import torch
 from tqdm import tqdm
 
-from minerva.engine.generate import SimpleGenerator
-from minerva.engine.request import Request, RequestOutput, StreamDelta
+from minerva.engine.engine import Engine, EngineConfig
+from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
@@ -37,16 +38,21 @@ def parse_device(device: str | None) -> torch.device:
 
 
 class LLM:
-    """A loaded model with its tokenizer, ready to generate.
+    """A loaded model with its tokenizer and a batching engine, ready to generate.
 
     `model` is a pulled name (pulled on first use), a .gguf path or a Hugging
-    Face directory; None means the default model.
+    Face directory; None means the default model. Engine options (KV budget and
+    precision, batch limits, prefix caching) are the fields of `EngineConfig`.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
-                 dtype: str = "float32", auto_pull: bool = True):
+                 dtype: str = "float32", auto_pull: bool = True, **engine_options):
         if dtype not in DTYPES:
             raise MinervaError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
+        unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
+        engine_config = EngineConfig(**engine_options)
         self.device = parse_device(device)
         self.dtype = DTYPES[dtype]
         self.path = resolve(model, auto_pull=auto_pull)
@@ -54,7 +60,8 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
-        self._generator = SimpleGenerator(self.loaded.model, self.tokenizer, self.device, self.dtype)
+        self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
+                             model_id=f"{self.path.resolve()}:{dtype}")
 
     # ------------------------------------------------------------ prompts
 
@@ -66,35 +73,87 @@ class LLM:
     def _token(self, token_id: int | None) -> str:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
-    def make_request(self, prompt: Prompt, params: SamplingParams | None = None) -> Request:
-        params = params or SamplingParams()
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             # A chat template already starts with the BOS token where the model wants one.
-            ids = self.tokenizer.encode(prompt, add_special_tokens=not self._starts_with_bos(prompt))
-            return Request(ids, params, prompt=prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=not self._starts_with_bos(prompt))
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return Request(list(prompt), params)
+            return list(prompt)
         raise MinervaError("a prompt must be a string or a list of token ids")
 
     def _starts_with_bos(self, text: str) -> bool:
         bos = self._token(self.tokenizer.bos_token_id)
         return self.tokenizer.add_bos and bool(bos) and text.startswith(bos)
 
+    def _requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        """One request per completion (n of them); they share the prompt's KV through the prefix cache."""
+        ids = self.encode_prompt(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        group = [Request(ids, dataclasses.replace(
+                     params, seed=None if params.seed is None else params.seed + i), prompt=text)
+                 for i in range(params.n)]
+        for sibling in group[1:]:
+            sibling.wait_for = group[0]
+        return group
+
     # --------------------------------------------------------- generation
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+    def stream_many(self, prompts: Sequence[Prompt],
+                    params: SamplingParams | Sequence[SamplingParams] | None = None,
+                    ) -> Iterator[tuple[int, int, StreamDelta]]:
+        """Yield (prompt index, completion index, delta) as the engine produces them."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise MinervaError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
+        groups = [self._requests(p, sp) for p, sp in zip(prompts, params)]
+        for group in groups:  # reject bad input before any work is done
+            for r in group:
+                self.engine.check(r)
+        where = {}
+        for i, group in enumerate(groups):
+            for j, r in enumerate(group):
+                self.engine.add_request(r)
+                where[r.request_id] = (i, j)
+        try:
+            while self.engine.has_unfinished():
+                for delta in self.engine.step():
+                    yield (*where[delta.request_id], delta)
+        finally:  # a consumer that stops early must not leave requests holding KV blocks
+            for rid in where:
+                self.engine.abort(rid)
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt through the engine together; outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = [self.make_request(p, params) for p in prompts]
-        for r in requests:  # reject bad input before any work is done
-            self._generator.check(r)
-        return [self._generator.run(r) for r in tqdm(requests, disable=not use_tqdm, desc="generate")]
+        prompts = list(prompts)
+        per_prompt = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        completions = [[{"text": [], "ids": [], "finish": None} for _ in range(sp.n)]
+                       for sp in per_prompt]
+        left = [sp.n for sp in per_prompt]
+        with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req") as bar:
+            for i, j, delta in self.stream_many(prompts, per_prompt):
+                c = completions[i][j]
+                c["text"].append(delta.text)
+                c["ids"] += delta.token_ids
+                if delta.finish_reason:
+                    c["finish"] = delta.finish_reason
+                    left[i] -= 1
+                    if left[i] == 0:
+                        bar.update(1)
+        return [RequestOutput(f"gen-{i}", p if isinstance(p, str) else None, self.encode_prompt(p),
+                              [CompletionOutput(j, "".join(c["text"]), c["ids"], c["finish"])
+                               for j, c in enumerate(completions[i])])
+                for i, p in enumerate(prompts)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas of one prompt as tokens are produced."""
-        return self._generator.stream(self.make_request(prompt, params))
+        for _, _, delta in self.stream_many([prompt], params):
+            yield delta
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         return self.generate(self.apply_chat_template(messages), params)[0]

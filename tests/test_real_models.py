@@ -10,7 +10,7 @@ import torch
 from minerva import SamplingParams
 from minerva.engine.kv_cache import ContiguousKVCache
 from minerva.engine.perplexity import perplexity
-from minerva.engine.generate import run_tokens
+from minerva.engine.kv_cache import run_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -12,17 +12,17 @@ from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, M
 
 from minerva.engine.kv_cache import ContiguousKVCache
 from minerva.errors import MinervaError
-from minerva.engine.generate import run_tokens
+from minerva.engine.kv_cache import run_tokens
 from minerva.models.loader import load_model
 
 VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge
 
 
 def write_tokenizer(path):
-    """A byte-level tokenizer with 256 tokens, so the directory is a complete model."""
+    """A byte-level tokenizer with VOCAB tokens (256 bytes, one merge): a complete model directory."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet) + ["Ġt"])}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))

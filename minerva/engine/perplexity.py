@@ -13,9 +13,8 @@ from typing import Callable
 
 import torch
 
-from minerva.engine.kv_cache import ContiguousKVCache
+from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.errors import MinervaError
-from minerva.engine.generate import run_tokens
 from minerva.models.layers import CausalLM
 
 

@@ -1,27 +1,61 @@
-"""What flows through the engine: a request in, outputs back."""
+"""What flows through the engine: a request in, deltas and outputs back."""
 
 from __future__ import annotations
 
+import enum
 import itertools
 import time
 from dataclasses import dataclass, field
 
-from minerva.engine.sampler import SamplingParams
+from minerva.engine.sampler import SamplerState, SamplingParams
 
 _ids = itertools.count()
 
 
-@dataclass
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
 class Request:
+    """One sequence being generated. There is no prefill or decode phase: the engine
+    computes tokens [num_computed_tokens, num_tokens) in as many steps as it likes."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
-    priority: int = 0
+    priority: int = 0  # lower runs first
     output_token_ids: list[int] = field(default_factory=list)
-    output_text: str = ""
-    finish_reason: str | None = None  # "stop" | "length" | None while running
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    sampler: SamplerState | None = None  # set by the engine when the request is added
+    first_token_time: float | None = None
+    # Sibling completions (n > 1) wait until this request's prompt is in the cache, then share it.
+    wait_for: Request | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def blocked(self) -> bool:
+        w = self.wait_for
+        return (w is not None and w.status is not Status.FINISHED
+                and w.num_computed_tokens < len(w.prompt_token_ids))
+
+    @property
+    def order(self) -> tuple[int, float]:
+        """Scheduling order: priority, then arrival."""
+        return (self.priority, self.arrival_time)
 
 
 @dataclass(frozen=True)
@@ -37,9 +71,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # n completions of the same prompt
 
-    # The first (and for now only) completion, for convenience.
+    # The first completion, for convenience.
     @property
     def text(self) -> str:
         return self.outputs[0].text

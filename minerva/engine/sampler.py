@@ -18,6 +18,7 @@ class SamplingParams:
     """How to pick tokens. temperature 0 means greedy."""
 
     max_tokens: int = 256
+    n: int = 1  # completions per prompt
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -35,6 +36,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         rules = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "a number >= 0"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),

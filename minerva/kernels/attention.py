@@ -33,10 +33,12 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.data: dict[str, list[torch.Tensor]] = {}
         self.scales: dict[str, list[torch.Tensor] | None] = {}
+        # torch.empty: a slot is always written before it is read, and untouched pages of a
+        # large CPU pool cost no resident memory until blocks are first used.
         for kind, fmt in self._formats.items():
-            self.data[kind] = [torch.zeros(shape, dtype=storage_dtype(fmt, dtype), device=device)
+            self.data[kind] = [torch.empty(shape, dtype=storage_dtype(fmt, dtype), device=device)
                                for _ in range(num_layers)]
-            self.scales[kind] = ([torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device)
+            self.scales[kind] = ([torch.empty(shape[:3], dtype=SCALE_DTYPE, device=device)
                                   for _ in range(num_layers)] if kv_format(fmt).scaled else None)
 
     @staticmethod

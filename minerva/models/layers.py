@@ -19,16 +19,17 @@ from minerva.kernels.weights import Weight
 from minerva.models.config import SLIDING, ModelConfig, RopeScaling
 
 
-class KVStore(Protocol):
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Store new k/v [T, Hkv, D] at `positions`; return all keys, values and key positions."""
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None, scale: float) -> torch.Tensor:
+        """Store the new k/v [T, Hkv, D] of `layer` and return attention outputs [T, H, D]
+        of the queries q [T, H, D] over each sequence's keys (causal, windowed if given)."""
 
 
 @dataclass
 class AttentionContext:
     positions: torch.Tensor  # [T] absolute position of each new token
-    kv: KVStore
+    backend: AttentionBackend  # where K/V live and how the batch's sequences are laid out
 
 
 class Linear(nn.Module):
@@ -92,15 +93,6 @@ class Rotary(nn.Module):
         return (x.float() * cos + rotated * sin).to(x.dtype)
 
 
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean [T, L]: query i sees key j when j <= i (and i - j < window)."""
-    diff = q_pos[:, None] - k_pos[None, :]
-    mask = diff >= 0
-    if window is not None:
-        mask &= diff < window
-    return mask
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear,
                  o: Linear, rotary: Rotary, q_norm: RMSNorm | None = None,
@@ -123,12 +115,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
-        keys, values, key_pos = ctx.kv.update(self.layer, k, v, ctx.positions)
-        mask = attention_mask(ctx.positions, key_pos, self.window)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1).to(q.dtype), values.transpose(0, 1).to(q.dtype),
-            attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * self.head_dim))
+        out = ctx.backend.attend(self.layer, q, k, v, self.window, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 ACTIVATIONS = {

@@ -1,0 +1,153 @@
+"""The step loop: schedule -> execute -> update, over a paged KV pool shared by all requests."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minerva.engine.block_manager import BlockManager
+from minerva.engine.output import OutputProcessor
+from minerva.engine.request import Request, StreamDelta
+from minerva.engine.runner import ModelRunner
+from minerva.engine.sampler import new_state
+from minerva.engine.scheduler import Scheduler, SchedulerConfig
+from minerva.errors import MinervaError
+from minerva.formats.tokenizer import Tokenizer
+from minerva.kernels.attention import PagedKVCache
+from minerva.models.layers import CausalLM
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_memory: float = 0.2  # bytes if > 1, else a fraction of the memory available now
+    kv_cache_dtype_k: str = "auto"
+    kv_cache_dtype_v: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise MinervaError(f"--block-size must be an integer >= 1, got {self.block_size!r}")
+        if not self.kv_cache_memory > 0:
+            raise MinervaError(f"--kv-cache-memory must be > 0 (bytes, or a fraction <= 1 of free memory), "
+                               f"got {self.kv_cache_memory!r}")
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30  # no way to ask: assume 4 GiB
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype, model_id: str):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.device = device
+        mc = model.config
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads,
+                                                 mc.head_dim, config.kv_cache_dtype_k,
+                                                 config.kv_cache_dtype_v, dtype)
+        budget = config.kv_cache_memory
+        if budget <= 1:
+            budget = budget * available_memory(device)
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise MinervaError(f"a KV budget of {int(budget)} bytes holds no block ({per_block} bytes each); "
+                               "raise --kv-cache-memory")
+        self.cache = PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+                                  mc.head_dim, k_format=config.kv_cache_dtype_k,
+                                  v_format=config.kv_cache_dtype_v, dtype=dtype, device=device)
+        self.blocks = BlockManager(num_blocks, config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching,
+                                   salt=model_id.encode())
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.blocks)
+        self.runner = ModelRunner(model, self.cache, device)
+        self.requests: dict[str, Request] = {}
+        self.outputs: dict[str, OutputProcessor] = {}
+        self.max_model_len = min(mc.max_position, num_blocks * config.block_size)
+
+    # ------------------------------------------------------------ requests
+
+    def check(self, request: Request) -> None:
+        """Reject up front a request that could never run."""
+        n, vocab = len(request.prompt_token_ids), self.model.config.vocab_size
+        if n == 0:
+            raise MinervaError("the prompt is empty after tokenization; give at least one token")
+        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            raise MinervaError(f"prompt token ids must be in [0, {vocab})")
+        ctx = self.model.config.max_position
+        if n >= ctx:
+            raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "
+                               f"shorten it to at most {ctx - 1} tokens")
+        need = n + min(request.params.max_tokens, ctx - n)
+        pool = self.blocks.num_blocks * self.blocks.block_size
+        if need > pool:
+            raise MinervaError(f"the prompt ({n} tokens) plus max_tokens needs {need} tokens of KV cache, "
+                               f"but the pool holds {pool}; lower max_tokens or raise --kv-cache-memory")
+
+    def add_request(self, request: Request) -> None:
+        self.check(request)
+        if request.request_id in self.requests:
+            raise MinervaError(f"request id '{request.request_id}' is already in use")
+        request.sampler = new_state(request.params, request.prompt_token_ids, self.device)
+        self.requests[request.request_id] = request
+        self.outputs[request.request_id] = OutputProcessor(request.request_id, self.tokenizer,
+                                                           request.params)
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.abort(request)
+            request.finish_reason = "abort"
+            self.outputs.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- step
+
+    def step(self) -> list[StreamDelta]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress with requests pending")
+            return []
+        tables = [self.blocks.block_table(s.request.request_id) for s in batch]
+        sampled = self.runner.execute(batch, tables)
+        deltas = []
+        now = time.monotonic()
+        for s, token in zip(batch, sampled):
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            self.blocks.commit(r.request_id, r.all_token_ids, r.num_computed_tokens)
+            if token is None:
+                continue
+            r.first_token_time = r.first_token_time or now
+            r.sampler.seen.append(token)
+            out = self.outputs[r.request_id]
+            room = min(r.params.max_tokens, self.max_model_len - len(r.prompt_token_ids))
+            keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room)
+            if keep:
+                r.output_token_ids.append(token)
+            if finish:
+                r.finish_reason = finish
+                self.scheduler.finish(r)
+                del self.requests[r.request_id], self.outputs[r.request_id]
+            delta = out.delta(finish)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas

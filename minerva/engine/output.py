@@ -1,0 +1,65 @@
+"""Turning a request's sampled tokens into text deltas: detokenization and stop rules."""
+
+from __future__ import annotations
+
+from minerva.engine.request import StreamDelta
+from minerva.engine.sampler import SamplingParams
+from minerva.formats.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class StopChecker:
+    """Finds stop strings in the text so far and holds back what could start one."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.holdback = max((len(s) for s in stops), default=1) - 1
+
+    def find(self, text: str, new_from: int) -> int | None:
+        """Index where the earliest stop string starts, searching the newly added region."""
+        hits = [i for s in self.stops
+                if (i := text.find(s, max(0, new_from - len(s) + 1))) != -1]
+        return min(hits) if hits else None
+
+
+class OutputProcessor:
+    """Per request: ids -> text, EOS / stop ids / stop strings / length, and what to stream."""
+
+    def __init__(self, request_id: str, tokenizer: Tokenizer, params: SamplingParams):
+        self.request_id = request_id
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids |= set(tokenizer.eos_token_ids)
+        self.stops = StopChecker(params.stop)
+        self.text = ""
+        self.emitted = 0
+        self.pending: list[int] = []
+
+    def add(self, token: int, last_allowed: bool) -> tuple[bool, str | None]:
+        """Account for a sampled token: (keep it in the output?, finish reason or None).
+
+        `last_allowed` says the request has no room for another token after this one.
+        """
+        if token in self.stop_ids:
+            self.text += self.detok.flush()
+            return False, "stop"
+        self.pending.append(token)
+        before = len(self.text)
+        self.text += self.detok.add(token)
+        cut = self.stops.find(self.text, before) if self.stops.stops else None
+        if cut is not None:
+            self.text = self.text[:cut]
+            return True, "stop"
+        if last_allowed:
+            self.text += self.detok.flush()  # an incomplete character at the very end
+            return True, "length"
+        return True, None
+
+    def delta(self, finish: str | None) -> StreamDelta | None:
+        """What is new since the last delta (text held back while it could start a stop string)."""
+        end = len(self.text) if finish else max(self.emitted, len(self.text) - self.stops.holdback)
+        if not (finish or end > self.emitted or self.pending):
+            return None
+        delta = StreamDelta(self.request_id, self.text[self.emitted:end], self.pending, finish)
+        self.emitted, self.pending = end, []
+        return delta

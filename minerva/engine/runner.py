@@ -1,0 +1,71 @@
+"""Builds one flat batch from the scheduled requests, runs the model, samples.
+
+All scheduled tokens of all requests go through one forward: token ids, their
+positions, the KV slot each new token writes, each request's block table and
+key count, and which rows need logits. Prefill chunks, decode steps and
+speculative verification (1 + k tokens) all take this same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minerva.engine.sampler import sample
+from minerva.engine.scheduler import Scheduled
+from minerva.kernels.attention import PagedKVCache, paged_attention
+from minerva.models.layers import AttentionContext, CausalLM
+
+
+@dataclass
+class PagedBackend:
+    """Attention metadata of one step, handed to every layer through AttentionContext."""
+
+    cache: PagedKVCache
+    slot_mapping: torch.Tensor  # [T] slot of each new token
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B] keys per request after this step
+    block_tables: list[torch.Tensor]  # [B] int64 block ids
+    positions: torch.Tensor  # [T]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None, scale: float) -> torch.Tensor:
+        self.cache.write(layer, k, v, self.slot_mapping)
+        return paged_attention(q, self.cache, layer, query_start_loc=self.query_start_loc,
+                               seq_lens=self.seq_lens, block_tables=self.block_tables,
+                               positions=self.positions, window=window, scale=scale)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+        self.block_size = cache.block_size
+
+    @torch.inference_mode()
+    def execute(self, batch: list[Scheduled], block_tables: list[list[int]]) -> list[int | None]:
+        """Run the batch; return the sampled token of each request that samples, else None."""
+        ids, pos, slots, starts, seq_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        bs = self.block_size
+        for s, table in zip(batch, block_tables):
+            r = s.request
+            lo, hi = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            ids += r.all_token_ids[lo:hi]
+            pos += range(lo, hi)
+            slots += [table[p // bs] * bs + p % bs for p in range(lo, hi)]
+            starts.append(starts[-1] + s.num_new_tokens)
+            seq_lens.append(hi)
+            tables.append(torch.tensor(table, dtype=torch.int64, device=self.device))
+            if s.samples:
+                logit_rows.append(starts[-1] - 1)
+        positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
+        backend = PagedBackend(self.cache, torch.tensor(slots, dtype=torch.int64, device=self.device),
+                               starts, seq_lens, tables, positions)
+        hidden = self.model(torch.tensor(ids, device=self.device), AttentionContext(positions, backend))
+        out: list[int | None] = [None] * len(batch)
+        if logit_rows:
+            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+            samplers = [i for i, s in enumerate(batch) if s.samples]
+            for row, i in enumerate(samplers):
+                out[i] = sample(logits[row], batch[i].request.sampler)
+        return out

@@ -1,0 +1,173 @@
+"""The batched engine against its own one-request-at-a-time runs and against transformers.
+
+Reference: each request run alone through the same engine (batch invariance), and
+the model's logits from transformers (tiny random checkpoints).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minerva import LLM, SamplingParams
+from minerva.engine.request import Request
+from tests.test_tiny_safetensors import VOCAB, save
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("engine"), "llama-untied")
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("engine-gemma"), "gemma3")
+
+
+def make_llm(path, **options):
+    options.setdefault("kv_cache_memory", 32 << 20)
+    return LLM(str(path), device="cpu", **options)
+
+
+def prompts(n, lo=3, hi=60, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_alone(llm, prompt, params):
+    return llm.generate([prompt], params)[0].token_ids
+
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("path", ["model_dir", "gemma_dir"])
+def test_batched_equals_alone(request, path, params):
+    llm = make_llm(request.getfixturevalue(path))
+    ps = prompts(12)
+    batched = [o.token_ids for o in llm.generate(ps, params)]
+    assert batched == [run_alone(llm, p, params) for p in ps]
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_batch_invariance_with_staggered_arrivals(model_dir):
+    """One request alone vs. among 32 others of mixed lengths that arrive at different steps."""
+    llm = make_llm(model_dir, max_num_batched_tokens=64)
+    target = prompts(1, 40, 40, seed=99)[0]
+    alone = run_alone(llm, target, SAMPLED)
+    engine, others = llm.engine, prompts(32, 1, 90, seed=5)
+    rng = random.Random(3)
+    pending = [Request(p, SamplingParams(max_tokens=rng.randint(1, 30), temperature=0.7, seed=i,
+                                         ignore_eos=True)) for i, p in enumerate(others)]
+    mine = Request(list(target), SAMPLED)
+    tokens: list[int] = []
+    steps = 0
+    while pending or engine.has_unfinished():
+        if pending and steps % 2 == 0:
+            for _ in range(rng.randint(1, 4)):
+                if pending:
+                    engine.add_request(pending.pop())
+        if steps == 3:
+            engine.add_request(mine)
+        for delta in engine.step():
+            if delta.request_id == mine.request_id:
+                tokens += delta.token_ids
+        steps += 1
+    assert tokens == alone
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_chunked_prefill_equals_whole(model_dir):
+    whole = make_llm(model_dir, max_num_batched_tokens=2048)
+    chunked = make_llm(model_dir, max_num_batched_tokens=7)  # 100-token prompt in 15 chunks
+    p = prompts(1, 100, 100, seed=4)
+    assert run_alone(chunked, p[0], GREEDY) == run_alone(whole, p[0], GREEDY)
+    assert run_alone(chunked, p[0], SAMPLED) == run_alone(whole, p[0], SAMPLED)
+
+
+def test_prefix_cache_hit_equals_cold_run(model_dir):
+    cold = make_llm(model_dir, enable_prefix_caching=False)
+    warm = make_llm(model_dir)
+    p = prompts(1, 70, 70, seed=8)[0]
+    expected = run_alone(cold, p, SAMPLED)
+    assert run_alone(warm, p, SAMPLED) == expected  # fills the cache
+    hits = warm.engine.blocks.prefix_hits
+    assert run_alone(warm, p, SAMPLED) == expected  # served from the cache
+    assert warm.engine.blocks.prefix_hits - hits == (len(p) - 1) // 16 * 16
+    assert cold.engine.blocks.prefix_hits == 0
+
+
+def test_preempted_request_equals_undisturbed(model_dir):
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
+    ps = prompts(6, 30, 50, seed=2)
+    roomy = make_llm(model_dir)
+    expected = [o.token_ids for o in roomy.generate(ps, params)]
+    # 24 blocks of 16 tokens cannot hold six requests of up to 90 tokens: some are preempted
+    per_block = roomy.engine.cache.nbytes // roomy.engine.blocks.num_blocks
+    tight = make_llm(model_dir, kv_cache_memory=24 * per_block)
+    assert tight.engine.blocks.num_blocks == 24
+    got = [o.token_ids for o in tight.generate(ps, params)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert tight.engine.blocks.num_used_blocks == 0
+
+
+def test_matches_transformers_greedy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    llm = make_llm(model_dir)
+    ps = prompts(4, 5, 30, seed=6)
+    outs = llm.generate(ps, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for p, o in zip(ps, outs):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                              attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              eos_token_id=None, pad_token_id=0)[0, len(p):]
+        assert o.token_ids == ref.tolist()
+
+
+def test_abort_frees_blocks(model_dir):
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    reqs = [Request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in prompts(5)]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    for r in reqs[:3]:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_stopping_a_stream_early_frees_blocks(model_dir):
+    llm = make_llm(model_dir)
+    stream = llm.stream(prompts(1)[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    next(stream)
+    stream.close()
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()
+
+
+def test_n_completions_share_the_prompt(model_dir):
+    llm = make_llm(model_dir)
+    p = prompts(1, 64, 64, seed=1)[0]
+    out = llm.generate([p], SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3, ignore_eos=True))[0]
+    assert len(out.outputs) == 4 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert llm.engine.blocks.prefix_hits >= 3 * 48  # the later three reuse the first one's full blocks
+    single = run_alone(llm, p, SamplingParams(max_tokens=8, temperature=1.0, seed=5, ignore_eos=True))
+    assert out.outputs[2].token_ids == single  # completion i uses seed + i
+
+
+def test_request_too_large_for_the_pool(model_dir):
+    from minerva.errors import MinervaError
+
+    llm = make_llm(model_dir, kv_cache_memory=4 * 16 * 2 * 3 * 2 * 16 * 4)  # a handful of blocks
+    with pytest.raises(MinervaError, match="pool holds"):
+        llm.generate([prompts(1, 50, 50)[0]], SamplingParams(max_tokens=100))

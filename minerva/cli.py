@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
+from minerva.engine.engine import EngineConfig
 from minerva.errors import MinervaError
+from minerva.kernels.kv_quant import KV_FORMATS
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -36,10 +38,37 @@ def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[st
     raise MinervaError(f"expected [MODEL] {what}, got {len(args)} arguments")
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
+def _add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activation dtype (default float32)")
+    kv = sorted(KV_FORMATS)
+    p.add_argument("--kv-cache-dtype", default=None, choices=kv, help="K and V cache precision")
+    p.add_argument("--kv-cache-dtype-k", default=None, choices=kv, help="K cache precision (default auto)")
+    p.add_argument("--kv-cache-dtype-v", default=None, choices=kv, help="V cache precision (default auto)")
+    if not engine:
+        return
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
+                   help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start")
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="token budget of one step (prompt chunks + decodes)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+
+
+def _kv_formats(args) -> tuple[str, str]:
+    both = args.kv_cache_dtype or "auto"
+    return args.kv_cache_dtype_k or both, args.kv_cache_dtype_v or both
+
+
+def _engine_options(args) -> dict:
+    k, v = _kv_formats(args)
+    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype_k=k, kv_cache_dtype_v=v)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -64,10 +93,11 @@ def _sampling(args):
                           stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
-def _load(model: str | None, args):
+def _load(model: str | None, args, engine: bool = True):
     from minerva.llm import LLM
 
-    llm = LLM(model, device=args.device, dtype=args.dtype)
+    options = _engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
+    llm = LLM(model, device=args.device, dtype=args.dtype, **options)
     c = llm.config
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, "
           f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file, "
@@ -181,17 +211,19 @@ def cmd_perplexity(args) -> int:
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MinervaError(f"cannot read text file '{file}': {exc}") from None
-    llm = _load(model, args)
+    llm = _load(model, args, engine=False)
+    k_format, v_format = _kv_formats(args)
     ids = llm.tokenizer.encode(text)
     context = args.context if args.context is not None else min(llm.config.max_position, 1024)
     start = time.perf_counter()
     r = perplexity(llm.loaded.model, ids, context=context, stride=args.stride, device=llm.device,
-                   dtype=llm.dtype,
+                   dtype=llm.dtype, k_format=k_format, v_format=v_format,
                    progress=lambda done, total: print(f"\r{done}/{total} tokens", end="", file=sys.stderr))
     seconds = time.perf_counter() - start
     print(file=sys.stderr)
     print(f"perplexity {r.perplexity:.4f}  (nll {r.nll:.4f} nats/token over {r.tokens} tokens, "
           f"{r.windows} windows, context {context}, stride {args.stride or context}, "
+          f"KV cache k={k_format} v={v_format}, "
           f"{r.tokens / seconds:.0f} tokens/s)")
     return 0
 
@@ -229,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="+", metavar="[MODEL] FILE")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default min(1024, model context))")
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default = context)")
-    _add_model_options(p)
+    _add_model_options(p, engine=False)
     p.set_defaults(func=cmd_perplexity)
     return parser
 

@@ -143,6 +143,24 @@ def test_perplexity_tiny(tiny, tmp_path):
     assert proc.stdout.startswith("perplexity ")
 
 
+def test_perplexity_with_quantized_kv(tiny, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 3)
+    values = {}
+    for kv in ("auto", "int8", "fp8"):
+        proc = run("perplexity", str(tiny), str(text), "--context", "16", "--kv-cache-dtype", kv)
+        assert proc.returncode == 0, proc.stderr
+        values[kv] = float(proc.stdout.split()[1])
+    assert abs(values["int8"] / values["auto"] - 1) < 0.02  # quantized K/V moves it slightly
+    assert abs(values["fp8"] / values["auto"] - 1) < 0.1
+
+
+def test_engine_flags_are_checked(tiny):
+    assert_clean_error(run("generate", str(tiny), "hi", "--max-num-seqs", "0"), "max-num-seqs")
+    assert_clean_error(run("generate", str(tiny), "hi", "--kv-cache-memory", "10"), "kv-cache-memory")
+    assert run("generate", str(tiny), "hi", "--kv-cache-dtype", "int9").returncode == 2  # argparse
+
+
 def test_chat_reset_and_eof(tiny):
     proc = run("chat", str(tiny), "-n", "3", "--temperature", "0", input="hi\n/reset\nagain\n")
     assert proc.returncode == 0, proc.stderr

@@ -13,9 +13,10 @@ from typing import Callable
 
 import torch
 
-from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
+from minerva.engine.runner import PagedBackend
 from minerva.errors import MinervaError
-from minerva.models.layers import CausalLM
+from minerva.kernels.attention import PagedKVCache
+from minerva.models.layers import AttentionContext, CausalLM
 
 
 @dataclass(frozen=True)
@@ -28,23 +29,35 @@ class PerplexityResult:
 
 @torch.inference_mode()
 def window_nll(model: CausalLM, ids: list[int], num_scored: int, device: torch.device,
-               dtype: torch.dtype, chunk: int = 512) -> float:
-    """Sum of -log p(token) over the last `num_scored` tokens of `ids`, from one fresh pass."""
-    cache = ContiguousKVCache(model.config, len(ids), device, dtype)
-    hidden = run_tokens(model, cache, ids, 0, chunk)
-    targets = torch.tensor(ids, device=device)
+               dtype: torch.dtype, k_format: str = "auto", v_format: str = "auto",
+               chunk: int = 512, block_size: int = 16) -> float:
+    """Sum of -log p(token) over the last `num_scored` tokens of `ids`, from one fresh pass
+    through a paged KV cache of the given precisions (the engine's attention path)."""
+    c = model.config
+    num_blocks = -(-len(ids) // block_size)
+    cache = PagedKVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                         k_format=k_format, v_format=v_format, dtype=dtype, device=device)
+    table = torch.arange(num_blocks, device=device)  # the sequence owns blocks 0.. in order
+    tokens = torch.tensor(ids, device=device)
+    hidden = []
+    for s in range(0, len(ids), chunk):
+        e = min(s + chunk, len(ids))
+        pos = torch.arange(s, e, device=device)  # slot == position with this block table
+        backend = PagedBackend(cache, pos, [0, e - s], [e], [table], pos)
+        hidden.append(model(tokens[s:e], AttentionContext(pos, backend)))
+    h = torch.cat(hidden)
     total = torch.zeros((), dtype=torch.float64, device=device)
     # hidden at position p predicts token p + 1; score the last num_scored tokens
     for r in range(len(ids) - 1 - num_scored, len(ids) - 1, 256):
         r2 = min(r + 256, len(ids) - 1)
-        logp = torch.log_softmax(model.logits(hidden[r:r2]), dim=-1)
-        total -= logp.gather(1, targets[r + 1:r2 + 1, None]).sum().double()
+        logp = torch.log_softmax(model.logits(h[r:r2]), dim=-1)
+        total -= logp.gather(1, tokens[r + 1:r2 + 1, None]).sum().double()
     return float(total)
 
 
 def perplexity(model: CausalLM, ids: list[int], *, context: int, stride: int | None = None,
-               device: torch.device, dtype: torch.dtype,
-               progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+               device: torch.device, dtype: torch.dtype, k_format: str = "auto",
+               v_format: str = "auto", progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     stride = stride or context
     if context < 2 or not 0 < stride <= context:
         raise MinervaError(f"perplexity needs context >= 2 and 0 < stride <= context "
@@ -58,7 +71,7 @@ def perplexity(model: CausalLM, ids: list[int], *, context: int, stride: int | N
         end = min(begin + context, len(ids))
         window = ids[begin:end]
         num_scored = min(end - prev_end, len(window) - 1)
-        nll += window_nll(model, window, num_scored, device, dtype)
+        nll += window_nll(model, window, num_scored, device, dtype, k_format, v_format)
         scored += num_scored
         windows += 1
         prev_end = end

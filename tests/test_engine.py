@@ -171,3 +171,14 @@ def test_request_too_large_for_the_pool(model_dir):
     llm = make_llm(model_dir, kv_cache_memory=4 * 16 * 2 * 3 * 2 * 16 * 4)  # a handful of blocks
     with pytest.raises(MinervaError, match="pool holds"):
         llm.generate([prompts(1, 50, 50)[0]], SamplingParams(max_tokens=100))
+
+
+def test_logit_bias_through_the_engine(model_dir):
+    from minerva.errors import MinervaError
+
+    llm = make_llm(model_dir)
+    out = llm.generate([prompts(1)[0]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                                       logit_bias={5: 100.0}))[0]
+    assert out.token_ids == [5] * 5
+    with pytest.raises(MinervaError, match="logit_bias"):
+        llm.generate([prompts(1)[0]], SamplingParams(max_tokens=5, logit_bias={VOCAB + 3: 1.0}))

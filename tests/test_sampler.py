@@ -104,7 +104,29 @@ def test_same_seed_same_draws(logits):
     assert [sample(logits, a) for _ in range(20)] == [sample(logits, b) for _ in range(20)]
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
+def test_presence_and_frequency_penalties(logits):
+    """OpenAI's definition: logit - presence * [count > 0] - frequency * count, generated tokens only."""
+    params = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.25)
+    state = new_state(params, [1, 2, 3], torch.device("cpu"))  # prompt tokens are not penalized
+    for t in [4, 4, 4, 9]:
+        state.record(t)
+    expected = logits.clone()
+    for token, count in {4: 3, 9: 1}.items():
+        expected[token] -= 0.5 + 0.25 * count
+    assert torch.equal(process_logits(logits, state), expected)
+
+
+def test_logit_bias_forces_and_bans(logits):
+    top = int(logits.argmax())
+    ban = new_state(SamplingParams(temperature=0, logit_bias={top: -100.0}), [], torch.device("cpu"))
+    assert sample(logits, ban) != top
+    force = new_state(SamplingParams(temperature=1.0, seed=0, logit_bias={7: 100.0}), [], torch.device("cpu"))
+    assert {sample(logits, force) for _ in range(20)} == {7}
+
+
+@pytest.mark.parametrize("kwargs", [dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
+                                    dict(logit_bias={-1: 1.0}), dict(logit_bias={5: 101.0}),
+                                    dict(n=0), dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
                                     dict(top_k=-1), dict(min_p=1.5), dict(max_tokens=0),
                                     dict(repetition_penalty=0.0), dict(stop=[""]), dict(seed="x"),
                                     dict(stop_token_ids=[-1])])

@@ -88,6 +88,9 @@ class Engine:
             raise MinervaError("the prompt is empty after tokenization; give at least one token")
         if any(not 0 <= t < vocab for t in request.prompt_token_ids):
             raise MinervaError(f"prompt token ids must be in [0, {vocab})")
+        bad = [t for t in request.params.logit_bias if t >= vocab]
+        if bad:
+            raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
         ctx = self.model.config.max_position
         if n >= ctx:
             raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "
@@ -137,7 +140,7 @@ class Engine:
             if token is None:
                 continue
             r.first_token_time = r.first_token_time or now
-            r.sampler.seen.append(token)
+            r.sampler.record(token)
             out = self.outputs[r.request_id]
             room = min(r.params.max_tokens, self.max_model_len - len(r.prompt_token_ids))
             keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room)

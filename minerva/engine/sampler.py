@@ -23,7 +23,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # prompt and output tokens (transformers / llama.cpp style)
+    presence_penalty: float = 0.0  # OpenAI style: on tokens already generated
+    frequency_penalty: float = 0.0  # OpenAI style: times each token was generated
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -43,6 +46,13 @@ class SamplingParams:
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0,
              "a number > 0"),
+            ("presence_penalty", _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "in [-2, 2]"),
+            ("frequency_penalty", _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "in [-2, 2]"),
+            ("logit_bias", isinstance(self.logit_bias, dict) and all(
+                isinstance(k, int) and k >= 0 and _finite(v) and -100 <= v <= 100
+                for k, v in self.logit_bias.items()), "a map of token id -> bias in [-100, 100]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an integer"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -68,7 +78,12 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator
-    seen: list[int] = field(default_factory=list)
+    seen: list[int] = field(default_factory=list)  # prompt and generated tokens
+    generated: dict[int, int] = field(default_factory=dict)  # token -> times generated
+
+    def record(self, token: int) -> None:
+        self.seen.append(token)
+        self.generated[token] = self.generated.get(token, 0) + 1
 
 
 def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.device) -> SamplerState:
@@ -83,7 +98,8 @@ def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.devic
 def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
     """Apply the request's parameters to float32 logits [vocab]; removed tokens become -inf.
 
-    Order as in transformers' generation: repetition penalty, temperature, top-k, top-p, min-p.
+    Order: repetition penalty, presence/frequency penalties, logit bias (as vLLM applies
+    them), then as in transformers' generation: temperature, top-k, top-p, min-p.
     """
     p = state.params
     logits = logits.float()
@@ -96,6 +112,17 @@ def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
         logits = logits.clone()
         logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty,
                                   picked * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and state.generated:
+        ids = torch.tensor(list(state.generated), device=logits.device)
+        counts = torch.tensor(list(state.generated.values()), device=logits.device, dtype=logits.dtype)
+        logits = logits.clone()
+        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    if p.logit_bias:
+        ids = torch.tensor([t for t in p.logit_bias if t < logits.shape[-1]], device=logits.device,
+                           dtype=torch.int64)
+        bias = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < logits.shape[-1]],
+                            device=logits.device, dtype=logits.dtype)
+        logits = logits.index_add(0, ids, bias)
     if p.greedy:
         return logits
     logits = logits / p.temperature

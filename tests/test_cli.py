@@ -112,7 +112,8 @@ def test_prompt_longer_than_context(tiny):
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"),
                                         ("--top-p", "1.5"), ("--max-tokens", "0"),
                                         ("--min-p", "2"), ("--top-k", "-3"),
-                                        ("--repetition-penalty", "0")])
+                                        ("--repetition-penalty", "0"),
+                                        ("--presence-penalty", "5")])
 def test_invalid_sampling_values(tiny, flag, value):
     name = flag.lstrip("-").replace("-", "_")
     assert_clean_error(run("generate", str(tiny), "hi", flag, value), name)

@@ -132,7 +132,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         per_prompt = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        completions = [[{"text": [], "ids": [], "finish": None} for _ in range(sp.n)]
+        completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]
                        for sp in per_prompt]
         left = [sp.n for sp in per_prompt]
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req") as bar:
@@ -140,13 +140,15 @@ class LLM:
                 c = completions[i][j]
                 c["text"].append(delta.text)
                 c["ids"] += delta.token_ids
+                c["logprobs"] += delta.logprobs
                 if delta.finish_reason:
                     c["finish"] = delta.finish_reason
                     left[i] -= 1
                     if left[i] == 0:
                         bar.update(1)
         return [RequestOutput(f"gen-{i}", p if isinstance(p, str) else None, self.encode_prompt(p),
-                              [CompletionOutput(j, "".join(c["text"]), c["ids"], c["finish"])
+                              [CompletionOutput(j, "".join(c["text"]), c["ids"], c["finish"],
+                                                c["logprobs"] if per_prompt[i].logprobs is not None else None)
                                for j, c in enumerate(completions[i])])
                 for i, p in enumerate(prompts)]
 

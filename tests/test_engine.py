@@ -182,3 +182,26 @@ def test_logit_bias_through_the_engine(model_dir):
     assert out.token_ids == [5] * 5
     with pytest.raises(MinervaError, match="logit_bias"):
         llm.generate([prompts(1)[0]], SamplingParams(max_tokens=5, logit_bias={VOCAB + 3: 1.0}))
+
+
+def test_logprobs_match_transformers(model_dir):
+    """Each returned logprob equals log_softmax of transformers' logits at that position."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm(model_dir)
+    p = prompts(1, 12, 12, seed=9)[0]
+    out = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.8, seed=1, logprobs=3,
+                                           ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([p + out.token_ids])).logits[0].float(), -1)
+    for i, lp in enumerate(out.logprobs):
+        row = ref[len(p) - 1 + i]
+        assert lp.token_id == out.token_ids[i]
+        assert abs(lp.logprob - float(row[lp.token_id])) < 1e-4
+        top = torch.topk(row, 3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert all(abs(v - float(w)) < 1e-4 for (_, v), w in zip(lp.top, top.values))
+    plain = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True))[0]
+    assert plain.outputs[0].logprobs is None and plain.token_ids == out.token_ids

@@ -133,17 +133,19 @@ class Engine:
         sampled = self.runner.execute(batch, tables)
         deltas = []
         now = time.monotonic()
-        for s, token in zip(batch, sampled):
+        for s, result in zip(batch, sampled):
             r = s.request
             r.num_computed_tokens += s.num_new_tokens
             self.blocks.commit(r.request_id, r.all_token_ids, r.num_computed_tokens)
-            if token is None:
+            if result is None:
                 continue
+            token, logprob = result
             r.first_token_time = r.first_token_time or now
             r.sampler.record(token)
             out = self.outputs[r.request_id]
             room = min(r.params.max_tokens, self.max_model_len - len(r.prompt_token_ids))
-            keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room)
+            keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room,
+                                   logprob=logprob)
             if keep:
                 r.output_token_ids.append(token)
             if finish:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from minerva.engine.request import StreamDelta
-from minerva.engine.sampler import SamplingParams
+from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.formats.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -34,8 +34,10 @@ class OutputProcessor:
         self.text = ""
         self.emitted = 0
         self.pending: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
 
-    def add(self, token: int, last_allowed: bool) -> tuple[bool, str | None]:
+    def add(self, token: int, last_allowed: bool,
+            logprob: TokenLogprob | None = None) -> tuple[bool, str | None]:
         """Account for a sampled token: (keep it in the output?, finish reason or None).
 
         `last_allowed` says the request has no room for another token after this one.
@@ -44,6 +46,8 @@ class OutputProcessor:
             self.text += self.detok.flush()
             return False, "stop"
         self.pending.append(token)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
         before = len(self.text)
         self.text += self.detok.add(token)
         cut = self.stops.find(self.text, before) if self.stops.stops else None
@@ -60,6 +64,7 @@ class OutputProcessor:
         end = len(self.text) if finish else max(self.emitted, len(self.text) - self.stops.holdback)
         if not (finish or end > self.emitted or self.pending):
             return None
-        delta = StreamDelta(self.request_id, self.text[self.emitted:end], self.pending, finish)
-        self.emitted, self.pending = end, []
+        delta = StreamDelta(self.request_id, self.text[self.emitted:end], self.pending, finish,
+                            self.pending_logprobs)
+        self.emitted, self.pending, self.pending_logprobs = end, [], []
         return delta

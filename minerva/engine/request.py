@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from minerva.engine.sampler import SamplerState, SamplingParams
+from minerva.engine.sampler import SamplerState, SamplingParams, TokenLogprob
 
 _ids = itertools.count()
 
@@ -64,6 +64,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # one per token when asked for
 
 
 @dataclass(frozen=True)
@@ -95,3 +96,4 @@ class StreamDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # for token_ids, when asked for

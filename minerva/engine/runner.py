@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.engine.sampler import sample
+from minerva.engine.sampler import TokenLogprob, sample, token_logprob
 from minerva.engine.scheduler import Scheduled
 from minerva.kernels.attention import PagedKVCache, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
@@ -43,8 +43,9 @@ class ModelRunner:
         self.block_size = cache.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], block_tables: list[list[int]]) -> list[int | None]:
-        """Run the batch; return the sampled token of each request that samples, else None."""
+    def execute(self, batch: list[Scheduled], block_tables: list[list[int]]
+                ) -> list[tuple[int, TokenLogprob | None] | None]:
+        """Run the batch; for each request that samples, its token (and logprobs if asked)."""
         ids, pos, slots, starts, seq_lens, tables, logit_rows = [], [], [], [0], [], [], []
         bs = self.block_size
         for s, table in zip(batch, block_tables):
@@ -62,10 +63,13 @@ class ModelRunner:
         backend = PagedBackend(self.cache, torch.tensor(slots, dtype=torch.int64, device=self.device),
                                starts, seq_lens, tables, positions)
         hidden = self.model(torch.tensor(ids, device=self.device), AttentionContext(positions, backend))
-        out: list[int | None] = [None] * len(batch)
+        out: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         if logit_rows:
             logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
             samplers = [i for i, s in enumerate(batch) if s.samples]
             for row, i in enumerate(samplers):
-                out[i] = sample(logits[row], batch[i].request.sampler)
+                req = batch[i].request
+                token = sample(logits[row], req.sampler)
+                k = req.params.logprobs
+                out[i] = (token, None if k is None else token_logprob(logits[row], token, k))
         return out

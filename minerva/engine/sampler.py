@@ -10,6 +10,7 @@ import torch
 from minerva.errors import MinervaError
 
 
+MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures this small divide logits into overflow; treat them as greedy
 
 
@@ -28,6 +29,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI style: times each token was generated
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    logprobs: int | None = None  # return the sampled token's logprob and this many alternatives
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -54,6 +56,9 @@ class SamplingParams:
                 isinstance(k, int) and k >= 0 and _finite(v) and -100 <= v <= 100
                 for k, v in self.logit_bias.items()), "a map of token id -> bias in [-100, 100]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an integer"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
+                                                   and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"an integer in [0, {MAX_LOGPROBS}]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "token ids >= 0"),
@@ -147,3 +152,20 @@ def sample(logits: torch.Tensor, state: SamplerState) -> int:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=state.generator))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability under the model's distribution (raw logits, before
+    any sampling transform) and the `logprobs` most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenLogprob(token, float(logp[token]), pairs)

@@ -10,6 +10,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from minerva import LLM, SamplingParams
 from minerva.engine.request import Request
@@ -205,3 +207,49 @@ def test_logprobs_match_transformers(model_dir):
         assert all(abs(v - float(w)) < 1e-4 for (_, v), w in zip(lp.top, top.values))
     plain = llm.generate([p], SamplingParams(max_tokens=6, temperature=0.8, seed=1, ignore_eos=True))[0]
     assert plain.outputs[0].logprobs is None and plain.token_ids == out.token_ids
+
+
+ACTIONS = st.lists(st.tuples(st.sampled_from(["add", "abort", "step"]), st.integers(0, 10**6)),
+                   min_size=1, max_size=40)
+
+
+@pytest.fixture(scope="module")
+def tight_llm(model_dir):
+    # 12 blocks of 16 tokens: requests compete for blocks, so preemption happens too
+    probe = make_llm(model_dir)
+    per_block = probe.engine.cache.nbytes // probe.engine.blocks.num_blocks
+    return make_llm(model_dir, kv_cache_memory=12 * per_block, max_num_batched_tokens=24, max_num_seqs=4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=ACTIONS)
+def test_random_add_abort_step_never_leaks(tight_llm, actions):
+    engine = tight_llm.engine
+    live: list[Request] = []
+    added: list[Request] = []
+    for action, x in actions:
+        rng = random.Random(x)
+        if action == "add":
+            p = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))]
+            r = Request(p, SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 1.0]),
+                                          seed=x, ignore_eos=True), priority=rng.randint(0, 2))
+            engine.add_request(r)
+            live.append(r)
+            added.append(r)
+        elif action == "abort" and live:
+            engine.abort(live.pop(x % len(live)).request_id)
+        else:
+            engine.step()
+        used = engine.blocks.num_used_blocks
+        assert used + engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        running = engine.scheduler.running
+        assert used >= len(running)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_used_blocks == 0
+    assert not engine.requests and not engine.outputs
+    for r in added:  # every request ended: ran to its length, or was aborted before that
+        if r in live:
+            assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens
+        else:
+            assert r.finish_reason in ("abort", "length")

@@ -63,6 +63,9 @@ class Batch:
         self.tables = [torch.tensor(t, device=device) for t in tables]
         self.cache = PagedKVCache(2, num_blocks, block_size, HKV, D, k_format=k_format,
                                   v_format=v_format, dtype=dtype, device=device)
+        for kind in ("k", "v"):  # the pool starts uninitialized; zeros make stray writes visible
+            for t in self.cache.data[kind] + (self.cache.scales[kind] or []):
+                t.zero_()
         self.k = [torch.randn(L, HKV, D, generator=gen).to(device) for L, _ in specs]
         self.v = [torch.randn(L, HKV, D, generator=gen).to(device) for L, _ in specs]
         self.q = torch.randn(sum(n for _, n in specs), H, D, generator=gen).to(device)

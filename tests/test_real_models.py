@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from minerva import SamplingParams
-from minerva.engine.kv_cache import ContiguousKVCache
+from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.engine.perplexity import perplexity
-from minerva.engine.kv_cache import run_tokens
 
 pytestmark = pytest.mark.slow
 

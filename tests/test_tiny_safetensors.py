@@ -10,9 +10,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig)
 
-from minerva.engine.kv_cache import ContiguousKVCache
+from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.errors import MinervaError
-from minerva.engine.kv_cache import run_tokens
 from minerva.models.loader import load_model
 
 VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge

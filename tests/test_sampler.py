@@ -11,7 +11,8 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TopPLogitsWarper)
 
 from minerva import SamplingParams
-from minerva.engine.sampler import new_state, process_logits, sample
+from minerva.engine.sampler import (new_state, process_batch, process_logits, sample, sample_batch,
+                                   token_logprobs)
 from minerva.errors import MinervaError
 
 V = 50
@@ -66,6 +67,51 @@ def test_processing_matches_transformers(logits, kwargs):
     kept = torch.isfinite(ref)
     assert kept.sum() >= 1
     torch.testing.assert_close(ours[kept], ref[kept])
+
+
+def test_one_batch_of_mixed_parameters_matches_transformers_row_by_row():
+    """Every case in one [B, vocab] batch (plus a greedy row): each row equals its own reference."""
+    g = torch.Generator().manual_seed(5)
+    batch = torch.randn(len(CASES) + 1, V, generator=g) * 3
+    seen = [0, 3, 7, 7, 12, 30, 41]
+    params = [SamplingParams(**kw) for kw in CASES] + [SamplingParams(temperature=0, top_k=2)]
+    ours = process_batch(batch, [new_state(p, seen, torch.device("cpu")) for p in params])
+    for row, p in enumerate(params[:-1]):
+        ref = hf_chain(batch[row], seen if p.repetition_penalty != 1.0 else [], p)
+        assert torch.equal(torch.isinf(ours[row]), torch.isinf(ref)), p
+        kept = torch.isfinite(ref)
+        torch.testing.assert_close(ours[row][kept], ref[kept])
+    assert torch.equal(ours[-1], batch[-1])  # greedy rows are left untransformed
+
+
+def test_a_seeded_row_draws_the_same_tokens_alone_or_in_any_batch():
+    g = torch.Generator().manual_seed(9)
+    steps = [torch.randn(6, V, generator=g) * 2 for _ in range(30)]
+    mine = SamplingParams(seed=11, top_p=0.9, temperature=0.8, frequency_penalty=0.5)
+    others = [SamplingParams(seed=s, top_k=5, presence_penalty=1.0) for s in range(4)] + [SamplingParams(temperature=0)]
+    alone_state = new_state(mine, [1, 2], torch.device("cpu"))
+    batch_states = [new_state(p, [3], torch.device("cpu")) for p in others]
+    batch_states.insert(2, new_state(mine, [1, 2], torch.device("cpu")))
+    alone, together = [], []
+    for step in steps:
+        t = sample_batch(step[2:3], [alone_state])[0]
+        alone_state.record(t)
+        alone.append(t)
+        ts = sample_batch(step, batch_states)
+        for s, tok in zip(batch_states, ts):
+            s.record(tok)
+        together.append(ts[2])
+    assert alone == together and len(set(alone)) > 1
+
+
+def test_batched_logprobs_match_log_softmax():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, V, generator=g)
+    out = token_logprobs(logits, [4, 0, 9], [0, 3, 20])
+    ref = torch.log_softmax(logits, -1)
+    for row, (lp, k) in enumerate(zip(out, [0, 3, 20])):
+        assert lp.logprob == pytest.approx(float(ref[row, lp.token_id]), abs=1e-6)
+        assert [t for t, _ in lp.top] == torch.topk(ref[row], k).indices.tolist()
 
 
 def test_sampled_tokens_stay_in_the_kept_set(logits):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.engine.sampler import TokenLogprob, sample, token_logprob
+from minerva.engine.sampler import TokenLogprob, sample_batch, token_logprobs
 from minerva.engine.scheduler import Scheduled
 from minerva.kernels.attention import PagedKVCache, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
@@ -67,9 +67,15 @@ class ModelRunner:
         if logit_rows:
             logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
             samplers = [i for i, s in enumerate(batch) if s.samples]
-            for row, i in enumerate(samplers):
-                req = batch[i].request
-                token = sample(logits[row], req.sampler)
-                k = req.params.logprobs
-                out[i] = (token, None if k is None else token_logprob(logits[row], token, k))
+            requests = [batch[i].request for i in samplers]
+            tokens = sample_batch(logits, [r.sampler for r in requests])
+            for i, token in zip(samplers, tokens):
+                out[i] = (token, None)
+            asked = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+            if asked:
+                rows = torch.tensor(asked, device=self.device)
+                lps = token_logprobs(logits[rows], [tokens[a] for a in asked],
+                                     [requests[a].params.logprobs for a in asked])
+                for a, lp in zip(asked, lps):
+                    out[samplers[a]] = (tokens[a], lp)
         return out

@@ -83,11 +83,11 @@ class SamplerState:
 
     params: SamplingParams
     generator: torch.Generator
-    seen: list[int] = field(default_factory=list)  # prompt and generated tokens
+    seen: dict[int, None] = field(default_factory=dict)  # prompt and generated tokens, once each
     generated: dict[int, int] = field(default_factory=dict)  # token -> times generated
 
     def record(self, token: int) -> None:
-        self.seen.append(token)
+        self.seen[token] = None
         self.generated[token] = self.generated.get(token, 0) + 1
 
 
@@ -97,61 +97,130 @@ def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.devic
         gen.manual_seed(params.seed)
     else:
         gen.seed()
-    return SamplerState(params, gen, list(prompt_ids))
+    return SamplerState(params, gen, dict.fromkeys(prompt_ids))
 
 
-def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
-    """Apply the request's parameters to float32 logits [vocab]; removed tokens become -inf.
+def _rows(states: list[SamplerState], want) -> list[int]:
+    return [i for i, s in enumerate(states) if want(s)]
+
+
+def _flat(rows: list[int], per_row, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, column) tensors for the token ids each row names."""
+    r, c = [], []
+    for i in rows:
+        ids = per_row(i)
+        r += [i] * len(ids)
+        c += ids
+    return (torch.tensor(r, dtype=torch.int64, device=device),
+            torch.tensor(c, dtype=torch.int64, device=device))
+
+
+def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """Apply each row's parameters to float32 logits [B, vocab]; removed tokens become -inf.
 
     Order: repetition penalty, presence/frequency penalties, logit bias (as vLLM applies
-    them), then as in transformers' generation: temperature, top-k, top-p, min-p.
+    them), then as in transformers' generation: temperature, top-k, top-p, min-p. Greedy
+    rows stop after the bias. Every operation works row by row, so a row's result does not
+    depend on which other rows share the batch.
     """
-    p = state.params
-    logits = logits.float()
+    logits = logits.float().clone()
     if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
         raise MinervaError("the model produced NaN/inf logits (numeric overflow); "
                            "run with --dtype bfloat16 or float32")
-    if p.repetition_penalty != 1.0 and state.seen:
-        ids = torch.tensor(sorted(set(state.seen)), device=logits.device)
-        picked = logits[ids]
-        logits = logits.clone()
-        logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty,
-                                  picked * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and state.generated:
-        ids = torch.tensor(list(state.generated), device=logits.device)
-        counts = torch.tensor(list(state.generated.values()), device=logits.device, dtype=logits.dtype)
-        logits = logits.clone()
-        logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
-    if p.logit_bias:
-        ids = torch.tensor([t for t in p.logit_bias if t < logits.shape[-1]], device=logits.device,
-                           dtype=torch.int64)
-        bias = torch.tensor([p.logit_bias[t] for t in p.logit_bias if t < logits.shape[-1]],
-                            device=logits.device, dtype=logits.dtype)
-        logits = logits.index_add(0, ids, bias)
-    if p.greedy:
+    dev, vocab = logits.device, logits.shape[-1]
+    params = [s.params for s in states]
+
+    rows = _rows(states, lambda s: s.params.repetition_penalty != 1.0 and s.seen)
+    if rows:
+        r, c = _flat(rows, lambda i: list(states[i].seen), dev)
+        pen = torch.tensor([params[i].repetition_penalty for i in r.tolist()], device=dev)
+        picked = logits[r, c]
+        logits[r, c] = torch.where(picked > 0, picked / pen, picked * pen)
+
+    rows = _rows(states, lambda s: (s.params.presence_penalty or s.params.frequency_penalty)
+                 and s.generated)
+    if rows:
+        r, c = _flat(rows, lambda i: list(states[i].generated), dev)
+        counts = torch.tensor([n for i in rows for n in states[i].generated.values()],
+                              device=dev, dtype=logits.dtype)
+        pres = torch.tensor([params[i].presence_penalty for i in r.tolist()], device=dev)
+        freq = torch.tensor([params[i].frequency_penalty for i in r.tolist()], device=dev)
+        logits[r, c] -= pres + freq * counts
+
+    rows = _rows(states, lambda s: s.params.logit_bias)
+    if rows:
+        r, c = _flat(rows, lambda i: list(params[i].logit_bias), dev)
+        bias = torch.tensor([b for i in rows for b in params[i].logit_bias.values()], device=dev)
+        keep = c < vocab
+        logits.index_put_((r[keep], c[keep]), bias[keep], accumulate=True)
+
+    rows = _rows(states, lambda s: not s.params.greedy)
+    if not rows:
         return logits
-    logits = logits / p.temperature
-    if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if p.top_p < 1.0:
-        ascending, order = torch.sort(logits)
-        drop = torch.softmax(ascending, -1).cumsum(-1) <= 1 - p.top_p
-        drop[-1] = False  # always keep the most likely token
-        logits = logits.masked_fill(drop.scatter(0, order, drop), -math.inf)
-    if p.min_p > 0:
-        probs = torch.softmax(logits, -1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    idx = torch.tensor(rows, device=dev)
+    temps = torch.tensor([params[i].temperature for i in rows], device=dev)
+    sub = logits[idx] / temps[:, None]
+
+    def apply(want, fn):
+        picked = [j for j, i in enumerate(rows) if want(params[i])]
+        if picked:
+            j = torch.tensor(picked, device=dev)
+            sub[j] = fn(sub[j], [params[rows[k]] for k in picked])
+
+    def top_k(x, ps):
+        k = torch.tensor([p.top_k for p in ps], device=dev)
+        kth = torch.topk(x, int(k.max())).values.gather(1, (k - 1)[:, None])
+        return x.masked_fill(x < kth, -math.inf)
+
+    def top_p(x, ps):
+        ascending, order = torch.sort(x, dim=-1)
+        limit = torch.tensor([1 - p.top_p for p in ps], device=dev)
+        drop = torch.softmax(ascending, -1).cumsum(-1) <= limit[:, None]
+        drop[:, -1] = False  # always keep the most likely token
+        return x.masked_fill(drop.scatter(1, order, drop), -math.inf)
+
+    def min_p(x, ps):
+        probs = torch.softmax(x, -1)
+        floor = torch.tensor([p.min_p for p in ps], device=dev)[:, None] * probs.amax(-1, keepdim=True)
+        return x.masked_fill(probs < floor, -math.inf)
+
+    apply(lambda p: 0 < p.top_k < vocab, top_k)
+    apply(lambda p: p.top_p < 1.0, top_p)
+    apply(lambda p: p.min_p > 0, min_p)
+    logits[idx] = sub
     return logits
+
+
+def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """process_batch for one row of logits [vocab]."""
+    return process_batch(logits[None], [state])[0]
+
+
+def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
+    """Pick each row's next token from float32 logits [B, vocab], each with its own generator.
+
+    Sampling inverts the cumulative distribution at one uniform draw from the row's
+    generator, so a seeded request draws the same tokens whatever else is in the batch.
+    """
+    processed = process_batch(logits, states)
+    tokens = processed.argmax(-1)
+    rows = _rows(states, lambda s: not s.params.greedy)
+    if rows:
+        idx = torch.tensor(rows, device=logits.device)
+        cdf = torch.softmax(processed[idx], -1).double().cumsum(-1)
+        u = torch.cat([torch.rand(1, generator=states[i].generator, dtype=torch.float64,
+                                  device=logits.device) for i in rows])
+        total = cdf[:, -1:]
+        drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)
+        # u * total can round up to total; the last token with mass is then the answer
+        last = (cdf < total).sum(-1, keepdim=True)
+        tokens[idx] = torch.minimum(drawn, last)[:, 0]
+    return tokens.tolist()
 
 
 def sample(logits: torch.Tensor, state: SamplerState) -> int:
     """Pick the next token from float32 logits [vocab]."""
-    logits = process_logits(logits, state)
-    if state.params.greedy:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=state.generator))
+    return sample_batch(logits[None], [state])[0]
 
 
 @dataclass(frozen=True)
@@ -164,8 +233,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-def token_logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """For rows of raw logits [B, vocab]: each chosen token's logprob and its row's top ks[i]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    top = torch.topk(logp, k) if k else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprob(token, float(logp[token]), pairs)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    kmax = max(ks)
+    top_v, top_i = (torch.topk(logp, kmax) if kmax else (logp[:, :0], logp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprob(t, lp, tuple(zip(ti[:k], tv[:k])))
+            for t, lp, ti, tv, k in zip(tokens, chosen, top_i, top_v, ks)]
+

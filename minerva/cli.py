@@ -105,7 +105,7 @@ def _load(model: str | None, args, engine: bool = True):
     c = llm.config
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, "
           f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file, "
-          f"{llm.loaded.compute_bytes / 1e6:.0f} MB dequantized for compute) on {llm.device} in "
+          f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {_peak_rss_mb():.0f} MB", file=sys.stderr)
     return llm
 

@@ -12,6 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from minerva.formats.quant import dequantize
+from minerva.kernels import native
+
+# GGML types with a packed C++ kernel (minerva/kernels/csrc/qmatmul.cpp)
+PACKED_KERNEL_TYPES = frozenset({
+    gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q5_0,
+    gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K,
+    gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K,
+})
 
 
 ROW_MULTIPLE = 4
@@ -40,6 +48,10 @@ class DenseWeight:
         self.tensor = tensor
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tensor.shape)
+
+    @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
@@ -55,17 +67,22 @@ class DenseWeight:
 class GGUFWeight:
     """A GGML-quantized weight, kept as its packed bytes (one row of blocks per output).
 
-    Rows can be gathered packed and dequantized on their own (embedding lookup).
-    `matmul` uses a dequantized copy made once by `materialize`; the packed
-    kernels of the CPU and CUDA backends replace that copy.
+    On CPUs the packed C++ kernel multiplies straight from these bytes (float32 or
+    bfloat16 activations); rows are gathered packed and decoded on their own for
+    embedding lookups. Without a kernel for the type or device, `materialize` makes a
+    dequantized copy once and `matmul` uses it (the reference path).
     """
 
     def __init__(self, packed: torch.Tensor, qtype: gguf.GGMLQuantizationType,
                  shape: tuple[int, int], dtype: torch.dtype):
-        self.packed = packed  # uint8 [rows, bytes_per_row]
         self.qtype = qtype
-        self.shape = shape
+        self.shape = tuple(shape)
         self.dtype = dtype
+        self.kernel = None
+        if (packed.device.type == "cpu" and qtype in PACKED_KERNEL_TYPES
+                and dtype in (torch.float32, torch.bfloat16)):
+            self.kernel = native.load()
+        self.packed = packed.contiguous() if self.kernel is not None else packed  # uint8 [rows, row bytes]
         self._dense: torch.Tensor | None = None
 
     @property
@@ -75,12 +92,15 @@ class GGUFWeight:
 
     @property
     def compute_nbytes(self) -> int:
-        """Bytes held for computing: the dequantized copy, when one was made."""
-        return 0 if self._dense is None else self._dense.numel() * self._dense.element_size()
+        """Bytes held for computing: the packed bytes, or the dequantized copy when one was made."""
+        if self._dense is not None:
+            return self._dense.numel() * self._dense.element_size()
+        return self.nbytes
 
     def materialize(self, rows_per_chunk: int = 8192) -> None:
-        """Dequantize once, a slab of rows at a time so temporaries stay small."""
-        if self._dense is not None:
+        """Ready the weight for matmul: nothing to do with a packed kernel; otherwise
+        dequantize once, a slab of rows at a time so temporaries stay small."""
+        if self._dense is not None or self.kernel is not None:
             return
         rows, cols = self.shape
         out = torch.empty(rows, cols, dtype=self.dtype, device=self.packed.device)
@@ -90,18 +110,47 @@ class GGUFWeight:
         self._dense = out
 
     def dense(self) -> torch.Tensor:
-        self.materialize()
-        return self._dense
+        """The dequantized weight (made on demand; the packed path never needs it)."""
+        if self._dense is not None:
+            return self._dense
+        rows, cols = self.shape
+        return dequantize(self.packed, self.qtype, (rows, cols)).to(self.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.dense())
+        if self.kernel is not None and x.dtype == self.dtype:
+            rows, cols = self.shape
+            y = self.kernel.qmatmul(x.reshape(-1, cols), self.packed, int(self.qtype), rows, cols)
+            return y.reshape(*x.shape[:-1], rows)
+        self.materialize()
+        return linear(x, self._dense)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:
             return self._dense[ids]
         picked = self.packed[ids.reshape(-1)]
-        out = dequantize(picked, self.qtype, (picked.shape[0], self.shape[1])).to(self.dtype)
-        return out.reshape(*ids.shape, self.shape[1])
+        cols = self.shape[1]
+        if self.kernel is not None:
+            out = self.kernel.dequantize_rows(picked, int(self.qtype), cols).to(self.dtype)
+        else:
+            out = dequantize(picked, self.qtype, (picked.shape[0], cols)).to(self.dtype)
+        return out.reshape(*ids.shape, cols)
 
 
 Weight = DenseWeight | GGUFWeight
+
+
+def fuse(weights: list[Weight]) -> Weight | None:
+    """One weight whose output rows are those of `weights` in order (QKV, gate/up), so one
+    matmul replaces several; None when their formats differ. Stacking rows is exact:
+    every output row is still computed from its own weight row alone."""
+    first = weights[0]
+    if all(isinstance(w, DenseWeight) for w in weights):
+        if len({(w.tensor.shape[1], w.tensor.dtype, w.tensor.device) for w in weights}) == 1:
+            return DenseWeight(torch.cat([w.tensor for w in weights]))
+    elif all(isinstance(w, GGUFWeight) for w in weights):
+        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device, w._dense is None) for w in weights}
+        if len(same) == 1 and first.kernel is not None:
+            packed = torch.cat([w.packed.reshape(w.shape[0], -1) for w in weights])
+            return GGUFWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
+                              first.dtype)
+    return None

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minerva.kernels.weights import Weight
+from minerva.kernels.weights import Weight, fuse
 from minerva.models.config import SLIDING, ModelConfig, RopeScaling
 
 
@@ -43,6 +43,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight.matmul(x)
         return y if self.bias is None else y + self.bias
+
+
+class Projections(nn.Module):
+    """Several linears on the same input (Q/K/V, gate/up): one fused matmul when the
+    weights' formats allow stacking them, else one matmul each."""
+
+    def __init__(self, *linears: Linear):
+        super().__init__()
+        self.sizes = [lin.weight.shape[0] for lin in linears]
+        fused = fuse([lin.weight for lin in linears]) if all(lin.bias is None for lin in linears) else None
+        self.fused = Linear(fused) if fused is not None else None
+        self.parts = nn.ModuleList(linears) if fused is None else None
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.fused is not None:
+            return list(self.fused(x).split(self.sizes, dim=-1))
+        return [lin(x) for lin in self.parts]
 
 
 class RMSNorm(nn.Module):
@@ -103,15 +120,16 @@ class Attention(nn.Module):
             config.num_heads, config.num_kv_heads, config.head_dim)
         self.scale = config.softmax_scale
         self.window = config.sliding_window if config.layer_types[layer] == SLIDING else None
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q, k, v, o
+        self.qkv_proj, self.o_proj = Projections(q, k, v), o
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rotary = rotary
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
@@ -130,11 +148,12 @@ class GatedMLP(nn.Module):
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, activation: str):
         super().__init__()
-        self.gate, self.up, self.down = gate, up, down
+        self.gate_up, self.down = Projections(gate, up), down
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -287,7 +287,7 @@ class LoadedModel:
     path: Path
     load_seconds: float
     weight_bytes: int  # as stored (packed for quantized GGUF tensors)
-    compute_bytes: int  # dequantized copies held for the matmuls
+    compute_bytes: int  # what the matmuls read: packed bytes, or dequantized copies
 
 
 def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:

@@ -1,0 +1,451 @@
+// Packed GGML-quantized matmul for x86-64 CPUs with AVX-512 (F, BW, VL, BF16) and F16C.
+//
+// y[M, N] = x[M, K] @ W^T, where W [N, K] stays in its GGUF block layout (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). A panel of weight rows is decoded into a small
+// scratch buffer (fp32 or bf16, the dtype of x) and reused for every row of x.
+//
+// Exactness: the decoded fp32 weights are bit-identical to minerva/formats/quant.py
+// (the same float operations in the same order; build with -ffp-contract=off). Each
+// output element is one fixed sequence of FMAs over K followed by a fixed lane
+// reduction, whatever M is and however rows and panels fall to threads: a row's
+// result never depends on what else is in the batch.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// GGML type ids (gguf.GGMLQuantizationType)
+enum : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m512 cvt_u8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
+inline __m512 cvt_i8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
+
+// 16 bits of `bits` starting at `shift`, each as a byte 0/1 -> shifted to bit 4
+inline __m128i high_bits16(uint32_t bits) {
+  __mmask16 m = static_cast<__mmask16>(bits);
+  return _mm_maskz_mov_epi8(m, _mm_set1_epi8(16));
+}
+
+// Decode the 32 weights of group g (elements 32g .. 32g+31) of one packed row to fp32.
+template <int QT>
+inline void decode32(const uint8_t* row, int64_t g, __m512& lo, __m512& hi);
+
+template <>
+inline void decode32<Q4_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + g * 18;
+  __m512 d = _mm512_set1_ps(f16(b));
+  __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+  __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  __m128i lo = _mm_sub_epi8(_mm_and_si128(qs, m4), eight);
+  __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), eight);
+  w0 = _mm512_mul_ps(d, cvt_i8(lo));
+  w1 = _mm512_mul_ps(d, cvt_i8(hi));
+}
+
+template <>
+inline void decode32<Q4_1>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + g * 20;
+  __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
+  __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
+  __m128i m4 = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
+  w0 = _mm512_add_ps(_mm512_mul_ps(d, cvt_u8(lo)), m);
+  w1 = _mm512_add_ps(_mm512_mul_ps(d, cvt_u8(hi)), m);
+}
+
+inline void q5_values(const uint8_t* qh4, const uint8_t* qs16, __m128i& lo, __m128i& hi) {
+  uint32_t qh;
+  std::memcpy(&qh, qh4, 4);
+  __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs16));
+  __m128i m4 = _mm_set1_epi8(0x0F);
+  lo = _mm_or_si128(_mm_and_si128(qs, m4), high_bits16(qh));
+  hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), high_bits16(qh >> 16));
+}
+
+template <>
+inline void decode32<Q5_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + g * 22;
+  __m512 d = _mm512_set1_ps(f16(b));
+  __m128i lo, hi;
+  q5_values(b + 2, b + 6, lo, hi);
+  __m128i sixteen = _mm_set1_epi8(16);
+  w0 = _mm512_mul_ps(d, cvt_i8(_mm_sub_epi8(lo, sixteen)));
+  w1 = _mm512_mul_ps(d, cvt_i8(_mm_sub_epi8(hi, sixteen)));
+}
+
+template <>
+inline void decode32<Q5_1>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + g * 24;
+  __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
+  __m128i lo, hi;
+  q5_values(b + 4, b + 8, lo, hi);
+  w0 = _mm512_add_ps(_mm512_mul_ps(d, cvt_u8(lo)), m);
+  w1 = _mm512_add_ps(_mm512_mul_ps(d, cvt_u8(hi)), m);
+}
+
+template <>
+inline void decode32<Q8_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + g * 34;
+  __m512 d = _mm512_set1_ps(f16(b));
+  __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+  __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+  w0 = _mm512_mul_ps(cvt_i8(q0), d);
+  w1 = _mm512_mul_ps(cvt_i8(q1), d);
+}
+
+// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
+inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+  }
+}
+
+template <>
+inline void decode32<Q4_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + (g >> 3) * 144;
+  int j = static_cast<int>(g & 7), sc, mn;
+  k_scale_min(b + 4, j, sc, mn);
+  __m512 dl = _mm512_set1_ps(f16(b) * static_cast<float>(sc));
+  __m512 ml = _mm512_set1_ps(f16(b + 2) * static_cast<float>(mn));
+  const uint8_t* qs = b + 16 + 32 * (j >> 1);
+  __m128i m4 = _mm_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
+    q = (j & 1) ? _mm_and_si128(_mm_srli_epi16(q, 4), m4) : _mm_and_si128(q, m4);
+    (h ? w1 : w0) = _mm512_sub_ps(_mm512_mul_ps(dl, cvt_u8(q)), ml);
+  }
+}
+
+template <>
+inline void decode32<Q5_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + (g >> 3) * 176;
+  int j = static_cast<int>(g & 7), sc, mn;
+  k_scale_min(b + 4, j, sc, mn);
+  __m512 dl = _mm512_set1_ps(f16(b) * static_cast<float>(sc));
+  __m512 ml = _mm512_set1_ps(f16(b + 2) * static_cast<float>(mn));
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48 + 32 * (j >> 1);
+  __m128i m4 = _mm_set1_epi8(0x0F), bit = _mm_set1_epi8(static_cast<char>(1 << j));
+  for (int h = 0; h < 2; ++h) {
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
+    q = (j & 1) ? _mm_and_si128(_mm_srli_epi16(q, 4), m4) : _mm_and_si128(q, m4);
+    __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * h));
+    __mmask16 set = _mm_test_epi8_mask(hb, bit);
+    q = _mm_or_si128(q, _mm_maskz_mov_epi8(set, _mm_set1_epi8(16)));
+    (h ? w1 : w0) = _mm512_sub_ps(_mm512_mul_ps(dl, cvt_u8(q)), ml);
+  }
+}
+
+template <>
+inline void decode32<Q6_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + (g >> 3) * 210;
+  int j = static_cast<int>(g & 7), half = j >> 2, t = j & 3;
+  const uint8_t* ql = b + 64 * half + 32 * (t & 1);
+  const uint8_t* qh = b + 128 + 32 * half;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  float d = f16(b + 208);
+  __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3), off = _mm_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 16 * h));
+    q = (t >> 1) ? _mm_and_si128(_mm_srli_epi16(q, 4), m4) : _mm_and_si128(q, m4);
+    __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + 16 * h));
+    hb = _mm_and_si128(_mm_srl_epi16(hb, _mm_cvtsi32_si128(2 * t)), m3);
+    q = _mm_sub_epi8(_mm_or_si128(q, _mm_slli_epi16(hb, 4)), off);
+    __m512 dl = _mm512_set1_ps(d * static_cast<float>(scales[2 * j + h]));
+    (h ? w1 : w0) = _mm512_mul_ps(dl, cvt_i8(q));
+  }
+}
+
+template <int QT> struct Layout;
+template <> struct Layout<Q4_0> { static constexpr int block = 32, bytes = 18; };
+template <> struct Layout<Q4_1> { static constexpr int block = 32, bytes = 20; };
+template <> struct Layout<Q5_0> { static constexpr int block = 32, bytes = 22; };
+template <> struct Layout<Q5_1> { static constexpr int block = 32, bytes = 24; };
+template <> struct Layout<Q8_0> { static constexpr int block = 32, bytes = 34; };
+template <> struct Layout<Q4_K> { static constexpr int block = 256, bytes = 144; };
+template <> struct Layout<Q5_K> { static constexpr int block = 256, bytes = 176; };
+template <> struct Layout<Q6_K> { static constexpr int block = 256, bytes = 210; };
+
+// Calls f.template operator()<QT>() for the GGML type `qtype`.
+template <typename F>
+auto with_format(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case Q4_0: return f.template operator()<Q4_0>();
+    case Q4_1: return f.template operator()<Q4_1>();
+    case Q5_0: return f.template operator()<Q5_0>();
+    case Q5_1: return f.template operator()<Q5_1>();
+    case Q8_0: return f.template operator()<Q8_0>();
+    case Q4_K: return f.template operator()<Q4_K>();
+    case Q5_K: return f.template operator()<Q5_K>();
+    case Q6_K: return f.template operator()<Q6_K>();
+    default: break;
+  }
+  TORCH_CHECK(false, "no packed kernel for GGML type ", qtype);
+  return f.template operator()<Q4_0>();  // not reached
+}
+
+// Every output element y[m, n] is computed the same way on every path:
+//   acc = 0 (16 lanes); for k in 0, 16, 32, ...: acc = fma(w[n, k:k+16], x[m, k:k+16], acc)
+//   y = reduce_add(acc)                                         (fp32 activations)
+//   acc = 0; for k in 0, 32, ...: acc = dpbf16(acc, bf16(w[n, k:k+32]), x[m, k:k+32])
+//   y = reduce_add(acc)                                         (bf16 activations)
+// with w decoded bit-exactly. Small batches decode into registers; larger ones decode a
+// panel of rows once into scratch and sweep every row of x over it. Both give the
+// same bits, so where a row lands never changes its result.
+
+constexpr int SMALL_M = 4;  // up to this many rows: decode in registers
+constexpr int MR = 4;       // rows of x per micro-tile
+constexpr int NR = 4;       // weight rows per micro-tile
+constexpr int PANEL = 16;   // weight rows decoded at once
+
+inline __m512bh pack_bf16(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
+
+template <int QT, int mr>
+void direct_f32(const float* x, int64_t K, const uint8_t* row, float* y, int64_t ldy) {
+  __m512 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 w0, w1;
+    decode32<QT>(row, g, w0, w1);
+    for (int i = 0; i < mr; ++i) {
+      acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + 32 * g), acc[i]);
+      acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + 32 * g + 16), acc[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
+template <int QT, int mr>
+void direct_bf16(const uint16_t* x, int64_t K, const uint8_t* row, float* y, int64_t ldy) {
+  __m512 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 w0, w1;
+    decode32<QT>(row, g, w0, w1);
+    __m512bh w = pack_bf16(w0, w1);
+    for (int i = 0; i < mr; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_loadu_si512(x + i * K + 32 * g));
+  }
+  for (int i = 0; i < mr; ++i) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+}
+
+template <int mr, int nr>
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = _mm512_loadu_ps(w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int mr, int nr>
+void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+  __m512 acc[mr][nr];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[nr];
+    for (int j = 0; j < nr; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * K + k);
+    for (int i = 0; i < mr; ++i) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * ldx + k);
+      for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nr; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// Calls F<mr, nr>::run(args...) for runtime mr, nr in 1..4.
+template <template <int, int> class F, int mr, typename... A>
+void by_nr(int nr, A... a) {
+  switch (nr) {
+    case 1: F<mr, 1>::run(a...); break;
+    case 2: F<mr, 2>::run(a...); break;
+    case 3: F<mr, 3>::run(a...); break;
+    default: F<mr, 4>::run(a...); break;
+  }
+}
+template <template <int, int> class F, typename... A>
+void by_mr_nr(int mr, int nr, A... a) {
+  switch (mr) {
+    case 1: by_nr<F, 1>(nr, a...); break;
+    case 2: by_nr<F, 2>(nr, a...); break;
+    case 3: by_nr<F, 3>(nr, a...); break;
+    default: by_nr<F, 4>(nr, a...); break;
+  }
+}
+template <int mr, int nr> struct TileF32 {
+  static void run(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy) {
+    tile_f32<mr, nr>(x, ldx, w, K, y, ldy);
+  }
+};
+template <int mr, int nr> struct TileBF16 {
+  static void run(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* y, int64_t ldy) {
+    tile_bf16<mr, nr>(x, ldx, w, K, y, ldy);
+  }
+};
+
+template <int QT>
+void decode_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 w0, w1;
+    decode32<QT>(row, g, w0, w1);
+    _mm512_storeu_ps(out + 32 * g, w0);
+    _mm512_storeu_ps(out + 32 * g + 16, w1);
+  }
+}
+
+template <int QT>
+void decode_row_bf16(const uint8_t* row, int64_t K, uint16_t* out) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    __m512 w0, w1;
+    decode32<QT>(row, g, w0, w1);
+    _mm512_storeu_si512(out + 32 * g, (__m512i)pack_bf16(w0, w1));
+  }
+}
+
+template <int QT>
+int64_t row_bytes(int64_t K) { return K / Layout<QT>::block * Layout<QT>::bytes; }
+
+template <int QT>
+void check_args(const torch::Tensor& packed, int64_t rows, int64_t cols) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu(),
+              "packed weight must be a contiguous CPU uint8 tensor");
+  TORCH_CHECK(cols > 0 && cols % Layout<QT>::block == 0, "row length ", cols,
+              " is not a multiple of the block size ", Layout<QT>::block);
+  TORCH_CHECK(packed.numel() == rows * row_bytes<QT>(cols), "packed weight has ", packed.numel(),
+              " bytes, expected ", rows * row_bytes<QT>(cols));
+}
+
+template <int QT, typename T>
+void matmul_small(const T* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y) {
+  const int64_t rb = row_bytes<QT>(K);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = W + n * rb;
+      for (int64_t m0 = 0; m0 < M; m0 += SMALL_M) {
+        const int mr = static_cast<int>(std::min<int64_t>(SMALL_M, M - m0));
+        float* yt = y + m0 * N + n;
+        const T* xt = x + m0 * K;
+        if constexpr (std::is_same_v<T, float>) {
+          switch (mr) {
+            case 1: direct_f32<QT, 1>(xt, K, row, yt, N); break;
+            case 2: direct_f32<QT, 2>(xt, K, row, yt, N); break;
+            case 3: direct_f32<QT, 3>(xt, K, row, yt, N); break;
+            default: direct_f32<QT, 4>(xt, K, row, yt, N); break;
+          }
+        } else {
+          switch (mr) {
+            case 1: direct_bf16<QT, 1>(xt, K, row, yt, N); break;
+            case 2: direct_bf16<QT, 2>(xt, K, row, yt, N); break;
+            case 3: direct_bf16<QT, 3>(xt, K, row, yt, N); break;
+            default: direct_bf16<QT, 4>(xt, K, row, yt, N); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+template <int QT, typename T>
+void matmul_panels(const T* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y) {
+  const int64_t rb = row_bytes<QT>(K);
+  const int64_t panels = (N + PANEL - 1) / PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<T> panel(PANEL * K);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * PANEL, np = std::min<int64_t>(PANEL, N - n0);
+      for (int64_t j = 0; j < np; ++j) {
+        if constexpr (std::is_same_v<T, float>) decode_row<QT>(W + (n0 + j) * rb, K, panel.data() + j * K);
+        else decode_row_bf16<QT>(W + (n0 + j) * rb, K, panel.data() + j * K);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        for (int64_t j0 = 0; j0 < np; j0 += NR) {
+          const int nr = static_cast<int>(std::min<int64_t>(NR, np - j0));
+          float* yt = y + m0 * N + n0 + j0;
+          if constexpr (std::is_same_v<T, float>)
+            by_mr_nr<TileF32>(mr, nr, x + m0 * K, K, static_cast<const float*>(panel.data() + j0 * K), K, yt, N);
+          else
+            by_mr_nr<TileBF16>(mr, nr, x + m0 * K, K, static_cast<const uint16_t*>(panel.data() + j0 * K), K, yt, N);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] float32 or bfloat16 -> y [M, N] in x's dtype (accumulated in float32).
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [M, ", cols, "]");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = rows, K = cols;
+  const bool bf16 = x.dtype() == torch::kBFloat16;
+  auto y32 = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  with_format(qtype, [&]<int QT>() {
+    check_args<QT>(packed, rows, cols);
+    const uint8_t* W = packed.data_ptr<uint8_t>();
+    float* y = y32.data_ptr<float>();
+    if (bf16) {
+      auto xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      if (M <= SMALL_M) matmul_small<QT>(xb, M, K, W, N, y);
+      else matmul_panels<QT>(xb, M, K, W, N, y);
+    } else {
+      if (M <= SMALL_M) matmul_small<QT>(x.data_ptr<float>(), M, K, W, N, y);
+      else matmul_panels<QT>(x.data_ptr<float>(), M, K, W, N, y);
+    }
+    return 0;
+  });
+  return bf16 ? y32.to(torch::kBFloat16) : y32;
+}
+
+// Decode packed rows [R, row_bytes] to float32 [R, cols] (embedding lookups, tests).
+torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols) {
+  TORCH_CHECK(packed.dim() == 2, "packed rows must be [R, row_bytes]");
+  packed = packed.contiguous();
+  const int64_t R = packed.size(0);
+  auto out = torch::empty({R, cols}, torch::dtype(torch::kFloat32));
+  with_format(qtype, [&]<int QT>() {
+    check_args<QT>(packed, R, cols);
+    const uint8_t* W = packed.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) decode_row<QT>(W + r * row_bytes<QT>(cols), cols, o + r * cols);
+    });
+    return 0;
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
+  m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
+}

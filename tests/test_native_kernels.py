@@ -1,0 +1,90 @@
+"""The packed C++ CPU kernels against the references: the gguf package's dequantization
+and a float64 matmul of the dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from minerva.kernels import native
+from tests.test_quant import FP16_FIELDS, bits, random_blocks
+
+PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+
+capable = not (native.NEEDED_CPU_FLAGS - native.cpu_flags())
+if not capable:
+    pytest.skip(f"this CPU cannot run the packed kernels ({native.load() or native.unavailable_reason})",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    mod = native.load()
+    assert mod is not None, f"the CPU supports the kernels but they did not load: {native.unavailable_reason}"
+    return mod
+
+
+def realistic_blocks(qtype, rows, cols, rng):
+    """Packed weights with the value ranges of real checkpoints (scales ~1e-2)."""
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
+        return gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+    raw = random_blocks(qtype, (rows, cols), rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    for off in FP16_FIELDS[qtype]:
+        raw[:, off:off + 2] = rng.uniform(1e-4, 2e-3, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+def test_decoding_is_bit_identical_to_gguf(kernels, qtype):
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, (9, 512), rng)
+    ours = kernels.dequantize_rows(torch.from_numpy(raw), int(qtype), 512)
+    ref = gguf_dequantize(raw, qtype).reshape(9, 512)
+    np.testing.assert_array_equal(bits(ours.numpy()), bits(ref))
+
+
+@pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matmul_matches_float64_reference(kernels, qtype, dtype):
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 768  # rows not a multiple of the tile: exercises the edges
+    raw = realistic_blocks(qtype, rows, cols, rng)
+    w = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(rows, cols)).double()
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(0))
+    y = kernels.qmatmul(x.to(dtype), torch.from_numpy(raw), int(qtype), rows, cols)
+    assert y.dtype == dtype and y.shape == (11, rows)
+    if dtype == torch.float32:
+        ref, tol = x.double() @ w.T, 1e-5
+    else:  # exact products of bf16-rounded operands, summed in fp32; the result rounded to bf16
+        ref, tol = x.bfloat16().double() @ w.bfloat16().double().T, 2 ** -8
+    err = (y.double() - ref).abs().max() / ref.abs().max()
+    assert err < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q6_K], ids=lambda t: t.name)
+def test_a_row_does_not_depend_on_the_batch(kernels, qtype, dtype):
+    rng = np.random.default_rng(3)
+    raw = torch.from_numpy(realistic_blocks(qtype, 40, 512, rng))
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
+    full = kernels.qmatmul(x, raw, int(qtype), 40, 512)
+    for lo, hi in [(0, 1), (5, 6), (2, 5), (3, 10), (12, 13)]:
+        assert torch.equal(kernels.qmatmul(x[lo:hi], raw, int(qtype), 40, 512), full[lo:hi])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.qmatmul(x, raw, int(qtype), 40, 512), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_arguments_raise(kernels):
+    raw = torch.zeros(4, 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="bytes"):
+        kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.Q4_1), 5, 32)
+    with pytest.raises(RuntimeError, match="no packed kernel"):
+        kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.Q2_K), 4, 32)

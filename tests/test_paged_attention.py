@@ -14,12 +14,15 @@ import pytest
 import torch
 
 from minerva.errors import MinervaError
+from minerva.kernels import native
 from minerva.kernels.attention import PagedKVCache, paged_attention
 from minerva.kernels.kv_quant import KV_FORMATS, dequantize_kv, quantize_kv
 
 H, HKV, D = 8, 2, 64
 SCALE = D ** -0.5
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# "auto" takes the C++ kernel where it covers the case (CPU; float32/bfloat16/int8 pools)
+IMPLS = ["torch", "auto"]
 
 # (seq_len after this step, queries this step): a whole prompt from position 0,
 # prefill chunks starting at a nonzero position, a first token, and decodes.
@@ -87,7 +90,7 @@ class Batch:
         bs = self.cache.block_size
         return self.tables[b][pos // bs] * bs + pos % bs
 
-    def paged(self, window, requests=None, block_tables=None):
+    def paged(self, window, requests=None, block_tables=None, impl="auto"):
         """Paged attention over `requests` (indices, default all), in that order."""
         requests = range(len(self.specs)) if requests is None else requests
         qsl, q, pos = [0], [], []
@@ -99,7 +102,7 @@ class Batch:
         tables = [self.tables[b] for b in requests] if block_tables is None else block_tables
         return paged_attention(torch.cat(q), self.cache, self.layer, query_start_loc=qsl,
                                seq_lens=[self.specs[b][0] for b in requests], block_tables=tables,
-                               positions=torch.cat(pos), window=window, scale=SCALE)
+                               positions=torch.cat(pos), window=window, scale=SCALE, impl=impl)
 
     def reference(self, window):
         out = []
@@ -109,18 +112,20 @@ class Batch:
         return torch.cat(out)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("block_size", [16, 1, 32])
-def test_float32_pool_matches_dense_reference(block_size, window, device):
+def test_float32_pool_matches_dense_reference(block_size, window, device, impl):
     batch = Batch(MIXED_BATCH, block_size, device=device)
-    out = batch.paged(window)
+    out = batch.paged(window, impl=impl)
     assert out.shape == (batch.q.shape[0], H, D) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), batch.reference(window), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_sliding_window_reads_only_keys_in_reach(block_size):
+def test_sliding_window_reads_only_keys_in_reach(block_size, impl):
     """Keys before the first query's window are poisoned with NaN in the pool: a
     masked NaN key still turns the output into NaN, so a finite, correct result
     shows they were never gathered."""
@@ -131,7 +136,7 @@ def test_sliding_window_reads_only_keys_in_reach(block_size):
         if first > 0:
             nan = torch.full((first, HKV, D), float("nan"))
             batch.cache.write(batch.layer, nan, nan, batch.slots(b, 0, first))
-    out = batch.paged(window)
+    out = batch.paged(window, impl=impl)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), batch.reference(window), atol=1e-5, rtol=0)
 
@@ -162,37 +167,40 @@ TOLERANCE = {"float32": (1e-5, 1e-6), "bfloat16": (3e-2, 2.5e-3), "float16": (4e
     ("int8", "fp8"), ("fp8", "int8"), ("float32", "int8"), ("bfloat16", "fp8"), ("int8", "auto"),
 ])
 @pytest.mark.parametrize("window", [None, 5])
-def test_quantized_pools_within_tolerance(k_format, v_format, window, device):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_quantized_pools_within_tolerance(k_format, v_format, window, device, impl):
     batch = Batch(MIXED_BATCH, 16, k_format, v_format, device=device)
     max_tol, rms_tol = max(TOLERANCE[f if f != "auto" else "float32"] for f in (k_format, v_format))
-    err = batch.paged(window).double() - batch.reference(window)
+    err = batch.paged(window, impl=impl).double() - batch.reference(window)
     max_err, rms_err = err.abs().max().item(), err.pow(2).mean().sqrt().item()
     assert max_err <= max_tol, f"{k_format}/{v_format}: max error {max_err:.3g} > {max_tol}"
     assert rms_err <= rms_tol, f"{k_format}/{v_format}: rms error {rms_err:.3g} > {rms_tol}"
 
 
-def test_bfloat16_compute_with_auto_pool():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bfloat16_compute_with_auto_pool(impl):
     """dtype bfloat16, format auto: the pool stores bf16 and attention runs in bf16."""
     batch = Batch(MIXED_BATCH, 16, "auto", "auto", dtype=torch.bfloat16)
     assert batch.cache.data["k"][0].dtype == torch.bfloat16 and batch.cache.scales["k"] is None
     batch.q = batch.q.bfloat16()
-    out = batch.paged(None)
+    out = batch.paged(None, impl=impl)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), batch.reference(None), atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("fmt", ["float32", "int8"])
-def test_batch_invariance(fmt, window):
+@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16"])
+def test_batch_invariance(fmt, window, impl):
     """A request's output is bitwise the same alone and inside batches of other lengths."""
     batch = Batch(MIXED_BATCH, 16, fmt, fmt)
-    full = batch.paged(window)
+    full = batch.paged(window, impl=impl)
     for b in range(len(MIXED_BATCH)):
         s, e = batch.query_start_loc[b], batch.query_start_loc[b + 1]
-        alone = batch.paged(window, requests=[b])
+        alone = batch.paged(window, requests=[b], impl=impl)
         assert torch.equal(alone, full[s:e]), f"request {b} differs alone vs in the batch"
         others = [i for i in reversed(range(len(MIXED_BATCH))) if i != b][:3]
-        mixed = batch.paged(window, requests=others[:1] + [b] + others[1:])
+        mixed = batch.paged(window, requests=others[:1] + [b] + others[1:], impl=impl)
         start = batch.specs[others[0]][1]
         assert torch.equal(mixed[start:start + e - s], alone)
 
@@ -285,3 +293,11 @@ def test_copy_blocks_copies_every_layer():
             assert torch.equal(t[dst], t[src])
     k, _ = batch.cache.gather(batch.layer, torch.cat([dst, batch.tables[0][2:]]), 40, torch.float32)
     assert torch.equal(k, dequantize_kv(*quantize_kv(batch.k[0], "int8"), torch.float32))
+
+
+@pytest.mark.skipif(native.NEEDED_CPU_FLAGS - native.cpu_flags() != set(), reason="CPU lacks the native kernels")
+def test_native_kernel_covers_the_common_formats():
+    """On a capable CPU, "auto" must really take the C++ path for float32/bf16/int8 pools."""
+    for fmt in ("float32", "bfloat16", "int8"):
+        batch = Batch(MIXED_BATCH, 16, fmt, fmt)
+        torch.testing.assert_close(batch.paged(5, impl="native"), batch.paged(5, impl="auto"), atol=0, rtol=0)

@@ -24,9 +24,9 @@ class PagedBackend:
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor  # [T] slot of each new token
-    query_start_loc: list[int]  # [B + 1]
-    seq_lens: list[int]  # [B] keys per request after this step
-    block_tables: list[torch.Tensor]  # [B] int64 block ids
+    query_start_loc: torch.Tensor  # [B + 1] int64
+    seq_lens: torch.Tensor  # [B] int64, keys per request after this step
+    block_tables: torch.Tensor  # [B, max blocks] int64, zero-padded
     positions: torch.Tensor  # [T]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -46,7 +46,7 @@ class ModelRunner:
     def execute(self, batch: list[Scheduled], block_tables: list[list[int]]
                 ) -> list[tuple[int, TokenLogprob | None] | None]:
         """Run the batch; for each request that samples, its token (and logprobs if asked)."""
-        ids, pos, slots, starts, seq_lens, tables, logit_rows = [], [], [], [0], [], [], []
+        ids, pos, slots, starts, seq_lens, logit_rows = [], [], [], [0], [], []
         bs = self.block_size
         for s, table in zip(batch, block_tables):
             r = s.request
@@ -56,12 +56,15 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(lo, hi)]
             starts.append(starts[-1] + s.num_new_tokens)
             seq_lens.append(hi)
-            tables.append(torch.tensor(table, dtype=torch.int64, device=self.device))
             if s.samples:
                 logit_rows.append(starts[-1] - 1)
         positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
-        backend = PagedBackend(self.cache, torch.tensor(slots, dtype=torch.int64, device=self.device),
-                               starts, seq_lens, tables, positions)
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
+                              device=self.device)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        backend = PagedBackend(self.cache, torch.tensor(slots, **i64), torch.tensor(starts, **i64),
+                               torch.tensor(seq_lens, **i64), tables, positions)
         hidden = self.model(torch.tensor(ids, device=self.device), AttentionContext(positions, backend))
         out: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
         if logit_rows:

@@ -1,4 +1,4 @@
-"""Paged KV cache and paged attention in plain torch: the reference for fast kernels.
+"""Paged KV cache and paged attention: the C++ kernel, and the plain-torch reference.
 
 The pool is a set of fixed-size blocks shared by all requests; a request's keys
 live in the blocks its block table lists, in order. A token's slot is
@@ -6,14 +6,18 @@ live in the blocks its block table lists, in order. A token's slot is
 
 Attention runs one request at a time, on exactly that request's keys with its
 own mask, so a request's output is bitwise the same whatever it is batched with
-(no padding to another request's length, no shared reduction). Fast kernels
-must keep that property and are tested against this code.
+(no padding to another request's length, no shared reduction). The C++ kernel
+(csrc/attention.cpp) keeps that property with one work item per query row and KV
+head; it covers float32/bfloat16/int8 pools on CPUs that run the native kernels,
+and the torch path covers everything else.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from minerva.kernels import native
 
 from minerva.kernels.kv_quant import (
     SCALE_DTYPE, dequantize_kv, kv_format, quantize_kv, resolve_format, storage_dtype)
@@ -88,18 +92,65 @@ class PagedKVCache:
                 t[dst] = t[src]
 
 
-def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc: list[int],
-                    seq_lens: list[int], block_tables, positions: torch.Tensor,
-                    window: int | None, scale: float) -> torch.Tensor:
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def _native_kernel(q: torch.Tensor, cache: PagedKVCache):
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+            or cache.head_dim % 16 or cache.data["k"][0].dtype not in NATIVE_KV_DTYPES
+            or cache.data["v"][0].dtype not in NATIVE_KV_DTYPES):
+        return None
+    return native.load()
+
+
+def as_table_tensor(block_tables, device) -> torch.Tensor:
+    """A list of per-request block-id tensors (or lists) as one zero-padded int64 [B, max]."""
+    if isinstance(block_tables, torch.Tensor):
+        return block_tables
+    width = max((len(t) for t in block_tables), default=0)
+    out = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int64, device=device)
+    for b, t in enumerate(block_tables):
+        out[b, :len(t)] = torch.as_tensor(t, dtype=torch.int64)
+    return out
+
+
+_EMPTY = torch.empty(0)
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc, seq_lens,
+                    block_tables, positions: torch.Tensor, window: int | None, scale: float,
+                    impl: str = "auto") -> torch.Tensor:
     """Causal (optionally sliding-window) attention of q [T, H, D] over the paged cache.
 
     Request b's queries are q[query_start_loc[b]:query_start_loc[b+1]], its last
     n tokens: positions seq_lens[b]-n .. seq_lens[b]-1 (chunked prefill, decode
-    and speculative verification all have this shape). The mask is built from
-    `positions`; that layout is only used, on the host, to skip keys no query
-    can reach (before the window of the first query) and the mask of a lone
-    decode query, which then sees every gathered key.
-    block_tables: a list of int64 tensors or a padded [B, max_blocks] tensor.
+    and speculative verification all have this shape). query_start_loc and seq_lens
+    are lists or int64 tensors; block_tables a list of int64 tensors or a padded
+    [B, max_blocks] tensor. impl: "auto" (the C++ kernel where it applies), "native"
+    or "torch".
+    """
+    kernel = _native_kernel(q, cache) if impl != "torch" else None
+    if kernel is None:
+        if impl == "native":
+            raise RuntimeError(f"no native attention kernel for this case ({native.unavailable_reason})")
+        return paged_attention_torch(q, cache, layer, query_start_loc=list(map(int, query_start_loc)),
+                                     seq_lens=list(map(int, seq_lens)), block_tables=block_tables,
+                                     positions=positions, window=window, scale=scale)
+    ks, vs = cache.scales["k"], cache.scales["v"]
+    return kernel.paged_attention(
+        q, cache.data["k"][layer], cache.data["v"][layer],
+        _EMPTY if ks is None else ks[layer], _EMPTY if vs is None else vs[layer],
+        as_table_tensor(block_tables, q.device), torch.as_tensor(seq_lens, dtype=torch.int64),
+        torch.as_tensor(query_start_loc, dtype=torch.int64), positions, window or 0, scale)
+
+
+def paged_attention_torch(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc: list[int],
+                          seq_lens: list[int], block_tables, positions: torch.Tensor,
+                          window: int | None, scale: float) -> torch.Tensor:
+    """The plain-torch path of `paged_attention`: one request at a time, through
+    scaled_dot_product_attention. The mask is built from `positions`; the batch layout
+    is only used, on the host, to skip keys no query can reach (before the window of
+    the first query) and the mask of a lone decode query, which sees every gathered key.
     """
     out = torch.empty_like(q)
     gqa = q.shape[1] != cache.num_kv_heads

@@ -445,7 +445,13 @@ torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols)
   return out;
 }
 
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
+                              torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
+                              double scale);  // attention.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
+  m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
 }

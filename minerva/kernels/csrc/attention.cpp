@@ -1,0 +1,203 @@
+// Paged attention over the KV pool for x86-64 CPUs with AVX-512.
+//
+// One call covers every request of a step: query rows (chunked prefill, decode and
+// speculative verification alike) attend causally, optionally within a sliding
+// window, to their own request's keys, read through its block table. Each (query row,
+// KV head) is one work item computed start to finish by one thread in a fixed order
+// (scores, max, exp, sum, weighted sum of V), so a row's result never depends on the
+// other rows or requests in the batch. K and V may be stored as float32, bfloat16 or
+// int8 with a float32 scale per token and head; the math is float32.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline __m512 exp512(__m512 x) {
+  // e^x = 2^n * e^r, r = x - n ln2 in [-ln2/2, ln2/2]; degree-6 Taylor is accurate to ~1e-7
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 values of a stored row as float32
+inline __m512 load16(const float* p, float) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p, float) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p, float scale) {
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(scale));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+struct Pool {
+  const void* data;
+  const float* scale;  // null for float storage
+  int64_t block_stride, token_stride;  // elements
+  int64_t scale_block_stride, scale_token_stride;
+};
+
+template <typename QT, typename KT, typename VT>
+void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables, int64_t table_stride,
+            const int64_t* seq_lens, const int64_t* qsl, const int64_t* positions, int64_t B, int64_t T,
+            int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale) {
+  const int64_t G = H / Hkv;
+  std::vector<int64_t> req(T);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) req[t] = b;
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, qf(G * D), acc(G * D), kv(D);
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t t = item / Hkv, hk = item % Hkv, b = req[t];
+      const int64_t pos = positions[t];
+      const int64_t hi = std::min(pos + 1, seq_lens[b]);
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t S = hi - lo;
+      const int64_t* table = tables + b * table_stride;
+      scores.resize(G * S);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(qf.data() + g * D + d, load16(q + (t * H + hk * G + g) * D + d, 1.0f));
+      // scores = scale * q . k
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t p = lo + j, blk = table[p / block_size], off = p % block_size;
+        const KT* kp = static_cast<const KT*>(K.data) + blk * K.block_stride + off * K.token_stride + hk * D;
+        const float ks = K.scale ? K.scale[blk * K.scale_block_stride + off * K.scale_token_stride + hk] : 1.0f;
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(kv.data() + d, load16(kp + d, ks));
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 dot = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16)
+            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + g * D + d), _mm512_loadu_ps(kv.data() + d), dot);
+          scores[g * S + j] = _mm512_reduce_add_ps(dot) * scale;
+        }
+      }
+      // softmax, row by row
+      std::vector<float> inv_sum(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * S;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < S; ++j) mx = std::max(mx, s[j]);
+        __m512 m = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= S; j += 16) {
+          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
+          _mm512_storeu_ps(s + j, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (j < S) {
+          __mmask16 mask = static_cast<__mmask16>((1u << (S - j)) - 1);
+          __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m));
+          _mm512_mask_storeu_ps(s + j, mask, e);
+          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+        }
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+      }
+      // out = sum_j p_j v_j / sum
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t p = lo + j, blk = table[p / block_size], off = p % block_size;
+        const VT* vp = static_cast<const VT*>(V.data) + blk * V.block_stride + off * V.token_stride + hk * D;
+        const float vs = V.scale ? V.scale[blk * V.scale_block_stride + off * V.scale_token_stride + hk] : 1.0f;
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(kv.data() + d, load16(vp + d, vs));
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 w = _mm512_set1_ps(scores[g * S + j]);
+          for (int64_t d = 0; d < D; d += 16) {
+            float* a = acc.data() + g * D + d;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(w, _mm512_loadu_ps(kv.data() + d), _mm512_loadu_ps(a)));
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 inv = _mm512_set1_ps(inv_sum[g]);
+        for (int64_t d = 0; d < D; d += 16)
+          store16(out + (t * H + hk * G + g) * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + g * D + d), inv));
+      }
+    }
+  });
+}
+
+Pool pool_of(const torch::Tensor& data, const torch::Tensor& scale) {
+  Pool p{data.data_ptr(), nullptr, data.stride(0), data.stride(1), 0, 0};
+  if (scale.defined() && scale.numel() > 0) {
+    TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.dim() == 3, "KV scales must be float32 [blocks, block_size, Hkv]");
+    p.scale = scale.data_ptr<float>();
+    p.scale_block_stride = scale.stride(0);
+    p.scale_token_stride = scale.stride(1);
+  }
+  return p;
+}
+
+template <typename QT, typename KT>
+void dispatch_v(const torch::Tensor& v, const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables,
+                int64_t ts, const int64_t* sl, const int64_t* qsl, const int64_t* pos, int64_t B, int64_t T,
+                int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t window, float scale) {
+  switch (v.scalar_type()) {
+    case torch::kFloat32: attend<QT, KT, float>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    case torch::kBFloat16: attend<QT, KT, at::BFloat16>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    case torch::kInt8: attend<QT, KT, int8_t>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    default: TORCH_CHECK(false, "unsupported V cache dtype ", v.scalar_type());
+  }
+}
+
+}  // namespace
+
+// q [T, H, D]; k/v pools [blocks, block_size, Hkv, D] (+ float32 scales [blocks, block_size,
+// Hkv] for int8, else empty tensors); block_tables [B, max_blocks] int64; seq_lens [B];
+// query_start_loc [B + 1]; positions [T]; window <= 0 for none.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
+                              torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q must be [T, H, D] and k/v [blocks, block_size, Hkv, D]");
+  q = q.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(2), bs = k.size(1);
+  TORCH_CHECK(D % 16 == 0 && k.size(3) == D && v.size(3) == D && H % Hkv == 0, "bad head sizes");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "KV pools must be dense in [Hkv, D]");
+  auto i64 = [](const torch::Tensor& x) { return x.to(torch::kInt64).contiguous(); };
+  block_tables = i64(block_tables), seq_lens = i64(seq_lens), query_start_loc = i64(query_start_loc),
+  positions = i64(positions);
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && positions.size(0) == T && block_tables.size(0) == B, "bad batch layout");
+  auto out = torch::empty_like(q);
+  Pool K = pool_of(k, k_scale), V = pool_of(v, v_scale);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t ts = block_tables.size(1);
+  const int64_t *sl = seq_lens.data_ptr<int64_t>(), *qsl = query_start_loc.data_ptr<int64_t>(),
+                *pos = positions.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* qp, auto* op) {
+    using QT = std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>;
+    switch (k.scalar_type()) {
+      case torch::kFloat32: dispatch_v<QT, float>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      case torch::kBFloat16: dispatch_v<QT, at::BFloat16>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      case torch::kInt8: dispatch_v<QT, int8_t>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      default: TORCH_CHECK(false, "unsupported K cache dtype ", k.scalar_type());
+    }
+  };
+  if (q.scalar_type() == torch::kFloat32) run(q.data_ptr<float>(), out.data_ptr<float>());
+  else if (q.scalar_type() == torch::kBFloat16) run(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "q must be float32 or bfloat16");
+  return out;
+}

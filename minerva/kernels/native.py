@@ -24,7 +24,7 @@ import torch
 
 log = logging.getLogger("minerva")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp")]
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
 NEEDED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
 

@@ -8,13 +8,13 @@ tokens of one forward pass; attention metadata arrives in an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minerva.kernels import ops
 from minerva.kernels.weights import Weight, fuse
 from minerva.models.config import SLIDING, ModelConfig, RopeScaling
 
@@ -30,6 +30,7 @@ class AttentionBackend(Protocol):
 class AttentionContext:
     positions: torch.Tensor  # [T] absolute position of each new token
     backend: AttentionBackend  # where K/V live and how the batch's sequences are laid out
+    rope: dict = field(default_factory=dict)  # cos/sin of `positions` per rotary, made once a pass
 
 
 class Linear(nn.Module):
@@ -69,9 +70,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
@@ -101,13 +100,12 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # moves with model.to(device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return (x.float() * cos + rotated * sin).to(x.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_sin = ctx.rope.get(id(self))
+        if cos_sin is None:  # once per forward pass, shared by every layer using this rotary
+            cos_sin = ctx.rope[id(self)] = ops.rope_cos_sin(ctx.positions, self.inv_freq)
+        return ops.rope(q, *cos_sin), ops.rope(k, *cos_sin)
 
 
 class Attention(nn.Module):
@@ -132,15 +130,9 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, ctx.positions), self.rotary(k, ctx.positions)
+        q, k = self.rotary(q, k, ctx)
         out = ctx.backend.attend(self.layer, q, k, v, self.window, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
-
-
-ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
 
 
 class GatedMLP(nn.Module):
@@ -149,11 +141,13 @@ class GatedMLP(nn.Module):
     def __init__(self, gate: Linear, up: Linear, down: Linear, activation: str):
         super().__init__()
         self.gate_up, self.down = Projections(gate, up), down
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up.fused is not None:
+            return self.down(ops.act_mul(self.gate_up.fused(x), self.activation))
         gate, up = self.gate_up(x)
-        return self.down(self.act(gate) * up)
+        return self.down(ops.ACTIVATIONS[self.activation](gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -167,14 +161,15 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
 
     def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Updates the residual stream h in place and returns it."""
         a = self.attn(self.input_norm(h), ctx)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
-        h = h + a
-        m = self.mlp(self.pre_mlp_norm(h))
+        n = self.pre_mlp_norm
+        m = self.mlp(ops.add_rms_norm(h, a, n.weight, n.eps))  # h += a
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
-        return h + m
+        return h.add_(m)
 
 
 class CausalLM(nn.Module):

@@ -1,0 +1,143 @@
+// Small fused CPU ops around the matmuls: RMSNorm (with the residual add), rotary
+// embedding, and the gated activations. Each row is computed on its own in a fixed
+// order (batch invariant); math is float32 whatever the storage (float32 / bfloat16).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline __m512 exp512(__m512 x) {  // as in attention.cpp: ~1e-7 relative error
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+template <typename F>
+void by_dtype(const torch::Tensor& x, F&& f) {
+  if (x.scalar_type() == torch::kFloat32) f(static_cast<float*>(nullptr));
+  else if (x.scalar_type() == torch::kBFloat16) f(static_cast<at::BFloat16*>(nullptr));
+  else TORCH_CHECK(false, "expected float32 or bfloat16, got ", x.scalar_type());
+}
+
+template <typename T>
+void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 v = load(xr + d);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + eps);
+      __m512 s = _mm512_set1_ps(inv);
+      for (int64_t d = 0; d < D; d += 16)
+        store(out + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), _mm512_mul_ps(load(xr + d), s)));
+    }
+  });
+}
+
+}  // namespace
+
+// RMSNorm over the last dim: w * (x / sqrt(mean(x^2) + eps)); w float32 [D].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  x = x.contiguous();
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
+  auto out = torch::empty_like(x);
+  w = w.contiguous();
+  by_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    norm_rows<T>(x.data_ptr<T>(), w.data_ptr<float>(), out.data_ptr<T>(), x.numel() / D, D, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// h += a (in place), then return rms_norm(h).
+torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps) {
+  TORCH_CHECK(h.is_contiguous() && h.sizes() == a.sizes() && h.scalar_type() == a.scalar_type(), "bad add_rms_norm args");
+  h.add_(a);
+  return rms_norm(h, w, eps);
+}
+
+// Rotary embedding, half-split layout, in place on x [T, heads, D] with cos/sin float32 [T, D/2]:
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_ needs x [T, heads, D] dense per token");
+  const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && cos.size(1) == half, "bad rope shapes");
+  cos = cos.contiguous(), sin = sin.contiguous();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const int64_t ts = x.stride(0);
+  by_dtype(x, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    T_* base = x.data_ptr<T_>();
+    at::parallel_for(0, T * Hn, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / Hn, h = i % Hn;
+        T_* p = base + t * ts + h * D;
+        for (int64_t d = 0; d < half; d += 16) {
+          __m512 x1 = load(p + d), x2 = load(p + half + d);
+          __m512 cv = _mm512_loadu_ps(c + t * half + d), sv = _mm512_loadu_ps(s + t * half + d);
+          store(p + d, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
+          store(p + half + d, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+        }
+      }
+    });
+  });
+}
+
+// gate_up [T, 2I] (gate first) -> act(gate) * up [T, I]; act 0 = silu, 1 = gelu (tanh approximation).
+torch::Tensor act_mul(torch::Tensor gu, int64_t act) {
+  gu = gu.contiguous();
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
+  auto out = torch::empty({T, I}, gu.options());
+  by_dtype(gu, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    const T_* in = gu.data_ptr<T_>();
+    T_* o = out.data_ptr<T_>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      const __m512 one = _mm512_set1_ps(1.0f);
+      const __m512 k0 = _mm512_set1_ps(0.7978845608028654f), k1 = _mm512_set1_ps(0.044715f);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < I; i += 16) {
+          __m512 g = load(in + t * 2 * I + i), u = load(in + t * 2 * I + I + i), a;
+          if (act == 0) {
+            a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          } else {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
+            __m512 y = _mm512_mul_ps(k0, _mm512_fmadd_ps(_mm512_mul_ps(k1, g), _mm512_mul_ps(g, g), g));
+            a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y))));
+          }
+          store(o + t * I + i, _mm512_mul_ps(a, u));
+        }
+    });
+  });
+  return out;
+}

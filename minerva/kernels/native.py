@@ -25,7 +25,10 @@ import torch
 log = logging.getLogger("minerva")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp")]
-CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno"]
+# -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
+# thread. The libgomp.so.1 torch already loaded serves the extension too.
+CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 NEEDED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
 
 _module: ModuleType | None = None
@@ -48,7 +51,7 @@ def _cache_dir(flags: set[str]) -> Path:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS + sorted(flags) + [torch.__version__, sys.version]).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version]).encode())
     home = os.environ.get("MINERVA_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
     return base / "kernels" / h.hexdigest()[:16]
@@ -79,7 +82,7 @@ def load() -> ModuleType | None:
         if not any(build.glob("*.so")):
             log.warning("compiling Minerva's CPU kernels (once per machine, about a minute)...")
         _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(s) for s in SOURCES],
-                                     extra_cflags=CFLAGS, build_directory=str(build), verbose=False)
+                                     extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build), verbose=False)
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
         log.warning("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)

@@ -218,33 +218,75 @@ constexpr int PANEL = 16;   // weight rows decoded at once
 
 inline __m512bh pack_bf16(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
 
-template <int QT, int mr>
-void direct_f32(const float* x, int64_t K, const uint8_t* row, float* y, int64_t ldy) {
-  __m512 acc[mr];
-  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the small-batch path prefetches
+
+// nb weight rows at once: independent FMA chains keep the FP pipes busy when M is 1.
+template <int QT, int mr, int nb>
+void direct_f32(const float* x, int64_t K, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
+  __m512 acc[mr][nb];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t groups = K / 32, ahead = PF_BLOCKS * nb * rb, step = (nb * rb + groups - 1) / groups;
   for (int64_t g = 0; g < K / 32; ++g) {
-    __m512 w0, w1;
-    decode32<QT>(row, g, w0, w1);
+    // the rows PF_BLOCKS steps ahead, spread over this step's groups: DRAM streams at full rate
+    for (int64_t off = g * step; off < (g + 1) * step; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead + off), _MM_HINT_T0);
+    __m512 w0[nb], w1[nb];
+    for (int j = 0; j < nb; ++j) decode32<QT>(row + j * rb, g, w0[j], w1[j]);
     for (int i = 0; i < mr; ++i) {
-      acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + 32 * g), acc[i]);
-      acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + 32 * g + 16), acc[i]);
+      const __m512 x0 = _mm512_loadu_ps(x + i * K + 32 * g), x1 = _mm512_loadu_ps(x + i * K + 32 * g + 16);
+      for (int j = 0; j < nb; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(w0[j], x0, acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(w1[j], x1, acc[i][j]);
+      }
     }
   }
-  for (int i = 0; i < mr; ++i) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nb; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-template <int QT, int mr>
-void direct_bf16(const uint16_t* x, int64_t K, const uint8_t* row, float* y, int64_t ldy) {
-  __m512 acc[mr];
-  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+template <int QT, int mr, int nb>
+void direct_bf16(const uint16_t* x, int64_t K, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
+  __m512 acc[mr][nb];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int64_t groups = K / 32, ahead = PF_BLOCKS * nb * rb, step = (nb * rb + groups - 1) / groups;
   for (int64_t g = 0; g < K / 32; ++g) {
-    __m512 w0, w1;
-    decode32<QT>(row, g, w0, w1);
-    __m512bh w = pack_bf16(w0, w1);
-    for (int i = 0; i < mr; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_loadu_si512(x + i * K + 32 * g));
+    // the rows PF_BLOCKS steps ahead, spread over this step's groups: DRAM streams at full rate
+    for (int64_t off = g * step; off < (g + 1) * step; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + ahead + off), _MM_HINT_T0);
+    __m512bh w[nb];
+    for (int j = 0; j < nb; ++j) {
+      __m512 w0, w1;
+      decode32<QT>(row + j * rb, g, w0, w1);
+      w[j] = pack_bf16(w0, w1);
+    }
+    for (int i = 0; i < mr; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * K + 32 * g);
+      for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xv);
+    }
   }
-  for (int i = 0; i < mr; ++i) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nb; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int QT, int nb, typename T>
+void direct(int mr, const T* x, int64_t K, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
+  if constexpr (std::is_same_v<T, float>) {
+    switch (mr) {
+      case 1: direct_f32<QT, 1, nb>(x, K, row, rb, y, ldy); break;
+      case 2: direct_f32<QT, 2, nb>(x, K, row, rb, y, ldy); break;
+      case 3: direct_f32<QT, 3, nb>(x, K, row, rb, y, ldy); break;
+      default: direct_f32<QT, 4, nb>(x, K, row, rb, y, ldy); break;
+    }
+  } else {
+    switch (mr) {
+      case 1: direct_bf16<QT, 1, nb>(x, K, row, rb, y, ldy); break;
+      case 2: direct_bf16<QT, 2, nb>(x, K, row, rb, y, ldy); break;
+      case 3: direct_bf16<QT, 3, nb>(x, K, row, rb, y, ldy); break;
+      default: direct_bf16<QT, 4, nb>(x, K, row, rb, y, ldy); break;
+    }
+  }
 }
 
 template <int mr, int nr>
@@ -343,31 +385,19 @@ void check_args(const torch::Tensor& packed, int64_t rows, int64_t cols) {
               " bytes, expected ", rows * row_bytes<QT>(cols));
 }
 
+constexpr int NB = 4;  // weight rows per step of the small-batch path
+
 template <int QT, typename T>
 void matmul_small(const T* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(K);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = W + n * rb;
+  at::parallel_for(0, (N + NB - 1) / NB, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n = blk * NB, nb = std::min<int64_t>(NB, N - n);
       for (int64_t m0 = 0; m0 < M; m0 += SMALL_M) {
         const int mr = static_cast<int>(std::min<int64_t>(SMALL_M, M - m0));
-        float* yt = y + m0 * N + n;
-        const T* xt = x + m0 * K;
-        if constexpr (std::is_same_v<T, float>) {
-          switch (mr) {
-            case 1: direct_f32<QT, 1>(xt, K, row, yt, N); break;
-            case 2: direct_f32<QT, 2>(xt, K, row, yt, N); break;
-            case 3: direct_f32<QT, 3>(xt, K, row, yt, N); break;
-            default: direct_f32<QT, 4>(xt, K, row, yt, N); break;
-          }
-        } else {
-          switch (mr) {
-            case 1: direct_bf16<QT, 1>(xt, K, row, yt, N); break;
-            case 2: direct_bf16<QT, 2>(xt, K, row, yt, N); break;
-            case 3: direct_bf16<QT, 3>(xt, K, row, yt, N); break;
-            default: direct_bf16<QT, 4>(xt, K, row, yt, N); break;
-          }
-        }
+        if (nb == NB) direct<QT, NB>(mr, x + m0 * K, K, W + n * rb, rb, y + m0 * N + n, N);
+        else
+          for (int64_t j = 0; j < nb; ++j) direct<QT, 1>(mr, x + m0 * K, K, W + (n + j) * rb, rb, y + m0 * N + n + j, N);
       }
     }
   });

@@ -57,11 +57,23 @@ class GGUFTensor:
     name: str
     qtype: gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # torch order: outermost first, innermost (contiguous) last
-    data: np.ndarray  # packed bytes, uint8, one row per leading index
+    data: np.ndarray  # packed bytes, uint8, one row per leading index (a view of the mapped file)
+    path: Path
+    offset: int  # of the bytes in the file
 
     def raw(self) -> torch.Tensor:
         """The packed bytes as a uint8 tensor that shares memory with the file."""
         return torch.from_numpy(self.data)
+
+    def read(self) -> torch.Tensor:
+        """A private copy of the packed bytes, read from the file without the mapping, so
+        loading does not make the file's pages resident in this process next to the copy."""
+        out = np.empty(self.data.shape, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+                raise MinervaError(f"'{self.path}': tensor '{self.name}' is cut short; re-download the file")
+        return torch.from_numpy(out)
 
 
 class GGUFFile:
@@ -99,7 +111,8 @@ class GGUFFile:
                 raise MinervaError(
                     f"'{self.path}': tensor '{t.name}' has {data.nbytes} bytes, expected {expected}; "
                     "the file is truncated or corrupt — re-download it")
-            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, data.reshape(rows, -1))
+            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, data.reshape(rows, -1),
+                                              self.path, int(t.data_offset))
 
     @property
     def architecture(self) -> str:

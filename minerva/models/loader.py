@@ -218,7 +218,7 @@ class GGUFWeights:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
                                "which Minerva cannot read")
         check_shape(name, t.name, t.shape, self.config, f"'{self.f.path}'")
-        raw = t.raw()
+        raw = t.read()
         if self.arch.permute_qk and name.endswith(("q_proj", "k_proj")):
             heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
             raw = unpermute_qk(raw, heads)

@@ -1,4 +1,4 @@
-"""The `minerva` command: pull, list, generate, chat, perplexity."""
+"""The `minerva` command: pull, list, generate, chat, perplexity, bench, roofline."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def _add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activation dtype (default float32)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     kv = sorted(KV_FORMATS)
     p.add_argument("--kv-cache-dtype", default=None, choices=kv, help="K and V cache precision")
     p.add_argument("--kv-cache-dtype-k", default=None, choices=kv, help="K cache precision (default auto)")
@@ -101,7 +102,7 @@ def _load(model: str | None, args, engine: bool = True):
     from minerva.llm import LLM
 
     options = _engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
-    llm = LLM(model, device=args.device, dtype=args.dtype, **options)
+    llm = LLM(model, device=args.device, dtype=args.dtype, threads=args.threads, **options)
     c = llm.config
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, "
           f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file, "
@@ -267,12 +268,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default = context)")
     _add_model_options(p, engine=False)
     p.set_defaults(func=cmd_perplexity)
+
+    from minerva.bench import add_parser as add_bench
+    from minerva.roofline import add_parser as add_roofline
+
+    add_bench(sub)
+    add_roofline(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "bench":
+            from minerva.bench import check_args
+            check_args(args)
         return args.func(args)
     except MinervaError as exc:
         print(f"minerva: error: {exc}", file=sys.stderr)

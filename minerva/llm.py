@@ -37,22 +37,39 @@ def parse_device(device: str | None) -> torch.device:
     return dev
 
 
+def set_threads(threads: int | None) -> int:
+    """CPU threads for every kernel: `threads`, or by default one per physical core
+    (a second hyper-thread on a core only contends for the same FMA units and cache)."""
+    if threads is None:
+        from minerva.hardware import machine
+
+        threads = machine().physical_cores
+    if not isinstance(threads, int) or threads < 1:
+        raise MinervaError(f"--threads must be an integer >= 1, got {threads!r}")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads
+
+
 class LLM:
     """A loaded model with its tokenizer and a batching engine, ready to generate.
 
     `model` is a pulled name (pulled on first use), a .gguf path or a Hugging
     Face directory; None means the default model. Engine options (KV budget and
-    precision, batch limits, prefix caching) are the fields of `EngineConfig`.
+    precision, batch limits, prefix caching) are the fields of `EngineConfig`;
+    `threads` defaults to the number of physical cores.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
-                 dtype: str = "float32", auto_pull: bool = True, **engine_options):
+                 dtype: str = "float32", auto_pull: bool = True, threads: int | None = None,
+                 **engine_options):
         if dtype not in DTYPES:
             raise MinervaError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
         engine_config = EngineConfig(**engine_options)
+        set_threads(threads)
         self.device = parse_device(device)
         self.dtype = DTYPES[dtype]
         self.path = resolve(model, auto_pull=auto_pull)

@@ -1,0 +1,95 @@
+"""`minerva bench` end to end on a tiny model (and on SmolLM2 against the peers that are
+installed). These check that every command runs and reports what it must; they assert
+no speeds."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from tests.test_cli import assert_clean_error, run
+from tests.tiny_gguf import write_tiny_llama
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=256)
+
+
+def assert_report(out: str, *names: str) -> None:
+    for line in ("machine:", "model:", "command: minerva bench", "minerva: loaded in", "resident"):
+        assert line in out, out
+    for name in names:
+        assert any(ln.startswith(name) for ln in out.splitlines()), (name, out)
+
+
+def test_latency(tiny, tmp_path):
+    out = tmp_path / "lat.json"
+    proc = run("bench", "latency", str(tiny), "-p", "16,32", "-n", "8", "-r", "2", "-d", "0,32",
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert_report(proc.stdout, "pp16", "pp32", "tg8", "pp16@d32", "tg8@d32")
+    figures = json.loads(out.read_text())["figures"]
+    assert {f["name"] for f in figures} == {"pp16", "pp32", "tg8", "pp16@d32", "pp32@d32", "tg8@d32"}
+    assert all(len(f["samples"]) == 2 and all(s > 0 for s in f["samples"]) for f in figures)
+
+
+def test_throughput(tiny):
+    proc = run("bench", "throughput", str(tiny), "--num-prompts", "6", "--input-len", "4:20",
+               "--output-len", "2:8")
+    assert proc.returncode == 0, proc.stderr
+    assert_report(proc.stdout, "output", "total")
+    assert "workload: 6 requests, input 4-20, output 2-8" in proc.stdout
+
+
+def test_sweep_writes_csv_json_and_plot(tiny, tmp_path):
+    stem = tmp_path / "sweep"
+    proc = run("bench", "sweep", str(tiny), "--batch-sizes", "1,2,4", "--input-len", "8", "--output-len", "6",
+               "--out", str(stem))
+    assert proc.returncode == 0, proc.stderr
+    assert_report(proc.stdout, "gen b1", "gen b2", "gen b4")
+    rows = list(csv.DictReader(open(stem.with_suffix(".csv"))))
+    assert [(r["system"], int(r["batch"])) for r in rows] == [
+        ("minerva", 1), ("minerva", 2), ("minerva", 4), ("roofline", 1), ("roofline", 2), ("roofline", 4)]
+    assert all(float(r["gen_tokens_per_s"]) > 0 for r in rows)
+    assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(stem.with_suffix(".json").read_text())["roofline"]["hardware"]["bandwidth"] > 0
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["latency", "-r", "0"], "--repetitions"),
+    (["sweep", "--batch-sizes", "0"], "--batch-sizes"),
+    (["throughput", "--num-prompts", "0"], "--num-prompts"),
+])
+def test_bad_arguments(tiny, args, fragment):
+    assert_clean_error(run("bench", args[0], str(tiny), *args[1:]), fragment)
+
+
+@pytest.mark.skipif(HAS_LLAMA_CPP, reason="llama-cpp-python is installed")
+def test_missing_peer_is_a_clean_error(tiny):
+    assert_clean_error(run("bench", "latency", str(tiny), "-p", "8", "-n", "2", "-r", "1", "--compare", "llama.cpp"),
+                       "pip install llama-cpp-python")
+
+
+@pytest.mark.slow
+def test_transformers_peer_on_smollm2(smollm2_gguf):
+    proc = run("bench", "latency", str(smollm2_gguf), "-p", "32", "-n", "4", "-r", "1", "--compare", "transformers")
+    assert proc.returncode == 0, proc.stderr
+    assert_report(proc.stdout, "pp32", "tg4")
+    assert "transformers: loaded in" in proc.stdout and "vs transformers" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+def test_llama_cpp_peer_on_smollm2(smollm2_gguf):
+    for args in (["latency", "-p", "32", "-n", "4", "-r", "1", "-d", "0,16"],
+                 ["throughput", "--num-prompts", "5", "--input-len", "8:40", "--output-len", "2:9",
+                  "--max-batch", "3"]):
+        proc = run("bench", *args, str(smollm2_gguf), "--compare", "llama.cpp")
+        assert proc.returncode == 0, proc.stderr
+        assert "llama.cpp: loaded in" in proc.stdout and "vs llama.cpp" in proc.stdout

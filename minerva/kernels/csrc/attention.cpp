@@ -59,81 +59,116 @@ struct Pool {
   int64_t scale_block_stride, scale_token_stride;
 };
 
+// Lane sums of 16 vectors as one vector: out[i] = sum of the lanes of v[i], in a fixed order.
+inline __m512 hsum16(__m512 v[16]) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // quarters 0-1: v[2i] partials, quarters 2-3: v[2i+1] partials
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter k: 4 partials of v[4i + k]
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+  __m512d a = _mm512_castps_pd(u[0]), b = _mm512_castps_pd(u[1]);
+  __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  // lane 4k + e now holds the sum of v[4e + k]
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+template <typename KT>
+inline const KT* token_row(const Pool& P, const int64_t* table, int64_t p, int64_t block_size, int64_t hk,
+                           int64_t D, float& scale) {
+  const int64_t blk = table[p / block_size], off = p % block_size;
+  scale = P.scale ? P.scale[blk * P.scale_block_stride + off * P.scale_token_stride + hk] : 1.0f;
+  return static_cast<const KT*>(P.data) + blk * P.block_stride + off * P.token_stride + hk * D;
+}
+
+// One (query row, KV head) item: the G query heads of the group against keys lo..hi-1.
+template <typename QT, typename KT, typename VT>
+void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
+                 int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, std::vector<float>& scores,
+                 std::vector<float>& qf, std::vector<const KT*>& krows, std::vector<float>& kscale) {
+  const int64_t S = hi - lo, S16 = (S + 15) / 16 * 16;
+  scores.assign(G * S16, -INFINITY);
+  qf.resize(G * D);
+  krows.resize(S);
+  kscale.resize(S);
+  for (int64_t g = 0; g < G; ++g)  // q pre-scaled: scores = (scale q) . k
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_storeu_ps(qf.data() + g * D + d, _mm512_mul_ps(load16(q + g * D + d, 1.0f), _mm512_set1_ps(scale)));
+  for (int64_t j = 0; j < S; ++j) krows[j] = token_row<KT>(K, table, lo + j, block_size, hk, D, kscale[j]);
+  // scores, 16 keys at a time
+  for (int64_t j0 = 0; j0 < S; j0 += 16) {
+    const int64_t n = std::min<int64_t>(16, S - j0);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; d += 16)
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + g * D + d), load16(krows[j0 + j] + d, kscale[j0 + j]), acc[j]);
+      __m512 sums = hsum16(acc);
+      __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      _mm512_mask_storeu_ps(scores.data() + g * S16 + j0, valid, sums);
+    }
+  }
+  // softmax numerators in place, and 1 / sum
+  float inv_sum[64];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sc = scores.data() + g * S16;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < S16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S16; j += 16) {  // padding lanes hold -inf: exp gives 0
+      __m512 x = _mm512_loadu_ps(sc + j);
+      __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                     exp512(_mm512_sub_ps(x, m)));
+      _mm512_storeu_ps(sc + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  // out = (sum_j p_j v_j) / sum, one 16-wide slice of D at a time
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 acc[64];
+    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < S; ++j) {
+      float vs;
+      const VT* vp = token_row<VT>(V, table, lo + j, block_size, hk, D, vs);
+      const __m512 v = load16(vp + d, vs);
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * S16 + j]), v, acc[g]);
+    }
+    for (int64_t g = 0; g < G; ++g) store16(out + g * D + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv_sum[g])));
+  }
+}
+
 template <typename QT, typename KT, typename VT>
 void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables, int64_t table_stride,
             const int64_t* seq_lens, const int64_t* qsl, const int64_t* positions, int64_t B, int64_t T,
             int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale) {
   const int64_t G = H / Hkv;
-  std::vector<int64_t> req(T);
+  TORCH_CHECK(G <= 64, "at most 64 query heads per KV head");
+  std::vector<int64_t> req(T), lo(T), hi(T);
+  int64_t work = 0;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) req[t] = b;
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, qf(G * D), acc(G * D), kv(D);
+    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) {
+      req[t] = b;
+      hi[t] = std::min(positions[t] + 1, seq_lens[b]);
+      lo[t] = window > 0 ? std::max<int64_t>(0, positions[t] - window + 1) : 0;
+      work += (hi[t] - lo[t]) * H;
+    }
+  // small steps (a decode of a short context) are cheaper on one thread than to fork
+  const int64_t items = T * Hkv, grain = work < (1 << 14) ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, qf, kscale;
+    std::vector<const KT*> krows;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t t = item / Hkv, hk = item % Hkv, b = req[t];
-      const int64_t pos = positions[t];
-      const int64_t hi = std::min(pos + 1, seq_lens[b]);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t S = hi - lo;
-      const int64_t* table = tables + b * table_stride;
-      scores.resize(G * S);
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(qf.data() + g * D + d, load16(q + (t * H + hk * G + g) * D + d, 1.0f));
-      // scores = scale * q . k
-      for (int64_t j = 0; j < S; ++j) {
-        const int64_t p = lo + j, blk = table[p / block_size], off = p % block_size;
-        const KT* kp = static_cast<const KT*>(K.data) + blk * K.block_stride + off * K.token_stride + hk * D;
-        const float ks = K.scale ? K.scale[blk * K.scale_block_stride + off * K.scale_token_stride + hk] : 1.0f;
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(kv.data() + d, load16(kp + d, ks));
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16)
-            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + g * D + d), _mm512_loadu_ps(kv.data() + d), dot);
-          scores[g * S + j] = _mm512_reduce_add_ps(dot) * scale;
-        }
-      }
-      // softmax, row by row
-      std::vector<float> inv_sum(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * S;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < S; ++j) mx = std::max(mx, s[j]);
-        __m512 m = _mm512_set1_ps(mx), sum = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 16 <= S; j += 16) {
-          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), m));
-          _mm512_storeu_ps(s + j, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        if (j < S) {
-          __mmask16 mask = static_cast<__mmask16>((1u << (S - j)) - 1);
-          __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + j), m));
-          _mm512_mask_storeu_ps(s + j, mask, e);
-          sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
-        }
-        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
-      }
-      // out = sum_j p_j v_j / sum
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t j = 0; j < S; ++j) {
-        const int64_t p = lo + j, blk = table[p / block_size], off = p % block_size;
-        const VT* vp = static_cast<const VT*>(V.data) + blk * V.block_stride + off * V.token_stride + hk * D;
-        const float vs = V.scale ? V.scale[blk * V.scale_block_stride + off * V.scale_token_stride + hk] : 1.0f;
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(kv.data() + d, load16(vp + d, vs));
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 w = _mm512_set1_ps(scores[g * S + j]);
-          for (int64_t d = 0; d < D; d += 16) {
-            float* a = acc.data() + g * D + d;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(w, _mm512_loadu_ps(kv.data() + d), _mm512_loadu_ps(a)));
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        for (int64_t d = 0; d < D; d += 16)
-          store16(out + (t * H + hk * G + g) * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + g * D + d), inv));
-      }
+      const int64_t t = item / Hkv, hk = item % Hkv;
+      attend_item<QT, KT, VT>(q + (t * H + hk * G) * D, out + (t * H + hk * G) * D, K, V,
+                              tables + req[t] * table_stride, lo[t], hi[t], G, D, block_size, hk, scale,
+                              scores, qf, krows, kscale);
     }
   });
 }

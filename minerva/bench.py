@@ -269,9 +269,9 @@ def cmd_throughput(args) -> int:
                            "preemptions": llm.engine.scheduler.num_preemptions}}
     del llm, results
     for peer in args.compare:
+        n_seq = min(args.num_prompts, args.max_batch)  # llama.cpp splits n_ctx among sequences
         runner = peers.load(peer, model_path, args.threads or _threads(),
-                            n_ctx=max(len(p) + n for p, n in zip(prompts, outs)) + 8,
-                            n_seq=min(args.num_prompts, args.max_batch))
+                            n_ctx=n_seq * (max(len(p) + n for p, n in zip(prompts, outs)) + 8), n_seq=n_seq)
         systems.append(runner.info)
         secs_p = runner.generate_batch(prompts, outs, args.max_batch)
         figures += [Figure("output", peer, [sum(outs) / secs_p]),

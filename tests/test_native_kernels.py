@@ -72,7 +72,7 @@ def test_a_row_does_not_depend_on_the_batch(kernels, qtype, dtype):
     raw = torch.from_numpy(realistic_blocks(qtype, 40, 512, rng))
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
     full = kernels.qmatmul(x, raw, int(qtype), 40, 512)
-    for lo, hi in [(0, 1), (5, 6), (2, 5), (3, 10), (12, 13)]:
+    for lo, hi in [(0, 1), (5, 6), (2, 5), (1, 5), (3, 10), (12, 13)]:  # registers (M <= 4) and panels
         assert torch.equal(kernels.qmatmul(x[lo:hi], raw, int(qtype), 40, 512), full[lo:hi])
     threads = torch.get_num_threads()
     try:

@@ -25,6 +25,7 @@ import torch
 log = logging.getLogger("minerva")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
@@ -49,7 +50,7 @@ def cpu_flags() -> set[str]:
 
 def _cache_dir(flags: set[str]) -> Path:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version]).encode())
     home = os.environ.get("MINERVA_HOME")

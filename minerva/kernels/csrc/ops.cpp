@@ -9,34 +9,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "simd.h"
+
 namespace {
 
-inline __m512 exp512(__m512 x) {  // as in attention.cpp: ~1e-7 relative error
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(p))), 16));
-}
-inline void store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
+using namespace minerva;
 
 template <typename F>
 void by_dtype(const torch::Tensor& x, F&& f) {
@@ -52,13 +29,13 @@ void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, floa
       const T* xr = x + r * D;
       __m512 ss = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
-        __m512 v = load(xr + d);
+        __m512 v = load16(xr + d, 1.0f);
         ss = _mm512_fmadd_ps(v, v, ss);
       }
       const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + eps);
       __m512 s = _mm512_set1_ps(inv);
       for (int64_t d = 0; d < D; d += 16)
-        store(out + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), _mm512_mul_ps(load(xr + d), s)));
+        store16(out + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(w + d), _mm512_mul_ps(load16(xr + d, 1.0f), s)));
     }
   });
 }
@@ -103,10 +80,10 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
         const int64_t t = i / Hn, h = i % Hn;
         T_* p = base + t * ts + h * D;
         for (int64_t d = 0; d < half; d += 16) {
-          __m512 x1 = load(p + d), x2 = load(p + half + d);
+          __m512 x1 = load16(p + d, 1.0f), x2 = load16(p + half + d, 1.0f);
           __m512 cv = _mm512_loadu_ps(c + t * half + d), sv = _mm512_loadu_ps(s + t * half + d);
-          store(p + d, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
-          store(p + half + d, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+          store16(p + d, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
+          store16(p + half + d, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
         }
       }
     });
@@ -128,14 +105,14 @@ torch::Tensor act_mul(torch::Tensor gu, int64_t act) {
       const __m512 k0 = _mm512_set1_ps(0.7978845608028654f), k1 = _mm512_set1_ps(0.044715f);
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t i = 0; i < I; i += 16) {
-          __m512 g = load(in + t * 2 * I + i), u = load(in + t * 2 * I + I + i), a;
+          __m512 g = load16(in + t * 2 * I + i, 1.0f), u = load16(in + t * 2 * I + I + i, 1.0f), a;
           if (act == 0) {
             a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
           } else {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
             __m512 y = _mm512_mul_ps(k0, _mm512_fmadd_ps(_mm512_mul_ps(k1, g), _mm512_mul_ps(g, g), g));
             a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y))));
           }
-          store(o + t * I + i, _mm512_mul_ps(a, u));
+          store16(o + t * I + i, _mm512_mul_ps(a, u));
         }
     });
   });

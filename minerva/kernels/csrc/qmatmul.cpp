@@ -20,6 +20,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
 // GGML type ids (gguf.GGMLQuantizationType)
@@ -218,6 +220,24 @@ constexpr int PANEL = 16;   // weight rows decoded at once
 
 inline __m512bh pack_bf16(__m512 lo, __m512 hi) { return _mm512_cvtne2ps_pbh(hi, lo); }
 
+// y[i, j] = lane sum of acc[i][j]; a full 4x4 tile reduces all 16 at once (bit-identical to
+// reducing each alone, which the other paths do).
+template <int mr, int nr>
+inline void store_sums(__m512 (&acc)[mr][nr], float* y, int64_t ldy) {
+  if constexpr (mr * nr == 16) {
+    __m512 v[16];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) v[i * nr + j] = acc[i][j];
+    alignas(64) float s[16];
+    _mm512_store_ps(s, minerva::hsum16(v));
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) y[i * ldy + j] = s[i * nr + j];
+  } else {
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nr; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
+}
+
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the small-batch path prefetches
 
 // nb weight rows at once: independent FMA chains keep the FP pipes busy when M is 1.
@@ -241,8 +261,7 @@ void direct_f32(const float* x, int64_t K, const uint8_t* row, int64_t rb, float
       }
     }
   }
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nb; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  store_sums<mr, nb>(acc, y, ldy);
 }
 
 template <int QT, int mr, int nb>
@@ -266,8 +285,7 @@ void direct_bf16(const uint16_t* x, int64_t K, const uint8_t* row, int64_t rb, f
       for (int j = 0; j < nb; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], w[j], xv);
     }
   }
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nb; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  store_sums<mr, nb>(acc, y, ldy);
 }
 
 template <int QT, int nb, typename T>
@@ -302,8 +320,7 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, 
       for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
     }
   }
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  store_sums<mr, nr>(acc, y, ldy);
 }
 
 template <int mr, int nr>
@@ -319,8 +336,7 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, flo
       for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
     }
   }
-  for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) y[i * ldy + j] = _mm512_reduce_add_ps(acc[i][j]);
+  store_sums<mr, nr>(acc, y, ldy);
 }
 
 // Calls F<mr, nr>::run(args...) for runtime mr, nr in 1..4.

@@ -1,0 +1,218 @@
+"""What a machine can do: its description, its measured memory bandwidth and compute
+peaks, and datasheet figures for hardware Minerva is not running on.
+
+`minerva roofline` divides a model's bytes and FLOPs per token by these numbers.
+The probe measures the CPU with torch itself, so its figures are the ones torch's
+kernels reach here, not the vendor's theoretical peaks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from minerva.errors import MinervaError
+
+# --------------------------------------------------------------------- machine
+
+@dataclass(frozen=True)
+class Machine:
+    """The host a report ran on."""
+
+    cpu: str
+    physical_cores: int
+    logical_cpus: int
+    memory_bytes: int
+
+    def describe(self) -> str:
+        threads = f", {self.logical_cpus} threads" if self.logical_cpus != self.physical_cores else ""
+        memory = f", {self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else ""
+        return f"{self.cpu} ({self.physical_cores} cores{threads}{memory})"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def machine() -> Machine:
+    """Describe this host from /proc (Linux), falling back to what `platform` and `os` know."""
+    cpuinfo = _read("/proc/cpuinfo")
+    name = ""
+    cores: set[tuple[str, str]] = set()
+    physical_id = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "model name" and not name:
+            name = value
+        elif key == "physical id":
+            physical_id = value
+        elif key == "core id":
+            cores.add((physical_id, value))
+    logical = os.cpu_count() or 1
+    memory = 0
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            memory = int(line.split()[1]) * 1024
+            break
+    name = name or platform.processor() or platform.machine() or "unknown CPU"
+    return Machine(cpu=name, physical_cores=len(cores) or logical, logical_cpus=logical,
+                   memory_bytes=memory)
+
+
+# -------------------------------------------------------------------- hardware
+
+@dataclass(frozen=True)
+class Hardware:
+    """Memory bandwidth and peak compute: the two slopes of a roofline."""
+
+    name: str
+    bandwidth: float  # bytes/s, memory to compute units
+    fp32_flops: float  # FLOP/s of float32 matmul
+    bf16_flops: float  # FLOP/s of bfloat16 matmul
+    source: str  # "measured" or "datasheet" (or "given" for --bandwidth/--tflops)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for activations of `dtype` ("float32" or "bfloat16")."""
+        peaks = {"float32": self.fp32_flops, "bfloat16": self.bf16_flops}
+        if dtype not in peaks:
+            raise MinervaError(f"no compute peak for dtype '{dtype}'; choose one of {', '.join(peaks)}")
+        return peaks[dtype]
+
+    def describe(self) -> str:
+        return (f"{self.name} ({self.source}): {self.bandwidth / 1e9:,.1f} GB/s, "
+                f"{self.bf16_flops / 1e12:,.2f} TFLOPS bf16, {self.fp32_flops / 1e12:,.2f} TFLOPS fp32")
+
+
+# Datasheet figures: dense (no structured sparsity) peaks. The fp32 figure is the
+# non-tensor-core rate, which is what a float32 torch matmul gets on NVIDIA GPUs by
+# default (TF32 is off for matmuls unless a program turns it on).
+PRESETS: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, BF16 tensor 989 TFLOPS dense, FP32 67 TFLOPS.
+    "h100": Hardware("NVIDIA H100 SXM", 3.35e12, 67e12, 989e12, "datasheet"),
+    # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, same compute as H100 SXM.
+    "h200": Hardware("NVIDIA H200 SXM", 4.8e12, 67e12, 989e12, "datasheet"),
+    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e, BF16 tensor 312 TFLOPS dense, FP32 19.5 TFLOPS.
+    "a100": Hardware("NVIDIA A100 80GB SXM", 2.039e12, 19.5e12, 312e12, "datasheet"),
+    # NVIDIA Ada (RTX 4090) whitepaper: 1,008 GB/s GDDR6X, FP32 82.6 TFLOPS,
+    # BF16 tensor with FP32 accumulate 165.2 TFLOPS dense.
+    "4090": Hardware("NVIDIA GeForce RTX 4090", 1.008e12, 82.6e12, 165.2e12, "datasheet"),
+    # Apple M2 Ultra (76-core GPU): 800 GB/s unified memory, about 27.2 TFLOPS FP32 (Apple's
+    # figure); the GPU runs 16-bit floats at about the fp32 rate, so bf16 uses the same number.
+    "m2-ultra": Hardware("Apple M2 Ultra (76-core GPU)", 800e9, 27.2e12, 27.2e12, "datasheet"),
+}
+
+
+def hardware_from_args(name: str | None = None, bandwidth_gbs: float | None = None,
+                       tflops: float | None = None) -> Hardware | None:
+    """The hardware named on the command line, or None for "this machine: probe it".
+
+    `name` picks a preset; `bandwidth_gbs` (GB/s) and `tflops` (used for both fp32 and
+    bf16) override its figures, or, without a name, describe other hardware on their own
+    (then both are needed).
+    """
+    for flag, value in (("--bandwidth", bandwidth_gbs), ("--tflops", tflops)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise MinervaError(f"{flag} must be a positive number, got {value}")
+    overridden = bandwidth_gbs is not None or tflops is not None
+    if name is None and not overridden:
+        return None
+    if name is not None:
+        base = PRESETS.get(name.lower())
+        if base is None:
+            raise MinervaError(f"unknown hardware '{name}'; choose one of {', '.join(PRESETS)}")
+        if overridden:
+            base = replace(base, source=f"{base.source}, overridden")
+    elif bandwidth_gbs is None or tflops is None:
+        raise MinervaError("describe other hardware with both --bandwidth GB/s and --tflops TFLOPS, "
+                           f"or name it with --hardware ({', '.join(PRESETS)})")
+    else:
+        base = Hardware("given hardware", 0.0, 0.0, 0.0, "given")
+    if bandwidth_gbs is not None:
+        base = replace(base, bandwidth=bandwidth_gbs * 1e9)
+    if tflops is not None:
+        base = replace(base, fp32_flops=tflops * 1e12, bf16_flops=tflops * 1e12)
+    return base
+
+
+# ----------------------------------------------------------------------- probe
+
+READ_BUFFER_BYTES = 512 << 20  # far beyond any last-level cache slice a core sees
+MATMUL_SIZE = 2048
+
+
+def _best_seconds(fn: Callable[[], object], deadline: float, min_reps: int = 2) -> float:
+    """Shortest of repeated runs of `fn` after one warm-up, repeating until `deadline`
+    (a `time.perf_counter()` value) and at least `min_reps` times."""
+    fn()
+    best = math.inf
+    reps = 0
+    while reps < min_reps or time.perf_counter() < deadline:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+    return best
+
+
+def _bandwidth(seconds: float) -> float:
+    """Read bandwidth in bytes/s: the better of a full read (sum) and a copy of one half of
+    the buffer into the other, counted as read + write."""
+    start = time.perf_counter()
+    x = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)  # filled: every page is touched
+    half = x.numel() // 2
+    read = x.nbytes / _best_seconds(x.sum, start + seconds / 2)
+    copy = 2 * half * x.element_size() / _best_seconds(lambda: torch.add(x[:half], 0, out=x[half:]),
+                                                       start + seconds)
+    return max(read, copy)
+
+
+def _matmul_flops(dtype: torch.dtype, seconds: float) -> float:
+    """Best FLOP/s of an n x n matmul; n shrinks where one warm product alone would take
+    longer than `seconds`."""
+    start = time.perf_counter()
+    n = MATMUL_SIZE
+    while True:
+        a = torch.randn(n, n).to(dtype)
+        b = torch.randn(n, n).to(dtype)
+        c = torch.empty(n, n, dtype=dtype)
+        torch.mm(a, b, out=c)  # the first call pays one-time set-up
+        t = time.perf_counter()
+        torch.mm(a, b, out=c)
+        if time.perf_counter() - t < seconds or n <= 512:
+            break
+        n //= 2
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=c), start + seconds)
+
+
+def probe(seconds: float = 3.0, threads: int | None = None) -> Hardware:
+    """Measure this CPU with torch: read bandwidth over a 512 MiB buffer and fp32/bf16
+    matmul peaks, best of several runs each, in about `seconds` in all (a little more
+    where `seconds` is too short for two timed runs of each).
+
+    Uses torch's thread count unless `threads` is given (restored afterwards).
+    """
+    if threads is not None and threads < 1:
+        raise MinervaError(f"threads must be at least 1, got {threads}")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        used = torch.get_num_threads()
+        bandwidth = _bandwidth(0.4 * seconds)
+        fp32 = _matmul_flops(torch.float32, 0.3 * seconds)
+        bf16 = _matmul_flops(torch.bfloat16, 0.3 * seconds)
+    finally:
+        torch.set_num_threads(before)
+    return Hardware(f"{machine().cpu}, {used} thread{'s' if used != 1 else ''}", bandwidth, fp32, bf16,
+                    "measured")

@@ -1,0 +1,388 @@
+"""`minerva roofline`: the fastest a model can run on given hardware, and how close Minerva gets.
+
+A forward pass must read every matmul weight once and each sequence's K/V, and must
+do 2 FLOPs per weight per token plus the attention products. Dividing those bytes by
+the memory bandwidth and those FLOPs by the compute peak gives two lower bounds on
+the time of a step; the larger one is the ceiling (the "roofline"). Decode at batch 1
+is nearly always memory bound, large batches and prefill become compute bound.
+
+The costs come from the loaded model itself (the bytes its weights really take,
+packed or dense), the hardware from `minerva.hardware` (measured here, or datasheet
+figures for other hardware), and `--measure` runs the engine to put real tokens/s
+next to each ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minerva.errors import MinervaError
+from minerva.hardware import PRESETS, Hardware, hardware_from_args, machine, probe
+from minerva.kernels.attention import PagedKVCache
+from minerva.kernels.kv_quant import KV_FORMATS
+from minerva.kernels.weights import GGUFWeight
+from minerva.models.config import SLIDING
+from minerva.models.layers import Linear
+from minerva.models.loader import LoadedModel
+
+if TYPE_CHECKING:  # importing the LLM loads the engine; the command imports it when it runs
+    from minerva.engine.sampler import SamplingParams
+    from minerva.llm import LLM
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_CONTEXTS = (128, 512, 2048, 8192)
+# The decode runs of --measure: a short random prompt, then this many new tokens.
+DECODE_PROMPT_TOKENS = 16
+DECODE_TOKENS_BATCH_1 = 128
+DECODE_TOKENS_BATCH_N = 64
+
+
+# ----------------------------------------------------------------------- costs
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What one token costs a model: bytes to read and FLOPs to do."""
+
+    weight_bytes_per_token: int  # every matmul weight, as held for compute, read once per pass
+    matmul_params: int  # weights of all matmuls (rows * cols), lm_head included
+    kv_bytes_per_token: int  # K and V (and their scales) of one token of context, all layers
+    num_heads: int
+    head_dim: int
+    windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
+    max_context: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.windows)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.weight_bytes_per_token / self.matmul_params
+
+    def keys_seen(self, context: int) -> int:
+        """Keys one new token attends to, summed over layers, with `context` tokens in its sequence."""
+        return sum(context if w is None else min(context, w) for w in self.windows)
+
+    def attention_flops(self, context: int) -> float:
+        """Q.K^T and P.V of one new token: 2 + 2 FLOPs per head, dimension and key."""
+        return 4 * self.num_heads * self.head_dim * self.keys_seen(context)
+
+    def flops_per_token(self, context: int) -> float:
+        return 2 * self.matmul_params + self.attention_flops(context)
+
+    def kv_bytes_read(self, context: int) -> float:
+        """K/V bytes one sequence reads to decode a token at `context` (windows included)."""
+        return self.kv_bytes_per_token * self.keys_seen(context) / self.num_layers
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        """FLOPs of a whole prompt: token i (1-based) attends to i keys, causally."""
+        keys = 0
+        for w in self.windows:
+            if w is None or w >= prompt_len:
+                keys += prompt_len * (prompt_len + 1) // 2
+            else:
+                keys += w * (w + 1) // 2 + (prompt_len - w) * w
+        return 2 * self.matmul_params * prompt_len + 4 * self.num_heads * self.head_dim * keys
+
+
+def _compute_dtype(weights: list) -> torch.dtype:
+    w = weights[0]
+    return w.dtype if isinstance(w, GGUFWeight) else w.tensor.dtype
+
+
+def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dtype_v: str = "auto",
+                dtype: torch.dtype | None = None) -> ModelCosts:
+    """Per-token costs of a loaded model.
+
+    Every `Linear` weight counts once (fused QKV and gate/up are one weight; a tied lm_head
+    is the embedding object and counts once, as the logits read all of it each step); the
+    embedding lookup reads one row per token and is left out. Bytes are what the matmul
+    reads: the packed bytes where a packed kernel runs, the dequantized copy where one was
+    made. KV bytes follow the engine's pool layout for the given formats ("auto" = `dtype`,
+    by default the dtype the weights compute in).
+    """
+    model, config = loaded.model, loaded.config
+    weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values())
+    if not weights:
+        raise MinervaError(f"'{loaded.path}' has no matmul weights to cost")
+    kv = PagedKVCache.bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim,
+                                      kv_cache_dtype_k, kv_cache_dtype_v, dtype or _compute_dtype(weights))
+    return ModelCosts(
+        weight_bytes_per_token=sum(w.compute_nbytes for w in weights),
+        matmul_params=sum(w.shape[0] * w.shape[1] for w in weights),
+        kv_bytes_per_token=kv,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        windows=tuple(config.sliding_window if t == SLIDING else None for t in config.layer_types),
+        max_context=config.max_position,
+    )
+
+
+# -------------------------------------------------------------------- ceilings
+
+@dataclass(frozen=True)
+class Ceiling:
+    """The best tokens/s of one kind of step, and which resource sets it."""
+
+    tokens_per_second: float
+    bound: str  # "memory" or "compute"
+    memory_seconds: float  # per step: bytes / bandwidth
+    compute_seconds: float  # per step: FLOPs / peak
+
+
+def _ceiling(tokens: int, step_bytes: float, step_flops: float, hw: Hardware, dtype: str) -> Ceiling:
+    memory = step_bytes / hw.bandwidth
+    compute = step_flops / hw.peak_flops(dtype)
+    return Ceiling(tokens / max(memory, compute), "memory" if memory >= compute else "compute",
+                   memory, compute)
+
+
+def decode_ceiling(costs: ModelCosts, hw: Hardware, batch: int, context: int,
+                   dtype: str = "float32") -> Ceiling:
+    """Tokens/s of all `batch` sequences together, each decoding one token at `context`.
+
+    The weights are read once for the whole batch; each sequence reads its own K/V.
+    """
+    step_bytes = costs.weight_bytes_per_token + batch * costs.kv_bytes_read(context)
+    return _ceiling(batch, step_bytes, batch * costs.flops_per_token(context), hw, dtype)
+
+
+def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str = "float32") -> Ceiling:
+    """Prompt tokens/s of one prompt computed in a single pass (weights read once)."""
+    return _ceiling(prompt_len, costs.weight_bytes_per_token, costs.prefill_flops(prompt_len), hw, dtype)
+
+
+# ----------------------------------------------------------------- measurement
+
+@dataclass(frozen=True)
+class Measured:
+    tokens_per_second: float
+    tokens: int
+    seconds: float
+
+
+def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=g).tolist()
+
+
+def _params(max_tokens: int) -> SamplingParams:
+    from minerva.engine.sampler import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def measure_prefill(llm: LLM, prompt_len: int) -> Measured:
+    """Prompt tokens/s from the time to the first token of a max_tokens=1 request."""
+    (prompt,) = _random_prompts(1, prompt_len, llm.config.vocab_size, seed=1)
+    start = time.perf_counter()
+    first = None
+    for _ in llm.stream(prompt, _params(1)):
+        first = first or time.perf_counter()
+    seconds = (first or time.perf_counter()) - start
+    return Measured(prompt_len / seconds, prompt_len, seconds)
+
+
+def measure_decode(llm: LLM, batch: int, new_tokens: int, seed: int) -> Measured:
+    """Decode tokens/s of `batch` sequences at once, timed from the step in which every
+    sequence has its first token (the prefill's) to the last token."""
+    prompts = _random_prompts(batch, DECODE_PROMPT_TOKENS, llm.config.vocab_size, seed)
+    events: list[tuple[float, int, int]] = []  # (time, prompt index, tokens)
+    for i, _, delta in llm.stream_many(prompts, _params(new_tokens)):
+        events.append((time.perf_counter(), i, len(delta.token_ids)))
+    first: dict[int, float] = {}
+    for t, i, n in events:
+        if n:
+            first.setdefault(i, t)
+    start = max(first.values())
+    tokens = sum(n for t, _, n in events if t > start)
+    seconds = events[-1][0] - start
+    if tokens == 0 or seconds <= 0:
+        raise MinervaError("the decode run produced no tokens to time")
+    return Measured(tokens / seconds, tokens, seconds)
+
+
+# ------------------------------------------------------------------------- CLI
+
+def _peak_rss_mb() -> float:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return float("nan")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load_average() -> str:
+    """Other work on the machine competes with the probe and the engine: say how much there was."""
+    try:
+        return f"; load average {os.getloadavg()[0]:.2f} over the last minute"
+    except (AttributeError, OSError):  # not on Windows
+        return ""
+
+
+def _contexts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got '{text}'") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"context lengths must be >= 1, got '{text}'")
+    return values
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.1f} tok/s" if x < 100 else f"{x:,.0f} tok/s"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            .rstrip() for r in rows]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the report's main table."""
+
+    label: str
+    ceiling: Ceiling
+    measured: Measured | None = None
+
+    def cells(self) -> list[str]:
+        cells = [self.label, _rate(self.ceiling.tokens_per_second), self.ceiling.bound]
+        if self.measured is not None:
+            fraction = self.measured.tokens_per_second / self.ceiling.tokens_per_second
+            cells += [_rate(self.measured.tokens_per_second), f"{100 * fraction:.1f}%"]
+        return cells
+
+
+def _rows(llm: LLM, costs: ModelCosts, hw: Hardware, args: argparse.Namespace) -> list[Row]:
+    """Prefill, batch-1 decode and batch-N decode ceilings, with --measure also what the engine
+    reaches. Decode ceilings are taken at the mean context of the measured runs."""
+    ctx_1 = DECODE_PROMPT_TOKENS + DECODE_TOKENS_BATCH_1 // 2
+    ctx_n = DECODE_PROMPT_TOKENS + DECODE_TOKENS_BATCH_N // 2
+    prefill = prefill_ceiling(costs, hw, args.prompt, args.dtype)
+    decode_1 = decode_ceiling(costs, hw, 1, ctx_1, args.dtype)
+    decode_n = decode_ceiling(costs, hw, args.batch, ctx_n, args.dtype)
+    measured: list[Measured | None] = [None, None, None]
+    if args.measure:
+        print("measuring: warm-up, prefill, batch-1 decode, batch-N decode...", file=sys.stderr)
+        llm.generate(_random_prompts(1, 8, llm.config.vocab_size, seed=0), _params(4))
+        measured = [measure_prefill(llm, args.prompt),
+                    measure_decode(llm, 1, DECODE_TOKENS_BATCH_1, seed=2),
+                    measure_decode(llm, args.batch, DECODE_TOKENS_BATCH_N, seed=3)]
+    return [Row(f"prefill, {args.prompt}-token prompt", prefill, measured[0]),
+            Row(f"decode, batch 1, context {ctx_1}", decode_1, measured[1]),
+            Row(f"decode, batch {args.batch}, context {ctx_n}", decode_n, measured[2])]
+
+
+def _context_table(costs: ModelCosts, hw: Hardware, args: argparse.Namespace) -> list[str]:
+    table = [["context", "KV read per sequence", "batch 1", "bound", f"batch {args.batch}", "bound"]]
+    for ctx in sorted({min(c, costs.max_context) for c in args.context}):
+        one = decode_ceiling(costs, hw, 1, ctx, args.dtype)
+        many = decode_ceiling(costs, hw, args.batch, ctx, args.dtype)
+        table.append([str(ctx), f"{costs.kv_bytes_read(ctx) / 1e6:,.1f} MB", _rate(one.tokens_per_second),
+                      one.bound, _rate(many.tokens_per_second), many.bound])
+    return _table(table, right={0, 1, 2, 4})
+
+
+def cmd_roofline(args: argparse.Namespace) -> int:
+    hw = hardware_from_args(args.hardware, args.bandwidth, args.tflops)
+    if hw is not None and args.measure:
+        raise MinervaError("--measure runs the engine on this machine; it cannot be combined with "
+                           "--hardware, --bandwidth or --tflops")
+    for flag in ("batch", "prompt"):
+        if getattr(args, flag) < 1:
+            raise MinervaError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    from minerva.llm import LLM
+
+    kv = args.kv_cache_dtype
+    # The probe measures the CPU, so the engine runs there too. Without --measure the KV
+    # pool is never used: keep it small.
+    llm = LLM(args.model, device="cpu", dtype=args.dtype,
+              kv_cache_memory=0.2 if args.measure else float(64 << 20),
+              max_num_seqs=max(64, args.batch), kv_cache_dtype_k=kv, kv_cache_dtype_v=kv)
+    loaded, config = llm.loaded, llm.config
+    load_rss = _peak_rss_mb()
+    costs = model_costs(loaded, kv, kv, llm.dtype)
+    if args.prompt >= costs.max_context:
+        raise MinervaError(f"--prompt {args.prompt} does not fit the model's context of "
+                           f"{costs.max_context} tokens; give at most {costs.max_context - 1}")
+    probed = hw is None
+    if hw is None:
+        print("probing memory bandwidth and compute peaks...", file=sys.stderr)
+        hw = probe()
+    rows = _rows(llm, costs, hw, args)
+
+    attention = 4 * costs.num_heads * costs.head_dim * costs.num_layers
+    sliding = [w for w in costs.windows if w is not None]
+    windows = (f" ({len(sliding)} of {costs.num_layers} layers stop growing at a {max(sliding)}-token window)"
+               if sliding else "")
+    scope = "" if probed else "; predictions only: the engine has not run there, weights costed as held here"
+    out = [
+        "minerva roofline",
+        f"machine:   {machine().describe()}{_load_average()}",
+        f"command:   {' '.join(sys.argv)}",
+        (f"model:     {loaded.path} ({config.architecture}, {config.num_layers} layers, context "
+         f"{config.max_position}); loaded in {loaded.load_seconds:.2f} s, peak RSS {load_rss:.0f} MB"),
+        f"hardware:  {hw.describe()}",
+        f"           ceilings use the {args.dtype} peak{scope}",
+        (f"per token: {costs.weight_bytes_per_token / 1e6:,.1f} MB of weights read "
+         f"({costs.bits_per_weight:.2f} bits x {costs.matmul_params / 1e6:,.1f} M matmul weights), "
+         f"{2 * costs.matmul_params / 1e9:.3f} GFLOP + {attention / 1e3:,.1f} kFLOP per token of context"
+         f"{windows}; "
+         f"KV {costs.kv_bytes_per_token / 1e3:,.1f} KB per token of context "
+         f"({args.dtype if kv == 'auto' else kv})"),
+        "",
+    ]
+    measured = rows[0].measured is not None
+    out += _table([["", "ceiling", "bound"] + (["measured", "of ceiling"] if measured else [])]
+                  + [r.cells() for r in rows], right={1, 3, 4})
+    if any(r.measured and r.measured.tokens_per_second > r.ceiling.tokens_per_second for r in rows):
+        out.append("(above 100%: the engine beat a probed peak; the probe times torch's own kernels, "
+                   "which are not always the fastest here, and a busy machine lowers either figure)")
+    out += ["", f"decode ceiling by context length (batch 1 and batch {args.batch}, all sequences together):"]
+    out += _context_table(costs, hw, args)
+    if probed:
+        out += ["", (f"peak RSS of the whole run: {_peak_rss_mb():.0f} MB "
+                     "(the probe's 512 MiB buffer included)")]
+    print("\n".join(out))
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `minerva roofline` on the CLI's sub-command parsers."""
+    p = subparsers.add_parser(
+        "roofline", help="speed ceilings of a model on this machine (measured) or other hardware",
+        description="minerva roofline [MODEL]: the fastest prefill and decode can go given the memory "
+                    "bandwidth and compute peak (probed here in a few seconds, or from --hardware), "
+                    "and with --measure how close the engine gets")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="a pulled name, a .gguf file or a Hugging Face directory (default smollm2-135m)")
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help=f"predict for other hardware instead of probing this one: {', '.join(PRESETS)}")
+    p.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",
+                   help="memory bandwidth of other hardware (with --tflops, or overriding --hardware)")
+    p.add_argument("--tflops", type=float, default=None, metavar="TFLOPS",
+                   help="compute peak of other hardware, used for every dtype")
+    p.add_argument("--batch", type=int, default=32, help="sequences decoding together (default 32)")
+    p.add_argument("--context", type=_contexts, default=list(DEFAULT_CONTEXTS), metavar="N,N,...",
+                   help="context lengths of the decode table (default 128,512,2048,8192, capped at the "
+                        "model's context)")
+    p.add_argument("--prompt", type=int, default=512, help="prompt length for prefill (default 512)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="activation dtype; picks the fp32 or bf16 compute peak (default float32)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_FORMATS),
+                   help="K and V cache precision (default auto: the activation dtype)")
+    p.add_argument("--measure", action="store_true",
+                   help="run the engine here (prefill, batch-1 and batch-N decode) and report the "
+                        "fraction of each ceiling reached")
+    p.set_defaults(func=cmd_roofline)
+    return p

@@ -1,0 +1,183 @@
+"""`minerva roofline`: the ceiling arithmetic on hand-made costs, a real model's costs
+against its GGUF file's own tensor list (read with `GGUFFile`, not through the model),
+the hardware presets and probe, and the command end to end."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import gguf
+import pytest
+
+from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile, GGUFTensor
+from minerva.hardware import PRESETS, Hardware, hardware_from_args, machine, probe
+from minerva.roofline import (
+    ModelCosts,
+    add_parser,
+    decode_ceiling,
+    model_costs,
+    prefill_ceiling,
+)
+
+HW = Hardware("test", bandwidth=10e9, fp32_flops=1e12, bf16_flops=4e12, source="given")
+
+
+def costs(**overrides) -> ModelCosts:
+    fields = {"weight_bytes_per_token": 100_000_000, "matmul_params": 50_000_000, "kv_bytes_per_token": 0,
+              "num_heads": 8, "head_dim": 64, "windows": (None,) * 4, "max_context": 8192}
+    return ModelCosts(**{**fields, **overrides})
+
+
+# ------------------------------------------------------------------ ceilings
+
+def test_batch_1_decode_of_a_100_mb_model_on_10_gb_per_s_is_100_tokens_per_s():
+    c = decode_ceiling(costs(), HW, batch=1, context=1)
+    assert c.bound == "memory"
+    assert c.tokens_per_second == pytest.approx(100.0)
+    assert c.memory_seconds == pytest.approx(0.01)
+
+
+def test_large_batch_decode_is_compute_bound_and_uses_the_dtype_peak():
+    m = costs()
+    batch = 1000
+    flops = batch * (2 * m.matmul_params + 4 * 8 * 64 * 4 * 1)  # 4 layers, 1 key each
+    fp32 = decode_ceiling(m, HW, batch, context=1, dtype="float32")
+    assert fp32.bound == "compute"
+    assert fp32.tokens_per_second == pytest.approx(batch / (flops / 1e12))
+    bf16 = decode_ceiling(m, HW, batch, context=1, dtype="bfloat16")
+    assert bf16.tokens_per_second == pytest.approx(batch / max(0.01, flops / 4e12))
+    with pytest.raises(MinervaError, match="float32, bfloat16"):
+        decode_ceiling(m, HW, batch, context=1, dtype="int4")
+
+
+def test_kv_cache_reads_lower_decode_speed_as_context_grows():
+    m = costs(kv_bytes_per_token=100_000)  # 100 KB per token of context, all layers
+    # 1000 tokens of context add 100 MB to the 100 MB of weights: half the speed.
+    assert decode_ceiling(m, HW, 1, 1000).tokens_per_second == pytest.approx(50.0)
+    speeds = [decode_ceiling(m, HW, 8, ctx).tokens_per_second for ctx in (128, 512, 2048, 8192)]
+    assert speeds == sorted(speeds, reverse=True) and speeds[-1] < speeds[0] / 2
+    # Each sequence reads its own K/V: batch 8 at 1000 tokens reads 100 MB + 8 x 100 MB.
+    assert decode_ceiling(m, HW, 8, 1000).tokens_per_second == pytest.approx(8 / 0.09)
+
+
+def test_sliding_window_layers_cap_attention_flops_and_kv_reads():
+    m = costs(windows=(None, 512, None, 512), kv_bytes_per_token=4000)
+    assert m.keys_seen(100) == 4 * 100
+    assert m.keys_seen(4096) == 2 * 4096 + 2 * 512
+    assert m.attention_flops(4096) == 4 * 8 * 64 * (2 * 4096 + 2 * 512)
+    # Past the window only the full layers grow.
+    assert m.attention_flops(8192) - m.attention_flops(4096) == 4 * 8 * 64 * 2 * 4096
+    assert m.kv_bytes_read(4096) == pytest.approx(1000 * (2 * 4096 + 2 * 512))
+    full = costs(kv_bytes_per_token=4000)
+    assert m.flops_per_token(4096) < full.flops_per_token(4096)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 300, 512, 513, 2000])
+def test_prefill_flops_are_the_sum_over_the_prompts_positions(prompt_len):
+    m = costs(windows=(None, 512, None, 512))
+    assert m.prefill_flops(prompt_len) == sum(m.flops_per_token(c) for c in range(1, prompt_len + 1))
+
+
+def test_prefill_ceiling():
+    m = costs()
+    long = prefill_ceiling(m, HW, 512)
+    assert long.bound == "compute"
+    assert long.tokens_per_second == pytest.approx(512 / (m.prefill_flops(512) / 1e12))
+    # One prompt token costs what one decode step at context 1 costs.
+    assert prefill_ceiling(m, HW, 1).tokens_per_second == pytest.approx(
+        decode_ceiling(m, HW, 1, 1).tokens_per_second)
+
+
+# ---------------------------------------------------------- the real model
+
+def _file_linear_tensors(path) -> dict[str, GGUFTensor]:
+    """Every matmul weight of the file: all 2-D tensors but the norms; token_embd is the
+    (tied) output projection when there is no output.weight."""
+    f = GGUFFile(path)
+    assert "output.weight" not in f.tensors  # SmolLM2 ties its output to the embedding
+    return {name: t for name, t in f.tensors.items() if len(t.shape) == 2 and "norm" not in name}
+
+
+def test_model_costs_of_smollm2_match_its_file(smollm2_llm):
+    tensors = _file_linear_tensors(smollm2_llm.path)
+    assert len(tensors) == 30 * 7 + 1  # q, k, v, o, gate, up, down per layer + token_embd
+    expected_bytes = expected_params = 0
+    for t in tensors.values():
+        rows, cols = t.shape
+        block, type_size = gguf.GGML_QUANT_SIZES[t.qtype]
+        assert t.raw().numel() == rows * cols // block * type_size
+        expected_bytes += rows * cols // block * type_size
+        expected_params += rows * cols
+
+    m = model_costs(smollm2_llm.loaded)
+    assert m.weight_bytes_per_token == expected_bytes
+    assert m.matmul_params == expected_params
+    assert 4 < m.bits_per_weight < 9  # Q4_1 layers, Q8_0 embedding
+    assert (m.num_layers, m.num_heads, m.head_dim) == (30, 9, 64)
+    assert m.windows == (None,) * 30
+    assert m.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4  # K and V, 3 KV heads, float32
+    # int8 K/V: one byte per value plus a float32 scale per token and head.
+    assert model_costs(smollm2_llm.loaded, "int8", "int8").kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)
+    assert model_costs(smollm2_llm.loaded, "bfloat16", "fp8").kv_bytes_per_token == 30 * 3 * (128 + 64 + 4)
+
+
+# ---------------------------------------------------------------- hardware
+
+def test_presets_and_hardware_from_args():
+    assert set(PRESETS) == {"h100", "h200", "a100", "4090", "m2-ultra"}
+    for hw in PRESETS.values():
+        assert hw.source == "datasheet"
+        assert hw.bandwidth > 0 and hw.fp32_flops > 0 and hw.bf16_flops >= hw.fp32_flops
+    assert hardware_from_args() is None  # nothing named: probe this machine
+    assert hardware_from_args("H100") == PRESETS["h100"]
+    with pytest.raises(MinervaError) as e:
+        hardware_from_args("tpu-v5")
+    assert all(name in str(e.value) for name in PRESETS)
+    given = hardware_from_args(bandwidth_gbs=100, tflops=2)
+    assert (given.bandwidth, given.fp32_flops, given.bf16_flops) == (100e9, 2e12, 2e12)
+    assert hardware_from_args("a100", bandwidth_gbs=1000).bandwidth == 1000e9
+    with pytest.raises(MinervaError, match="both --bandwidth"):
+        hardware_from_args(bandwidth_gbs=100)
+    with pytest.raises(MinervaError, match="positive"):
+        hardware_from_args("h100", tflops=-1)
+
+
+def test_probe_returns_positive_finite_figures():
+    hw = probe(seconds=0.5)
+    assert hw.source == "measured"
+    for value in (hw.bandwidth, hw.fp32_flops, hw.bf16_flops):
+        assert math.isfinite(value) and value > 0
+
+
+def test_machine_describes_this_host():
+    m = machine()
+    assert m.physical_cores >= 1 and m.logical_cpus >= m.physical_cores
+    assert m.cpu in m.describe() and "cores" in m.describe()
+
+
+# --------------------------------------------------------------------- CLI
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="minerva")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["roofline", *argv])
+
+
+def test_roofline_command_for_other_hardware(smollm2_gguf, capsys):
+    args = _parse([str(smollm2_gguf), "--hardware", "h100", "--context", "128,100000"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert f"machine:   {machine().describe()}" in out
+    assert str(smollm2_gguf) in out and "NVIDIA H100 SXM (datasheet)" in out
+    assert "decode, batch 1" in out and "decode, batch 32" in out and "prefill, 512-token prompt" in out
+    assert "decode ceiling by context length" in out
+    assert "peak RSS" in out and "loaded in" in out
+    assert "\n   8192 " in out and "100000" not in out  # contexts capped at the model's 8192
+
+
+def test_roofline_refuses_to_measure_other_hardware():
+    args = _parse(["--hardware", "h100", "--measure"])
+    with pytest.raises(MinervaError, match="--measure"):
+        args.func(args)

@@ -301,3 +301,29 @@ def test_native_kernel_covers_the_common_formats():
     for fmt in ("float32", "bfloat16", "int8"):
         batch = Batch(MIXED_BATCH, 16, fmt, fmt)
         torch.testing.assert_close(batch.paged(5, impl="native"), batch.paged(5, impl="auto"), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(native.NEEDED_CPU_FLAGS - native.cpu_flags() != set(), reason="CPU lacks the native kernels")
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_write_equals_torch_write(fmt, dtype):
+    """The C++ store (and int8 quantization) is bit-identical to the torch path, from a
+    strided view (K and V are slices of the fused QKV output)."""
+    g = torch.Generator().manual_seed(4)
+    T = 9
+    qkv = (torch.randn(T, (H + 2 * HKV) * D, generator=g) * 3).to(dtype)
+    qkv[2, H * D:(H + 1) * D] = 0  # an all-zero K row: scale 0
+    k = qkv[:, H * D:(H + HKV) * D].view(T, HKV, D)
+    v = qkv[:, (H + HKV) * D:].view(T, HKV, D)
+    slots = torch.randperm(6 * 16, generator=g)[:T]
+    caches = [PagedKVCache(2, 6, 16, HKV, D, k_format=fmt, v_format=fmt, dtype=dtype, device="cpu") for _ in range(2)]
+    for c in caches:
+        for kind in ("k", "v"):
+            for t in c.data[kind] + (c.scales[kind] or []):
+                t.zero_()
+    caches[0].write(1, k, v, slots)
+    caches[1].write_torch(1, k, v, slots)
+    for kind in ("k", "v"):
+        assert torch.equal(caches[0].data[kind][1], caches[1].data[kind][1]), kind
+        if caches[0].scales[kind] is not None:
+            assert torch.equal(caches[0].scales[kind][1], caches[1].scales[kind][1])

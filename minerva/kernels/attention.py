@@ -65,6 +65,18 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] of T new tokens at their slots (int64 [T])."""
+        kernel = _native_kernel(k, self)
+        if kernel is not None and k.stride(2) == 1 and k.stride(1) == self.head_dim and v.stride(2) == 1 \
+                and v.stride(1) == self.head_dim:
+            for kind, x in (("k", k), ("v", v)):
+                scales = self.scales[kind]
+                kernel.kv_write(x, self.data[kind][layer], _EMPTY if scales is None else scales[layer],
+                                slot_mapping)
+            return
+        self.write_torch(layer, k, v, slot_mapping)
+
+    def write_torch(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The plain-torch path of `write`."""
         for kind, x in (("k", k), ("v", v)):
             data, scale = quantize_kv(x, self._formats[kind])
             self.data[kind][layer].view(-1, self.num_kv_heads, self.head_dim)[slot_mapping] = data

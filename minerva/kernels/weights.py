@@ -76,6 +76,7 @@ class GGUFWeight:
     def __init__(self, packed: torch.Tensor, qtype: gguf.GGMLQuantizationType,
                  shape: tuple[int, int], dtype: torch.dtype):
         self.qtype = qtype
+        self._qtype_id = int(qtype)
         self.shape = tuple(shape)
         self.dtype = dtype
         self.kernel = None
@@ -119,7 +120,9 @@ class GGUFWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype == self.dtype:
             rows, cols = self.shape
-            y = self.kernel.qmatmul(x.reshape(-1, cols), self.packed, int(self.qtype), rows, cols)
+            if x.dim() == 2:
+                return self.kernel.qmatmul(x, self.packed, self._qtype_id, rows, cols)
+            y = self.kernel.qmatmul(x.reshape(-1, cols), self.packed, self._qtype_id, rows, cols)
             return y.reshape(*x.shape[:-1], rows)
         self.materialize()
         return linear(x, self._dense)

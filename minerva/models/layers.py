@@ -33,7 +33,25 @@ class AttentionContext:
     rope: dict = field(default_factory=dict)  # cos/sin of `positions` per rotary, made once a pass
 
 
-class Linear(nn.Module):
+class Layer(nn.Module):
+    """Base of Minerva's modules: calling one runs `forward` directly. Inference uses no
+    hooks, and nn.Module's call machinery costs more per call than a decode step's small
+    ops (hundreds of calls per token)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def freeze(model: nn.Module) -> None:
+    """Make submodules and buffers plain instance attributes, so reading `self.attn` skips
+    nn.Module.__getattr__. Call after the model is on its device; the registrations stay,
+    so `.modules()` still walks the model (a later `.to()` would need freezing again)."""
+    for m in model.modules():
+        m.__dict__.update(m._modules)
+        m.__dict__.update(m._buffers)
+
+
+class Linear(Layer):
     """y = x W^T (+ b), whatever format W is stored in."""
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
@@ -46,7 +64,7 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class Projections(nn.Module):
+class Projections(Layer):
     """Several linears on the same input (Q/K/V, gate/up): one fused matmul when the
     weights' formats allow stacking them, else one matmul each."""
 
@@ -63,7 +81,7 @@ class Projections(nn.Module):
         return [lin(x) for lin in self.parts]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
         self.weight = weight
@@ -93,7 +111,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
     return inv_freq
 
 
-class Rotary(nn.Module):
+class Rotary(Layer):
     """Rotary position embedding, half-split ("neox") layout."""
 
     def __init__(self, inv_freq: torch.Tensor):
@@ -108,7 +126,7 @@ class Rotary(nn.Module):
         return ops.rope(q, *cos_sin), ops.rope(k, *cos_sin)
 
 
-class Attention(nn.Module):
+class Attention(Layer):
     def __init__(self, config: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear,
                  o: Linear, rotary: Rotary, q_norm: RMSNorm | None = None,
                  k_norm: RMSNorm | None = None):
@@ -135,7 +153,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(Layer):
     """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU for Gemma."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear, activation: str):
@@ -150,7 +168,7 @@ class GatedMLP(nn.Module):
         return self.down(ops.ACTIVATIONS[self.activation](gate) * up)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     """Pre-norm residual block; optional post-norms (Gemma) wrap each sublayer's output."""
 
     def __init__(self, attn: Attention, mlp: GatedMLP, input_norm: RMSNorm, pre_mlp_norm: RMSNorm,
@@ -172,7 +190,7 @@ class DecoderLayer(nn.Module):
         return h.add_(m)
 
 
-class CausalLM(nn.Module):
+class CausalLM(Layer):
     """Embedding -> decoder layers -> final norm -> output projection."""
 
     def __init__(self, config: ModelConfig, embed: Weight, layers: list[DecoderLayer],

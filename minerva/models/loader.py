@@ -23,7 +23,7 @@ from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels.weights import DenseWeight, GGUFWeight, Weight
 from minerva.models import gemma3, llama
 from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling
-from minerva.models.layers import CausalLM, Linear
+from minerva.models.layers import CausalLM, Linear, freeze
 
 # ---------------------------------------------------------------- name tables
 
@@ -377,5 +377,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         model = arch.build(config, weights)
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
+    freeze(model)
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
                        compute)

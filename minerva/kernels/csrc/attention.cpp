@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -188,4 +189,68 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   else if (q.scalar_type() == torch::kBFloat16) run(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
   else TORCH_CHECK(false, "q must be float32 or bfloat16");
   return out;
+}
+
+namespace {
+
+template <typename XT, typename PT>
+void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const int64_t* slots, int64_t T,
+                int64_t Hkv, int64_t D) {
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const XT* src = x + t * x_stride + h * D;
+      PT* dst = pool + (slots[t] * Hkv + h) * D;
+      if constexpr (std::is_same_v<PT, int8_t>) {
+        // as kv_quant.quantize_kv: scale = absmax / 127; q = round_half_even(x / scale), clamped
+        __m512 amax = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load16(src + d, 1.0f)));
+        const float scale = _mm512_reduce_max_ps(amax) / 127.0f;
+        const __m512 div = _mm512_set1_ps(scale > 0 ? scale : 1.0f);
+        const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+        for (int64_t d = 0; d < D; d += 16) {
+          __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load16(src + d, 1.0f), div),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          q = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+        }
+        scales[slots[t] * Hkv + h] = scale;
+      } else {
+        for (int64_t d = 0; d < D; d += 16) store16(dst + d, load16(src + d, 1.0f));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// Store new K or V rows x [T, Hkv, D] (float32/bfloat16; any token stride) at pool slots
+// (pool [blocks, block_size, Hkv, D] of float32, bfloat16 or int8 + float32 scales).
+void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, Hkv, D], dense per token");
+  TORCH_CHECK(pool.is_contiguous() && pool.size(2) == x.size(1) && pool.size(3) == x.size(2), "pool does not match x");
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  slots = slots.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per token");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
+  float* sc = nullptr;
+  if (pool.scalar_type() == torch::kInt8) {
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == num_slots * Hkv,
+                "int8 pools need float32 scales [blocks, block_size, Hkv]");
+    sc = scales.data_ptr<float>();
+  }
+  auto go = [&](auto* xp) {
+    using XT = std::remove_pointer_t<decltype(xp)>;
+    switch (pool.scalar_type()) {
+      case torch::kFloat32: write_rows<XT, float>(xp, x.stride(0), pool.data_ptr<float>(), sc, sl, T, Hkv, D); break;
+      case torch::kBFloat16: write_rows<XT, at::BFloat16>(xp, x.stride(0), pool.data_ptr<at::BFloat16>(), sc, sl, T, Hkv, D); break;
+      case torch::kInt8: write_rows<XT, int8_t>(xp, x.stride(0), pool.data_ptr<int8_t>(), sc, sl, T, Hkv, D); break;
+      default: TORCH_CHECK(false, "unsupported pool dtype ", pool.scalar_type());
+    }
+  };
+  if (x.scalar_type() == torch::kFloat32) go(x.data_ptr<float>());
+  else if (x.scalar_type() == torch::kBFloat16) go(x.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "x must be float32 or bfloat16");
 }

@@ -14,7 +14,7 @@ import torch
 
 from minerva.engine.sampler import TokenLogprob, sample_batch, token_logprobs
 from minerva.engine.scheduler import Scheduled
-from minerva.kernels.attention import PagedKVCache, paged_attention
+from minerva.kernels.attention import EMPTY, PagedKVCache, native_kernel, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
 
 
@@ -32,6 +32,21 @@ class PagedBackend:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None, scale: float) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
+        return paged_attention(q, self.cache, layer, query_start_loc=self.query_start_loc,
+                               seq_lens=self.seq_lens, block_tables=self.block_tables,
+                               positions=self.positions, window=window, scale=scale)
+
+    def native_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
+        """What a native decoder layer needs to store and attend over this step's K/V, or
+        None when the C++ kernels do not cover this pool or dtype."""
+        if native_kernel(dtype, self.cache) is None:
+            return None
+        c = self.cache
+        ks, vs = c.scales["k"], c.scales["v"]
+        return (c.data["k"][layer], c.data["v"][layer], EMPTY if ks is None else ks[layer],
+                EMPTY if vs is None else vs[layer], self.slot_mapping, self.block_tables, self.seq_lens,
+                self.query_start_loc, self.positions)
+
         return paged_attention(q, self.cache, layer, query_start_loc=self.query_start_loc,
                                seq_lens=self.seq_lens, block_tables=self.block_tables,
                                positions=self.positions, window=window, scale=scale)

@@ -65,12 +65,12 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] of T new tokens at their slots (int64 [T])."""
-        kernel = _native_kernel(k, self)
+        kernel = native_kernel(k.dtype, self)
         if kernel is not None and k.stride(2) == 1 and k.stride(1) == self.head_dim and v.stride(2) == 1 \
                 and v.stride(1) == self.head_dim:
             for kind, x in (("k", k), ("v", v)):
                 scales = self.scales[kind]
-                kernel.kv_write(x, self.data[kind][layer], _EMPTY if scales is None else scales[layer],
+                kernel.kv_write(x, self.data[kind][layer], EMPTY if scales is None else scales[layer],
                                 slot_mapping)
             return
         self.write_torch(layer, k, v, slot_mapping)
@@ -107,8 +107,9 @@ class PagedKVCache:
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
-def _native_kernel(q: torch.Tensor, cache: PagedKVCache):
-    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16)
+def native_kernel(dtype: torch.dtype, cache: PagedKVCache):
+    """The C++ module when it covers attention over `cache` with activations of `dtype`."""
+    if (cache.data["k"][0].device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
             or cache.head_dim % 16 or cache.data["k"][0].dtype not in NATIVE_KV_DTYPES
             or cache.data["v"][0].dtype not in NATIVE_KV_DTYPES):
         return None
@@ -126,7 +127,7 @@ def as_table_tensor(block_tables, device) -> torch.Tensor:
     return out
 
 
-_EMPTY = torch.empty(0)
+EMPTY = torch.empty(0)
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc, seq_lens,
@@ -141,7 +142,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
     [B, max_blocks] tensor. impl: "auto" (the C++ kernel where it applies), "native"
     or "torch".
     """
-    kernel = _native_kernel(q, cache) if impl != "torch" else None
+    kernel = native_kernel(q.dtype, cache) if impl != "torch" else None
     if kernel is None:
         if impl == "native":
             raise RuntimeError(f"no native attention kernel for this case ({native.unavailable_reason})")
@@ -151,7 +152,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
     ks, vs = cache.scales["k"], cache.scales["v"]
     return kernel.paged_attention(
         q, cache.data["k"][layer], cache.data["v"][layer],
-        _EMPTY if ks is None else ks[layer], _EMPTY if vs is None else vs[layer],
+        EMPTY if ks is None else ks[layer], EMPTY if vs is None else vs[layer],
         as_table_tensor(block_tables, q.device), torch.as_tensor(seq_lens, dtype=torch.int64),
         torch.as_tensor(query_start_loc, dtype=torch.int64), positions, window or 0, scale)
 

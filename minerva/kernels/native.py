@@ -24,8 +24,8 @@ import torch
 
 log = logging.getLogger("minerva")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp", "module.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "kernels.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]

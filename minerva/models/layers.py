@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from minerva.kernels import ops
+from minerva.kernels import native, ops
 from minerva.kernels.weights import Weight, fuse
 from minerva.models.config import SLIDING, ModelConfig, RopeScaling
 
@@ -75,6 +75,10 @@ class Projections(Layer):
         self.fused = Linear(fused) if fused is not None else None
         self.parts = nn.ModuleList(linears) if fused is None else None
 
+    def linears(self) -> list[Linear]:
+        """The matmuls this runs: the fused one, or each part."""
+        return [self.fused] if self.fused is not None else list(self.parts)
+
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.fused is not None:
             return list(self.fused(x).split(self.sizes, dim=-1))
@@ -118,12 +122,16 @@ class Rotary(Layer):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # moves with model.to(device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = ctx.rope.get(id(self))
         if cos_sin is None:  # once per forward pass, shared by every layer using this rotary
             cos_sin = ctx.rope[id(self)] = ops.rope_cos_sin(ctx.positions, self.inv_freq)
-        return ops.rope(q, *cos_sin), ops.rope(k, *cos_sin)
+        return cos_sin
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(ctx)
+        return ops.rope(q, cos, sin), ops.rope(k, cos, sin)
 
 
 class Attention(Layer):
@@ -162,10 +170,9 @@ class GatedMLP(Layer):
         self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up.fused is not None:
-            return self.down(ops.act_mul(self.gate_up.fused(x), self.activation))
-        gate, up = self.gate_up(x)
-        return self.down(ops.ACTIVATIONS[self.activation](gate) * up)
+        fused = self.gate_up.fused
+        gate_up = fused(x) if fused is not None else torch.cat(self.gate_up(x), dim=-1)
+        return self.down(ops.act_mul(gate_up, self.activation))
 
 
 class DecoderLayer(Layer):
@@ -177,9 +184,43 @@ class DecoderLayer(Layer):
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.pre_mlp_norm = input_norm, pre_mlp_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
+        self.native = None  # the same layer as one C++ call (see make_native), when possible
+
+    def make_native(self) -> None:
+        """Build the C++ twin of this layer (minerva/kernels/csrc/module.cpp) when every
+        matmul is a packed kernel and the norms and head size suit the C++ ops. It runs
+        the same kernels in the same order as `forward`, in one call."""
+        kernel = native.load()
+        attn, mlp = self.attn, self.mlp
+        qkv, gate_up = attn.qkv_proj.linears(), mlp.gate_up.linears()
+        linears = [*qkv, attn.o_proj, *gate_up, mlp.down]
+        norms = [n for n in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm,
+                             attn.q_norm, attn.k_norm) if n is not None]
+        if (kernel is None or any(getattr(lin.weight, "kernel", None) is None or lin.bias is not None
+                                  for lin in linears)
+                or len({lin.weight.dtype for lin in linears}) != 1
+                or any(n.weight.dtype != torch.float32 for n in norms) or attn.head_dim % 32
+                or len({n.eps for n in norms}) != 1):
+            return
+
+        def packed(lin: Linear):
+            return kernel.Packed(lin.weight.packed, lin.weight._qtype_id, *lin.weight.shape)
+
+        opt = lambda n: None if n is None else n.weight  # noqa: E731
+        self.native = kernel.DecoderLayer(
+            [packed(lin) for lin in qkv], packed(attn.o_proj), [packed(lin) for lin in gate_up],
+            packed(mlp.down), self.input_norm.weight, self.pre_mlp_norm.weight, opt(self.post_attn_norm),
+            opt(self.post_mlp_norm), opt(attn.q_norm), opt(attn.k_norm), self.input_norm.eps, attn.num_heads,
+            attn.num_kv_heads, attn.head_dim, attn.window or 0, ops.ACT_IDS[mlp.activation], attn.scale)
+        self.native_dtype = linears[0].weight.dtype
 
     def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Updates the residual stream h in place and returns it."""
+        if self.native is not None and h.dtype == self.native_dtype:
+            native_args = getattr(ctx.backend, "native_args", None)
+            args = native_args(self.attn.layer, h.dtype) if native_args is not None else None
+            if args is not None:
+                return self.native.forward(h, *self.attn.rotary.cos_sin(ctx), *args)
         a = self.attn(self.input_norm(h), ctx)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)

@@ -377,6 +377,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         model = arch.build(config, weights)
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
+    for layer in model.layers:
+        layer.make_native()
     freeze(model)
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
                        compute)

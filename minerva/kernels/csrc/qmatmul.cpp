@@ -490,24 +490,3 @@ torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols)
   });
   return out;
 }
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
-                              torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
-                              torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
-                              double scale);  // attention.cpp
-void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // ops.cpp
-torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps);
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor act_mul(torch::Tensor gu, int64_t act);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
-  m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
-  m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
-  m.def("add_rms_norm", &add_rms_norm, "h += a; RMSNorm(h)");
-  m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");
-  m.def("act_mul", &act_mul, "act(gate) * up");
-  m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
-}

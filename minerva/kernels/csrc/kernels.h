@@ -1,0 +1,19 @@
+// The kernels' entry points, shared by the translation units and the Python module.
+#pragma once
+
+#include <torch/extension.h>
+
+// qmatmul.cpp
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
+torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols);
+// attention.cpp
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
+                              torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
+                              double scale);
+void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots);
+// ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps);
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor act_mul(torch::Tensor gu, int64_t act);

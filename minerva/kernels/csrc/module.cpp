@@ -1,0 +1,95 @@
+// The Python module: every kernel, and a whole decoder layer as one call.
+//
+// DecoderLayer runs the same kernels, in the same order, as minerva/models/layers.py's
+// DecoderLayer.forward on its native path, so both give the same bits; it only saves the
+// Python between them (a decode step of a small model is mostly that).
+
+#include <optional>
+#include <vector>
+
+#include <pybind11/stl.h>
+
+#include "kernels.h"
+
+namespace {
+
+struct Packed {
+  torch::Tensor bytes;
+  int64_t qtype, rows, cols;
+  torch::Tensor operator()(const torch::Tensor& x) const { return qmatmul(x, bytes, qtype, rows, cols); }
+};
+
+// One projection or several on the same input (Q/K/V of different GGML types), outputs side by side.
+struct Projections {
+  std::vector<Packed> parts;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (parts.size() == 1) return parts[0](x);
+    std::vector<torch::Tensor> outs;
+    for (const auto& p : parts) outs.push_back(p(x));
+    return torch::cat(outs, 1);
+  }
+};
+
+struct DecoderLayer {
+  Projections qkv;
+  Packed o;
+  Projections gate_up;
+  Packed down;
+  torch::Tensor input_norm, pre_mlp_norm;
+  std::optional<torch::Tensor> post_attn_norm, post_mlp_norm, q_norm, k_norm;
+  double eps;
+  int64_t heads, kv_heads, head_dim, window, act;
+  double scale;
+
+  // h [T, hidden] is the residual stream, updated in place and returned.
+  torch::Tensor forward(torch::Tensor h, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& k_scale,
+                        const torch::Tensor& v_scale, const torch::Tensor& slots, const torch::Tensor& tables,
+                        const torch::Tensor& seq_lens, const torch::Tensor& qsl, const torch::Tensor& positions) const {
+    const int64_t T = h.size(0), qd = heads * head_dim, kd = kv_heads * head_dim;
+    auto qkv_out = qkv(rms_norm(h, input_norm, eps));
+    auto q = qkv_out.narrow(1, 0, qd).view({T, heads, head_dim});
+    auto k = qkv_out.narrow(1, qd, kd).view({T, kv_heads, head_dim});
+    auto v = qkv_out.narrow(1, qd + kd, kd).view({T, kv_heads, head_dim});
+    if (q_norm) {
+      q = rms_norm(q, *q_norm, eps);
+      k = rms_norm(k, *k_norm, eps);
+    }
+    rope_(q, cos, sin);
+    rope_(k, cos, sin);
+    kv_write(k, k_pool, k_scale, slots);
+    kv_write(v, v_pool, v_scale, slots);
+    auto attn = paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens, qsl, positions, window, scale);
+    auto a = o(attn.view({T, qd}));
+    if (post_attn_norm) a = rms_norm(a, *post_attn_norm, eps);
+    auto m = down(act_mul(gate_up(add_rms_norm(h, a, pre_mlp_norm, eps)), act));
+    if (post_mlp_norm) m = rms_norm(m, *post_mlp_norm, eps);
+    return h.add_(m);
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
+  m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
+  m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
+  m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
+  m.def("add_rms_norm", &add_rms_norm, "h += a; RMSNorm(h)");
+  m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");
+  m.def("act_mul", &act_mul, "act(gate) * up");
+  py::class_<Packed>(m, "Packed")
+      .def(py::init<torch::Tensor, int64_t, int64_t, int64_t>());
+  py::class_<DecoderLayer>(m, "DecoderLayer")
+      .def(py::init([](std::vector<Packed> qkv, Packed o, std::vector<Packed> gate_up, Packed down,
+                       torch::Tensor input_norm,
+                       torch::Tensor pre_mlp_norm, std::optional<torch::Tensor> post_attn_norm,
+                       std::optional<torch::Tensor> post_mlp_norm, std::optional<torch::Tensor> q_norm,
+                       std::optional<torch::Tensor> k_norm, double eps, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t window, int64_t act, double scale) {
+        return DecoderLayer{{qkv}, o, {gate_up}, down, input_norm, pre_mlp_norm, post_attn_norm, post_mlp_norm,
+                            q_norm, k_norm, eps, heads, kv_heads, head_dim, window, act, scale};
+      }))
+      .def("forward", &DecoderLayer::forward);
+}

@@ -31,37 +31,76 @@ struct Pool {
   int64_t scale_block_stride, scale_token_stride;
 };
 
+// Where keys lo .. lo+S-1 of head hk live: one row pointer (and int8 scale) per key, walking
+// the block table without a division per key.
 template <typename KT>
-inline const KT* token_row(const Pool& P, const int64_t* table, int64_t p, int64_t block_size, int64_t hk,
-                           int64_t D, float& scale) {
-  const int64_t blk = table[p / block_size], off = p % block_size;
-  scale = P.scale ? P.scale[blk * P.scale_block_stride + off * P.scale_token_stride + hk] : 1.0f;
-  return static_cast<const KT*>(P.data) + blk * P.block_stride + off * P.token_stride + hk * D;
+void token_rows(const Pool& P, const int64_t* table, int64_t lo, int64_t S, int64_t block_size, int64_t hk,
+                int64_t D, std::vector<const KT*>& rows, std::vector<float>& scales) {
+  rows.resize(S);
+  scales.resize(S);
+  int64_t b = lo / block_size, off = lo % block_size;
+  for (int64_t j = 0; j < S; ++j) {
+    const int64_t blk = table[b];
+    rows[j] = static_cast<const KT*>(P.data) + blk * P.block_stride + off * P.token_stride + hk * D;
+    scales[j] = P.scale ? P.scale[blk * P.scale_block_stride + off * P.scale_token_stride + hk] : 1.0f;
+    if (++off == block_size) off = 0, ++b;
+  }
+}
+
+// acc[g] = sum_j p[g * stride + j] * v_j[d : d + 16] for NG heads: even and odd keys in two
+// register sets (independent FMA chains), added at the end.
+template <int NG, typename VT>
+inline void weighted_sum(const float* p, int64_t stride, const VT* const* vrows, const float* vscale, int64_t S,
+                         int64_t d, __m512* acc) {
+  __m512 a0[NG], a1[NG];
+  for (int g = 0; g < NG; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 1 < S; j += 2) {
+    const __m512 v0 = load16(vrows[j] + d, vscale[j]), v1 = load16(vrows[j + 1] + d, vscale[j + 1]);
+    for (int g = 0; g < NG; ++g) {
+      a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride + j]), v0, a0[g]);
+      a1[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride + j + 1]), v1, a1[g]);
+    }
+  }
+  if (j < S) {
+    const __m512 v0 = load16(vrows[j] + d, vscale[j]);
+    for (int g = 0; g < NG; ++g) a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride + j]), v0, a0[g]);
+  }
+  for (int g = 0; g < NG; ++g) acc[g] = _mm512_add_ps(a0[g], a1[g]);
 }
 
 // One (query row, KV head) item: the G query heads of the group against keys lo..hi-1.
 template <typename QT, typename KT, typename VT>
 void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
                  int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, std::vector<float>& scores,
-                 std::vector<float>& qf, std::vector<const KT*>& krows, std::vector<float>& kscale) {
+                 std::vector<float>& qf, std::vector<const KT*>& krows, std::vector<float>& kscale,
+                 std::vector<const VT*>& vrows, std::vector<float>& vscale) {
   const int64_t S = hi - lo, S16 = (S + 15) / 16 * 16;
   scores.assign(G * S16, -INFINITY);
   qf.resize(G * D);
-  krows.resize(S);
-  kscale.resize(S);
   for (int64_t g = 0; g < G; ++g)  // q pre-scaled: scores = (scale q) . k
     for (int64_t d = 0; d < D; d += 16)
       _mm512_storeu_ps(qf.data() + g * D + d, _mm512_mul_ps(load16(q + g * D + d, 1.0f), _mm512_set1_ps(scale)));
-  for (int64_t j = 0; j < S; ++j) krows[j] = token_row<KT>(K, table, lo + j, block_size, hk, D, kscale[j]);
-  // scores, 16 keys at a time
+  token_rows<KT>(K, table, lo, S, block_size, hk, D, krows, kscale);
+  token_rows<VT>(V, table, lo, S, block_size, hk, D, vrows, vscale);
+  // scores, 16 keys at a time (a short last block repeats its last key; those lanes are dropped)
   for (int64_t j0 = 0; j0 < S; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, S - j0);
+    const KT* kp[16];
+    float ks[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t jj = j0 + std::min<int64_t>(j, n - 1);
+      kp[j] = krows[jj];
+      ks[j] = kscale[jj];
+    }
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[16];
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t d = 0; d < D; d += 16)
-          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + g * D + d), load16(krows[j0 + j] + d, kscale[j0 + j]), acc[j]);
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(qf.data() + g * D + d);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(kp[j] + d, ks[j]), acc[j]);
+      }
       __m512 sums = hsum16(acc);
       __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
       _mm512_mask_storeu_ps(scores.data() + g * S16 + j0, valid, sums);
@@ -84,17 +123,20 @@ void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64
     }
     inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-  // out = (sum_j p_j v_j) / sum, one 16-wide slice of D at a time
+  // out = (sum_j p_j v_j) / sum, one 16-wide slice of D and up to 4 heads at a time
   for (int64_t d = 0; d < D; d += 16) {
-    __m512 acc[64];
-    for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < S; ++j) {
-      float vs;
-      const VT* vp = token_row<VT>(V, table, lo + j, block_size, hk, D, vs);
-      const __m512 v = load16(vp + d, vs);
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * S16 + j]), v, acc[g]);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      __m512 acc[4];
+      const float* p = scores.data() + g0 * S16;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: weighted_sum<1, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        case 2: weighted_sum<2, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        case 3: weighted_sum<3, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        default: weighted_sum<4, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+      }
+      for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 4); ++g)
+        store16(out + g * D + d, _mm512_mul_ps(acc[g - g0], _mm512_set1_ps(inv_sum[g])));
     }
-    for (int64_t g = 0; g < G; ++g) store16(out + g * D + d, _mm512_mul_ps(acc[g], _mm512_set1_ps(inv_sum[g])));
   }
 }
 
@@ -116,13 +158,16 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
   // small steps (a decode of a short context) are cheaper on one thread than to fork
   const int64_t items = T * Hkv, grain = work < (1 << 14) ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, qf, kscale;
+    std::vector<float> scores, qf, kscale, vscale;
     std::vector<const KT*> krows;
+    std::vector<const VT*> vrows;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t t = item / Hkv, hk = item % Hkv;
+      // KV-head-major: a thread's consecutive items are consecutive rows of one head, which
+      // read the same keys, so that head's K/V stays in cache from one row to the next.
+      const int64_t hk = item / T, t = item % T;
       attend_item<QT, KT, VT>(q + (t * H + hk * G) * D, out + (t * H + hk * G) * D, K, V,
                               tables + req[t] * table_stride, lo[t], hi[t], G, D, block_size, hk, scale,
-                              scores, qf, krows, kscale);
+                              scores, qf, krows, kscale, vrows, vscale);
     }
   });
 }
@@ -196,7 +241,8 @@ namespace {
 template <typename XT, typename PT>
 void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const int64_t* slots, int64_t T,
                 int64_t Hkv, int64_t D) {
-  for (int64_t t = 0; t < T; ++t) {
+  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const XT* src = x + t * x_stride + h * D;
       PT* dst = pool + (slots[t] * Hkv + h) * D;
@@ -219,6 +265,7 @@ void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const in
       }
     }
   }
+  });
 }
 
 }  // namespace

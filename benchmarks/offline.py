@@ -48,12 +48,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kv-cache-memory", type=float, default=0.2)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs)
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+              dtype=args.dtype)
     prompts, params = make_workload(llm, max(args.num_prompts, args.sequential), args)
     print(f"model {llm.path.name}; {platform.processor() or platform.machine()}; "
           f"KV pool {llm.engine.blocks.num_blocks} blocks of {llm.engine.blocks.block_size} tokens; "
-          f"max_num_seqs {args.max_num_seqs}")
+          f"max_num_seqs {args.max_num_seqs}; dtype {args.dtype}")
     if args.num_prompts:
         secs, toks = timed(llm, prompts[:args.num_prompts], params[:args.num_prompts], True)
         print(f"{args.num_prompts} prompts: {toks} output tokens in {secs:.1f} s = {toks / secs:.1f} "

@@ -46,27 +46,28 @@ inline __m128i high_bits16(uint32_t bits) {
 template <int QT>
 inline void decode32(const uint8_t* row, int64_t g, __m512& lo, __m512& hi);
 
+// 4-bit formats decode through a 16-entry table per group: table[q] = (d * q) + m (or d * (q - 8))
+// computed with the same float operations as the reference does per element, so the values
+// are bit-identical; vpermps then looks each nibble up (it reads only the low 4 bits of each
+// index, so the high nibble needs just a shift).
+inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
 template <>
 inline void decode32<Q4_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
   const uint8_t* b = row + g * 18;
-  __m512 d = _mm512_set1_ps(f16(b));
-  __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-  __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  __m128i lo = _mm_sub_epi8(_mm_and_si128(qs, m4), eight);
-  __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(qs, 4), m4), eight);
-  w0 = _mm512_mul_ps(d, cvt_i8(lo));
-  w1 = _mm512_mul_ps(d, cvt_i8(hi));
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(f16(b)), _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f)));
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+  w0 = _mm512_permutexvar_ps(idx, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
 
 template <>
 inline void decode32<Q4_1>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
   const uint8_t* b = row + g * 20;
-  __m512 d = _mm512_set1_ps(f16(b)), m = _mm512_set1_ps(f16(b + 2));
-  __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));
-  __m128i m4 = _mm_set1_epi8(0x0F);
-  __m128i lo = _mm_and_si128(qs, m4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), m4);
-  w0 = _mm512_add_ps(_mm512_mul_ps(d, cvt_u8(lo)), m);
-  w1 = _mm512_add_ps(_mm512_mul_ps(d, cvt_u8(hi)), m);
+  const __m512 table = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16(b)), iota16()), _mm512_set1_ps(f16(b + 2)));
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+  w0 = _mm512_permutexvar_ps(idx, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
 
 inline void q5_values(const uint8_t* qh4, const uint8_t* qs16, __m128i& lo, __m128i& hi) {
@@ -125,15 +126,17 @@ inline void decode32<Q4_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1
   const uint8_t* b = row + (g >> 3) * 144;
   int j = static_cast<int>(g & 7), sc, mn;
   k_scale_min(b + 4, j, sc, mn);
-  __m512 dl = _mm512_set1_ps(f16(b) * static_cast<float>(sc));
-  __m512 ml = _mm512_set1_ps(f16(b + 2) * static_cast<float>(mn));
+  const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(f16(b) * static_cast<float>(sc)), iota16()),
+                                     _mm512_set1_ps(f16(b + 2) * static_cast<float>(mn)));
   const uint8_t* qs = b + 16 + 32 * (j >> 1);
-  __m128i m4 = _mm_set1_epi8(0x0F);
-  for (int h = 0; h < 2; ++h) {
-    __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
-    q = (j & 1) ? _mm_and_si128(_mm_srli_epi16(q, 4), m4) : _mm_and_si128(q, m4);
-    (h ? w1 : w0) = _mm512_sub_ps(_mm512_mul_ps(dl, cvt_u8(q)), ml);
+  __m512i i0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  __m512i i1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+  if (j & 1) {
+    i0 = _mm512_srli_epi32(i0, 4);
+    i1 = _mm512_srli_epi32(i1, 4);
   }
+  w0 = _mm512_permutexvar_ps(i0, table);
+  w1 = _mm512_permutexvar_ps(i1, table);
 }
 
 template <>

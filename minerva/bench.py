@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minerva.errors import MinervaError
+from minerva.hardware import peak_rss_mb, rss_mb
 
 PEERS = ("llama.cpp", "transformers")
 
@@ -54,26 +55,6 @@ class SystemInfo:
     load_seconds: float
     rss_mb: float  # resident memory of the loaded system (peak for minerva; growth for a peer)
     detail: str = ""
-
-
-def rss_mb() -> float:
-    """Current resident set size of this process, in MB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return math.nan
-
-
-def peak_rss_mb() -> float:
-    try:
-        import resource
-    except ImportError:
-        return math.nan
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def header(model_path: Path, threads: int) -> list[str]:
@@ -214,7 +195,7 @@ def cmd_latency(args) -> int:
         figures.append(fig)
     lines = header(llm.path, args.threads or _threads())
     model_path = llm.path
-    del llm
+    llm = None  # free the model before loading a peer
     for peer in args.compare:
         runner = peers.load(peer, model_path, args.threads or _threads(), n_ctx=_ctx_needed(plan))
         systems.append(runner.info)

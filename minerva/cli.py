@@ -10,17 +10,10 @@ from pathlib import Path
 
 from minerva.engine.engine import EngineConfig
 from minerva.errors import MinervaError
+from minerva.hardware import peak_rss_mb
 from minerva.kernels.kv_quant import KV_FORMATS
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
-
-
-def _peak_rss_mb() -> float:
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return float("nan")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
@@ -107,7 +100,7 @@ def _load(model: str | None, args, engine: bool = True):
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, "
           f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
-          f"{llm.loaded.load_seconds:.2f} s; peak RSS {_peak_rss_mb():.0f} MB", file=sys.stderr)
+          f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
     return llm
 
 

@@ -216,3 +216,24 @@ def probe(seconds: float = 3.0, threads: int | None = None) -> Hardware:
         torch.set_num_threads(before)
     return Hardware(f"{machine().cpu}, {used} thread{'s' if used != 1 else ''}", bandwidth, fp32, bf16,
                     "measured")
+
+
+def rss_mb() -> float:
+    """This process's resident memory now, in MB (nan where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (nan on Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return float("nan")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from minerva.bench import SystemInfo, rss_mb
+from minerva.bench import SystemInfo
 from minerva.errors import MinervaError
+from minerva.hardware import rss_mb
 
 
 def load(name: str, model_path: Path, threads: int, n_ctx: int, n_seq: int = 1):

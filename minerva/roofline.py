@@ -16,15 +16,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from minerva.errors import MinervaError
-from minerva.hardware import PRESETS, Hardware, hardware_from_args, machine, probe
+from minerva.hardware import (
+    PRESETS,
+    Hardware,
+    hardware_from_args,
+    machine,
+    peak_rss_mb,
+    probe,
+)
 from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_quant import KV_FORMATS
 from minerva.kernels.weights import GGUFWeight
@@ -33,7 +40,6 @@ from minerva.models.layers import Linear
 from minerva.models.loader import LoadedModel
 
 if TYPE_CHECKING:  # importing the LLM loads the engine; the command imports it when it runs
-    from minerva.engine.sampler import SamplingParams
     from minerva.llm import LLM
 
 DTYPES = ("float32", "bfloat16")
@@ -161,63 +167,7 @@ def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str
 
 # ----------------------------------------------------------------- measurement
 
-@dataclass(frozen=True)
-class Measured:
-    tokens_per_second: float
-    tokens: int
-    seconds: float
-
-
-def _random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (count, length), generator=g).tolist()
-
-
-def _params(max_tokens: int) -> SamplingParams:
-    from minerva.engine.sampler import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def measure_prefill(llm: LLM, prompt_len: int) -> Measured:
-    """Prompt tokens/s from the time to the first token of a max_tokens=1 request."""
-    (prompt,) = _random_prompts(1, prompt_len, llm.config.vocab_size, seed=1)
-    start = time.perf_counter()
-    first = None
-    for _ in llm.stream(prompt, _params(1)):
-        first = first or time.perf_counter()
-    seconds = (first or time.perf_counter()) - start
-    return Measured(prompt_len / seconds, prompt_len, seconds)
-
-
-def measure_decode(llm: LLM, batch: int, new_tokens: int, seed: int) -> Measured:
-    """Decode tokens/s of `batch` sequences at once, timed from the step in which every
-    sequence has its first token (the prefill's) to the last token."""
-    prompts = _random_prompts(batch, DECODE_PROMPT_TOKENS, llm.config.vocab_size, seed)
-    events: list[tuple[float, int, int]] = []  # (time, prompt index, tokens)
-    for i, _, delta in llm.stream_many(prompts, _params(new_tokens)):
-        events.append((time.perf_counter(), i, len(delta.token_ids)))
-    first: dict[int, float] = {}
-    for t, i, n in events:
-        if n:
-            first.setdefault(i, t)
-    start = max(first.values())
-    tokens = sum(n for t, _, n in events if t > start)
-    seconds = events[-1][0] - start
-    if tokens == 0 or seconds <= 0:
-        raise MinervaError("the decode run produced no tokens to time")
-    return Measured(tokens / seconds, tokens, seconds)
-
-
 # ------------------------------------------------------------------------- CLI
-
-def _peak_rss_mb() -> float:
-    try:
-        import resource
-    except ImportError:  # not on Windows
-        return float("nan")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 
 def _load_average() -> str:
     """Other work on the machine competes with the probe and the engine: say how much there was."""
@@ -253,13 +203,13 @@ class Row:
 
     label: str
     ceiling: Ceiling
-    measured: Measured | None = None
+    measured: float | None = None  # tokens/s the engine reached
 
     def cells(self) -> list[str]:
         cells = [self.label, _rate(self.ceiling.tokens_per_second), self.ceiling.bound]
         if self.measured is not None:
-            fraction = self.measured.tokens_per_second / self.ceiling.tokens_per_second
-            cells += [_rate(self.measured.tokens_per_second), f"{100 * fraction:.1f}%"]
+            fraction = self.measured / self.ceiling.tokens_per_second
+            cells += [_rate(self.measured), f"{100 * fraction:.1f}%"]
         return cells
 
 
@@ -271,13 +221,20 @@ def _rows(llm: LLM, costs: ModelCosts, hw: Hardware, args: argparse.Namespace) -
     prefill = prefill_ceiling(costs, hw, args.prompt, args.dtype)
     decode_1 = decode_ceiling(costs, hw, 1, ctx_1, args.dtype)
     decode_n = decode_ceiling(costs, hw, args.batch, ctx_n, args.dtype)
-    measured: list[Measured | None] = [None, None, None]
-    if args.measure:
+    measured: list[float | None] = [None, None, None]
+    if args.measure:  # the same measurements as `minerva bench`
+        from minerva.bench import minerva_decode, minerva_prefill, random_prompt
+
         print("measuring: warm-up, prefill, batch-1 decode, batch-N decode...", file=sys.stderr)
-        llm.generate(_random_prompts(1, 8, llm.config.vocab_size, seed=0), _params(4))
-        measured = [measure_prefill(llm, args.prompt),
-                    measure_decode(llm, 1, DECODE_TOKENS_BATCH_1, seed=2),
-                    measure_decode(llm, args.batch, DECODE_TOKENS_BATCH_N, seed=3)]
+        rng = random.Random(0)
+
+        def prompts(count: int, length: int) -> list[list[int]]:
+            return [random_prompt(rng, llm, length) for _ in range(count)]
+
+        minerva_decode(llm, prompts(1, 8), 4)
+        measured = [minerva_prefill(llm, prompts(1, args.prompt)[0]),
+                    minerva_decode(llm, prompts(1, DECODE_PROMPT_TOKENS), DECODE_TOKENS_BATCH_1)[0],
+                    minerva_decode(llm, prompts(args.batch, DECODE_PROMPT_TOKENS), DECODE_TOKENS_BATCH_N)[0]]
     return [Row(f"prefill, {args.prompt}-token prompt", prefill, measured[0]),
             Row(f"decode, batch 1, context {ctx_1}", decode_1, measured[1]),
             Row(f"decode, batch {args.batch}, context {ctx_n}", decode_n, measured[2])]
@@ -310,7 +267,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
               kv_cache_memory=0.2 if args.measure else float(64 << 20),
               max_num_seqs=max(64, args.batch), kv_cache_dtype_k=kv, kv_cache_dtype_v=kv)
     loaded, config = llm.loaded, llm.config
-    load_rss = _peak_rss_mb()
+    load_rss = peak_rss_mb()
     costs = model_costs(loaded, kv, kv, llm.dtype)
     if args.prompt >= costs.max_context:
         raise MinervaError(f"--prompt {args.prompt} does not fit the model's context of "
@@ -345,13 +302,13 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     measured = rows[0].measured is not None
     out += _table([["", "ceiling", "bound"] + (["measured", "of ceiling"] if measured else [])]
                   + [r.cells() for r in rows], right={1, 3, 4})
-    if any(r.measured and r.measured.tokens_per_second > r.ceiling.tokens_per_second for r in rows):
+    if any(r.measured and r.measured > r.ceiling.tokens_per_second for r in rows):
         out.append("(above 100%: the engine beat a probed peak; the probe times torch's own kernels, "
                    "which are not always the fastest here, and a busy machine lowers either figure)")
     out += ["", f"decode ceiling by context length (batch 1 and batch {args.batch}, all sequences together):"]
     out += _context_table(costs, hw, args)
     if probed:
-        out += ["", (f"peak RSS of the whole run: {_peak_rss_mb():.0f} MB "
+        out += ["", (f"peak RSS of the whole run: {peak_rss_mb():.0f} MB "
                      "(the probe's 512 MiB buffer included)")]
     print("\n".join(out))
     return 0

@@ -171,3 +171,8 @@ def test_chat_reset_and_eof(tiny):
 def test_list_empty_store(tmp_path):
     proc = run("list", env_home=tmp_path)
     assert proc.returncode == 0 and "no models pulled" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bad_thread_count(tiny, value):
+    assert_clean_error(run("generate", str(tiny), "hi", "--threads", value), "--threads")

@@ -181,3 +181,13 @@ def test_roofline_refuses_to_measure_other_hardware():
     args = _parse(["--hardware", "h100", "--measure"])
     with pytest.raises(MinervaError, match="--measure"):
         args.func(args)
+
+
+@pytest.mark.slow
+def test_roofline_measure_states_the_fraction_reached(smollm2_gguf, capsys):
+    args = _parse([str(smollm2_gguf), "--measure", "--batch", "4", "--prompt", "64"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "measured" in out and "of ceiling" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("prefill, 64-token", "decode, batch 1,", "decode, batch 4,"))]
+    assert len(rows) == 3 and all(ln.rstrip().endswith("%") for ln in rows), rows

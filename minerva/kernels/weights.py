@@ -110,13 +110,6 @@ class GGUFWeight:
             out[r:r + slab.shape[0]] = dequantize(slab, self.qtype, (slab.shape[0], cols))
         self._dense = out
 
-    def dense(self) -> torch.Tensor:
-        """The dequantized weight (made on demand; the packed path never needs it)."""
-        if self._dense is not None:
-            return self._dense
-        rows, cols = self.shape
-        return dequantize(self.packed, self.qtype, (rows, cols)).to(self.dtype)
-
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype == self.dtype:
             rows, cols = self.shape

@@ -1,0 +1,79 @@
+"""Where a batched run's time goes: every native kernel call timed, on the Python layer path.
+
+    python benchmarks/kernel_breakdown.py --requests 32 --input-len 128 --output-len 128 --dtype bfloat16
+
+The C++ decoder layer is switched off so each kernel is called (and timed) from Python;
+it runs the same kernels, so the split is the native layer's too, plus the Python between
+them. Prompts are random token ids; EOS is ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import time
+
+from minerva import LLM, SamplingParams
+from minerva.kernels import native
+from minerva.kernels.weights import GGUFWeight
+
+
+class Timed:
+    """The native module with every call timed."""
+
+    def __init__(self, module):
+        self.module, self.seconds, self.calls = module, collections.Counter(), collections.Counter()
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+        return timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    llm = LLM(args.model, dtype=args.dtype)
+    module = native.load()
+    if module is None:
+        raise SystemExit(f"native kernels unavailable: {native.unavailable_reason}")
+    timed = Timed(module)
+    native._module = timed
+    for layer in llm.engine.model.layers:
+        layer.native = None
+    for m in llm.engine.model.modules():
+        if isinstance(getattr(m, "weight", None), GGUFWeight) and m.weight.kernel is not None:
+            m.weight.kernel = timed
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.requests)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    timed.seconds.clear()
+    timed.calls.clear()
+    start = time.perf_counter()
+    out = llm.generate(prompts, params)
+    total = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in out)
+    print(f"{args.requests} requests x ({args.input_len} in, {args.output_len} out), {args.dtype}: "
+          f"{total:.2f} s, {tokens / total:.1f} output tokens/s")
+    for name, secs in timed.seconds.most_common():
+        print(f"  {name:16s} {secs:7.2f} s  {100 * secs / total:5.1f}%  ({timed.calls[name]} calls)")
+    rest = total - sum(timed.seconds.values())
+    print(f"  {'rest (Python)':16s} {rest:7.2f} s  {100 * rest / total:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()

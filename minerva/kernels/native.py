@@ -12,6 +12,7 @@ reason is logged once.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import logging
 import os
 import platform
@@ -52,7 +53,7 @@ def _cache_dir(flags: set[str]) -> Path:
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version]).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy"]).encode())
     home = os.environ.get("MINERVA_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
     return base / "kernels" / h.hexdigest()[:16]
@@ -82,7 +83,14 @@ def load() -> ModuleType | None:
         from torch.utils import cpp_extension
         if not any(build.glob("*.so")):
             log.warning("compiling Minerva's CPU kernels (once per machine, about a minute)...")
-        _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(s) for s in SOURCES],
+        # Build from a copy inside the cache directory: the build files name source paths, so
+        # two checkouts of the same sources share one build instead of rebuilding in turn.
+        src = build / "src"
+        src.mkdir(exist_ok=True)
+        for f in SOURCES + HEADERS:
+            if not (src / f.name).exists() or (src / f.name).read_bytes() != f.read_bytes():
+                shutil.copyfile(f, src / f.name)
+        _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in SOURCES],
                                      extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build), verbose=False)
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"

@@ -103,7 +103,8 @@ def load_minerva(args):
     start_rss = rss_mb()
     # Prompts are random, so the prefix cache only ever hits where a test puts context
     # first on purpose (pp at a depth).
-    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, kv_cache_memory=args.kv_cache_memory,
+    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, quantize=args.quantize,
+              kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens)
     info = SystemInfo("minerva", llm.loaded.load_seconds, peak_rss_mb(),
@@ -381,6 +382,8 @@ def add_parser(sub) -> None:
                        help="also run this peer on the same model file (repeatable)")
         q.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
         q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        q.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                       help="quantize a SafeTensors model at load (group-wise, weight-only)")
         q.add_argument("--kv-cache-memory", type=float, default=0.2)
         q.add_argument("--max-num-batched-tokens", type=int, default=2048)
         q.add_argument("--seed", type=int, default=0)

@@ -36,6 +36,8 @@ def _add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activation dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize a SafeTensors model's weights at load, group-wise (weight-only)")
     kv = sorted(KV_FORMATS)
     p.add_argument("--kv-cache-dtype", default=None, choices=kv, help="K and V cache precision")
     p.add_argument("--kv-cache-dtype-k", default=None, choices=kv, help="K cache precision (default auto)")
@@ -95,10 +97,12 @@ def _load(model: str | None, args, engine: bool = True):
     from minerva.llm import LLM
 
     options = _engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
-    llm = LLM(model, device=args.device, dtype=args.dtype, threads=args.threads, **options)
+    llm = LLM(model, device=args.device, dtype=args.dtype, threads=args.threads,
+              quantize=args.quantize, **options)
     c = llm.config
-    print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, "
-          f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file, "
+    stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
+              if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
+    print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
     return llm

@@ -55,14 +55,15 @@ class LLM:
     """A loaded model with its tokenizer and a batching engine, ready to generate.
 
     `model` is a pulled name (pulled on first use), a .gguf path or a Hugging
-    Face directory; None means the default model. Engine options (KV budget and
+    Face directory; None means the default model. `quantize` ("int8" | "int4")
+    quantizes a SafeTensors checkpoint's weights group-wise at load. Engine options (KV budget and
     precision, batch limits, prefix caching) are the fields of `EngineConfig`;
     `threads` defaults to the number of physical cores.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str = "float32", auto_pull: bool = True, threads: int | None = None,
-                 **engine_options):
+                 quantize: str | None = None, **engine_options):
         if dtype not in DTYPES:
             raise MinervaError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
@@ -73,12 +74,12 @@ class LLM:
         self.device = parse_device(device)
         self.dtype = DTYPES[dtype]
         self.path = resolve(model, auto_pull=auto_pull)
-        self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype)
+        self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
-                             model_id=f"{self.path.resolve()}:{dtype}")
+                             model_id=f"{self.path.resolve()}:{dtype}:{quantize}")
 
     # ------------------------------------------------------------ prompts
 

@@ -176,3 +176,18 @@ def test_list_empty_store(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_bad_thread_count(tiny, value):
     assert_clean_error(run("generate", str(tiny), "hi", "--threads", value), "--threads")
+
+
+def test_quantize_a_safetensors_model(tmp_path):
+    from tests.test_tiny_safetensors import save
+
+    path = save(tmp_path, "llama-tied")
+    proc = run("generate", str(path), "hello", "--raw", "-n", "4", "--temperature", "0", "--ignore-eos",
+               "--quantize", "int4")
+    assert proc.returncode == 0, proc.stderr
+    assert "4 tokens" in proc.stderr
+
+
+def test_quantize_refuses_gguf_and_unknown_schemes(tiny):
+    assert_clean_error(run("generate", str(tiny), "hi", "--quantize", "int8"), "--quantize", "GGUF")
+    assert_clean_error(run("generate", str(tiny), "hi", "--quantize", "int3"), "--quantize", code=2)

@@ -20,6 +20,7 @@ from minerva.formats.gguf import GGUFFile, GGUFTensor
 from minerva.formats.quant import QUANT_TYPES
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
+from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
 from minerva.kernels.weights import DenseWeight, GGUFWeight, Weight
 from minerva.models import gemma3, llama
 from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling
@@ -248,9 +249,14 @@ def _float_view(raw: torch.Tensor, t: GGUFTensor) -> torch.Tensor:
 
 
 class SafeTensorsWeights:
+    """Tensors of a Hugging Face checkpoint; with `quantize` ("int8" or "int4"), every
+    matmul weight whose rows split into groups of 32 is quantized at load into packed
+    blocks (minerva.kernels.quantize) and never held in float."""
+
     def __init__(self, d: SafeTensorsDir, arch: Architecture, config: ModelConfig,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, quantize: str | None = None):
         self.d, self.arch, self.config, self.device, self.dtype = d, arch, config, device, dtype
+        self.quantize = quantize
         self.by_name: dict[str, str] = {}
         for file_name in d.tensor_names():
             name = canonical(file_name, HF_GLOBAL, arch.hf_layer_names, "model.layers.")
@@ -268,7 +274,12 @@ class SafeTensorsWeights:
         return t
 
     def weight(self, name: str) -> Weight:
-        return DenseWeight(self._get(name).to(self.device, self.dtype))
+        t = self._get(name)
+        if self.quantize and quantizable(tuple(t.shape)):
+            qtype = qtype_for(self.quantize, name)
+            packed = quantize(t, qtype, self.by_name[name])
+            return GGUFWeight(packed.to(self.device), qtype, tuple(t.shape), self.dtype)
+        return DenseWeight(t.to(self.device, self.dtype))
 
     def tensor(self, name: str) -> torch.Tensor:
         t = self._get(name).float()
@@ -358,15 +369,21 @@ def _prepare(model: CausalLM) -> tuple[int, int]:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, quantize: str | None = None) -> LoadedModel:
+    """Load a model; `quantize` ("int8" | "int4") quantizes a SafeTensors checkpoint's
+    matmul weights group-wise at load (GGUF files come quantized already)."""
     start = time.perf_counter()
     path = Path(path)
     device = torch.device(device)
+    check_scheme(quantize)
     if path.is_dir():
         d = SafeTensorsDir(path)
         config, arch = _config_from_hf(d.config, path)
-        weights: Any = SafeTensorsWeights(d, arch, config, device, dtype)
+        weights: Any = SafeTensorsWeights(d, arch, config, device, dtype, quantize)
         tokenizer = Tokenizer.from_pretrained_dir(path)
+    elif quantize:
+        raise MinervaError(f"--quantize applies to SafeTensors checkpoints; '{path.name}' is a GGUF file, "
+                           "already quantized: drop --quantize")
     else:
         f = GGUFFile(path)
         arch = _architecture(f.architecture, f"'{path}'")

@@ -88,3 +88,26 @@ def test_bad_arguments_raise(kernels):
         kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.Q4_1), 5, 32)
     with pytest.raises(RuntimeError, match="no packed kernel"):
         kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.Q2_K), 4, 32)
+
+
+FLOAT_TYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
+
+
+@pytest.mark.parametrize("qtype", list(FLOAT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_float_matrices_run_on_the_same_kernels(kernels, qtype, dtype):
+    """F32/F16/BF16 weights read as blocks of 32: decoding is exact widening, the matmul
+    matches float64, and rows do not depend on the batch."""
+    rows, cols = 37, 768
+    w = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(5)) * 0.05).to(FLOAT_TYPES[qtype])
+    raw = w.contiguous().view(torch.uint8)
+    assert torch.equal(kernels.dequantize_rows(raw, int(qtype), cols), w.float())
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(0))
+    y = kernels.qmatmul(x.to(dtype), raw, int(qtype), rows, cols)
+    if dtype == torch.float32:
+        ref, tol = x.double() @ w.double().T, 1e-5
+    else:
+        ref, tol = x.bfloat16().double() @ w.bfloat16().double().T, 2 ** -8
+    assert (y.double() - ref).abs().max() / ref.abs().max() < tol
+    for lo, hi in [(0, 1), (2, 5), (3, 10)]:
+        assert torch.equal(kernels.qmatmul(x[lo:hi].to(dtype), raw, int(qtype), rows, cols), y[lo:hi])

@@ -21,7 +21,7 @@ from minerva.formats.quant import QUANT_TYPES
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
-from minerva.kernels.weights import DenseWeight, GGUFWeight, Weight
+from minerva.kernels.weights import GGUFWeight, Weight, float_weight
 from minerva.models import gemma3, llama
 from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling
 from minerva.models.layers import CausalLM, Linear, freeze
@@ -228,7 +228,7 @@ class GGUFWeights:
     def weight(self, name: str) -> Weight:
         t, raw = self._get(name)
         if t.qtype in _FLOAT_TYPES:
-            return DenseWeight(_float_view(raw, t).to(self.device, self.dtype))
+            return float_weight(_float_view(raw, t).to(self.device), self.dtype)
         return GGUFWeight(raw.to(self.device), t.qtype, t.shape, self.dtype)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -279,7 +279,7 @@ class SafeTensorsWeights:
             qtype = qtype_for(self.quantize, name)
             packed = quantize(t, qtype, self.by_name[name])
             return GGUFWeight(packed.to(self.device), qtype, tuple(t.shape), self.dtype)
-        return DenseWeight(t.to(self.device, self.dtype))
+        return float_weight(t.to(self.device), self.dtype)
 
     def tensor(self, name: str) -> torch.Tensor:
         t = self._get(name).float()

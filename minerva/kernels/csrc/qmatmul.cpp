@@ -1,7 +1,8 @@
 // Packed GGML-quantized matmul for x86-64 CPUs with AVX-512 (F, BW, VL, BF16) and F16C.
 //
 // y[M, N] = x[M, K] @ W^T, where W [N, K] stays in its GGUF block layout (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K). A panel of weight rows is decoded into a small
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), or is a plain F32, F16 or BF16 matrix read as
+// blocks of 32 (float checkpoints get the same batch-invariant kernels). A panel of weight rows is decoded into a small
 // scratch buffer (fp32 or bf16, the dtype of x) and reused for every row of x.
 //
 // Exactness: the decoded fp32 weights are bit-identical to minerva/formats/quant.py
@@ -25,7 +26,8 @@
 namespace {
 
 // GGML type ids (gguf.GGMLQuantizationType)
-enum : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+             BF16 = 30 };
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -179,7 +181,34 @@ inline void decode32<Q6_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1
   }
 }
 
+// Float matrices: 32 consecutive values; widening to fp32 is exact.
+template <>
+inline void decode32<F32>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const float* p = reinterpret_cast<const float*>(row) + 32 * g;
+  w0 = _mm512_loadu_ps(p);
+  w1 = _mm512_loadu_ps(p + 16);
+}
+
+template <>
+inline void decode32<F16>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(row + 64 * g);
+  w0 = _mm512_cvtph_ps(_mm256_loadu_si256(p));
+  w1 = _mm512_cvtph_ps(_mm256_loadu_si256(p + 1));
+}
+
+inline __m512 bf16_to_f32(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+template <>
+inline void decode32<BF16>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(row + 64 * g);
+  w0 = bf16_to_f32(_mm256_loadu_si256(p));
+  w1 = bf16_to_f32(_mm256_loadu_si256(p + 1));
+}
+
 template <int QT> struct Layout;
+template <> struct Layout<F32> { static constexpr int block = 32, bytes = 128; };
+template <> struct Layout<F16> { static constexpr int block = 32, bytes = 64; };
+template <> struct Layout<BF16> { static constexpr int block = 32, bytes = 64; };
 template <> struct Layout<Q4_0> { static constexpr int block = 32, bytes = 18; };
 template <> struct Layout<Q4_1> { static constexpr int block = 32, bytes = 20; };
 template <> struct Layout<Q5_0> { static constexpr int block = 32, bytes = 22; };
@@ -201,6 +230,9 @@ auto with_format(int64_t qtype, F&& f) {
     case Q4_K: return f.template operator()<Q4_K>();
     case Q5_K: return f.template operator()<Q5_K>();
     case Q6_K: return f.template operator()<Q6_K>();
+    case F32: return f.template operator()<F32>();
+    case F16: return f.template operator()<F16>();
+    case BF16: return f.template operator()<BF16>();
     default: break;
   }
   TORCH_CHECK(false, "no packed kernel for GGML type ", qtype);

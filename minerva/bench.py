@@ -107,6 +107,7 @@ def load_minerva(args):
               kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens)
+    args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline
     info = SystemInfo("minerva", llm.loaded.load_seconds, peak_rss_mb(),
                       f"(peak; {rss_mb() - start_rss:.0f} MB for the model and KV pool, "
                       f"dtype {args.dtype})")
@@ -381,7 +382,8 @@ def add_parser(sub) -> None:
         q.add_argument("--compare", action="append", default=[], choices=PEERS,
                        help="also run this peer on the same model file (repeatable)")
         q.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-        q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="activation dtype (default auto: bfloat16 where the CPU has AVX-512 BF16)")
         q.add_argument("--quantize", default=None, choices=["int8", "int4"],
                        help="quantize a SafeTensors model at load (group-wise, weight-only)")
         q.add_argument("--kv-cache-memory", type=float, default=0.2)

@@ -33,8 +33,9 @@ def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[st
 
 def _add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="activation dtype (default float32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
+                        "GPUs, else float32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize a SafeTensors model's weights at load, group-wise (weight-only)")
@@ -102,7 +103,7 @@ def _load(model: str | None, args, engine: bool = True):
     c = llm.config
     stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
               if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
-    print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, "
+    print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, {llm.dtype_name}, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
     return llm

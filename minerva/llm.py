@@ -37,6 +37,22 @@ def parse_device(device: str | None) -> torch.device:
     return dev
 
 
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """The activation dtype `name` stands for; "auto" is bfloat16 where it is the fast choice
+    (a CPU with the AVX-512 BF16 kernels, a CUDA GPU with bf16) and float32 (CPU) or float16
+    (older GPUs) elsewhere. bf16 activations moved perplexity by under 0.4% on both real models
+    (see README, Performance)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise MinervaError(f"unknown dtype '{name}'; choose auto or one of {', '.join(DTYPES)}")
+        return name
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    from minerva.kernels import native
+
+    return "bfloat16" if native.load() is not None else "float32"
+
+
 def set_threads(threads: int | None) -> int:
     """CPU threads for every kernel: `threads`, or by default one per physical core
     (a second hyper-thread on a core only contends for the same FMA units and cache)."""
@@ -62,24 +78,23 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
-                 dtype: str = "float32", auto_pull: bool = True, threads: int | None = None,
+                 dtype: str = "auto", auto_pull: bool = True, threads: int | None = None,
                  quantize: str | None = None, **engine_options):
-        if dtype not in DTYPES:
-            raise MinervaError(f"unknown dtype '{dtype}'; choose one of {', '.join(DTYPES)}")
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
         engine_config = EngineConfig(**engine_options)
         set_threads(threads)
         self.device = parse_device(device)
-        self.dtype = DTYPES[dtype]
+        self.dtype_name = resolve_dtype(dtype, self.device)
+        self.dtype = DTYPES[self.dtype_name]
         self.path = resolve(model, auto_pull=auto_pull)
         self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
-                             model_id=f"{self.path.resolve()}:{dtype}:{quantize}")
+                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}")
 
     # ------------------------------------------------------------ prompts
 

@@ -258,8 +258,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     for flag in ("batch", "prompt"):
         if getattr(args, flag) < 1:
             raise MinervaError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    from minerva.llm import LLM
+    from minerva.llm import LLM, resolve_dtype
 
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if hw is not None else resolve_dtype("auto", torch.device("cpu"))
     kv = args.kv_cache_dtype
     # The probe measures the CPU, so the engine runs there too. Without --measure the KV
     # pool is never used: keep it small.
@@ -334,8 +336,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="context lengths of the decode table (default 128,512,2048,8192, capped at the "
                         "model's context)")
     p.add_argument("--prompt", type=int, default=512, help="prompt length for prefill (default 512)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="activation dtype; picks the fp32 or bf16 compute peak (default float32)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="activation dtype; picks the fp32 or bf16 compute peak (default auto: what the "
+                        "engine would pick here, bfloat16 for --hardware)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_FORMATS),
                    help="K and V cache precision (default auto: the activation dtype)")
     p.add_argument("--measure", action="store_true",

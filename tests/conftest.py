@@ -24,14 +24,14 @@ def gemma3_gguf():
 def smollm2_llm(smollm2_gguf):
     from minerva import LLM
 
-    return LLM(str(smollm2_gguf), device="cpu")
+    return LLM(str(smollm2_gguf), device="cpu", dtype="float32")  # compared with transformers in fp32
 
 
 @pytest.fixture(scope="session")
 def gemma3_llm(gemma3_gguf):
     from minerva import LLM
 
-    return LLM(str(gemma3_gguf), device="cpu")
+    return LLM(str(gemma3_gguf), device="cpu", dtype="float32")
 
 
 def load_hf_reference(path):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from minerva import LLM, SamplingParams
 from minerva.engine.request import Request
+from minerva.errors import MinervaError
 from tests.test_tiny_safetensors import VOCAB, save
 
 
@@ -30,6 +31,7 @@ def gemma_dir(tmp_path_factory):
 
 def make_llm(path, **options):
     options.setdefault("kv_cache_memory", 32 << 20)
+    options.setdefault("dtype", "float32")
     return LLM(str(path), device="cpu", **options)
 
 
@@ -253,3 +255,15 @@ def test_random_add_abort_step_never_leaks(tight_llm, actions):
             assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens
         else:
             assert r.finish_reason in ("abort", "length")
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_kernels_run(model_dir):
+    from minerva.kernels import native
+
+    llm = make_llm(model_dir, dtype="auto")
+    expected = "bfloat16" if native.load() is not None else "float32"
+    assert llm.dtype_name == expected and llm.dtype == getattr(torch, expected)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(MinervaError, match="unknown dtype"):
+        make_llm(model_dir, dtype="float8")

@@ -13,6 +13,7 @@ from minerva.engine.request import Request, StreamDelta
 from minerva.engine.runner import ModelRunner
 from minerva.engine.sampler import new_state
 from minerva.engine.scheduler import Scheduler, SchedulerConfig
+from minerva.engine.speculative import build_speculator
 from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels.attention import PagedKVCache
@@ -28,6 +29,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    speculative: str | None = None  # ngram | self[:LAYERS] | draft:MODEL (see engine/speculative.py)
+    num_speculative_tokens: int = 3  # guesses per step
+    speculative_max_batch: int = 4  # more running requests than this: no guesses this step
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -75,6 +79,11 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
                                    self.blocks)
         self.runner = ModelRunner(model, self.cache, device)
+        self.speculator = None
+        if config.speculative:
+            self.speculator = build_speculator(config.speculative, config.num_speculative_tokens,
+                                               config.speculative_max_batch, model, tokenizer, num_blocks,
+                                               config.block_size, dtype, device)
         self.requests: dict[str, Request] = {}
         self.outputs: dict[str, OutputProcessor] = {}
         self.max_model_len = min(mc.max_position, num_blocks * config.block_size)
@@ -117,6 +126,13 @@ class Engine:
             self.scheduler.abort(request)
             request.finish_reason = "abort"
             self.outputs.pop(request_id, None)
+            if self.speculator is not None:
+                self.speculator.finished(request)
+
+    def room(self, request: Request) -> int:
+        """How many more tokens the request may produce (max_tokens, context)."""
+        limit = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+        return limit - len(request.output_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -124,6 +140,8 @@ class Engine:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[StreamDelta]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, self.room)
         batch = self.scheduler.schedule()
         if not batch:
             if self.scheduler.has_work():
@@ -135,22 +153,36 @@ class Engine:
         now = time.monotonic()
         for s, result in zip(batch, sampled):
             r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            self.blocks.commit(r.request_id, r.all_token_ids, r.num_computed_tokens)
+            computed = r.num_computed_tokens + s.num_new_tokens
+            drafts = len(r.draft_token_ids) if s.samples else 0
+            if drafts and result is not None:  # K/V of rejected guesses is dropped
+                accepted = len(result) - 1
+                computed -= drafts - accepted
+                self.blocks.rollback(r.request_id, computed)
+                self.speculator.verified(r, drafts, accepted)
+            r.clear_drafts()
+            r.num_computed_tokens = computed
             if result is None:
+                self.blocks.commit(r.request_id, r.all_token_ids, computed)
                 continue
-            token, logprob = result
             r.first_token_time = r.first_token_time or now
-            r.sampler.record(token)
             out = self.outputs[r.request_id]
             room = min(r.params.max_tokens, self.max_model_len - len(r.prompt_token_ids))
-            keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room,
-                                   logprob=logprob)
-            if keep:
-                r.output_token_ids.append(token)
+            finish = None
+            for token, logprob in result:
+                r.sampler.record(token)
+                keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room,
+                                       logprob=logprob)
+                if keep:
+                    r.output_token_ids.append(token)
+                if finish:
+                    break
+            self.blocks.commit(r.request_id, r.all_token_ids, min(computed, r.num_tokens))
             if finish:
                 r.finish_reason = finish
                 self.scheduler.finish(r)
+                if self.speculator is not None:
+                    self.speculator.finished(r)
                 del self.requests[r.request_id], self.outputs[r.request_id]
             delta = out.delta(finish)
             if delta is not None:

@@ -37,6 +37,11 @@ class Request:
     first_token_time: float | None = None
     # Sibling completions (n > 1) wait until this request's prompt is in the cache, then share it.
     wait_for: Request | None = None
+    # Speculative guesses for the tokens after all_token_ids, computed and verified in the
+    # next step (see minerva/engine/speculative.py); draft_probs [k, vocab] are the
+    # distributions they were drawn from, None when chosen deterministically.
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: object = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -45,6 +50,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def pending_token_ids(self) -> list[int]:
+        """The tokens to compute: all_token_ids and any guesses after them."""
+        return self.all_token_ids + self.draft_token_ids if self.draft_token_ids else self.all_token_ids
+
+    @property
+    def num_pending(self) -> int:
+        return self.num_tokens + len(self.draft_token_ids)
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids, self.draft_probs = [], None
 
     @property
     def blocked(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from minerva.engine.sampler import TokenLogprob, sample_batch, token_logprobs
+from minerva.engine.speculative import probabilities, states_along, verify
 from minerva.engine.scheduler import Scheduled
 from minerva.kernels.attention import EMPTY, PagedKVCache, native_kernel, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
@@ -52,48 +53,92 @@ class PagedBackend:
                                positions=self.positions, window=window, scale=scale)
 
 
+@dataclass
+class Seq:
+    """One sequence's part of a forward: tokens at positions start.., its block table, and
+    how many of its last rows need logits."""
+
+    token_ids: list[int]
+    start: int
+    table: list[int]
+    logit_rows: int = 0
+
+
+Sampled = list[tuple[int, TokenLogprob | None]]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device):
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], block_tables: list[list[int]]
-                ) -> list[tuple[int, TokenLogprob | None] | None]:
-        """Run the batch; for each request that samples, its token (and logprobs if asked)."""
+    def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
+        """One forward over every sequence's tokens; float32 logits of the rows asked for, in
+        order (None if none)."""
         ids, pos, slots, starts, seq_lens, logit_rows = [], [], [], [0], [], []
         bs = self.block_size
-        for s, table in zip(batch, block_tables):
-            r = s.request
-            lo, hi = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            ids += r.all_token_ids[lo:hi]
+        for s in seqs:
+            lo, hi = s.start, s.start + len(s.token_ids)
+            ids += s.token_ids
             pos += range(lo, hi)
-            slots += [table[p // bs] * bs + p % bs for p in range(lo, hi)]
-            starts.append(starts[-1] + s.num_new_tokens)
+            slots += [s.table[p // bs] * bs + p % bs for p in range(lo, hi)]
+            starts.append(starts[-1] + len(s.token_ids))
             seq_lens.append(hi)
-            if s.samples:
-                logit_rows.append(starts[-1] - 1)
+            logit_rows += range(starts[-1] - s.logit_rows, starts[-1])
         positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
+        width = max(len(s.table) for s in seqs)
+        tables = torch.tensor([s.table + [0] * (width - len(s.table)) for s in seqs], dtype=torch.int64,
                               device=self.device)
         i64 = dict(dtype=torch.int64, device=self.device)
         backend = PagedBackend(self.cache, torch.tensor(slots, **i64), torch.tensor(starts, **i64),
                                torch.tensor(seq_lens, **i64), tables, positions)
         hidden = self.model(torch.tensor(ids, device=self.device), AttentionContext(positions, backend))
-        out: list[tuple[int, TokenLogprob | None] | None] = [None] * len(batch)
-        if logit_rows:
-            logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
-            samplers = [i for i, s in enumerate(batch) if s.samples]
-            requests = [batch[i].request for i in samplers]
-            tokens = sample_batch(logits, [r.sampler for r in requests])
-            for i, token in zip(samplers, tokens):
-                out[i] = (token, None)
-            asked = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+        if not logit_rows:
+            return None
+        return self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+
+    @torch.inference_mode()
+    def execute(self, batch: list[Scheduled], block_tables: list[list[int]]) -> list[Sampled | None]:
+        """Run the batch; for each request that samples, its new tokens (with logprobs if
+        asked): one token, or with guesses (request.draft_token_ids) the accepted guesses
+        and one more."""
+        seqs = []
+        for s, table in zip(batch, block_tables):
+            r = s.request
+            lo = r.num_computed_tokens
+            rows = (1 + len(r.draft_token_ids)) if s.samples else 0
+            seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, table, rows))
+        logits = self.forward(seqs)
+        out: list[Sampled | None] = [None] * len(batch)
+        if logits is None:
+            return out
+        plain, row = [], 0  # (batch index, logits row)
+        for i, (s, seq) in enumerate(zip(batch, seqs)):
+            if seq.logit_rows == 1:
+                plain.append((i, row))
+            elif seq.logit_rows > 1:
+                out[i] = self._verify(s.request, logits[row:row + seq.logit_rows])
+            row += seq.logit_rows
+        if plain:
+            rows = torch.tensor([r for _, r in plain], device=self.device)
+            requests = [batch[i].request for i, _ in plain]
+            tokens = sample_batch(logits[rows], [r.sampler for r in requests])
+            for (i, r), token in zip(plain, tokens):
+                out[i] = [(token, None)]
+            asked = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
             if asked:
-                rows = torch.tensor(asked, device=self.device)
-                lps = token_logprobs(logits[rows], [tokens[a] for a in asked],
+                lps = token_logprobs(logits[rows[asked]], [tokens[a] for a in asked],
                                      [requests[a].params.logprobs for a in asked])
                 for a, lp in zip(asked, lps):
-                    out[samplers[a]] = (tokens[a], lp)
+                    out[plain[a][0]] = [(tokens[a], lp)]
         return out
+
+    def _verify(self, r, logits: torch.Tensor) -> Sampled:
+        drafts = r.draft_token_ids
+        p = probabilities(logits, states_along(r.sampler, drafts))
+        tokens = verify(p, drafts, r.draft_probs, r.sampler.generator)
+        if r.params.logprobs is None:
+            return [(t, None) for t in tokens]
+        lps = token_logprobs(logits[:len(tokens)], tokens, [r.params.logprobs] * len(tokens))
+        return list(zip(tokens, lps))

@@ -11,6 +11,7 @@ from minerva.errors import MinervaError
 
 
 MAX_LOGPROBS = 20
+MAX_SPECULATIVE = 16
 GREEDY_BELOW = 1e-5  # temperatures this small divide logits into overflow; treat them as greedy
 
 
@@ -33,6 +34,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    speculative_tokens: int | None = None  # guesses per step: None = the engine's setting, 0 = off
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +64,9 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "token ids >= 0"),
+            ("speculative_tokens", self.speculative_tokens is None or (
+                isinstance(self.speculative_tokens, int) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE),
+             f"an integer in [0, {MAX_SPECULATIVE}]"),
         ]
         for name, ok, what in rules:
             if not ok:

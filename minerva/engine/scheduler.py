@@ -36,9 +36,9 @@ class Scheduled:
 
     @property
     def samples(self) -> bool:
-        """After this step all of the request's tokens are computed: sample the next one."""
+        """After this step all of the request's tokens (and guesses) are computed: sample."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_pending
 
 
 class Scheduler:
@@ -69,7 +69,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @staticmethod
+    def _trim_drafts(request: Request, keep: int) -> None:
+        del request.draft_token_ids[keep:]
+        if request.draft_probs is not None:
+            request.draft_probs = request.draft_probs[:keep] if keep else None
+        if not request.draft_token_ids:
+            request.clear_drafts()
+
     def _preempt(self, request: Request) -> None:
+        request.clear_drafts()
         self.running.remove(request)
         self.blocks.free(request.request_id)
         request.num_computed_tokens = 0
@@ -84,8 +93,15 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running or budget == 0:
                 continue  # preempted by an earlier request in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.blocks.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens + n) is None:
+            need = req.num_tokens - req.num_computed_tokens
+            if req.draft_token_ids and need + len(req.draft_token_ids) > budget:
+                self._trim_drafts(req, max(0, budget - need))
+            n = min(need + len(req.draft_token_ids), budget)
+            while self.blocks.allocate(req.request_id, req.pending_token_ids, req.num_computed_tokens + n) is None:
+                if req.draft_token_ids:  # guesses never cost another request its place
+                    req.clear_drafts()
+                    n = min(need, budget)
+                    continue
                 victim = self.running[-1]  # lowest priority, latest arrival
                 self._preempt(victim)
                 preempted = True

@@ -1,0 +1,345 @@
+"""Speculative decoding: propose k tokens cheaply, verify them in one target forward.
+
+A proposer guesses the next k tokens of a decoding request; the engine computes the
+request's pending token and the k guesses in one forward of the target (the normal batch:
+requests with and without guesses share the step), and `verify` keeps a prefix of the
+guesses by rejection sampling (Leviathan et al. 2023; Chen et al. 2023):
+
+    accept guess d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+    draw from the normalized max(p_i - q_i, 0) and stop; if all k are accepted, draw a
+    bonus token from p_{k+1}.
+
+p_i is the target's distribution at position i after every sampling transform the
+request asked for (penalties counting the guesses before i, bias, temperature, top-k/p,
+min-p), and q_i the distribution the guess was drawn from (one-hot for deterministic
+proposers). Each emitted token is then distributed exactly as without speculation; for
+greedy requests p_i is one-hot at the argmax, so the output is token for token the same.
+
+Proposers:
+- `ngram` (prompt lookup): the tokens that followed the most recent earlier occurrence of
+  the longest suffix (up to 4 tokens) of the request's own prompt and output.
+- `draft:MODEL`: a second model with the same vocabulary drafts k tokens, sampling with
+  the request's parameters, over its own paged KV cache kept in step with the request.
+- `self`: the target's own first layers with its final norm and head (early exit),
+  as a draft model with its own KV for those layers.
+
+Speculation stands down where it would cost throughput: for a request whose guesses
+are mostly rejected (it retries after a back-off), and for a step with more running
+requests than `speculative_max_batch` (a large batch already keeps the compute busy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minerva.engine.block_manager import BlockManager
+from minerva.engine.request import Request, Status
+from minerva.engine.sampler import MAX_SPECULATIVE, SamplerState, process_batch
+from minerva.errors import MinervaError
+from minerva.kernels.attention import PagedKVCache
+
+NGRAM_MAX, NGRAM_MIN = 4, 1
+
+
+# ------------------------------------------------------------------ verification
+
+def probabilities(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """Each row's sampling distribution (float64 [B, vocab]) after the request's transforms;
+    greedy rows are one-hot at their argmax."""
+    processed = process_batch(logits, states)
+    probs = torch.softmax(processed.double(), -1)
+    greedy = [i for i, s in enumerate(states) if s.params.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx] = 0.0
+        probs[idx, processed[idx].argmax(-1)] = 1.0
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token from one (unnormalized) distribution row, by inverting its CDF at one uniform."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[-1]
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    drawn = int(torch.searchsorted(cdf, u * total, right=True))
+    return min(drawn, int((cdf < total).sum()))  # u * total can round up to total
+
+
+def states_along(state: SamplerState, drafts: list[int]) -> list[SamplerState]:
+    """The request's sampler state at each of the 1 + k verified positions: position i has
+    seen the guesses before it (penalties count them as if they had been generated)."""
+    p = state.params
+    if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
+        return [state] * (len(drafts) + 1)
+    out = [state]
+    seen, generated = dict(state.seen), dict(state.generated)
+    for d in drafts:
+        seen[d] = None
+        generated[d] = generated.get(d, 0) + 1
+        out.append(SamplerState(p, state.generator, dict(seen), dict(generated)))
+    return out
+
+
+def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:
+    """Rejection sampling. p [k + 1, vocab]: target distributions at the k guesses and after
+    them; q [k, vocab] the distributions the guesses were drawn from, or None when they
+    were chosen deterministically (q one-hot). Returns the accepted guesses plus one token."""
+    out = []
+    for i, d in enumerate(drafts):
+        pd = float(p[i, d])
+        qd = 1.0 if q is None else float(q[i, d])
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=p.device))
+        if qd > 0 and u * qd < pd:  # accept with probability min(1, p/q)
+            out.append(d)
+            continue
+        residual = p[i].clone()
+        if q is None:
+            residual[d] = 0.0
+        else:
+            residual = (residual - q[i].to(residual.dtype)).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q: then d was accepted
+            residual = p[i]
+        out.append(draw(residual, generator))
+        return out
+    out.append(draw(p[len(drafts)], generator))
+    return out
+
+
+# -------------------------------------------------------------------- proposers
+
+class NgramProposer:
+    """Prompt lookup: continue the longest recent n-gram match in the request's own tokens."""
+
+    def __init__(self, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN):
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        for r, k in zip(requests, ks):
+            r.draft_token_ids = self.lookup(r.all_token_ids, k)
+            r.draft_probs = None
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        n_tokens = len(tokens)
+        for n in range(min(self.max_n, n_tokens - 1), self.min_n - 1, -1):
+            suffix = tokens[n_tokens - n:]
+            first = suffix[0]
+            # most recent earlier occurrence that has at least one token after it
+            for start in range(n_tokens - n - 1, -1, -1):
+                if tokens[start] == first and tokens[start:start + n] == suffix:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    def finished(self, request: Request) -> None:
+        pass
+
+
+class EarlyExit:
+    """The target's first `num_layers` layers, then its final norm and head: a draft model
+    that shares every weight with the target."""
+
+    def __init__(self, model, num_layers: int):
+        self.model, self.num_layers = model, num_layers
+        self.config = model.config
+        self.layers = model.layers[:num_layers]
+
+    def __call__(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
+        m = self.model
+        h = m.embed.rows(input_ids)
+        if m.embed_scale is not None:
+            h = h * torch.tensor(m.embed_scale, dtype=h.dtype)
+        for layer in self.layers:
+            h = layer(h, ctx)
+        return m.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+
+class ModelProposer:
+    """A draft model (a second model, or the target's first layers) over its own paged KV
+    pool: for each request it catches up on the tokens it has not seen, then drafts k
+    tokens one step at a time, sampling with the request's parameters.
+
+    It remembers which tokens its K/V were computed for, so whatever happened to its
+    guesses (accepted, rejected, never verified), the next proposal reuses exactly the
+    prefix that still matches the request and recomputes the rest.
+    """
+
+    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        from minerva.engine.runner import ModelRunner
+
+        self.cache = PagedKVCache(num_layers, num_blocks, block_size, kv_heads, head_dim, k_format="auto",
+                                  v_format="auto", dtype=dtype, device=device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, self.cache, device)
+        self.computed: dict[str, list[int]] = {}  # request id -> tokens whose K/V the draft holds
+
+    def _valid(self, r: Request) -> int:
+        held, real = self.computed.get(r.request_id, []), r.all_token_ids
+        n = min(len(held), len(real) - 1)  # the last real token is always fed again
+        i = 0
+        while i < n and held[i] == real[i]:
+            i += 1
+        return i
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        from minerva.engine.runner import Seq
+
+        live = []
+        for r, k in zip(requests, ks):
+            r.clear_drafts()
+            if self.blocks.allocate(r.request_id, r.all_token_ids, r.num_tokens + k - 1) is None:
+                self.finished(r)  # no room in the draft pool: no guesses
+                continue
+            valid = self._valid(r)
+            self.computed[r.request_id] = r.all_token_ids[:valid]
+            live.append((r, k, []))
+        while live:
+            seqs = []
+            for r, _, _ in live:
+                held = self.computed[r.request_id]
+                seqs.append(Seq((r.all_token_ids + r.draft_token_ids)[len(held):], len(held),
+                                self.blocks.block_table(r.request_id), 1))
+            logits = self.runner.forward(seqs)
+            probs = probabilities(logits, [states_along(r.sampler, r.draft_token_ids)[-1] for r, _, _ in live])
+            nxt = []
+            for i, (r, k, qs) in enumerate(live):
+                self.computed[r.request_id] = r.all_token_ids + r.draft_token_ids
+                token = int(probs[i].argmax()) if r.params.greedy else draw(probs[i], r.sampler.generator)
+                r.draft_token_ids.append(token)
+                qs.append(probs[i])
+                if len(r.draft_token_ids) < k:
+                    nxt.append((r, k, qs))
+                else:
+                    r.draft_probs = None if r.params.greedy else torch.stack(qs)
+            live = nxt
+
+    def finished(self, request: Request) -> None:
+        self.computed.pop(request.request_id, None)
+        self.blocks.free(request.request_id)
+
+
+# --------------------------------------------------------------------- control
+
+@dataclass
+class SpecStats:
+    """Counters for /metrics and `minerva bench`."""
+
+    num_steps: int = 0  # request-steps that verified guesses
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_length: list[int] = field(default_factory=list)  # [i]: steps that accepted i guesses
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying step (accepted guesses + the one drawn)."""
+        return 1 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class _Track:
+    proposed: float = 0.0  # decayed counts of this request's guesses
+    accepted: float = 0.0
+    pause: int = 0  # steps to sit out
+
+
+class Speculator:
+    """Chooses which decoding requests get guesses this step and how many, and keeps the stats."""
+
+    DECAY = 0.8
+    MIN_ACCEPTANCE = 0.25  # below this (decayed) a request's guesses cost more than they give
+    BACKOFF = 16  # steps a request sits out after poor acceptance
+
+    def __init__(self, proposer, num_tokens: int, max_batch: int):
+        self.proposer, self.k, self.max_batch = proposer, num_tokens, max_batch
+        self.stats = SpecStats(accepted_length=[0] * (num_tokens + 1))
+        self.tracks: dict[str, _Track] = {}
+
+    def propose(self, running: list[Request], room) -> None:
+        """Set draft_token_ids on the eligible running requests. `room(r)` is how many more
+        tokens the request may still produce."""
+        if len(running) > self.max_batch:
+            return
+        chosen, ks = [], []
+        for r in running:
+            k = self.k if r.params.speculative_tokens is None else min(r.params.speculative_tokens, self.k)
+            if (k <= 0 or r.status is not Status.RUNNING or not r.output_token_ids
+                    or r.num_computed_tokens != r.num_tokens - 1):
+                continue
+            track = self.tracks.setdefault(r.request_id, _Track())
+            if track.pause > 0:
+                track.pause -= 1
+                continue
+            k = min(k, room(r) - 1)
+            if k > 0:
+                chosen.append(r)
+                ks.append(k)
+        if chosen:
+            self.proposer.propose(chosen, ks)
+
+    def verified(self, request: Request, drafts: int, accepted: int) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_draft_tokens += drafts
+        s.num_accepted_tokens += accepted
+        s.accepted_length[accepted] += 1
+        t = self.tracks.setdefault(request.request_id, _Track())
+        t.proposed = t.proposed * self.DECAY + drafts
+        t.accepted = t.accepted * self.DECAY + accepted
+        if t.proposed >= 4 and t.accepted < self.MIN_ACCEPTANCE * t.proposed:
+            t.pause, t.proposed, t.accepted = self.BACKOFF, 0.0, 0.0
+
+    def finished(self, request: Request) -> None:
+        self.tracks.pop(request.request_id, None)
+        self.proposer.finished(request)
+
+
+def parse_method(method: str) -> tuple[str, str | None]:
+    if method in ("ngram", "self"):
+        return method, None
+    if method.startswith("self:") and method[5:].isdigit() and int(method[5:]) > 0:
+        return "self", method[5:]
+    if method.startswith("draft:") and len(method) > len("draft:"):
+        return "draft", method[len("draft:"):]
+    raise MinervaError(f"unknown --speculative '{method}'; use ngram, self, self:LAYERS or draft:MODEL")
+
+
+def _check_vocabulary(target_tok, draft_tok, name: str) -> None:
+    a, b = target_tok.vocab_size, draft_tok.vocab_size
+    if a != b or any(target_tok.id_to_token(i) != draft_tok.id_to_token(i) for i in range(a)):
+        raise MinervaError(f"draft model '{name}' has a different vocabulary ({b} tokens vs the target's {a}, "
+                           "or the same size with different tokens); use a draft from the same model family")
+
+
+def build_speculator(method: str, num_tokens: int, max_batch: int, model, tokenizer, num_blocks: int,
+                     block_size: int, dtype: torch.dtype, device: torch.device) -> Speculator:
+    """The Speculator for `--speculative METHOD` (ngram, self[:LAYERS], draft:MODEL)."""
+    kind, arg = parse_method(method)
+    if not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE:
+        raise MinervaError(f"--num-speculative-tokens must be an integer in [1, {MAX_SPECULATIVE}], got {num_tokens!r}")
+    mc = model.config
+    if kind == "ngram":
+        proposer = NgramProposer()
+    elif kind == "self":
+        layers = int(arg) if arg else max(1, mc.num_layers // 4)
+        if layers >= mc.num_layers:
+            raise MinervaError(f"--speculative self:{layers} must use fewer layers than the model's {mc.num_layers}")
+        proposer = ModelProposer(EarlyExit(model, layers), layers, num_blocks, block_size, mc.num_kv_heads,
+                                 mc.head_dim, dtype, device)
+    else:
+        from minerva.models.loader import load_model
+        from minerva.store import resolve
+
+        draft = load_model(resolve(arg), device, dtype)
+        _check_vocabulary(tokenizer, draft.tokenizer, arg)
+        dc = draft.config
+        proposer = ModelProposer(draft.model, dc.num_layers, num_blocks, block_size, dc.num_kv_heads,
+                                 dc.head_dim, dtype, device)
+    return Speculator(proposer, num_tokens, max_batch)

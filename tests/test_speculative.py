@@ -1,0 +1,162 @@
+"""Speculative decoding never changes the output distribution.
+
+- `verify` (rejection sampling) against known distributions: chi-square goodness of fit;
+- greedy with each proposer equals greedy without, token for token, alone and in a batch
+  with requests that do not speculate;
+- sampling with a draft model whose distribution differs from the target's: the emitted
+  tokens follow the same distribution as sampling without speculation (two-sample test);
+- stand-down, bad settings, incompatible vocabularies.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from minerva import LLM, SamplingParams
+from minerva.engine.speculative import NgramProposer, verify
+from minerva.errors import MinervaError
+from tests.test_tiny_safetensors import VOCAB, save
+
+ALPHA = 1e-3  # the seeds are fixed, so each test is deterministic; a failure is far outside chance
+
+
+def dist(values) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return t / t.sum()
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["draft-q", "one-hot-q"])
+def test_verify_emits_the_target_distribution(deterministic):
+    p = torch.stack([dist([5, 1, 1, 2, 0.5, 0.5]), dist([1, 3, 0, 1, 4, 1]), dist([2, 2, 2, 1, 1, 2])])
+    q = torch.stack([dist([1, 4, 1, 1, 2, 1]), dist([3, 1, 1, 1, 1, 3])])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    first, second = np.zeros(6), np.zeros(6)
+    for _ in range(n):
+        if deterministic:
+            drafts, qs = [0, 4], None  # e.g. prompt lookup
+        else:
+            drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+            qs = q
+        out = verify(p, drafts, qs, gen)
+        assert 1 <= len(out) <= 3
+        first[out[0]] += 1
+        if len(out) > 1:  # position 2 was reached through an accepted guess
+            second[out[1]] += 1
+    for counts, target in [(first, p[0]), (second, p[1])]:
+        keep = target.numpy() > 0
+        assert counts[~keep].sum() == 0
+        expected = target.numpy()[keep] * counts.sum()
+        assert chisquare(counts[keep], expected).pvalue > ALPHA
+
+
+def test_ngram_lookup():
+    ng = NgramProposer()
+    assert ng.lookup([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # longest suffix (1, 2, 3) seen before
+    assert ng.lookup([5, 6, 7, 5, 6, 8, 5, 6], 2) == [8, 5]  # the most recent match of (5, 6)
+    assert ng.lookup([1, 2, 3], 3) == []
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("spec-target"), "llama-untied")
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("spec-draft"), "llama-tied")  # other weights, same vocabulary
+
+
+def make(path, **options):
+    return LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=32 << 20, **options)
+
+
+def repetitive_prompts(n):
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        motif = rng.integers(0, VOCAB, rng.integers(3, 7)).tolist()
+        out.append(motif * 4 + rng.integers(0, VOCAB, 3).tolist() + motif)
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "self:1", "draft"])
+def test_greedy_is_unchanged_token_for_token(target_dir, draft_dir, method):
+    prompts = repetitive_prompts(6)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = make(target_dir).generate(prompts, params)
+    spec_name = f"draft:{draft_dir}" if method == "draft" else method
+    llm = make(target_dir, speculative=spec_name, num_speculative_tokens=3, speculative_max_batch=64)
+    # half the requests opt out: speculating and plain requests share every step
+    mixed = [params if i % 2 else SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                  speculative_tokens=0) for i in range(len(prompts))]
+    spec = llm.generate(prompts, mixed)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    stats = llm.engine.speculator.stats
+    assert stats.num_steps > 0 and stats.num_draft_tokens > 0
+    if method == "ngram":
+        assert stats.num_accepted_tokens > 0
+    assert llm.engine.blocks.num_used_blocks == 0
+
+
+def test_sampling_distribution_is_unchanged(target_dir, draft_dir):
+    """The third generated token's distribution, sampled 1500 times with and without a
+    draft model (whose distribution differs from the target's), passes a chi-square test of
+    homogeneity; with a penalty and top-k so the transforms are part of what is preserved."""
+    prompt = [3, 17, 42, 99, 5]
+    n = 1500
+
+    def third_tokens(llm):
+        params = [SamplingParams(max_tokens=3, temperature=0.8, top_k=12, presence_penalty=0.5,
+                                 ignore_eos=True, seed=s) for s in range(n)]
+        return [o.token_ids[2] for o in llm.generate([prompt] * n, params)]
+
+    plain = third_tokens(make(target_dir, max_num_seqs=256))
+    llm = make(target_dir, max_num_seqs=256, speculative=f"draft:{draft_dir}", num_speculative_tokens=2,
+               speculative_max_batch=256)
+    spec = third_tokens(llm)
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert 0 < llm.engine.speculator.stats.num_accepted_tokens < llm.engine.speculator.stats.num_draft_tokens
+    values = sorted(set(plain) | set(spec))
+    table = np.array([[plain.count(v) for v in values], [spec.count(v) for v in values]])
+    common = table.sum(0) >= 10  # pool the rare tokens into one category
+    table = np.concatenate([table[:, common], table[:, ~common].sum(1, keepdims=True)], axis=1)
+    assert chi2_contingency(table).pvalue > ALPHA
+
+
+def test_stands_down_for_large_batches(target_dir):
+    llm = make(target_dir, speculative="ngram", speculative_max_batch=2)
+    llm.generate(repetitive_prompts(6), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert llm.engine.speculator.stats.num_steps == 0
+
+
+def test_stands_down_when_guesses_are_rejected(target_dir, draft_dir):
+    llm = make(target_dir, speculative=f"draft:{draft_dir}", num_speculative_tokens=4)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=48, temperature=0, ignore_eos=True))
+    stats = llm.engine.speculator.stats
+    # an unrelated random draft is almost always wrong: after a few steps it backs off
+    assert stats.acceptance_rate < 0.5 and stats.num_steps < 20
+
+
+def test_bad_settings(target_dir, tmp_path):
+    with pytest.raises(MinervaError, match="unknown --speculative"):
+        make(target_dir, speculative="medusa")
+    with pytest.raises(MinervaError, match="num-speculative-tokens"):
+        make(target_dir, speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(MinervaError, match="fewer layers"):
+        make(target_dir, speculative="self:3")
+    other = shutil.copytree(target_dir, tmp_path / "other-vocab")
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {("Ġa" if k == "Ġt" else k): v for k, v in tok["model"]["vocab"].items()}
+    tok["model"]["merges"] = [["Ġ", "a"]]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(MinervaError, match="different vocabulary"):
+        make(target_dir, speculative=f"draft:{other}")
+    with pytest.raises(MinervaError, match="speculative_tokens"):
+        SamplingParams(speculative_tokens=-1)

@@ -106,12 +106,20 @@ def load_minerva(args):
     llm = LLM(args.model, dtype=args.dtype, threads=args.threads, quantize=args.quantize,
               kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, **_speculative(args))
     args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline
     info = SystemInfo("minerva", llm.loaded.load_seconds, peak_rss_mb(),
                       f"(peak; {rss_mb() - start_rss:.0f} MB for the model and KV pool, "
                       f"dtype {args.dtype})")
     return llm, info
+
+
+def _speculative(args) -> dict:
+    if getattr(args, "speculative", None) is None:
+        return {}
+    from minerva.cli import speculative_options
+
+    return speculative_options(args)
 
 
 def random_prompt(rng: random.Random, llm, length: int) -> list[int]:
@@ -414,6 +422,10 @@ def add_parser(sub) -> None:
     q.add_argument("--output-len", type=int, default=128)
     q.add_argument("--out", default="docs/bench-sweep", help="path stem for .csv, .json and .png")
     q.set_defaults(func=cmd_sweep, max_batch=64)
+
+    from minerva.bench_spec import add_parser as add_speculative
+
+    add_speculative(bsub, common)
 
 
 def check_args(args) -> None:

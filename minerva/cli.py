@@ -54,6 +54,22 @@ def _add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="token budget of one step (prompt chunks + decodes)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    add_speculative_options(p)
+
+
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (exact: the output distribution is unchanged)")
+    g.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="ngram (prompt lookup), self[:LAYERS] (the model's first layers) or draft:MODEL")
+    g.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                   help="tokens guessed per step (default %(default)s)")
+    g.add_argument("--speculative-max-batch", type=int, default=EngineConfig.speculative_max_batch,
+                   help="no guesses in steps with more running requests than this (default %(default)s)")
+
+
+def speculative_options(args) -> dict:
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_max_batch=args.speculative_max_batch)
 
 
 def _kv_formats(args) -> tuple[str, str]:
@@ -65,7 +81,8 @@ def _engine_options(args) -> dict:
     k, v = _kv_formats(args)
     return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype_k=k, kv_cache_dtype_v=v)
+                enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype_k=k, kv_cache_dtype_v=v,
+                **speculative_options(args))
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -124,6 +141,10 @@ def _stream_one(llm, prompt, params) -> None:
     end = time.perf_counter()
     sys.stdout.write("\n")
     decode = f", {max(n - 1, 0) / (end - first):.1f} tokens/s decode" if first and n > 1 and end > first else ""
+    spec = llm.engine.speculator
+    if spec is not None and spec.stats.num_draft_tokens:
+        decode += (f", speculative: {100 * spec.stats.acceptance_rate:.0f}% of {spec.stats.num_draft_tokens} "
+                   f"guesses accepted, {spec.stats.mean_accepted_length:.2f} tokens/step")
     print(f"[{n} tokens, finish={finish}, first token {((first or end) - start) * 1e3:.0f} ms{decode}]",
           file=sys.stderr)
 

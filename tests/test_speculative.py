@@ -160,3 +160,20 @@ def test_bad_settings(target_dir, tmp_path):
         make(target_dir, speculative=f"draft:{other}")
     with pytest.raises(MinervaError, match="speculative_tokens"):
         SamplingParams(speculative_tokens=-1)
+
+
+def test_bench_speculative_reports_both_sides(target_dir, tmp_path):
+    from tests.test_cli import assert_clean_error, run
+
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat and the cat sat on the mat again " * 6)
+    out = tmp_path / "spec.json"
+    proc = run("bench", "speculative", str(target_dir), "--speculative", "ngram", "-n", "12", "-r", "1",
+               "--dtype", "float32", "--text", str(text), "--text-tokens", "60", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for label in ("speculation off", "speculation on", "speedup", "acceptance rate", "accepted guesses"):
+        assert label in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["outputs_identical"] and len(report["accepted_length_histogram"]) == 4
+    assert_clean_error(run("bench", "speculative", str(target_dir), "-n", "4"), "--speculative")
+    assert_clean_error(run("generate", str(target_dir), "hi", "--speculative", "eagle"), "--speculative")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,3 +178,17 @@ def test_bench_speculative_reports_both_sides(target_dir, tmp_path):
     assert report["outputs_identical"] and len(report["accepted_length_histogram"]) == 4
     assert_clean_error(run("bench", "speculative", str(target_dir), "-n", "4"), "--speculative")
     assert_clean_error(run("generate", str(target_dir), "hi", "--speculative", "eagle"), "--speculative")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "self:8"])
+def test_greedy_is_unchanged_on_smollm2(smollm2_gguf, smollm2_llm, method):
+    text = (Path(__file__).parent / "data" / "prose.txt").read_text()[:900]
+    prompt = smollm2_llm.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    plain = smollm2_llm.generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=64 << 20, speculative=method)
+    spec = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert spec == plain
+    assert llm.engine.speculator.stats.num_draft_tokens > 0

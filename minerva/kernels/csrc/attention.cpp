@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -157,7 +158,7 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
     }
   // small steps (a decode of a short context) are cheaper on one thread than to fork
   const int64_t items = T * Hkv, grain = work < (1 << 14) ? items : 1;
-  at::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+  minerva::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, qf, kscale, vscale;
     std::vector<const KT*> krows;
     std::vector<const VT*> vrows;
@@ -241,7 +242,7 @@ namespace {
 template <typename XT, typename PT>
 void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const int64_t* slots, int64_t T,
                 int64_t Hkv, int64_t D) {
-  at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+  minerva::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t h = 0; h < Hkv; ++h) {
       const XT* src = x + t * x_stride + h * D;

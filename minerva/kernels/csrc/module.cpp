@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace {
 
@@ -72,6 +73,8 @@ struct DecoderLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
+  m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
+        "threads for the kernels (0: torch's setting)");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
   m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
   m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -24,7 +25,7 @@ void by_dtype(const torch::Tensor& x, F&& f) {
 
 template <typename T>
 void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  minerva::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * D;
       __m512 ss = _mm512_setzero_ps();
@@ -75,7 +76,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   by_dtype(x, [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
     T_* base = x.data_ptr<T_>();
-    at::parallel_for(0, T * Hn, 64, [&](int64_t i0, int64_t i1) {
+    minerva::parallel_for(0, T * Hn, 64, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / Hn, h = i % Hn;
         T_* p = base + t * ts + h * D;
@@ -100,7 +101,7 @@ torch::Tensor act_mul(torch::Tensor gu, int64_t act) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
     const T_* in = gu.data_ptr<T_>();
     T_* o = out.data_ptr<T_>();
-    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    minerva::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       const __m512 one = _mm512_set1_ps(1.0f);
       const __m512 k0 = _mm512_set1_ps(0.7978845608028654f), k1 = _mm512_set1_ps(0.044715f);
       for (int64_t t = t0; t < t1; ++t)

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 
 namespace {
@@ -441,7 +442,7 @@ constexpr int NB = 4;  // weight rows per step of the small-batch path
 template <int QT, typename T>
 void matmul_small(const T* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(K);
-  at::parallel_for(0, (N + NB - 1) / NB, 4, [&](int64_t b0, int64_t b1) {
+  minerva::parallel_for(0, (N + NB - 1) / NB, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * NB, nb = std::min<int64_t>(NB, N - n);
       for (int64_t m0 = 0; m0 < M; m0 += SMALL_M) {
@@ -458,7 +459,7 @@ template <int QT, typename T>
 void matmul_panels(const T* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(K);
   const int64_t panels = (N + PANEL - 1) / PANEL;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  minerva::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<T> panel(PANEL * K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * PANEL, np = std::min<int64_t>(PANEL, N - n0);
@@ -505,7 +506,14 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
     }
     return 0;
   });
-  return bf16 ? y32.to(torch::kBFloat16) : y32;
+  if (!bf16) return y32;
+  auto y = torch::empty({M, N}, x.options());  // bf16, rounded as torch rounds (nearest even)
+  const float* src = y32.data_ptr<float>();
+  at::BFloat16* dst = y.data_ptr<at::BFloat16>();
+  minerva::parallel_for(0, M * N, 1 << 14, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dst[i] = at::BFloat16(src[i]);
+  });
+  return y;
 }
 
 // Decode packed rows [R, row_bytes] to float32 [R, cols] (embedding lookups, tests).
@@ -518,7 +526,7 @@ torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols)
     check_args<QT>(packed, R, cols);
     const uint8_t* W = packed.data_ptr<uint8_t>();
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    minerva::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) decode_row<QT>(W + r * row_bytes<QT>(cols), cols, o + r * cols);
     });
     return 0;

@@ -232,3 +232,31 @@ def test_metrics_names(served):
         assert f"minerva:{name}" in text, name
     assert metric(served[0], "minerva:generation_tokens_total") > 0
     assert json.dumps(text)  # plain text, no binary
+
+
+def test_shutdown_ends_in_flight_requests(smollm2_gguf):
+    """Shutting down with a request still generating: within the timeouts the stream ends, the
+    engine thread stops, and the request's blocks are freed."""
+    import threading
+    import time
+
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=32e6)
+    events = []
+    with running_server(llm, shutdown_timeout=1.0) as (url, app):
+        def client():
+            body = {"prompt": "Tell me a long story.", "max_tokens": 600, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        events.append(line)
+            except httpx.HTTPError as exc:
+                events.append(f"closed: {type(exc).__name__}")
+
+        t = threading.Thread(target=client)
+        t.start()
+        wait_for(lambda: len(events) > 4, what="the stream to start")
+        start = time.monotonic()
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - start < 15
+    assert not app.state.engine.alive
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()

@@ -149,3 +149,27 @@ def _up(url: str) -> bool:
     except httpx.HTTPError:
         time.sleep(0.2)
         return False
+
+
+def test_engine_failure_fails_requests_not_server(served, monkeypatch):
+    """An exception inside an engine step fails the requests in flight; the next ones are served."""
+    url, app = served
+    engine = app.state.llm.engine
+    real, calls = engine.step, []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return real()
+
+    monkeypatch.setattr(engine, "step", broken)
+    body = {"prompt": "abc", "max_tokens": 4}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0, what="KV blocks freed")
+    assert metric(url, "minerva:request_success_total", 'finished_reason="error"') == 1

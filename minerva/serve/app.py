@@ -192,9 +192,13 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     def sampling(body: P._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
         bias = {}
         for key, value in (body.logit_bias or {}).items():
-            if not key.strip().isdigit() or int(key) >= vocab:
+            try:
+                token = int(key)
+            except ValueError:
+                token = -1
+            if not 0 <= token < vocab:
                 raise APIError(400, f"logit_bias key '{key}' is not a token id in [0, {vocab})", "logit_bias")
-            bias[int(key)] = value
+            bias[token] = value
         try:
             return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
                                   top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
@@ -320,8 +324,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
             done = True
         except MinervaError as exc:
             raise APIError(400, str(exc)) from None
-        except RuntimeError as exc:
-            raise APIError(503, str(exc), type="server_error", headers={"Retry-After": "1"}) from None
+        except RuntimeError as exc:  # the engine failed: a bug, reported as one, and the server goes on
+            raise APIError(500, str(exc), type="server_error") from None
         finally:
             watch.cancel()
             if not done:
@@ -373,7 +377,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
             done = True
         except (MinervaError, RuntimeError) as exc:
             done = True
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'code': 503}})}\n\n"
+            code, kind = (400, "invalid_request_error") if isinstance(exc, MinervaError) else (500, "server_error")
+            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': kind, 'code': code}})}\n\n"
         finally:
             watch.cancel()
             if not done:  # the client went away (the response was cancelled): free its KV blocks

@@ -161,29 +161,29 @@ def summarize(results: list[Result], duration: float) -> dict:
     }
 
 
-def offline(args, prompts: list[tuple[str, int]]) -> dict:
-    """The same prompts through the offline engine at the same concurrency, and prefill of one prompt."""
+def offline(args, prompts: list[tuple[str, int]], fresh: list[tuple[str, int]]) -> dict:
+    """The same prompts through the offline engine at the same concurrency, and the prefill time of
+    `fresh` prompts of the same length (never seen, so the prefix cache does not help)."""
     from minerva.engine.sampler import SamplingParams
     from minerva.llm import LLM
 
     concurrency = args.max_concurrency or len(prompts)
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=concurrency)
-    params = SamplingParams(max_tokens=args.random_output_len, temperature=0, ignore_eos=args.ignore_eos)
-    texts = [t for t, _ in prompts]
-    llm.generate(texts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(texts, params)
-    secs = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outs)
+    llm.generate(["warm-up"] * 2, SamplingParams(max_tokens=2, temperature=0))
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill = []
-    for i in range(min(5, len(texts))):  # distinct prompts, so the prefix cache never helps
-        t0 = time.perf_counter()
-        llm.generate(texts[-1 - i] + " ", one)
-        prefill.append(time.perf_counter() - t0)
+    for text, _ in fresh:
+        start = time.perf_counter()
+        llm.generate(text, one)
+        prefill.append(time.perf_counter() - start)
+    params = SamplingParams(max_tokens=args.random_output_len, temperature=0, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    outs = llm.generate([t for t, _ in prompts], params)
+    secs = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
     return {"max_num_seqs": concurrency, "duration_s": secs, "total_output_tokens": tokens,
             "output_throughput": tokens / secs, "prefill_ms_median": statistics.median(prefill) * 1e3,
-            "prefill_prompt_tokens": prompts[-1][1]}
+            "prefill_prompt_tokens": statistics.median(n for _, n in fresh)}
 
 
 def report(summary: dict, args, model_name: str, off: dict | None) -> list[str]:
@@ -209,6 +209,9 @@ def report(summary: dict, args, model_name: str, off: dict | None) -> list[str]:
         lines += [f"{'-' * 16}{title:-^36}{'-' * 16}"[:68]]
         lines += [f"{f'{w} {short} (ms):':<40}{s[k]:>12.2f}"
                   for w, k in (("Mean", "mean"), ("Median", "median"), ("Std", "std"), ("P99", "p99"))]
+    itl = summary["itl_ms"]
+    if itl["median"] > 0:
+        lines.append(f"{'P99 / median ITL:':<40}{itl['p99'] / itl['median']:>12.2f}")
     for e in summary["errors"]:
         lines.append(f"error: {e}")
     if off:
@@ -216,11 +219,9 @@ def report(summary: dict, args, model_name: str, off: dict | None) -> list[str]:
         lines += [f"{'-' * 16}{'Offline engine, same prompts':-^36}{'-' * 16}"[:68],
                   f"{'Output token throughput (tok/s):':<40}{off['output_throughput']:>12.2f}",
                   f"{'Server / offline throughput:':<40}{ratio:>12.2f}",
-                  f"{'Prefill of one prompt, median (ms):':<40}{off['prefill_ms_median']:>12.2f}",
+                  f"{'Offline prefill of one prompt, median (ms):':<44}{off['prefill_ms_median']:>8.2f}",
                   f"{'Server median TTFT / offline prefill:':<40}"
-                  f"{summary['ttft_ms']['median'] / off['prefill_ms_median']:>12.2f}",
-                  f"{'Server p99 / median ITL:':<40}"
-                  f"{summary['itl_ms']['p99'] / summary['itl_ms']['median']:>12.2f}"]
+                  f"{summary['ttft_ms']['median'] / off['prefill_ms_median']:>12.2f}"]
     return lines
 
 
@@ -256,7 +257,8 @@ def cmd_bench_serve(args) -> int:
     asyncio.run(run_load(warm, random_prompts(tokenizer, 1, 16, args.seed + 1), model_name))  # warm-up
     results, duration = asyncio.run(run_load(args, prompts, model_name))
     summary = summarize(results, duration)
-    off = offline(args, prompts) if args.compare_offline else None
+    fresh = random_prompts(tokenizer, 5, args.random_input_len, args.seed + 2)
+    off = offline(args, prompts, fresh) if args.compare_offline else None
     lines = report(summary, args, model_name, off)
     print("\n".join(lines))
     if args.result_file:

@@ -54,3 +54,18 @@ def test_bench_serve_no_server(tiny):
 
 def test_bench_serve_bad_flags(tiny):
     assert_clean_error(run("bench", "serve", str(tiny), "--max-concurrency", "0"), "--max-concurrency")
+
+
+def test_bench_serve_compare_offline_rounds(tiny, url, tmp_path):
+    out = tmp_path / "result.json"
+    proc = run("bench", "serve", str(tiny), "--base-url", url, "--num-prompts", "4", "--random-input-len", "16",
+               "--random-output-len", "4", "--ignore-eos", "--max-concurrency", "2", "--compare-offline",
+               "--repeat", "2", "--kv-cache-memory", "4e6", "--result-file", str(out))
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    for line in ("Server / offline throughput:", "Server median TTFT / offline prefill:", "Median of 2 rounds",
+                 "server_over_offline_throughput:"):
+        assert line in proc.stdout, proc.stdout
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 2
+    assert result["offline"]["total_output_tokens"] == 4 * 4 and result["offline"]["max_num_seqs"] == 2
+    assert all(r["ratios"]["server_over_offline_throughput"] > 0 for r in result["rounds"])

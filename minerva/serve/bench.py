@@ -161,15 +161,21 @@ def summarize(results: list[Result], duration: float) -> dict:
     }
 
 
-def offline(args, prompts: list[tuple[str, int]], fresh: list[tuple[str, int]]) -> dict:
-    """The same prompts through the offline engine at the same concurrency, and the prefill time of
-    `fresh` prompts of the same length (never seen, so the prefix cache does not help)."""
+def load_offline(args):
     from minerva.engine.sampler import SamplingParams
     from minerva.llm import LLM
 
-    concurrency = args.max_concurrency or len(prompts)
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=concurrency)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+              max_num_seqs=args.max_concurrency or args.num_prompts)
     llm.generate(["warm-up"] * 2, SamplingParams(max_tokens=2, temperature=0))
+    return llm
+
+
+def offline(llm, args, prompts: list[tuple[str, int]], fresh: list[tuple[str, int]]) -> dict:
+    """The same prompts through the offline engine at the same concurrency (its max_num_seqs), and
+    the prefill time of `fresh` prompts of the same length (never seen: no prefix-cache hits)."""
+    from minerva.engine.sampler import SamplingParams
+
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill = []
     for text, _ in fresh:
@@ -181,9 +187,18 @@ def offline(args, prompts: list[tuple[str, int]], fresh: list[tuple[str, int]]) 
     outs = llm.generate([t for t, _ in prompts], params)
     secs = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"max_num_seqs": concurrency, "duration_s": secs, "total_output_tokens": tokens,
+    return {"max_num_seqs": llm.engine.config.max_num_seqs, "duration_s": secs, "total_output_tokens": tokens,
             "output_throughput": tokens / secs, "prefill_ms_median": statistics.median(prefill) * 1e3,
             "prefill_prompt_tokens": statistics.median(n for _, n in fresh)}
+
+
+def ratios(summary: dict, off: dict | None) -> dict:
+    itl = summary["itl_ms"]
+    out = {"itl_p99_over_median": itl["p99"] / itl["median"] if itl["median"] > 0 else math.nan}
+    if off:
+        out["server_over_offline_throughput"] = summary["output_throughput"] / off["output_throughput"]
+        out["ttft_median_over_offline_prefill"] = summary["ttft_ms"]["median"] / off["prefill_ms_median"]
+    return out
 
 
 def report(summary: dict, args, model_name: str, off: dict | None) -> list[str]:
@@ -209,19 +224,16 @@ def report(summary: dict, args, model_name: str, off: dict | None) -> list[str]:
         lines += [f"{'-' * 16}{title:-^36}{'-' * 16}"[:68]]
         lines += [f"{f'{w} {short} (ms):':<40}{s[k]:>12.2f}"
                   for w, k in (("Mean", "mean"), ("Median", "median"), ("Std", "std"), ("P99", "p99"))]
-    itl = summary["itl_ms"]
-    if itl["median"] > 0:
-        lines.append(f"{'P99 / median ITL:':<40}{itl['p99'] / itl['median']:>12.2f}")
+    r = ratios(summary, off)
+    lines.append(f"{'P99 / median ITL:':<40}{r['itl_p99_over_median']:>12.2f}")
     for e in summary["errors"]:
         lines.append(f"error: {e}")
     if off:
-        ratio = summary["output_throughput"] / off["output_throughput"]
         lines += [f"{'-' * 16}{'Offline engine, same prompts':-^36}{'-' * 16}"[:68],
                   f"{'Output token throughput (tok/s):':<40}{off['output_throughput']:>12.2f}",
-                  f"{'Server / offline throughput:':<40}{ratio:>12.2f}",
+                  f"{'Server / offline throughput:':<40}{r['server_over_offline_throughput']:>12.2f}",
                   f"{'Offline prefill of one prompt, median (ms):':<44}{off['prefill_ms_median']:>8.2f}",
-                  f"{'Server median TTFT / offline prefill:':<40}"
-                  f"{summary['ttft_ms']['median'] / off['prefill_ms_median']:>12.2f}"]
+                  f"{'Server median TTFT / offline prefill:':<40}{r['ttft_median_over_offline_prefill']:>12.2f}"]
     return lines
 
 
@@ -250,27 +262,52 @@ def cmd_bench_serve(args) -> int:
         raise MinervaError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if not args.request_rate > 0:
         raise MinervaError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if args.repeat < 1:
+        raise MinervaError(f"--repeat must be at least 1, got {args.repeat}")
     _, tokenizer = load_tokenizer(args.model)
-    prompts = random_prompts(tokenizer, args.num_prompts, args.random_input_len, args.seed)
     model_name = asyncio.run(_model_name(args))
     warm = argparse.Namespace(**{**vars(args), "request_rate": math.inf, "max_concurrency": 1})
     asyncio.run(run_load(warm, random_prompts(tokenizer, 1, 16, args.seed + 1), model_name))  # warm-up
-    results, duration = asyncio.run(run_load(args, prompts, model_name))
-    summary = summarize(results, duration)
-    fresh = random_prompts(tokenizer, 5, args.random_input_len, args.seed + 2)
-    off = offline(args, prompts, fresh) if args.compare_offline else None
-    lines = report(summary, args, model_name, off)
+    llm = load_offline(args) if args.compare_offline else None
+    rounds = []
+    # Each round: the server, then (with --compare-offline) the offline engine right after, on
+    # prompts no earlier round used, so the two sides meet the same machine and no cached prefix.
+    for k in range(args.repeat):
+        seed = args.seed + 1000 * k
+        prompts = random_prompts(tokenizer, args.num_prompts, args.random_input_len, seed)
+        results, duration = asyncio.run(run_load(args, prompts, model_name))
+        summary = summarize(results, duration)
+        fresh = random_prompts(tokenizer, 5, args.random_input_len, seed + 2)
+        off = offline(llm, args, prompts, fresh) if llm is not None else None
+        rounds.append({"summary": summary, "offline": off, "ratios": ratios(summary, off), "results": results})
+        if args.repeat > 1:
+            print(f"round {k + 1}/{args.repeat}: " + ", ".join(f"{n} {v:.2f}" for n, v in rounds[-1]["ratios"].items())
+                  + f"; output {summary['output_throughput']:.1f} tok/s, median TTFT "
+                    f"{summary['ttft_ms']['median']:.1f} ms", file=sys.stderr, flush=True)
+    last = rounds[-1]
+    lines = report(last["summary"], args, model_name, last["offline"])
+    if args.repeat > 1:
+        lines.append(f"{'-' * 16}{f'Median of {args.repeat} rounds':-^36}{'-' * 16}"[:68])
+        for name in last["ratios"]:
+            values = [r["ratios"][name] for r in rounds]
+            lines.append(f"{name + ':':<44}{statistics.median(values):>8.2f}  ("
+                         + " ".join(f"{v:.2f}" for v in values) + ")")
+        for name, get in (("server output tok/s", lambda r: r["summary"]["output_throughput"]),
+                          ("server median TTFT ms", lambda r: r["summary"]["ttft_ms"]["median"])):
+            lines.append(f"{name + ':':<44}{statistics.median(get(r) for r in rounds):>8.2f}")
     print("\n".join(lines))
     if args.result_file:
         payload = {"command": lines[0], "base_url": args.base_url, "model": model_name,
                    "num_prompts": args.num_prompts, "request_rate": str(args.request_rate),
                    "max_concurrency": args.max_concurrency, "random_input_len": args.random_input_len,
-                   "random_output_len": args.random_output_len, **summary, "offline": off,
-                   "itls_ms": [[x * 1e3 for x in r.itl] for r in results],
-                   "results": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results]}
+                   "random_output_len": args.random_output_len, **last["summary"], "offline": last["offline"],
+                   "ratios": last["ratios"],
+                   "rounds": [{k: v for k, v in r.items() if k != "results"} for r in rounds],
+                   "itls_ms": [[x * 1e3 for x in r.itl] for r in last["results"]],
+                   "results": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in last["results"]]}
         Path(args.result_file).write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.result_file}")
-    return 0 if summary["completed"] else 1
+    return 0 if last["summary"]["completed"] else 1
 
 
 def add_parser(bsub) -> None:
@@ -295,6 +332,9 @@ def add_parser(bsub) -> None:
     q.add_argument("--result-file", default=None, help="also write the results to this JSON file")
     q.add_argument("--compare-offline", action="store_true",
                    help="then run the same prompts through the offline engine in this process")
+    q.add_argument("--repeat", type=int, default=1,
+                   help="rounds of (server run, offline run) on fresh prompts; ratios reported per round "
+                        "and as medians")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for --compare-offline")
     q.add_argument("--kv-cache-memory", type=float, default=0.2, help="for --compare-offline")
     q.set_defaults(func=cmd_bench_serve)

@@ -1,4 +1,5 @@
-"""`minerva bench`: latency (llama-bench style), offline throughput, and a batch-size sweep.
+"""`minerva bench`: latency (llama-bench style), offline throughput, a batch-size sweep, and
+`serve` (a load client for OpenAI-compatible servers, in minerva/serve/bench.py).
 
 Each sub-command measures Minerva through its public engine API and, with
 `--compare llama.cpp` or `--compare transformers`, the peer on the same model file
@@ -424,8 +425,10 @@ def add_parser(sub) -> None:
     q.set_defaults(func=cmd_sweep, max_batch=64)
 
     from minerva.bench_spec import add_parser as add_speculative
+    from minerva.serve.bench import add_parser as add_serve
 
     add_speculative(bsub, common)
+    add_serve(bsub)
 
 
 def check_args(args) -> None:

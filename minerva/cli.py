@@ -1,4 +1,4 @@
-"""The `minerva` command: pull, list, generate, chat, perplexity, bench, roofline."""
+"""The `minerva` command: pull, list, generate, chat, serve, perplexity, bench, roofline."""
 
 from __future__ import annotations
 
@@ -223,6 +223,30 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args) -> int:
+    import dataclasses
+
+    from minerva.serve.app import ServerConfig
+    from minerva.serve.server import serve
+    from minerva.store import DEFAULT_MODEL
+
+    if len(args.model) > 1:
+        raise MinervaError("serve takes at most one MODEL argument")
+    if not 0 <= args.port <= 65535:
+        raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
+    model = args.model[0] if args.model else None
+    # Checked before the model loads, so a bad flag fails at once.
+    config = ServerConfig(args.served_model_name or "?", api_key=args.api_key or None,
+                          max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+    llm = _load(model, args)
+    # Clients name the model as it was given: a pulled name as is, a file or directory by its stem.
+    name = args.served_model_name or (DEFAULT_MODEL if model is None else
+                                      model if "/" not in model and not model.endswith(".gguf")
+                                      else Path(model).stem)
+    serve(llm, dataclasses.replace(config, served_model_name=name), host=args.host, port=args.port)
+    return 0
+
+
 def cmd_perplexity(args) -> int:
     from minerva.engine.perplexity import perplexity
 
@@ -280,6 +304,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_sampling_options(p)
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)",
+                       description="minerva serve [MODEL]: serve MODEL (default smollm2-135m) over the "
+                                   "OpenAI API at http://HOST:PORT/v1")
+    p.add_argument("model", nargs="*", metavar="MODEL")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the pulled name or the file's stem)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests allowed to wait for the engine; beyond it, 503 with Retry-After")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("perplexity", help="perplexity of a model over a text file")
     p.add_argument("args", nargs="+", metavar="[MODEL] FILE")

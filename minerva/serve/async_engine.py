@@ -1,0 +1,256 @@
+"""The engine on its own thread, feeding per-request asyncio streams.
+
+`Engine` is not thread-safe, so one thread owns it. Request handlers (on the
+event loop) send commands through a thread-safe queue; the engine thread applies
+them between steps, steps while there is work, blocks on the queue when idle, and
+hands each step's deltas to the event loop in one `call_soon_threadsafe` call.
+A failure inside a step fails the requests in flight, not the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from minerva.engine.request import Request, Status, StreamDelta
+from minerva.errors import MinervaError
+from minerva.serve.metrics import Metrics
+
+log = logging.getLogger("minerva.serve")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than --max-waiting allows."""
+
+
+class EngineDead(Exception):
+    """The engine thread is not running (shutting down, or it stopped)."""
+
+
+@dataclass
+class Tracked:
+    """What the server keeps about one engine request besides the request itself."""
+
+    request: Request
+    index: int  # position in its group (choice index)
+    sink: "Group"
+    scheduled_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Group:
+    """The engine requests of one HTTP request and the asyncio queue their deltas go to."""
+
+    requests: list[Request]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    tracked: list[Tracked] = field(default_factory=list)
+
+
+class AsyncEngine:
+    def __init__(self, llm, metrics: Metrics, max_waiting: int = 256):
+        self.llm = llm
+        self.engine = llm.engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, Tracked] = {}  # engine thread only
+        self._lock = threading.Lock()
+        self._not_started = 0  # requests submitted and not yet scheduled (guarded by _lock)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._threads = torch.get_num_threads()
+        self.accepting = False
+
+    # ------------------------------------------------------------ event loop side
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="minerva-engine", daemon=True)
+        self._thread.start()
+        self.accepting = True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._live) + self._commands.qsize()
+
+    def submit(self, requests: list[Request]) -> Group:
+        """Queue a group of requests (checked already), or raise QueueFull / EngineDead."""
+        if not self.accepting or not self.alive:
+            raise EngineDead("the server is shutting down")
+        with self._lock:
+            if self._not_started + len(requests) > self.max_waiting:
+                raise QueueFull(f"{self._not_started} requests are already waiting "
+                                f"(--max-waiting {self.max_waiting})")
+            self._not_started += len(requests)
+        group = Group(requests)
+        self._commands.put(("add", group))
+        return group
+
+    def abort(self, group: Group) -> None:
+        self._commands.put(("abort", [r.request_id for r in group.requests]))
+
+    async def stream(self, group: Group) -> AsyncIterator[tuple[Tracked, StreamDelta]]:
+        """Deltas of the group's requests until all have finished; aborts them if the consumer
+        stops early (a client that went away, a cancelled task)."""
+        left = len(group.requests)
+        try:
+            while left:
+                item = await group.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                tracked, delta = item
+                if delta.finish_reason is not None:
+                    left -= 1
+                yield tracked, delta
+        finally:
+            if left:
+                self.abort(group)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Abort whatever is left and join the engine thread."""
+        self.accepting = False
+        if self._thread is not None:
+            self._commands.put(("stop", None))
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread
+        engine = self.engine
+        while True:
+            # Block only when idle; between steps take whatever has arrived.
+            try:
+                commands = [self._commands.get(block=not engine.has_unfinished())]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            out: list = []
+            stop = False
+            for kind, arg in commands:
+                if kind == "add":
+                    self._add(arg, out)
+                elif kind == "abort":
+                    for rid in arg:
+                        self._abort(rid, out)
+                else:
+                    stop = True
+            if stop:
+                for rid in list(self._live):
+                    self._abort(rid, out)
+                self._deliver(out)
+                self.metrics.update_engine(engine)
+                return
+            if engine.has_unfinished():
+                self._step(out)
+            self._deliver(out)
+            self.metrics.update_engine(engine)
+
+    def _add(self, group: Group, out: list) -> None:
+        group.tracked = [Tracked(r, i, group) for i, r in enumerate(group.requests)]
+        try:
+            for t in group.tracked:
+                self.engine.add_request(t.request)
+                self._live[t.request.request_id] = t
+        except Exception as exc:  # noqa: BLE001 - checked before queueing; report, do not die
+            self._started(sum(t.request.request_id not in self._live for t in group.tracked))
+            for t in group.tracked:
+                self._remove(t.request.request_id)
+            out.append((group.queue, exc if isinstance(exc, MinervaError) else RuntimeError(str(exc))))
+
+    def _remove(self, rid: str) -> Tracked | None:
+        """Take a request out of the engine (its KV blocks freed) and out of the live set."""
+        t = self._live.pop(rid, None)
+        if t is not None:
+            if t.scheduled_time is None:
+                self._started(1)
+            t.finish_time = time.monotonic()
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - e.g. after a failed step; the request is gone either way
+                log.exception("aborting %s failed", rid)
+        return t
+
+    def _abort(self, rid: str, out: list) -> None:
+        t = self._remove(rid)
+        if t is not None:
+            self.metrics.finished("abort")
+            out.append((t.sink.queue, (t, StreamDelta(rid, "", [], "abort"))))
+
+    def _started(self, n: int) -> None:
+        with self._lock:
+            self._not_started -= n
+
+    def _step(self, out: list) -> None:
+        start = time.monotonic()
+        try:
+            deltas = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
+            log.exception("engine step failed; failing the %d requests in flight", len(self._live))
+            error = RuntimeError(f"the engine failed on this request: {type(exc).__name__}: {exc}")
+            for rid in list(self._live):
+                t = self._remove(rid)
+                self.metrics.finished("error")
+                out.append((t.sink.queue, error))
+            return
+        now = time.monotonic()
+        m = self.metrics
+        newly = 0
+        for t in self._live.values():
+            if t.scheduled_time is None and (t.request.status is not Status.WAITING
+                                              or t.request.num_computed_tokens):
+                t.scheduled_time = start
+                newly += 1
+                m.queue_time.observe(start - t.request.arrival_time)
+        if newly:
+            self._started(newly)
+        for d in deltas:
+            t = self._live.get(d.request_id)
+            if t is None:
+                continue
+            r = t.request
+            if d.token_ids:
+                if t.last_token_time is None:
+                    m.ttft.observe(now - r.arrival_time)
+                    m.prompt_tokens.inc(len(r.prompt_token_ids))
+                else:
+                    m.itl.observe((now - t.last_token_time) / len(d.token_ids))
+                t.last_token_time = now
+                t.num_tokens += len(d.token_ids)
+                m.generation_tokens.inc(len(d.token_ids))
+            if d.finish_reason is not None:
+                del self._live[d.request_id]
+                t.finish_time = now
+                m.e2e.observe(now - r.arrival_time)
+                m.finished(d.finish_reason)
+            out.append((t.sink.queue, (t, d)))
+
+    def _deliver(self, out: list) -> None:
+        if out and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(_put_all, out)
+            except RuntimeError:  # the loop closed in between: nobody is listening
+                pass
+
+
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)

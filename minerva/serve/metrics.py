@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server, named like vLLM's with a `minerva:` prefix.
+
+Each app gets its own registry, so several servers (tests) can live in one process.
+Gauges and counters are updated by the engine thread after every step; histograms
+are observed as requests pass their milestones.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket edges in seconds, close to vLLM's.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+LONG_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(f"minerva:{name}", doc, labelnames=["model_name"], registry=r).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"minerva:{name}", doc, labelnames=["model_name"], registry=r).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"minerva:{name}", doc, labelnames=["model_name"], buckets=buckets,
+                             registry=r).labels(**labels)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).")
+        self.kv_used_blocks = gauge("kv_cache_used_blocks", "KV-cache blocks in use.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens of a request.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             LONG_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time from arrival to the first step that computes the request.",
+                                    LONG_BUCKETS)
+        self._success = Counter("minerva:request_success", "Requests finished, by reason.",
+                                labelnames=["model_name", "finished_reason"], registry=r)
+        self._labels = labels
+        self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(finished_reason=reason, **self._labels).inc()
+
+    def update_engine(self, engine) -> None:
+        """Copy the engine's gauges and advance counters by what its own totals gained."""
+        blocks, scheduler = engine.blocks, engine.scheduler
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_usage.set(blocks.usage)
+        self.kv_used_blocks.set(blocks.num_used_blocks)
+        for name, total in (("prefix_queries", blocks.prefix_queries), ("prefix_hits", blocks.prefix_hits),
+                            ("preemptions", scheduler.num_preemptions)):
+            gained = total - self._seen[name]
+            if gained > 0:
+                getattr(self, name).inc(gained)
+            self._seen[name] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

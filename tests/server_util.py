@@ -1,0 +1,53 @@
+"""A real `minerva serve` app under uvicorn on a free loopback port, in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+
+import httpx
+
+
+@contextlib.contextmanager
+def running_server(llm, **config):
+    import uvicorn
+
+    from minerva.serve.app import ServerConfig, build_app
+
+    app = build_app(llm, ServerConfig(**{"served_model_name": "test-model", **config}))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def metric(base_url: str, name: str, labels: str = "", headers: dict | None = None) -> float:
+    """Sum of a metric's samples in /metrics whose labels contain `labels`; 0 if there are none."""
+    text = httpx.get(f"{base_url}/metrics", headers=headers or {}, timeout=10).text
+    pattern = rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$"
+    return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M) if labels in (m.group(1) or ""))
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,262 @@
+"""`minerva serve` on the real default model, through the official `openai` client over HTTP.
+
+The reference for every output is the offline API (`LLM.generate`) on the same prompt: greedy
+and seeded requests must come back token for token the same whatever else the server runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from minerva import LLM, SamplingParams
+from tests.server_util import metric, running_server, wait_for
+
+pytestmark = pytest.mark.slow
+
+KV = 128e6  # bytes: ~170 blocks of 16 tokens for SmolLM2 in float32
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+
+
+@pytest.fixture(scope="module")
+def ref(smollm2_gguf):
+    return LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=KV)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=KV)
+    with running_server(llm, served_model_name="smollm2-135m") as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_chat_matches_offline(client, ref):
+    want = ref.chat(CHAT, greedy(16))
+    got = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+    timings = got.model_extra["timings"]
+    assert timings["prompt_n"] == len(want.prompt_token_ids) and timings["predicted_per_second"] > 0
+
+
+def test_chat_stream_matches_offline(client, ref):
+    want = ref.chat(CHAT, greedy(16))
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_completion_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_completion_stream_and_not(client, ref):
+    want = ref.generate("The capital of France is", greedy(12))[0]
+    got = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12,
+                                    temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.usage.prompt_tokens == len(ref.tokenizer.encode("The capital of France is"))
+    assert got.usage.completion_tokens == len(want.token_ids)
+    chunks = list(client.completions.create(model="smollm2-135m", prompt="The capital of France is",
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_token_id_prompt_and_echo(client, ref):
+    ids = ref.tokenizer.encode("Once upon a time")
+    want = ref.generate([ids], greedy(6))[0]
+    got = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert got.choices[0].text == ref.tokenizer.decode(ids) + want.text
+    assert got.usage.prompt_tokens == len(ids)
+
+
+def test_stop_strings(client, ref):
+    free = ref.generate("1, 2, 3, 4,", greedy(40, ignore_eos=True))[0].text
+    assert " 7" in free
+    got = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=40, temperature=0,
+                                    stop=[" 7", "zzz"], extra_body={"ignore_eos": True})
+    assert got.choices[0].text == free[: free.index(" 7")]
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproduces_and_n(client, ref):
+    args = dict(model="smollm2-135m", prompt="Write a word:", max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
+                n=2, extra_body={"ignore_eos": True})
+    a = client.completions.create(**args)
+    b = client.completions.create(**args)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    want = ref.generate("Write a word:", SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=2,
+                                                        ignore_eos=True))[0]
+    assert [c.text for c in a.choices] == [o.text for o in want.outputs]
+    assert a.choices[0].text != a.choices[1].text  # sibling seeds differ
+    assert a.usage.completion_tokens == 24
+
+
+def test_logprobs_shape(client, ref):
+    got = client.chat.completions.create(model="smollm2-135m", messages=CHAT, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
+    assert all(t.token == t.top_logprobs[0].token for t in content)  # greedy picks the most likely
+    comp = client.completions.create(model="smollm2-135m", prompt="1, 2, 3,", max_tokens=5, temperature=0,
+                                     logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == comp.choices[0].text and all(len(t) == 2 for t in lp.top_logprobs)
+    want = ref.generate("1, 2, 3,", greedy(5, logprobs=2))[0].outputs[0].logprobs
+    assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-5)
+
+
+def test_bad_requests_are_400(client, served):
+    url = served[0]
+    for kwargs, fragment in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                             (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
+                             (dict(logprobs=99), "logprobs"),
+                             (dict(max_tokens=100000), "maximum context length")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="smollm2-135m", prompt="Hi", **kwargs)
+        assert fragment in e.value.message, e.value.message
+        assert e.value.body["type"] == "invalid_request_error"
+    limit = served[1].state.llm.engine.max_model_len
+    with pytest.raises(openai.BadRequestError, match=f"maximum context length is {limit} tokens"):
+        client.completions.create(model="smollm2-135m", prompt="word " * 3000, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1, logit_bias={"99999999": 1})
+    with pytest.raises(openai.NotFoundError, match="smollm2-135m"):
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
+    for body in (b"{not json", b"[]", b'{"prompt": 5}', b'{"messages": []}'):
+        r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    r = httpx.post(f"{url}/v1/completions", content=b"x" * (5 << 20))
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_models_health_tokenize(served, ref):
+    url = served[0]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "smollm2-135m"
+    assert models["data"][0]["max_model_len"] == served[1].state.llm.engine.max_model_len
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tok["tokens"] == ref.tokenizer.encode("Hello world") and tok["count"] == len(tok["tokens"])
+    chat = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()
+    assert chat["tokens"] == ref.encode_prompt(ref.apply_chat_template(CHAT))
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "Hello world"}
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [10**9]}).status_code == 400
+    schema = httpx.get(f"{url}/openapi.json").json()
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+            "/detokenize"} <= set(schema["paths"])
+
+
+def test_32_concurrent_streams(served, ref):
+    url = served[0]
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(32)]
+    want = [o.text for o in ref.generate(prompts, greedy(10, ignore_eos=True))]
+    aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+    async def one(prompt):
+        stream = await aclient.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=10,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    got = asyncio.run(all_of_them())
+    assert got == want
+    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0
+             and metric(url, "minerva:num_requests_running") == 0, what="KV blocks freed")
+    assert metric(url, "minerva:kv_cache_usage_perc") == 0
+
+
+def _started_and_cut(url: str, stream: bool) -> None:
+    body = {"model": "smollm2-135m", "prompt": "Tell me a long story.", "max_tokens": 1000, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(6):  # a few events, then hang up
+                next(lines)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_and_frees_blocks(served, stream):
+    url = served[0]
+    aborted = metric(url, "minerva:request_success_total", 'finished_reason="abort"')
+    _started_and_cut(url, stream)
+    wait_for(lambda: metric(url, "minerva:num_requests_running") == 0
+             and metric(url, "minerva:kv_cache_used_blocks") == 0, what="the aborted request to free its blocks")
+    assert metric(url, "minerva:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert served[1].state.engine.num_unfinished == 0
+    # and the server still serves
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_metrics_names(served):
+    text = httpx.get(f"{served[0]}/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
+                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+                 "request_queue_time_seconds_bucket", "request_success_total"):
+        assert f"minerva:{name}" in text, name
+    assert metric(served[0], "minerva:generation_tokens_total") > 0
+    assert json.dumps(text)  # plain text, no binary
+
+
+def test_shutdown_ends_in_flight_requests(smollm2_gguf):
+    """Shutting down with a request still generating: within the timeouts the stream ends, the
+    engine thread stops, and the request's blocks are freed."""
+    import threading
+    import time
+
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=32e6)
+    events = []
+    with running_server(llm, shutdown_timeout=1.0) as (url, app):
+        def client():
+            body = {"prompt": "Tell me a long story.", "max_tokens": 600, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        events.append(line)
+            except httpx.HTTPError as exc:
+                events.append(f"closed: {type(exc).__name__}")
+
+        t = threading.Thread(target=client)
+        t.start()
+        wait_for(lambda: len(events) > 4, what="the stream to start")
+        start = time.monotonic()
+    t.join(30)
+    assert not t.is_alive() and time.monotonic() - start < 15
+    assert not app.state.engine.alive
+    assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()

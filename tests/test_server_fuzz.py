@@ -1,0 +1,175 @@
+"""`minerva serve` on a tiny random model: the API key, the waiting-queue bound, SIGTERM, and a
+property-based fuzzer (schemathesis) against the OpenAPI schema the server publishes.
+
+The tiny model generates in about a millisecond a token, so the fuzzer's requests stay short."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from minerva import LLM
+from tests.server_util import metric, running_server, wait_for
+from tests.tiny_gguf import write_tiny_llama
+
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=64)
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, max_num_seqs=2)
+    with running_server(llm, api_key=KEY, max_waiting=2, max_body_bytes=1 << 16) as (url, app):
+        yield url, app
+
+
+def test_api_key(served):
+    url = served[0]
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(f"{url}/metrics").status_code == 200
+
+
+def test_body_limit(served):
+    url = served[0]
+    r = httpx.post(f"{url}/v1/completions", content=b"{" + b" " * (1 << 17) + b"}", headers=AUTH)
+    assert r.status_code == 413
+
+    def chunked():  # no Content-Length: the limit holds on the bytes actually sent
+        for _ in range(40):
+            yield b" " * 4096
+
+    r = httpx.post(f"{url}/v1/completions", content=chunked(), headers=AUTH)
+    assert r.status_code == 413
+
+
+def test_queue_full_is_503_with_retry_after(served):
+    """Two running (max_num_seqs), two waiting (--max-waiting): the rest are turned away at once."""
+    url = served[0]
+    body = {"prompt": "abc", "max_tokens": 60, "ignore_eos": True}
+    results = []
+
+    def one():
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+    threads = [threading.Thread(target=one) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(code for code, _, _ in results)
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+    for code, retry, body in results:
+        if code == 503:
+            assert retry and "max-waiting" in body["error"]["message"]
+        else:
+            assert body["usage"]["completion_tokens"] == 60
+    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0, what="KV blocks freed")
+
+
+@pytest.fixture(scope="module")
+def api_schema(served):
+    url = served[0]
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json").json())
+    schema.config.update(base_url=url)
+    return schema
+
+
+fuzz = schemathesis.pytest.from_fixture("api_schema")
+
+
+@fuzz.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzz_no_server_error(case, served):
+    """Random valid and invalid bodies: never a 5xx other than 503 (busy), never a hang."""
+    response = case.call(headers=AUTH, timeout=20)
+    assert response.status_code < 500 or response.status_code == 503, (response.status_code, response.text)
+    if response.status_code >= 400:
+        assert response.json()["error"]["message"]
+
+
+def test_still_healthy_after_fuzzing(served):
+    url = served[0]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    wait_for(lambda: metric(url, "minerva:num_requests_running") == 0
+             and metric(url, "minerva:kv_cache_used_blocks") == 0, what="an idle engine")
+
+
+def test_cli_serve_sigterm(tiny):
+    """`minerva serve` logs what it serves, answers, and on SIGTERM finishes in-flight work and exits."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "minerva", "serve", str(tiny), "--port", str(port),
+                             "--kv-cache-memory", "4e6", "--shutdown-timeout", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url), timeout=120, what="minerva serve to start")
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # uvicorn re-raises the signal once shut down, so the exit status says "ended by SIGTERM"
+    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert "Application shutdown complete" in out
+    assert "serving tiny.gguf as 'tiny'" in out and "KV cache" in out and f"{url}/v1" in out, out
+    assert "Traceback" not in out
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        time.sleep(0.2)
+        return False
+
+
+def test_engine_failure_fails_requests_not_server(served, monkeypatch):
+    """An exception inside an engine step fails the requests in flight; the next ones are served."""
+    url, app = served
+    engine = app.state.llm.engine
+    real, calls = engine.step, []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault")
+        return real()
+
+    monkeypatch.setattr(engine, "step", broken)
+    body = {"prompt": "abc", "max_tokens": 4}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0, what="KV blocks freed")
+    assert metric(url, "minerva:request_success_total", 'finished_reason="error"') == 1

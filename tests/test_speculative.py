@@ -192,3 +192,32 @@ def test_greedy_is_unchanged_on_smollm2(smollm2_gguf, smollm2_llm, method):
     spec = llm.generate(prompt, params)[0].outputs[0].token_ids
     assert spec == plain
     assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_server_speculation_per_request_and_metrics(target_dir):
+    import httpx
+
+    from tests.server_util import metric, running_server
+
+    llm = make(target_dir, speculative="ngram", speculative_max_batch=64)
+    prompt = repetitive_prompts(1)[0]
+    expected = make(target_dir).generate([prompt], SamplingParams(max_tokens=16, temperature=0,
+                                                                  ignore_eos=True))[0].outputs[0].token_ids
+    with running_server(llm) as (url, _):
+        def complete(**extra):
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True, **extra}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        off = complete(speculative_tokens=0)
+        assert metric(url, "minerva:spec_decode_num_draft_tokens_total") == 0
+        on = complete()
+        assert on == off == llm.tokenizer.decode(expected)
+        drafted = metric(url, "minerva:spec_decode_num_draft_tokens_total")
+        accepted = metric(url, "minerva:spec_decode_num_accepted_tokens_total")
+        assert drafted > 0 and 0 < accepted <= drafted
+        assert metric(url, "minerva:spec_decode_accepted_length_count") == \
+            metric(url, "minerva:spec_decode_num_drafts_total") > 0
+        bad = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "speculative_tokens": 99}, timeout=30)
+        assert bad.status_code == 400 and "speculative_tokens" in bad.text

@@ -205,7 +205,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
                                   repetition_penalty=body.repetition_penalty,
                                   presence_penalty=body.presence_penalty,
                                   frequency_penalty=body.frequency_penalty, logit_bias=bias, seed=body.seed,
-                                  logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos)
+                                  logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                                  speculative_tokens=body.speculative_tokens)
         except MinervaError as exc:
             raise APIError(400, str(exc)) from None
 

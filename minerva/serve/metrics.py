@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from minerva.engine.sampler import MAX_SPECULATIVE
+
 # Bucket edges in seconds, close to vLLM's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -51,10 +53,18 @@ class Metrics:
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Time from arrival to the first step that computes the request.",
                                     LONG_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Request-steps that verified speculative guesses.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens guessed.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative guesses accepted.")
+        self.spec_accepted_length = histogram(
+            "spec_decode_accepted_length", "Guesses accepted per verifying step.",
+            tuple(float(i) for i in range(MAX_SPECULATIVE + 1)))
         self._success = Counter("minerva:request_success", "Requests finished, by reason.",
                                 labelnames=["model_name", "finished_reason"], registry=r)
         self._labels = labels
-        self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+        self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self._seen_lengths: list[int] = []
 
     def finished(self, reason: str) -> None:
         self._success.labels(finished_reason=reason, **self._labels).inc()
@@ -72,6 +82,20 @@ class Metrics:
             if gained > 0:
                 getattr(self, name).inc(gained)
             self._seen[name] = total
+        spec = engine.speculator
+        if spec is not None:
+            s = spec.stats
+            for name, total in (("spec_drafts", s.num_steps), ("spec_draft_tokens", s.num_draft_tokens),
+                                ("spec_accepted_tokens", s.num_accepted_tokens)):
+                gained = total - self._seen[name]
+                if gained > 0:
+                    getattr(self, name).inc(gained)
+                self._seen[name] = total
+            seen = self._seen_lengths + [0] * (len(s.accepted_length) - len(self._seen_lengths))
+            for accepted, (now, before) in enumerate(zip(s.accepted_length, seen)):
+                for _ in range(now - before):
+                    self.spec_accepted_length.observe(accepted)
+            self._seen_lengths = list(s.accepted_length)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

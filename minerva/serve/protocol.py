@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minerva.engine.sampler import MAX_LOGPROBS
+from minerva.engine.sampler import MAX_LOGPROBS, MAX_SPECULATIVE
 
 MAX_N = 16  # completions per request
 MAX_STOP = 16  # stop strings per request
@@ -51,6 +51,10 @@ class _Sampling(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100].")
     ignore_eos: bool = False
+    speculative_tokens: int | None = Field(
+        None, ge=0, le=MAX_SPECULATIVE,
+        description="Guesses per step for this request when the server runs with --speculative "
+                    "(0 turns speculation off for it; default: the server's setting).")
     user: str | None = None
 
     def stop_list(self) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from minerva.engine.speculative import build_speculator
 from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels.attention import PagedKVCache
+from minerva.kernels.native import torch_ops_on_one_thread
 from minerva.models.layers import CausalLM
 
 
@@ -140,6 +141,10 @@ class Engine:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[StreamDelta]:
+        with torch_ops_on_one_thread(self.device):  # see there: the kernels keep their threads
+            return self._step()
+
+    def _step(self) -> list[StreamDelta]:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.room)
         batch = self.scheduler.schedule()

@@ -248,6 +248,7 @@ class _Track:
     proposed: float = 0.0  # decayed counts of this request's guesses
     accepted: float = 0.0
     pause: int = 0  # steps to sit out
+    backoffs: int = 0  # times in a row acceptance was poor: each doubles the next pause
 
 
 class Speculator:
@@ -255,7 +256,8 @@ class Speculator:
 
     DECAY = 0.8
     MIN_ACCEPTANCE = 0.25  # below this (decayed) a request's guesses cost more than they give
-    BACKOFF = 16  # steps a request sits out after poor acceptance
+    BACKOFF = 16  # steps a request sits out after poor acceptance, doubling each time up to
+    MAX_BACKOFF = 512
 
     def __init__(self, proposer, num_tokens: int, max_batch: int):
         self.proposer, self.k, self.max_batch = proposer, num_tokens, max_batch
@@ -294,7 +296,11 @@ class Speculator:
         t.proposed = t.proposed * self.DECAY + drafts
         t.accepted = t.accepted * self.DECAY + accepted
         if t.proposed >= 4 and t.accepted < self.MIN_ACCEPTANCE * t.proposed:
-            t.pause, t.proposed, t.accepted = self.BACKOFF, 0.0, 0.0
+            t.pause = min(self.BACKOFF << t.backoffs, self.MAX_BACKOFF)
+            t.backoffs += 1
+            t.proposed = t.accepted = 0.0
+        elif t.proposed >= 4:
+            t.backoffs = 0
 
     def finished(self, request: Request) -> None:
         self.tracks.pop(request.request_id, None)

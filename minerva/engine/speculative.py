@@ -142,16 +142,9 @@ class EarlyExit:
     def __init__(self, model, num_layers: int):
         self.model, self.num_layers = model, num_layers
         self.config = model.config
-        self.layers = model.layers[:num_layers]
 
     def __call__(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
-        m = self.model
-        h = m.embed.rows(input_ids)
-        if m.embed_scale is not None:
-            h = h * torch.tensor(m.embed_scale, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, ctx)
-        return m.norm(h)
+        return self.model(input_ids, ctx, num_layers=self.num_layers)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)

@@ -244,12 +244,14 @@ class CausalLM(Layer):
         self.lm_head = lm_head
         self.embed_scale = embed_scale
 
-    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Hidden states [T, hidden] of the new tokens."""
+    def forward(self, input_ids: torch.Tensor, ctx: AttentionContext,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of the new tokens (after the first `num_layers` layers
+        and the final norm, when given: an early exit)."""
         h = self.embed.rows(input_ids)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        for layer in self.layers:
+        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
             h = layer(h, ctx)
         return self.norm(h)
 

@@ -76,26 +76,23 @@ class Metrics:
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(blocks.usage)
         self.kv_used_blocks.set(blocks.num_used_blocks)
-        for name, total in (("prefix_queries", blocks.prefix_queries), ("prefix_hits", blocks.prefix_hits),
-                            ("preemptions", scheduler.num_preemptions)):
-            gained = total - self._seen[name]
-            if gained > 0:
-                getattr(self, name).inc(gained)
-            self._seen[name] = total
+        totals = [("prefix_queries", blocks.prefix_queries), ("prefix_hits", blocks.prefix_hits),
+                  ("preemptions", scheduler.num_preemptions)]
         spec = engine.speculator
         if spec is not None:
             s = spec.stats
-            for name, total in (("spec_drafts", s.num_steps), ("spec_draft_tokens", s.num_draft_tokens),
-                                ("spec_accepted_tokens", s.num_accepted_tokens)):
-                gained = total - self._seen[name]
-                if gained > 0:
-                    getattr(self, name).inc(gained)
-                self._seen[name] = total
+            totals += [("spec_drafts", s.num_steps), ("spec_draft_tokens", s.num_draft_tokens),
+                       ("spec_accepted_tokens", s.num_accepted_tokens)]
             seen = self._seen_lengths + [0] * (len(s.accepted_length) - len(self._seen_lengths))
             for accepted, (now, before) in enumerate(zip(s.accepted_length, seen)):
                 for _ in range(now - before):
                     self.spec_accepted_length.observe(accepted)
             self._seen_lengths = list(s.accepted_length)
+        for name, total in totals:
+            gained = total - self._seen[name]
+            if gained > 0:
+                getattr(self, name).inc(gained)
+            self._seen[name] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -238,12 +238,18 @@ def cmd_serve(args) -> int:
     # Checked before the model loads, so a bad flag fails at once.
     config = ServerConfig(args.served_model_name or "?", api_key=args.api_key or None,
                           max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
-    llm = _load(model, args)
+    import torch
+
+    from minerva.serve.async_engine import on_own_thread
+
+    # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
+    llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
     # Clients name the model as it was given: a pulled name as is, a file or directory by its stem.
     name = args.served_model_name or (DEFAULT_MODEL if model is None else
                                       model if "/" not in model and not model.endswith(".gguf")
                                       else Path(model).stem)
-    serve(llm, dataclasses.replace(config, served_model_name=name), host=args.host, port=args.port)
+    serve(llm, dataclasses.replace(config, served_model_name=name), host=args.host, port=args.port,
+          threads=threads)
     return 0
 
 

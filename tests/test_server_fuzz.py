@@ -173,3 +173,10 @@ def test_engine_failure_fails_requests_not_server(served, monkeypatch):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0, what="KV blocks freed")
     assert metric(url, "minerva:request_success_total", 'finished_reason="error"') == 1
+
+
+@pytest.mark.parametrize("flag,value", [("--max-waiting", "0"), ("--port", "70000"), ("--shutdown-timeout", "-1")])
+def test_cli_serve_bad_flags(tiny, flag, value):
+    from tests.test_cli import assert_clean_error, run
+
+    assert_clean_error(run("serve", str(tiny), flag, value), flag)

@@ -134,9 +134,10 @@ async def _abort_on_disconnect(raw: HTTPRequest, engine: AsyncEngine, group) -> 
 # ------------------------------------------------------------------ the app
 
 
-def build_app(llm, config: ServerConfig) -> FastAPI:
+def build_app(llm, config: ServerConfig, threads: int | None = None) -> FastAPI:
+    """The app serving `llm`; `threads` is the engine thread's CPU thread count (default: the caller's)."""
     metrics = Metrics(config.served_model_name)
-    engine = AsyncEngine(llm, metrics, max_waiting=config.max_waiting)
+    engine = AsyncEngine(llm, metrics, max_waiting=config.max_waiting, threads=threads)
     tokenizer = llm.tokenizer
     max_model_len = llm.engine.max_model_len
     vocab = llm.config.vocab_size

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from minerva.errors import MinervaError
+from minerva.serve.async_engine import on_own_thread
 
 
 @dataclass
@@ -175,7 +176,9 @@ def offline(llm, args, prompts: list[tuple[str, int]], fresh: list[tuple[str, in
     """The same prompts through the offline engine at the same concurrency (its max_num_seqs), and
     the prefill time of `fresh` prompts of the same length (never seen: no prefix-cache hits)."""
     from minerva.engine.sampler import SamplingParams
+    from minerva.llm import set_threads
 
+    set_threads(None)  # a fresh thread: one per physical core, as LLM() set on the loading thread
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill = []
     for text, _ in fresh:
@@ -268,7 +271,7 @@ def cmd_bench_serve(args) -> int:
     model_name = asyncio.run(_model_name(args))
     warm = argparse.Namespace(**{**vars(args), "request_rate": math.inf, "max_concurrency": 1})
     asyncio.run(run_load(warm, random_prompts(tokenizer, 1, 16, args.seed + 1), model_name))  # warm-up
-    llm = load_offline(args) if args.compare_offline else None
+    llm = on_own_thread(load_offline, args) if args.compare_offline else None
     rounds = []
     # Each round: the server, then (with --compare-offline) the offline engine right after, on
     # prompts no earlier round used, so the two sides meet the same machine and no cached prefix.
@@ -278,7 +281,7 @@ def cmd_bench_serve(args) -> int:
         results, duration = asyncio.run(run_load(args, prompts, model_name))
         summary = summarize(results, duration)
         fresh = random_prompts(tokenizer, 5, args.random_input_len, seed + 2)
-        off = offline(llm, args, prompts, fresh) if llm is not None else None
+        off = on_own_thread(offline, llm, args, prompts, fresh) if llm is not None else None
         rounds.append({"summary": summary, "offline": off, "ratios": ratios(summary, off), "results": results})
         if args.repeat > 1:
             print(f"round {k + 1}/{args.repeat}: " + ", ".join(f"{n} {v:.2f}" for n, v in rounds[-1]["ratios"].items())

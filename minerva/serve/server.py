@@ -19,10 +19,11 @@ def describe(llm, config: ServerConfig, url: str) -> str:
             f"OpenAI API at {url}/v1")
 
 
-def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          threads: int | None = None) -> None:
     import uvicorn
 
-    app = build_app(llm, config)
+    app = build_app(llm, config, threads=threads)
     shown = f"[{host}]" if ":" in host else host
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     print(describe(llm, config, f"http://{shown}:{port}"), file=sys.stderr, flush=True)

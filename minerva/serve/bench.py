@@ -338,6 +338,7 @@ def add_parser(bsub) -> None:
     q.add_argument("--repeat", type=int, default=1,
                    help="rounds of (server run, offline run) on fresh prompts; ratios reported per round "
                         "and as medians")
-    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for --compare-offline")
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="for --compare-offline (default auto, as minerva serve)")
     q.add_argument("--kv-cache-memory", type=float, default=0.2, help="for --compare-offline")
     q.set_defaults(func=cmd_bench_serve)

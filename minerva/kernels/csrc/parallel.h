@@ -70,14 +70,16 @@ class ThreadPool {
     gen_.fetch_add(1);
     if (sleepers_.load() > 0) gen_.notify_all();
     inside = true;
-    work(job);
+    const auto started = std::chrono::steady_clock::now();
+    const int64_t mine = work(job);
     inside = false;
     const auto waiting = std::chrono::steady_clock::now();
     for (int spins = 0; job.left.load(std::memory_order_acquire) > 0; ++spins) {
       if (spins < 4096) _mm_pause();
       else std::this_thread::yield();
     }
-    note_wait(std::chrono::steady_clock::now() - waiting);
+    // A helper may have just started its last chunk: waiting up to about one chunk is normal.
+    if (mine > 0) note_wait(std::chrono::steady_clock::now() - waiting, (waiting - started) / mine);
     job_.store(nullptr);
     while (users_.load() > 0) _mm_pause();  // a helper between taking the job and seeing it done
   }
@@ -92,21 +94,21 @@ class ThreadPool {
     std::atomic<int64_t> left{0};
   };
 
-  // Chunks take microseconds; a wait this long means a helper lost its core mid-chunk.
-  static constexpr auto kStall = std::chrono::microseconds(200);
+  // Waiting much longer than a chunk takes means a helper lost its core mid-chunk.
+  static constexpr auto kSlack = std::chrono::microseconds(100);
   static constexpr int kWindow = 64, kStallsToBackOff = 4, kSerialCalls = 4096;
 
-  void note_wait(std::chrono::steady_clock::duration waited) {
-    stalls_ += waited > kStall;
+  void note_wait(std::chrono::steady_clock::duration waited, std::chrono::steady_clock::duration chunk) {
+    stalls_ += waited > 2 * chunk + kSlack;
     if (++calls_ < kWindow) return;
     if (stalls_ >= kStallsToBackOff) serial_left_.store(kSerialCalls, std::memory_order_relaxed);
     calls_ = stalls_ = 0;
   }
 
-  static void work(Job& j) {
-    for (;;) {
+  static int64_t work(Job& j) {  // returns how many chunks this thread computed
+    for (int64_t done = 0;; ++done) {
       const int64_t lo = j.begin + j.next.fetch_add(1, std::memory_order_relaxed) * j.chunk;
-      if (lo >= j.end) return;
+      if (lo >= j.end) return done;
       j.fn(j.ctx, lo, std::min(lo + j.chunk, j.end));
       j.left.fetch_sub(1, std::memory_order_release);
     }

@@ -94,12 +94,13 @@ class ThreadPool {
     std::atomic<int64_t> left{0};
   };
 
-  // Waiting much longer than a chunk takes means a helper lost its core mid-chunk.
-  static constexpr auto kSlack = std::chrono::microseconds(100);
+  // Waiting much longer than a chunk takes (chunks differ: causal attention rows grow) and
+  // longer than anything but a lost core would explain means a helper lost its core mid-chunk.
+  static constexpr auto kFloor = std::chrono::microseconds(500);
   static constexpr int kWindow = 64, kStallsToBackOff = 4, kSerialCalls = 4096;
 
   void note_wait(std::chrono::steady_clock::duration waited, std::chrono::steady_clock::duration chunk) {
-    stalls_ += waited > 2 * chunk + kSlack;
+    stalls_ += waited > std::max<std::chrono::steady_clock::duration>(4 * chunk, kFloor);
     if (++calls_ < kWindow) return;
     if (stalls_ >= kStallsToBackOff) serial_left_.store(kSerialCalls, std::memory_order_relaxed);
     calls_ = stalls_ = 0;

@@ -76,16 +76,16 @@ def print_report(lines: list[str], systems: list[SystemInfo], figures: list[Figu
     cols = ["minerva", *peers]
     print()
     print(f"{'test':<16}" + "".join(f"{c + ' tok/s':>22}" for c in cols)
-          + "".join(f"{'vs ' + p:>14}" for p in peers))
+          + "".join(f"{'vs ' + p:>17}" for p in peers))
     for name in names:
         row = {f.system: f for f in figures if f.name == name}
         cells = "".join(f"{row[c].text() if c in row else '      n/a':>22}" for c in cols)
         ratios = ""
         for p in peers:
             if p in row and "minerva" in row and row[p].mean > 0:
-                ratios += f"{row['minerva'].mean / row[p].mean:>13.2f}x"
+                ratios += f"{row['minerva'].mean / row[p].mean:>16.2f}x"
             else:
-                ratios += f"{'':>14}"
+                ratios += f"{'':>17}"
         print(f"{name:<16}{cells}{ratios}")
 
 

@@ -128,12 +128,16 @@ def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Ten
     rows stop after the bias. Every operation works row by row, so a row's result does not
     depend on which other rows share the batch.
     """
-    logits = logits.float().clone()
-    if bool((torch.isnan(logits) | torch.isposinf(logits)).any()):
+    logits = logits.float()
+    if not float(logits.max()) < math.inf:  # NaN propagates through max, as does +inf
         raise MinervaError("the model produced NaN/inf logits (numeric overflow); "
                            "run with --dtype bfloat16 or float32")
-    dev, vocab = logits.device, logits.shape[-1]
     params = [s.params for s in states]
+    if all(p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+           and not p.logit_bias for p in params):
+        return logits  # nothing to change: spare the copy (the common greedy batch)
+    logits = logits.clone()
+    dev, vocab = logits.device, logits.shape[-1]
 
     rows = _rows(states, lambda s: s.params.repetition_penalty != 1.0 and s.seen)
     if rows:

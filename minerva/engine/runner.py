@@ -49,10 +49,6 @@ class PagedBackend:
                 EMPTY if vs is None else vs[layer], self.slot_mapping, self.block_tables, self.seq_lens,
                 self.query_start_loc, self.positions)
 
-        return paged_attention(q, self.cache, layer, query_start_loc=self.query_start_loc,
-                               seq_lens=self.seq_lens, block_tables=self.block_tables,
-                               positions=self.positions, window=window, scale=scale)
-
 
 @dataclass
 class Seq:

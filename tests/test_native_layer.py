@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from minerva.engine.perplexity import window_nll
 from minerva.kernels import native

@@ -68,7 +68,7 @@ def test_act_mul(activation, dtype):
 def test_rows_do_not_depend_on_the_batch():
     x = torch.randn(11, 640, generator=G)
     w = torch.randn(640, generator=G)
-    full, gu = ops.rms_norm(x, w, 1e-6), ops.act_mul(torch.randn(11, 64, generator=G), "silu")
+    full = ops.rms_norm(x, w, 1e-6)
     for i in (0, 4, 10):
         assert torch.equal(ops.rms_norm(x[i:i + 1], w, 1e-6), full[i:i + 1])
     gu_in = torch.randn(11, 64, generator=G)

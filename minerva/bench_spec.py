@@ -35,15 +35,20 @@ def _run(llm, prompt: str, params, batch: int) -> tuple[float, list[list[int]]]:
 
 
 def cmd_speculative(args) -> int:
-    from minerva.bench import header, load_minerva, write_json
+    from minerva.bench import _threads, header, load_minerva, write_json
     from minerva.engine.sampler import SamplingParams
 
     if not args.speculative:
         raise MinervaError("bench speculative needs --speculative ngram|self[:LAYERS]|draft:MODEL")
-    for name in ("repetitions", "gen", "batch"):
+    for name in ("repetitions", "gen", "batch", "text_tokens"):
         if getattr(args, name) < 1:
-            raise MinervaError(f"--{name} must be at least 1, got {getattr(args, name)}")
-    text = Path(args.text).read_text() if args.text else default_text()
+            raise MinervaError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    try:
+        text = Path(args.text).read_text() if args.text else default_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MinervaError(f"cannot read --text '{args.text}' ({exc.__class__.__name__}); give a UTF-8 text file") from None
+    if not text.split():
+        raise MinervaError(f"--text '{args.text}' has no words to rewrite")
     llm, info = load_minerva(args)
     spec = llm.engine.speculator
     words = text.split()
@@ -67,7 +72,7 @@ def cmd_speculative(args) -> int:
                         spec.stats.num_steps) == before, "requests that opted out were given guesses"
     s = spec.stats
     same = outputs["off"] == outputs["on"]
-    lines = header(llm.path, args.threads or llm_threads())
+    lines = header(llm.path, args.threads or _threads())
     lines.append(f"task:    rewrite a given text of {len(ids)} tokens, greedy, {args.gen} new tokens, "
                  f"batch {args.batch}, {args.repetitions} repetitions alternating off/on")
     lines.append(f"speculative: {args.speculative}, {args.num_speculative_tokens} tokens a step, stands down "
@@ -93,12 +98,6 @@ def cmd_speculative(args) -> int:
         "accepted_length_histogram": s.accepted_length, "outputs_identical": same,
     })
     return 0 if same else 1
-
-
-def llm_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def add_parser(bsub, common) -> None:

@@ -178,6 +178,12 @@ def test_bench_speculative_reports_both_sides(target_dir, tmp_path):
     assert report["outputs_identical"] and len(report["accepted_length_histogram"]) == 4
     assert_clean_error(run("bench", "speculative", str(target_dir), "-n", "4"), "--speculative")
     assert_clean_error(run("generate", str(target_dir), "hi", "--speculative", "eagle"), "--speculative")
+    assert_clean_error(run("bench", "speculative", str(target_dir), "--speculative", "ngram",
+                           "--text", str(tmp_path / "missing.txt")), "--text", "missing.txt")
+    assert_clean_error(run("bench", "speculative", str(target_dir), "--speculative", "ngram",
+                           "--text-tokens", "0"), "--text-tokens")
+    assert_clean_error(run("generate", str(target_dir), "hi", "--speculative", "ngram",
+                           "--speculative-max-batch", "0"), "--speculative-max-batch")
 
 
 @pytest.mark.slow

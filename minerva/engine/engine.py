@@ -141,7 +141,9 @@ class Engine:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[StreamDelta]:
-        with torch_ops_on_one_thread(self.device):  # see there: the kernels keep their threads
+        # torch's own ops in a step (proposals, glue, sampling) run on one thread, the kernels on
+        # theirs: see torch_ops_on_one_thread
+        with torch_ops_on_one_thread(self.device):
             return self._step()
 
     def _step(self) -> list[StreamDelta]:

@@ -15,7 +15,6 @@ import torch
 from minerva.engine.sampler import TokenLogprob, sample_batch, token_logprobs
 from minerva.engine.speculative import probabilities, states_along, verify
 from minerva.engine.scheduler import Scheduled
-from minerva.kernels.native import torch_ops_on_one_thread
 from minerva.kernels.attention import EMPTY, PagedKVCache, native_kernel, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
 
@@ -73,10 +72,6 @@ class ModelRunner:
     def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
         order (None if none)."""
-        with torch_ops_on_one_thread(self.device):
-            return self._forward(seqs)
-
-    def _forward(self, seqs: list[Seq]) -> torch.Tensor | None:
         ids, pos, slots, starts, seq_lens, logit_rows = [], [], [], [0], [], []
         bs = self.block_size
         for s in seqs:
@@ -104,10 +99,6 @@ class ModelRunner:
         """Run the batch; for each request that samples, its new tokens (with logprobs if
         asked): one token, or with guesses (request.draft_token_ids) the accepted guesses
         and one more."""
-        with torch_ops_on_one_thread(self.device):
-            return self._execute(batch, block_tables)
-
-    def _execute(self, batch: list[Scheduled], block_tables: list[list[int]]) -> list[Sampled | None]:
         seqs = []
         for s, table in zip(batch, block_tables):
             r = s.request

@@ -323,6 +323,8 @@ def build_speculator(method: str, num_tokens: int, max_batch: int, model, tokeni
     kind, arg = parse_method(method)
     if not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE:
         raise MinervaError(f"--num-speculative-tokens must be an integer in [1, {MAX_SPECULATIVE}], got {num_tokens!r}")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise MinervaError(f"--speculative-max-batch must be an integer >= 1, got {max_batch!r}")
     mc = model.config
     if kind == "ngram":
         proposer = NgramProposer()

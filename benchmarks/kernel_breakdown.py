@@ -16,7 +16,7 @@ import time
 
 from minerva import LLM, SamplingParams
 from minerva.kernels import native
-from minerva.kernels.weights import GGUFWeight
+from minerva.kernels.weights import PackedWeight
 
 
 class Timed:
@@ -55,7 +55,7 @@ def main() -> None:
     for layer in llm.engine.model.layers:
         layer.native = None
     for m in llm.engine.model.modules():
-        if isinstance(getattr(m, "weight", None), GGUFWeight) and m.weight.kernel is not None:
+        if isinstance(getattr(m, "weight", None), PackedWeight) and m.weight.kernel is not None:
             m.weight.kernel = timed
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.requests)]

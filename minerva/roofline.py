@@ -34,7 +34,7 @@ from minerva.hardware import (
 )
 from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_quant import KV_FORMATS
-from minerva.kernels.weights import GGUFWeight
+from minerva.kernels.weights import PackedWeight
 from minerva.models.config import SLIDING
 from minerva.models.layers import Linear
 from minerva.models.loader import LoadedModel
@@ -100,7 +100,7 @@ class ModelCosts:
 
 def _compute_dtype(weights: list) -> torch.dtype:
     w = weights[0]
-    return w.dtype if isinstance(w, GGUFWeight) else w.tensor.dtype
+    return w.dtype if isinstance(w, PackedWeight) else w.tensor.dtype
 
 
 def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dtype_v: str = "auto",

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.errors import MinervaError
 from minerva.kernels.quantize import quantize
-from minerva.kernels.weights import GGUFWeight
+from minerva.kernels.weights import PackedWeight
 from minerva.models.layers import Linear
 from minerva.models.loader import load_model
 from tests.test_tiny_safetensors import VOCAB, save
@@ -83,7 +83,7 @@ def test_quantized_model_matches_transformers_on_dequantized_weights(tmp_path, n
     loaded = load_model(path, quantize=scheme)
     m = loaded.model
     weights = [mod.weight for mod in m.modules() if isinstance(mod, Linear)]
-    assert weights and all(isinstance(w, GGUFWeight) for w in weights)
+    assert weights and all(isinstance(w, PackedWeight) for w in weights)
     cache = ContiguousKVCache(m.config, len(ids), torch.device("cpu"), torch.float32)
     with torch.inference_mode():
         mine = m.logits(run_tokens(m, cache, ids, chunk=8))
@@ -91,7 +91,7 @@ def test_quantized_model_matches_transformers_on_dequantized_weights(tmp_path, n
     assert torch.allclose(mine, ref, atol=2e-4, rtol=1e-4), (mine - ref).abs().max()
     dense = load_model(path)  # packed, and smaller than the float model by the scheme's ratio
     assert loaded.compute_bytes < dense.compute_bytes / (3 if scheme == "int8" else 5)
-    assert isinstance(m.embed, GGUFWeight) and m.embed.qtype == QT.Q8_0
+    assert isinstance(m.embed, PackedWeight) and m.embed.qtype == QT.Q8_0
     assert getattr(dense.model.embed, "qtype", QT.F32) in (QT.F32, QT.F16, QT.BF16)  # float unless asked
 
 

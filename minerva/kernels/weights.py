@@ -1,7 +1,7 @@
 """Weight formats: how a linear layer's weight is stored and multiplied.
 
 A `Linear` holds one of these and calls `matmul`; the model code never knows
-the format. Packed kernels for quantized formats replace `GGUFWeight.matmul`
+the format. Packed kernels for quantized formats replace `PackedWeight.matmul`
 per device without touching any model file.
 """
 
@@ -67,7 +67,7 @@ class DenseWeight:
         return self.tensor[ids]
 
 
-class GGUFWeight:
+class PackedWeight:
     """A weight in a GGML layout, kept as its packed bytes (one row of blocks per output):
     a quantized type, or a plain F32/F16/BF16 matrix (see `float_weight`).
 
@@ -136,7 +136,7 @@ class GGUFWeight:
         return out.reshape(*ids.shape, cols)
 
 
-Weight = DenseWeight | GGUFWeight
+Weight = DenseWeight | PackedWeight
 
 
 def float_weight(t: torch.Tensor, dtype: torch.dtype) -> Weight:
@@ -155,7 +155,7 @@ def float_weight(t: torch.Tensor, dtype: torch.dtype) -> Weight:
         return DenseWeight(t.to(dtype))
     store = t.dtype if dtype == torch.float32 else dtype
     data = t.to(store).contiguous()
-    return GGUFWeight(data.view(torch.uint8), FLOAT_QTYPES[store], tuple(t.shape), dtype)
+    return PackedWeight(data.view(torch.uint8), FLOAT_QTYPES[store], tuple(t.shape), dtype)
 
 
 def fuse(weights: list[Weight]) -> Weight | None:
@@ -166,10 +166,10 @@ def fuse(weights: list[Weight]) -> Weight | None:
     if all(isinstance(w, DenseWeight) for w in weights):
         if len({(w.tensor.shape[1], w.tensor.dtype, w.tensor.device) for w in weights}) == 1:
             return DenseWeight(torch.cat([w.tensor for w in weights]))
-    elif all(isinstance(w, GGUFWeight) for w in weights):
+    elif all(isinstance(w, PackedWeight) for w in weights):
         same = {(w.qtype, w.shape[1], w.dtype, w.packed.device, w._dense is None) for w in weights}
         if len(same) == 1 and first.kernel is not None:
             packed = torch.cat([w.packed.reshape(w.shape[0], -1) for w in weights])
-            return GGUFWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
+            return PackedWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
                               first.dtype)
     return None

@@ -21,7 +21,7 @@ from minerva.formats.quant import QUANT_TYPES
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
-from minerva.kernels.weights import GGUFWeight, Weight, float_weight
+from minerva.kernels.weights import PackedWeight, Weight, float_weight
 from minerva.models import gemma3, llama
 from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling
 from minerva.models.layers import CausalLM, Linear, freeze
@@ -198,6 +198,8 @@ def unpermute_qk(rows: torch.Tensor, n_head: int) -> torch.Tensor:
 # -------------------------------------------------------------- weight sources
 
 class GGUFWeights:
+    """Tensors of a GGUF file under canonical names; quantized ones stay packed."""
+
     def __init__(self, f: GGUFFile, arch: Architecture, config: ModelConfig,
                  device: torch.device, dtype: torch.dtype):
         self.f, self.arch, self.config, self.device, self.dtype = f, arch, config, device, dtype
@@ -229,7 +231,7 @@ class GGUFWeights:
         t, raw = self._get(name)
         if t.qtype in _FLOAT_TYPES:
             return float_weight(_float_view(raw, t).to(self.device), self.dtype)
-        return GGUFWeight(raw.to(self.device), t.qtype, t.shape, self.dtype)
+        return PackedWeight(raw.to(self.device), t.qtype, t.shape, self.dtype)
 
     def tensor(self, name: str) -> torch.Tensor:
         t, raw = self._get(name)
@@ -278,7 +280,7 @@ class SafeTensorsWeights:
         if self.quantize and quantizable(tuple(t.shape)):
             qtype = qtype_for(self.quantize, name)
             packed = quantize(t, qtype, self.by_name[name])
-            return GGUFWeight(packed.to(self.device), qtype, tuple(t.shape), self.dtype)
+            return PackedWeight(packed.to(self.device), qtype, tuple(t.shape), self.dtype)
         return float_weight(t.to(self.device), self.dtype)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -361,7 +363,7 @@ def _prepare(model: CausalLM) -> tuple[int, int]:
     """Make every linear weight ready for its kernel; return (stored, compute) bytes of weights."""
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}
     for w in weights.values():
-        if isinstance(w, GGUFWeight):
+        if isinstance(w, PackedWeight):
             w.materialize()
     weights[id(model.embed)] = model.embed
     return (sum(w.nbytes for w in weights.values()),

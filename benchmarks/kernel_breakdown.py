@@ -15,7 +15,7 @@ import random
 import time
 
 from minerva import LLM, SamplingParams
-from minerva.kernels import native
+from minerva.kernels import dispatch
 from minerva.kernels.weights import PackedWeight
 
 
@@ -47,13 +47,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype)
-    module = native.load()
-    if module is None:
-        raise SystemExit(f"native kernels unavailable: {native.unavailable_reason}")
-    timed = Timed(module)
-    native._module = timed
+    cpu = dispatch.backend("cpu")
+    if cpu.module is None:
+        raise SystemExit(f"native kernels unavailable: {cpu.unavailable_reason}")
+    timed = cpu.module = Timed(cpu.module)  # ops and attention ask the backend at each call
     for layer in llm.engine.model.layers:
-        layer.native = None
+        layer.fused = None
     for m in llm.engine.model.modules():
         if isinstance(getattr(m, "weight", None), PackedWeight) and m.weight.kernel is not None:
             m.weight.kernel = timed

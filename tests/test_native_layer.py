@@ -21,8 +21,8 @@ pytestmark = [pytest.mark.slow,
 def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
     llm = request.getfixturevalue(fixture)
     model = llm.loaded.model
-    natives = [layer.native for layer in model.layers]
-    assert all(n is not None for n in natives), "every layer of a packed GGUF model should have a C++ twin"
+    fused = [layer.fused for layer in model.layers]
+    assert all(n is not None for n in fused), "every layer of a packed GGUF model should have a C++ twin"
     rng = random.Random(0)
     ids = [rng.randrange(1000, 20000) for _ in range(600)]  # past Gemma's 512-token window
     # chunk=256: prefill chunks over earlier keys; the sums cover 600 scored positions
@@ -31,9 +31,9 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
     with_native = [window_nll(model, x, len(x) - 1, llm.device, llm.dtype, kv, kv, chunk=c) for x, c in runs]
     try:
         for layer in model.layers:
-            layer.native = None
+            layer.fused = None
         without = [window_nll(model, x, len(x) - 1, llm.device, llm.dtype, kv, kv, chunk=c) for x, c in runs]
     finally:
-        for layer, n in zip(model.layers, natives):
-            layer.native = n
+        for layer, n in zip(model.layers, fused):
+            layer.fused = n
     assert with_native == without

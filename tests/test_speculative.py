@@ -20,7 +20,8 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from minerva import LLM, SamplingParams
-from minerva.engine.speculative import NgramProposer, verify
+from minerva.engine.rejection import verify
+from minerva.engine.speculative import NgramProposer
 from minerva.errors import MinervaError
 from tests.test_tiny_safetensors import VOCAB, save
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -13,12 +12,13 @@ from minerva.engine.request import Request, StreamDelta
 from minerva.engine.runner import ModelRunner
 from minerva.engine.sampler import new_state
 from minerva.engine.scheduler import Scheduler, SchedulerConfig
-from minerva.engine.speculative import build_speculator
+from minerva.engine.speculative import build_speculator, check_speculative, parse_method
 from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
+from minerva.kernels import dispatch
 from minerva.kernels.attention import PagedKVCache
-from minerva.kernels.native import torch_ops_on_one_thread
 from minerva.models.layers import CausalLM
+from minerva.models.loader import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,16 @@ class EngineConfig:
         if not self.kv_cache_memory > 0:
             raise MinervaError(f"--kv-cache-memory must be > 0 (bytes, or a fraction <= 1 of free memory), "
                                f"got {self.kv_cache_memory!r}")
+        if self.speculative:
+            check_speculative(self.speculative, self.num_speculative_tokens, self.speculative_max_batch)
+
+    @property
+    def draft_model(self) -> str | None:
+        """The model of `--speculative draft:MODEL`, for the caller to load."""
+        if not self.speculative:
+            return None
+        kind, arg = parse_method(self.speculative)
+        return arg if kind == "draft" else None
 
 
 def available_memory(device: torch.device) -> int:
@@ -57,7 +67,8 @@ def available_memory(device: torch.device) -> int:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, model_id: str):
+                 device: torch.device, dtype: torch.dtype, model_id: str, draft: LoadedModel | None = None):
+        """`draft`: the loaded draft model of `--speculative draft:MODEL`."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.device = device
         mc = model.config
@@ -77,17 +88,16 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    salt=model_id.encode())
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.blocks)
+        self.max_model_len = min(mc.max_position, num_blocks * config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.blocks)
         self.runner = ModelRunner(model, self.cache, device)
         self.speculator = None
         if config.speculative:
             self.speculator = build_speculator(config.speculative, config.num_speculative_tokens,
                                                config.speculative_max_batch, model, tokenizer, num_blocks,
-                                               config.block_size, dtype, device)
+                                               config.block_size, dtype, device, draft)
         self.requests: dict[str, Request] = {}
-        self.outputs: dict[str, OutputProcessor] = {}
-        self.max_model_len = min(mc.max_position, num_blocks * config.block_size)
 
     # ------------------------------------------------------------ requests
 
@@ -117,23 +127,15 @@ class Engine:
             raise MinervaError(f"request id '{request.request_id}' is already in use")
         request.sampler = new_state(request.params, request.prompt_token_ids, self.device)
         self.requests[request.request_id] = request
-        self.outputs[request.request_id] = OutputProcessor(request.request_id, self.tokenizer,
-                                                           request.params)
-        self.scheduler.add(request)
+        self.scheduler.add(request, OutputProcessor(request.request_id, self.tokenizer, request.params))
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
         if request is not None:
             self.scheduler.abort(request)
             request.finish_reason = "abort"
-            self.outputs.pop(request_id, None)
             if self.speculator is not None:
                 self.speculator.finished(request)
-
-    def room(self, request: Request) -> int:
-        """How many more tokens the request may produce (max_tokens, context)."""
-        limit = min(request.params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
-        return limit - len(request.output_token_ids)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -141,57 +143,22 @@ class Engine:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[StreamDelta]:
-        # torch's own ops in a step (proposals, glue, sampling) run on one thread, the kernels on
-        # theirs: see torch_ops_on_one_thread
-        with torch_ops_on_one_thread(self.device):
-            return self._step()
-
-    def _step(self) -> list[StreamDelta]:
+        """schedule -> execute -> update, inside the backend's step context (on CPU: torch's
+        own ops on one thread, the kernels on theirs; see CpuBackend.step)."""
+        with dispatch.step(self.device):
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running, self.scheduler.room)
+            output = self.scheduler.schedule()
+            if not output:
+                if self.scheduler.has_work():
+                    raise RuntimeError("scheduler made no progress with requests pending")
+                return []
+            result = self.scheduler.update_from_output(output, self.runner.execute(output))
+        for r in result.finished:
+            del self.requests[r.request_id]
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.room)
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.has_work():
-                raise RuntimeError("scheduler made no progress with requests pending")
-            return []
-        tables = [self.blocks.block_table(s.request.request_id) for s in batch]
-        sampled = self.runner.execute(batch, tables)
-        deltas = []
-        now = time.monotonic()
-        for s, result in zip(batch, sampled):
-            r = s.request
-            computed = r.num_computed_tokens + s.num_new_tokens
-            drafts = len(r.draft_token_ids) if s.samples else 0
-            if drafts and result is not None:  # K/V of rejected guesses is dropped
-                accepted = len(result) - 1
-                computed -= drafts - accepted
-                self.blocks.rollback(r.request_id, computed)
+            for r, drafts, accepted in result.verified:
                 self.speculator.verified(r, drafts, accepted)
-            r.clear_drafts()
-            r.num_computed_tokens = computed
-            if result is None:
-                self.blocks.commit(r.request_id, r.all_token_ids, computed)
-                continue
-            r.first_token_time = r.first_token_time or now
-            out = self.outputs[r.request_id]
-            room = min(r.params.max_tokens, self.max_model_len - len(r.prompt_token_ids))
-            finish = None
-            for token, logprob in result:
-                r.sampler.record(token)
-                keep, finish = out.add(token, last_allowed=len(r.output_token_ids) + 1 >= room,
-                                       logprob=logprob)
-                if keep:
-                    r.output_token_ids.append(token)
-                if finish:
-                    break
-            self.blocks.commit(r.request_id, r.all_token_ids, min(computed, r.num_tokens))
-            if finish:
-                r.finish_reason = finish
-                self.scheduler.finish(r)
-                if self.speculator is not None:
-                    self.speculator.finished(r)
-                del self.requests[r.request_id], self.outputs[r.request_id]
-            delta = out.delta(finish)
-            if delta is not None:
-                deltas.append(delta)
-        return deltas
+            for r in result.finished:
+                self.speculator.finished(r)
+        return result.deltas

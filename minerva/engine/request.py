@@ -29,7 +29,6 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
@@ -42,14 +41,24 @@ class Request:
     # distributions they were drawn from, None when chosen deterministically.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: object = None
+    # The prompt, then every kept output token: one list that grows in place (read it, never
+    # keep it: it changes as the request runs).
+    all_token_ids: list[int] = field(init=False)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def __post_init__(self):
+        self.all_token_ids = list(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
     def pending_token_ids(self) -> list[int]:

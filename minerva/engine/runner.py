@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.engine.sampler import TokenLogprob, sample_batch, token_logprobs
-from minerva.engine.speculative import probabilities, states_along, verify
-from minerva.engine.scheduler import Scheduled
-from minerva.kernels.attention import EMPTY, PagedKVCache, native_kernel, paged_attention
+from minerva.engine.rejection import probabilities, states_along, verify
+from minerva.engine.sampler import sample_batch, token_logprobs
+from minerva.engine.scheduler import Sampled, SchedulerOutput
+from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
 
 
@@ -37,10 +37,10 @@ class PagedBackend:
                                seq_lens=self.seq_lens, block_tables=self.block_tables,
                                positions=self.positions, window=window, scale=scale)
 
-    def native_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
-        """What a native decoder layer needs to store and attend over this step's K/V, or
-        None when the C++ kernels do not cover this pool or dtype."""
-        if native_kernel(dtype, self.cache) is None:
+    def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
+        """What a fused decoder layer needs to store and attend over this step's K/V, or
+        None when the backend's attention kernel does not cover this pool or dtype."""
+        if attention_kernel(dtype, self.cache) is None:
             return None
         c = self.cache
         ks, vs = c.scales["k"], c.scales["v"]
@@ -58,9 +58,6 @@ class Seq:
     start: int
     table: list[int]
     logit_rows: int = 0
-
-
-Sampled = list[tuple[int, TokenLogprob | None]]
 
 
 class ModelRunner:
@@ -95,12 +92,13 @@ class ModelRunner:
         return self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
 
     @torch.inference_mode()
-    def execute(self, batch: list[Scheduled], block_tables: list[list[int]]) -> list[Sampled | None]:
-        """Run the batch; for each request that samples, its new tokens (with logprobs if
+    def execute(self, output: SchedulerOutput) -> list[Sampled | None]:
+        """Run the step; for each request that samples, its new tokens (with logprobs if
         asked): one token, or with guesses (request.draft_token_ids) the accepted guesses
         and one more."""
+        batch = output.scheduled
         seqs = []
-        for s, table in zip(batch, block_tables):
+        for s, table in zip(batch, output.block_tables):
             r = s.request
             lo = r.num_computed_tokens
             rows = (1 + len(r.draft_token_ids)) if s.samples else 0

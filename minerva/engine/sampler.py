@@ -216,15 +216,21 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     rows = _rows(states, lambda s: not s.params.greedy)
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        cdf = torch.softmax(processed[idx], -1).double().cumsum(-1)
         u = torch.cat([torch.rand(1, generator=states[i].generator, dtype=torch.float64,
                                   device=logits.device) for i in rows])
-        total = cdf[:, -1:]
-        drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)
-        # u * total can round up to total; the last token with mass is then the answer
-        last = (cdf < total).sum(-1, keepdim=True)
-        tokens[idx] = torch.minimum(drawn, last)[:, 0]
+        tokens[idx] = invert_cdf(torch.softmax(processed[idx], -1), u)
     return tokens.tolist()
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of (unnormalized) probabilities [B, vocab] the token where its CDF first
+    exceeds u [B] (float64 uniforms in [0, 1)) times the row's total."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    # u * total can round up to total; the last token with mass is then the answer
+    last = (cdf < total).sum(-1, keepdim=True)
+    return torch.minimum(drawn, last)[:, 0]
 
 
 def sample(logits: torch.Tensor, state: SamplerState) -> int:

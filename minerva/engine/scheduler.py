@@ -6,22 +6,33 @@ within a token budget and a cap on running requests. Order is priority, then
 arrival. When KV blocks run out, the lowest-priority, latest running request is
 preempted: its blocks are freed and it is recomputed later (mostly from the prefix
 cache).
+
+A step is `schedule()` -> the runner computes it -> `update_from_output()`, which
+owns what follows a forward: rolling back the K/V of rejected guesses, committing
+newly full blocks to the prefix cache, appending tokens through each request's
+`OutputProcessor` (detokenization and stop rules), and finishing requests.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from minerva.engine.block_manager import BlockManager
-from minerva.engine.request import Request, Status
+from minerva.engine.output import OutputProcessor
+from minerva.engine.request import Request, Status, StreamDelta
+from minerva.engine.sampler import TokenLogprob
 from minerva.errors import MinervaError
+
+Sampled = list[tuple[int, TokenLogprob | None]]  # a request's new tokens in one step
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    max_model_len: int = 1 << 62  # prompt + output tokens a request may reach
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -41,15 +52,41 @@ class Scheduled:
         return r.num_computed_tokens + self.num_new_tokens == r.num_pending
 
 
+@dataclass
+class SchedulerOutput:
+    """One step's work: who computes how many tokens, over which blocks."""
+
+    scheduled: list[Scheduled]
+    block_tables: list[list[int]]  # per scheduled request, after allocation
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass
+class StepResult:
+    """What `update_from_output` did: the stream deltas, the requests that finished, and
+    (request, guesses, accepted guesses) of each request that verified guesses."""
+
+    deltas: list[StreamDelta] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    verified: list[tuple[Request, int, int]] = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager):
         self.config = config
         self.blocks = blocks
         self.waiting: list[Request] = []  # kept sorted by Request.order
         self.running: list[Request] = []
+        self.outputs: dict[str, OutputProcessor] = {}  # request id -> its detokenizer and stop rules
         self.num_preemptions = 0
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, output: OutputProcessor) -> None:
+        self.outputs[request.request_id] = output
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
         request.status = Status.WAITING
         bisect.insort(self.waiting, request, key=lambda r: r.order)
 
@@ -58,13 +95,24 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.blocks.free(request.request_id)
-        request.status = Status.FINISHED
+        self._release(request)
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
         self.blocks.free(request.request_id)
+        self.outputs.pop(request.request_id, None)
         request.status = Status.FINISHED
+
+    def max_output_tokens(self, request: Request) -> int:
+        """Output tokens the request may have in all (max_tokens, context)."""
+        return min(request.params.max_tokens, self.config.max_model_len - len(request.prompt_token_ids))
+
+    def room(self, request: Request) -> int:
+        """How many more tokens the request may produce."""
+        return self.max_output_tokens(request) - request.num_output_tokens
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -83,9 +131,9 @@ class Scheduler:
         self.blocks.free(request.request_id)
         request.num_computed_tokens = 0
         self.num_preemptions += 1
-        self.add(request)
+        self._enqueue(request)
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out: list[Scheduled] = []
         preempted = False
@@ -130,4 +178,51 @@ class Scheduler:
             self.running.append(req)
             out.append(Scheduled(req, n))
             budget -= n
-        return out
+        return SchedulerOutput(out, [self.blocks.block_table(s.request.request_id) for s in out])
+
+    # ------------------------------------------------------------ after the forward
+
+    def update_from_output(self, output: SchedulerOutput, sampled: list[Sampled | None]) -> StepResult:
+        """Advance each scheduled request by what the step computed and, for those that
+        sampled, by their new tokens (with guesses: the accepted ones and one more)."""
+        result = StepResult()
+        now = time.monotonic()
+        for s, tokens in zip(output.scheduled, sampled):
+            r = s.request
+            computed = r.num_computed_tokens + s.num_new_tokens
+            drafts = len(r.draft_token_ids) if s.samples else 0
+            if drafts and tokens is not None:  # K/V of rejected guesses is dropped
+                accepted = len(tokens) - 1
+                computed -= drafts - accepted
+                self.blocks.rollback(r.request_id, computed)
+                result.verified.append((r, drafts, accepted))
+            r.clear_drafts()
+            r.num_computed_tokens = computed
+            if tokens is None:  # a prompt chunk short of the end
+                self.blocks.commit(r.request_id, r.all_token_ids, computed)
+                continue
+            r.first_token_time = r.first_token_time or now
+            out = self.outputs[r.request_id]
+            finish = self._append(r, out, tokens)
+            self.blocks.commit(r.request_id, r.all_token_ids, min(computed, r.num_tokens))
+            if finish:
+                r.finish_reason = finish
+                self.finish(r)
+                result.finished.append(r)
+            delta = out.delta(finish)
+            if delta is not None:
+                result.deltas.append(delta)
+        return result
+
+    def _append(self, r: Request, out: OutputProcessor, tokens: Sampled) -> str | None:
+        """Record the request's new tokens, keeping those its stop rules keep; the finish
+        reason, if one of them ends it."""
+        room = self.max_output_tokens(r)
+        for token, logprob in tokens:
+            r.sampler.record(token)
+            keep, finish = out.add(token, last_allowed=r.num_output_tokens + 1 >= room, logprob=logprob)
+            if keep:
+                r.all_token_ids.append(token)
+            if finish:
+                return finish
+        return None

@@ -2,18 +2,9 @@
 
 A proposer guesses the next k tokens of a decoding request; the engine computes the
 request's pending token and the k guesses in one forward of the target (the normal batch:
-requests with and without guesses share the step), and `verify` keeps a prefix of the
-guesses by rejection sampling (Leviathan et al. 2023; Chen et al. 2023):
-
-    accept guess d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
-    draw from the normalized max(p_i - q_i, 0) and stop; if all k are accepted, draw a
-    bonus token from p_{k+1}.
-
-p_i is the target's distribution at position i after every sampling transform the
-request asked for (penalties counting the guesses before i, bias, temperature, top-k/p,
-min-p), and q_i the distribution the guess was drawn from (one-hot for deterministic
-proposers). Each emitted token is then distributed exactly as without speculation; for
-greedy requests p_i is one-hot at the argmax, so the output is token for token the same.
+requests with and without guesses share the step), and the runner keeps a prefix of the
+guesses by rejection sampling (`minerva/engine/rejection.py`), so each emitted token is
+distributed exactly as without speculation.
 
 Proposers:
 - `ngram` (prompt lookup): the tokens that followed the most recent earlier occurrence of
@@ -35,76 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from minerva.engine.block_manager import BlockManager
+from minerva.engine.rejection import draw, probabilities, states_along
 from minerva.engine.request import Request, Status
-from minerva.engine.sampler import MAX_SPECULATIVE, SamplerState, process_batch
+from minerva.engine.runner import ModelRunner, Seq
+from minerva.engine.sampler import MAX_SPECULATIVE
 from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
+from minerva.models.loader import LoadedModel
 
 NGRAM_MAX, NGRAM_MIN = 4, 1
-
-
-# ------------------------------------------------------------------ verification
-
-def probabilities(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """Each row's sampling distribution (float64 [B, vocab]) after the request's transforms;
-    greedy rows are one-hot at their argmax."""
-    processed = process_batch(logits, states)
-    probs = torch.softmax(processed.double(), -1)
-    greedy = [i for i, s in enumerate(states) if s.params.greedy]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        probs[idx] = 0.0
-        probs[idx, processed[idx].argmax(-1)] = 1.0
-    return probs
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """A token from one (unnormalized) distribution row, by inverting its CDF at one uniform."""
-    cdf = probs.double().cumsum(-1)
-    total = cdf[-1]
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
-    drawn = int(torch.searchsorted(cdf, u * total, right=True))
-    return min(drawn, int((cdf < total).sum()))  # u * total can round up to total
-
-
-def states_along(state: SamplerState, drafts: list[int]) -> list[SamplerState]:
-    """The request's sampler state at each of the 1 + k verified positions: position i has
-    seen the guesses before it (penalties count them as if they had been generated)."""
-    p = state.params
-    if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
-        return [state] * (len(drafts) + 1)
-    out = [state]
-    seen, generated = dict(state.seen), dict(state.generated)
-    for d in drafts:
-        seen[d] = None
-        generated[d] = generated.get(d, 0) + 1
-        out.append(SamplerState(p, state.generator, dict(seen), dict(generated)))
-    return out
-
-
-def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:
-    """Rejection sampling. p [k + 1, vocab]: target distributions at the k guesses and after
-    them; q [k, vocab] the distributions the guesses were drawn from, or None when they
-    were chosen deterministically (q one-hot). Returns the accepted guesses plus one token."""
-    out = []
-    for i, d in enumerate(drafts):
-        pd = float(p[i, d])
-        qd = 1.0 if q is None else float(q[i, d])
-        u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=p.device))
-        if qd > 0 and u * qd < pd:  # accept with probability min(1, p/q)
-            out.append(d)
-            continue
-        residual = p[i].clone()
-        if q is None:
-            residual[d] = 0.0
-        else:
-            residual = (residual - q[i].to(residual.dtype)).clamp_(min=0.0)
-        if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q: then d was accepted
-            residual = p[i]
-        out.append(draw(residual, generator))
-        return out
-    out.append(draw(p[len(drafts)], generator))
-    return out
 
 
 # -------------------------------------------------------------------- proposers
@@ -160,14 +90,9 @@ class ModelProposer:
     prefix that still matches the request and recomputes the rest.
     """
 
-    def __init__(self, model, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device):
-        from minerva.engine.runner import ModelRunner
-
-        self.cache = PagedKVCache(num_layers, num_blocks, block_size, kv_heads, head_dim, k_format="auto",
-                                  v_format="auto", dtype=dtype, device=device)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, self.cache, device)
+    def __init__(self, runner: ModelRunner, blocks: BlockManager):
+        """`runner` runs the draft over its own pool, whose blocks `blocks` hands out."""
+        self.runner, self.blocks = runner, blocks
         self.computed: dict[str, list[int]] = {}  # request id -> tokens whose K/V the draft holds
 
     def _valid(self, r: Request) -> int:
@@ -179,8 +104,6 @@ class ModelProposer:
         return i
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
-        from minerva.engine.runner import Seq
-
         live = []
         for r, k in zip(requests, ks):
             r.clear_drafts()
@@ -310,6 +233,15 @@ def parse_method(method: str) -> tuple[str, str | None]:
     raise MinervaError(f"unknown --speculative '{method}'; use ngram, self, self:LAYERS or draft:MODEL")
 
 
+def check_speculative(method: str, num_tokens: int, max_batch: int) -> None:
+    """Reject bad speculative settings before anything is loaded."""
+    parse_method(method)
+    if not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE:
+        raise MinervaError(f"--num-speculative-tokens must be an integer in [1, {MAX_SPECULATIVE}], got {num_tokens!r}")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise MinervaError(f"--speculative-max-batch must be an integer >= 1, got {max_batch!r}")
+
+
 def _check_vocabulary(target_tok, draft_tok, name: str) -> None:
     a, b = target_tok.vocab_size, draft_tok.vocab_size
     if a != b or any(target_tok.id_to_token(i) != draft_tok.id_to_token(i) for i in range(a)):
@@ -317,30 +249,35 @@ def _check_vocabulary(target_tok, draft_tok, name: str) -> None:
                            "or the same size with different tokens); use a draft from the same model family")
 
 
+def draft_runner(model, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> tuple[ModelRunner, BlockManager]:
+    """A runner for a draft model over a pool of its own (float K/V, no prefix caching)."""
+    cache = PagedKVCache(num_layers, num_blocks, block_size, kv_heads, head_dim, k_format="auto",
+                         v_format="auto", dtype=dtype, device=device)
+    return ModelRunner(model, cache, device), BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+
+
 def build_speculator(method: str, num_tokens: int, max_batch: int, model, tokenizer, num_blocks: int,
-                     block_size: int, dtype: torch.dtype, device: torch.device) -> Speculator:
-    """The Speculator for `--speculative METHOD` (ngram, self[:LAYERS], draft:MODEL)."""
+                     block_size: int, dtype: torch.dtype, device: torch.device,
+                     draft: LoadedModel | None = None) -> Speculator:
+    """The Speculator for `--speculative METHOD` (ngram, self[:LAYERS], draft:MODEL); for a
+    draft model, `draft` is that model, already loaded (`LLM` loads it)."""
+    check_speculative(method, num_tokens, max_batch)
     kind, arg = parse_method(method)
-    if not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE:
-        raise MinervaError(f"--num-speculative-tokens must be an integer in [1, {MAX_SPECULATIVE}], got {num_tokens!r}")
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise MinervaError(f"--speculative-max-batch must be an integer >= 1, got {max_batch!r}")
     mc = model.config
     if kind == "ngram":
-        proposer = NgramProposer()
-    elif kind == "self":
+        return Speculator(NgramProposer(), num_tokens, max_batch)
+    if kind == "self":
         layers = int(arg) if arg else max(1, mc.num_layers // 4)
         if layers >= mc.num_layers:
             raise MinervaError(f"--speculative self:{layers} must use fewer layers than the model's {mc.num_layers}")
-        proposer = ModelProposer(EarlyExit(model, layers), layers, num_blocks, block_size, mc.num_kv_heads,
-                                 mc.head_dim, dtype, device)
+        parts = draft_runner(EarlyExit(model, layers), layers, mc.num_kv_heads, mc.head_dim, num_blocks,
+                              block_size, dtype, device)
     else:
-        from minerva.models.loader import load_model
-        from minerva.store import resolve
-
-        draft = load_model(resolve(arg), device, dtype)
+        if draft is None:
+            raise MinervaError(f"--speculative {method} needs the draft model loaded; pass it to the engine")
         _check_vocabulary(tokenizer, draft.tokenizer, arg)
         dc = draft.config
-        proposer = ModelProposer(draft.model, dc.num_layers, num_blocks, block_size, dc.num_kv_heads,
-                                 dc.head_dim, dtype, device)
-    return Speculator(proposer, num_tokens, max_batch)
+        parts = draft_runner(draft.model, dc.num_layers, dc.num_kv_heads, dc.head_dim, num_blocks, block_size,
+                              dtype, device)
+    return Speculator(ModelProposer(*parts), num_tokens, max_batch)

@@ -8,8 +8,8 @@ Attention runs one request at a time, on exactly that request's keys with its
 own mask, so a request's output is bitwise the same whatever it is batched with
 (no padding to another request's length, no shared reduction). The C++ kernel
 (csrc/attention.cpp) keeps that property with one work item per query row and KV
-head; it covers float32/bfloat16/int8 pools on CPUs that run the native kernels,
-and the torch path covers everything else.
+head; it covers float32/bfloat16/int8 pools on CPUs that run the native kernels
+(`minerva.kernels.dispatch` decides), and the torch path covers everything else.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minerva.kernels import native
-
+from minerva.kernels import dispatch
 from minerva.kernels.kv_quant import (
     SCALE_DTYPE, dequantize_kv, kv_format, quantize_kv, resolve_format, storage_dtype)
 
@@ -65,7 +64,7 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] of T new tokens at their slots (int64 [T])."""
-        kernel = native_kernel(k.dtype, self)
+        kernel = attention_kernel(k.dtype, self)
         if kernel is not None and k.stride(2) == 1 and k.stride(1) == self.head_dim and v.stride(2) == 1 \
                 and v.stride(1) == self.head_dim:
             for kind, x in (("k", k), ("v", v)):
@@ -104,16 +103,9 @@ class PagedKVCache:
                 t[dst] = t[src]
 
 
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
-
-
-def native_kernel(dtype: torch.dtype, cache: PagedKVCache):
-    """The C++ module when it covers attention over `cache` with activations of `dtype`."""
-    if (cache.data["k"][0].device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16)
-            or cache.head_dim % 16 or cache.data["k"][0].dtype not in NATIVE_KV_DTYPES
-            or cache.data["v"][0].dtype not in NATIVE_KV_DTYPES):
-        return None
-    return native.load()
+def attention_kernel(dtype: torch.dtype, cache: PagedKVCache):
+    """The backend's kernel for attention over `cache` with queries of `dtype`, or None."""
+    return dispatch.attention_kernel(dtype, cache.data["k"][0], cache.data["v"][0])
 
 
 def as_table_tensor(block_tables, device) -> torch.Tensor:
@@ -142,10 +134,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
     [B, max_blocks] tensor. impl: "auto" (the C++ kernel where it applies), "native"
     or "torch".
     """
-    kernel = native_kernel(q.dtype, cache) if impl != "torch" else None
+    kernel = attention_kernel(q.dtype, cache) if impl != "torch" else None
     if kernel is None:
         if impl == "native":
-            raise RuntimeError(f"no native attention kernel for this case ({native.unavailable_reason})")
+            raise RuntimeError(f"no attention kernel for this case ({dispatch.backend(q.device).unavailable_reason})")
         return paged_attention_torch(q, cache, layer, query_start_loc=list(map(int, query_start_loc)),
                                      seq_lens=list(map(int, seq_lens)), block_tables=block_tables,
                                      positions=positions, window=window, scale=scale)

@@ -4,14 +4,13 @@ The build happens once per machine (about a minute on two cores) and is cached u
 `$MINERVA_HOME/kernels` (else `~/.cache/minerva/kernels`), keyed by the source, the
 compiler flags, the torch version and the CPU's features, so a changed source or a
 different CPU gets its own build. On a CPU without the instructions the kernels use
-(x86-64 with AVX-512 F/BW/VL/BF16 and F16C), or when the build fails, `qmatmul()`
+(x86-64 with AVX-512 F/BW/VL/BF16 and F16C), or when the build fails, `load()`
 returns None and the callers fall back to the plain-torch reference path; the
-reason is logged once.
+reason is logged once. Which kernel runs for what is decided in `minerva.kernels.dispatch`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import shutil
 import logging
@@ -98,26 +97,3 @@ def load() -> ModuleType | None:
         log.warning("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)
         _module = None
     return _module
-
-
-@contextlib.contextmanager
-def torch_ops_on_one_thread(device: torch.device):
-    """Run torch's own ops on one thread while the kernels keep torch's thread count.
-
-    With the kernels doing the heavy work, what torch does in an engine step is glue and
-    vocabulary-sized sampling ops: too small to gain from threads, but fork-join
-    parallel, so on a machine where other processes take cores each one can stall for a
-    scheduler time slice (measured: 13.7 tokens/s on two threads against 58 with this).
-    """
-    kernel = load() if device.type == "cpu" else None
-    threads = torch.get_num_threads()
-    if kernel is None or threads == 1:
-        yield
-        return
-    kernel.set_num_threads(threads)
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        kernel.set_num_threads(0)

@@ -1,9 +1,9 @@
 """The small ops between the matmuls, each with its plain-torch reference.
 
-On CPUs that run the native kernels (float32 or bfloat16 activations), RMSNorm,
-the residual add fused into the next norm, rotary embedding and the gated
-activations each take one C++ call instead of several torch ops; elsewhere the
-torch code below runs. tests/test_ops.py holds the two to each other.
+Where the device's backend covers them (on CPU: the C++ kernels, float32 or bfloat16
+activations), RMSNorm, the residual add fused into the next norm, rotary embedding and
+the gated activations each take one kernel call instead of several torch ops; elsewhere
+the torch code below runs. tests/test_ops.py holds the two to each other.
 """
 
 from __future__ import annotations
@@ -11,19 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minerva.kernels import native
+from minerva.kernels import dispatch
 
 ACT_IDS = {"silu": 0, "gelu_tanh": 1}
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
-
-
-def _kernel(x: torch.Tensor):
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0:
-        return native.load()
-    return None
 
 
 def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,14 +27,14 @@ def rms_norm_torch(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, impl: str = "auto") -> torch.Tensor:
-    k = _kernel(x) if impl == "auto" and w.dtype == torch.float32 else None
+    k = dispatch.op_kernel(x) if impl == "auto" and w.dtype == torch.float32 else None
     return k.rms_norm(x, w, eps) if k is not None else rms_norm_torch(x, w, eps)
 
 
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float,
                  impl: str = "auto") -> torch.Tensor:
     """h += a in place (the residual stream), then RMSNorm(h)."""
-    k = (_kernel(h) if impl == "auto" and w.dtype == torch.float32 and h.is_contiguous()
+    k = (dispatch.op_kernel(h) if impl == "auto" and w.dtype == torch.float32 and h.is_contiguous()
          and a.dtype == h.dtype else None)
     if k is not None:
         return k.add_rms_norm(h, a.contiguous(), w, eps)
@@ -64,7 +58,7 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """Rotary embedding of x [T, heads, D]; the native path rotates x in place."""
-    k = _kernel(x) if impl == "auto" and (x.shape[-1] // 2) % 16 == 0 else None
+    k = dispatch.op_kernel(x) if impl == "auto" and (x.shape[-1] // 2) % 16 == 0 else None
     if k is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         k.rope_(x, cos, sin)
         return x
@@ -73,7 +67,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "aut
 
 def act_mul(gate_up: torch.Tensor, activation: str, impl: str = "auto") -> torch.Tensor:
     """act(gate) * up for gate_up [T, 2I] holding gate then up."""
-    k = _kernel(gate_up) if impl == "auto" and gate_up.dim() == 2 and (gate_up.shape[-1] // 2) % 16 == 0 else None
+    k = dispatch.op_kernel(gate_up) if impl == "auto" and gate_up.dim() == 2 and (gate_up.shape[-1] // 2) % 16 == 0 else None
     if k is not None:
         return k.act_mul(gate_up, ACT_IDS[activation])
     gate, up = gate_up.chunk(2, dim=-1)

@@ -1,8 +1,9 @@
 """Weight formats: how a linear layer's weight is stored and multiplied.
 
 A `Linear` holds one of these and calls `matmul`; the model code never knows
-the format. Packed kernels for quantized formats replace `PackedWeight.matmul`
-per device without touching any model file.
+the format. A `PackedWeight` asks the device's backend (`minerva.kernels.dispatch`) once,
+at construction, for the kernel that multiplies its type; without one it dequantizes
+once and runs the torch reference.
 """
 
 from __future__ import annotations
@@ -12,15 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from minerva.formats.quant import dequantize
-from minerva.kernels import native
+from minerva.kernels import dispatch
 
-# GGML types with a packed C++ kernel (minerva/kernels/csrc/qmatmul.cpp)
-PACKED_KERNEL_TYPES = frozenset({
-    gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q5_0,
-    gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K,
-    gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K,
-    gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
-})
 FLOAT_QTYPES = {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16,
                 torch.bfloat16: gguf.GGMLQuantizationType.BF16}
 
@@ -71,22 +65,19 @@ class PackedWeight:
     """A weight in a GGML layout, kept as its packed bytes (one row of blocks per output):
     a quantized type, or a plain F32/F16/BF16 matrix (see `float_weight`).
 
-    On CPUs the packed C++ kernel multiplies straight from these bytes (float32 or
-    bfloat16 activations); rows are gathered packed and decoded on their own for
-    embedding lookups. Without a kernel for the type or device, `materialize` makes a
-    dequantized copy once and `matmul` uses it (the reference path).
+    Where the device's backend has a kernel for the type (on CPU: the C++ kernels, float32
+    or bfloat16 activations), it multiplies straight from these bytes; rows are gathered
+    packed and decoded on their own for embedding lookups. Without one, `materialize`
+    makes a dequantized copy once and `matmul` uses it (the reference path).
     """
 
     def __init__(self, packed: torch.Tensor, qtype: gguf.GGMLQuantizationType,
                  shape: tuple[int, int], dtype: torch.dtype):
         self.qtype = qtype
-        self._qtype_id = int(qtype)
+        self.qtype_id = int(qtype)
         self.shape = tuple(shape)
         self.dtype = dtype
-        self.kernel = None
-        if (packed.device.type == "cpu" and qtype in PACKED_KERNEL_TYPES
-                and dtype in (torch.float32, torch.bfloat16)):
-            self.kernel = native.load()
+        self.kernel = dispatch.matmul_kernel(packed.device, qtype, dtype)  # None: the reference path
         self.packed = packed.contiguous() if self.kernel is not None else packed  # uint8 [rows, row bytes]
         self._dense: torch.Tensor | None = None
 
@@ -118,8 +109,8 @@ class PackedWeight:
         if self.kernel is not None and x.dtype == self.dtype:
             rows, cols = self.shape
             if x.dim() == 2:
-                return self.kernel.qmatmul(x, self.packed, self._qtype_id, rows, cols)
-            y = self.kernel.qmatmul(x.reshape(-1, cols), self.packed, self._qtype_id, rows, cols)
+                return self.kernel.qmatmul(x, self.packed, self.qtype_id, rows, cols)
+            y = self.kernel.qmatmul(x.reshape(-1, cols), self.packed, self.qtype_id, rows, cols)
             return y.reshape(*x.shape[:-1], rows)
         self.materialize()
         return linear(x, self._dense)
@@ -142,18 +133,18 @@ Weight = DenseWeight | PackedWeight
 def float_weight(t: torch.Tensor, dtype: torch.dtype) -> Weight:
     """A float matrix [out, in] for activations of `dtype`.
 
-    Where the packed CPU kernels run, it is held as an F32, F16 or BF16 matrix and
+    Where the backend multiplies packed F32/F16/BF16 matrices, it is held as one and
     multiplied by them like a quantized weight: the same batch-invariant kernels, and
     several times the speed of a small-row GEMM over a transposed matrix. It keeps the
     checkpoint's precision when widening to `dtype` is exact (bf16 or fp16 weights under
     float32 activations stay 2 bytes each); otherwise it is converted to `dtype`.
     Elsewhere it is a plain tensor in `dtype`.
     """
-    usable = (t.device.type == "cpu" and t.dim() == 2 and t.shape[1] % 32 == 0 and t.dtype in FLOAT_QTYPES
-              and dtype in (torch.float32, torch.bfloat16) and native.load() is not None)
+    store = t.dtype if dtype == torch.float32 else dtype
+    usable = (t.dim() == 2 and t.shape[1] % 32 == 0 and t.dtype in FLOAT_QTYPES and store in FLOAT_QTYPES
+              and dispatch.matmul_kernel(t.device, FLOAT_QTYPES[store], dtype) is not None)
     if not usable:
         return DenseWeight(t.to(dtype))
-    store = t.dtype if dtype == torch.float32 else dtype
     data = t.to(store).contiguous()
     return PackedWeight(data.view(torch.uint8), FLOAT_QTYPES[store], tuple(t.shape), dtype)
 
@@ -167,8 +158,8 @@ def fuse(weights: list[Weight]) -> Weight | None:
         if len({(w.tensor.shape[1], w.tensor.dtype, w.tensor.device) for w in weights}) == 1:
             return DenseWeight(torch.cat([w.tensor for w in weights]))
     elif all(isinstance(w, PackedWeight) for w in weights):
-        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device, w._dense is None) for w in weights}
-        if len(same) == 1 and first.kernel is not None:
+        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device) for w in weights}
+        if len(same) == 1 and all(w.kernel is not None for w in weights):
             packed = torch.cat([w.packed.reshape(w.shape[0], -1) for w in weights])
             return PackedWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
                               first.dtype)

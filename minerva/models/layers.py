@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from minerva.kernels import native, ops
-from minerva.kernels.weights import Weight, fuse
+from minerva.kernels import dispatch, ops
+from minerva.kernels.weights import PackedWeight, Weight, fuse
 from minerva.models.config import SLIDING, ModelConfig, RopeScaling
 
 
@@ -24,6 +24,11 @@ class AttentionBackend(Protocol):
                window: int | None, scale: float) -> torch.Tensor:
         """Store the new k/v [T, Hkv, D] of `layer` and return attention outputs [T, H, D]
         of the queries q [T, H, D] over each sequence's keys (causal, windowed if given)."""
+
+    def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
+        """What a fused decoder layer needs to store and attend over this step's K/V of
+        `layer` (pools, scales, slots, block tables, lengths, positions), or None when the
+        fused layer cannot run over this backend: the layer then runs `forward` piece by piece."""
 
 
 @dataclass
@@ -184,43 +189,47 @@ class DecoderLayer(Layer):
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.pre_mlp_norm = input_norm, pre_mlp_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
-        self.native = None  # the same layer as one C++ call (see make_native), when possible
+        self.fused = None  # the same layer as one kernel call (see make_fused), when possible
 
-    def make_native(self) -> None:
-        """Build the C++ twin of this layer (minerva/kernels/csrc/module.cpp) when every
-        matmul is a packed kernel and the norms and head size suit the C++ ops. It runs
-        the same kernels in the same order as `forward`, in one call."""
-        kernel = native.load()
+    def make_fused(self) -> None:
+        """Build this layer as one call of the backend's layer kernel (on CPU the C++
+        `DecoderLayer` in minerva/kernels/csrc/module.cpp) when every matmul has a packed
+        kernel and the norms and head size suit the kernel's ops. It runs the same kernels
+        in the same order as `forward`, which tests/test_native_layer.py checks bit for bit."""
         attn, mlp = self.attn, self.mlp
         qkv, gate_up = attn.qkv_proj.linears(), mlp.gate_up.linears()
         linears = [*qkv, attn.o_proj, *gate_up, mlp.down]
         norms = [n for n in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm,
                              attn.q_norm, attn.k_norm) if n is not None]
-        if (kernel is None or any(getattr(lin.weight, "kernel", None) is None or lin.bias is not None
-                                  for lin in linears)
-                or len({lin.weight.dtype for lin in linears}) != 1
+        weights = [lin.weight for lin in linears]
+        if (not all(isinstance(w, PackedWeight) and w.kernel is not None for w in weights)
+                or any(lin.bias is not None for lin in linears) or len({w.dtype for w in weights}) != 1
                 or any(n.weight.dtype != torch.float32 for n in norms) or attn.head_dim % 32
                 or len({n.eps for n in norms}) != 1):
             return
+        dtype = weights[0].dtype
+        kernel = dispatch.layer_kernel(weights[0].packed.device, dtype)
+        if kernel is None:
+            return
 
         def packed(lin: Linear):
-            return kernel.Packed(lin.weight.packed, lin.weight._qtype_id, *lin.weight.shape)
+            w = lin.weight
+            return kernel.Packed(w.packed, w.qtype_id, *w.shape)
 
         opt = lambda n: None if n is None else n.weight  # noqa: E731
-        self.native = kernel.DecoderLayer(
+        self.fused = kernel.DecoderLayer(
             [packed(lin) for lin in qkv], packed(attn.o_proj), [packed(lin) for lin in gate_up],
             packed(mlp.down), self.input_norm.weight, self.pre_mlp_norm.weight, opt(self.post_attn_norm),
             opt(self.post_mlp_norm), opt(attn.q_norm), opt(attn.k_norm), self.input_norm.eps, attn.num_heads,
             attn.num_kv_heads, attn.head_dim, attn.window or 0, ops.ACT_IDS[mlp.activation], attn.scale)
-        self.native_dtype = linears[0].weight.dtype
+        self.fused_dtype = dtype
 
     def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Updates the residual stream h in place and returns it."""
-        if self.native is not None and h.dtype == self.native_dtype:
-            native_args = getattr(ctx.backend, "native_args", None)
-            args = native_args(self.attn.layer, h.dtype) if native_args is not None else None
+        if self.fused is not None and h.dtype == self.fused_dtype:
+            args = ctx.backend.kernel_args(self.attn.layer, h.dtype)
             if args is not None:
-                return self.native.forward(h, *self.attn.rotary.cos_sin(ctx), *args)
+                return self.fused.forward(h, *self.attn.rotary.cos_sin(ctx), *args)
         a = self.attn(self.input_norm(h), ctx)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)

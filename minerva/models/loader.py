@@ -397,7 +397,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     for layer in model.layers:
-        layer.make_native()
+        layer.make_fused()
     freeze(model)
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
                        compute)

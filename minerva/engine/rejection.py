@@ -1,0 +1,82 @@
+"""Rejection sampling for speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+The target scores a request's pending token and its k guesses in one forward; `verify`
+keeps a prefix of the guesses:
+
+    accept guess d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+    draw from the normalized max(p_i - q_i, 0) and stop; if all k are accepted, draw a
+    bonus token from p_{k+1}.
+
+p_i is the target's distribution at position i after every sampling transform the
+request asked for (`probabilities`, with penalties counting the guesses before i:
+`states_along`), and q_i the distribution the guess was drawn from (one-hot for
+deterministic proposers). Each emitted token is then distributed exactly as without
+speculation; for greedy requests p_i is one-hot at the argmax, so the output is token for
+token the same. Draws invert the CDF at one uniform from the request's generator, as the
+sampler does (`sampler.invert_cdf`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minerva.engine.sampler import SamplerState, invert_cdf, process_batch
+
+
+def probabilities(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """Each row's sampling distribution (float64 [B, vocab]) after the request's transforms;
+    greedy rows are one-hot at their argmax."""
+    processed = process_batch(logits, states)
+    probs = torch.softmax(processed.double(), -1)
+    greedy = [i for i, s in enumerate(states) if s.params.greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        probs[idx] = 0.0
+        probs[idx, processed[idx].argmax(-1)] = 1.0
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token from one (unnormalized) distribution row, by inverting its CDF at one uniform."""
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    return int(invert_cdf(probs[None], u)[0])
+
+
+def states_along(state: SamplerState, drafts: list[int]) -> list[SamplerState]:
+    """The request's sampler state at each of the 1 + k verified positions: position i has
+    seen the guesses before it (penalties count them as if they had been generated)."""
+    p = state.params
+    if p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty:
+        return [state] * (len(drafts) + 1)
+    out = [state]
+    seen, generated = dict(state.seen), dict(state.generated)
+    for d in drafts:
+        seen[d] = None
+        generated[d] = generated.get(d, 0) + 1
+        out.append(SamplerState(p, state.generator, dict(seen), dict(generated)))
+    return out
+
+
+def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:
+    """Rejection sampling. p [k + 1, vocab]: target distributions at the k guesses and after
+    them; q [k, vocab] the distributions the guesses were drawn from, or None when they
+    were chosen deterministically (q one-hot). Returns the accepted guesses plus one token."""
+    out = []
+    for i, d in enumerate(drafts):
+        pd = float(p[i, d])
+        qd = 1.0 if q is None else float(q[i, d])
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=p.device))
+        if qd > 0 and u * qd < pd:  # accept with probability min(1, p/q)
+            out.append(d)
+            continue
+        residual = p[i].clone()
+        if q is None:
+            residual[d] = 0.0
+        else:
+            residual = (residual - q[i].to(residual.dtype)).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q: then d was accepted
+            residual = p[i]
+        out.append(draw(residual, generator))
+        return out
+    out.append(draw(p[len(drafts)], generator))
+    return out

@@ -34,7 +34,7 @@ def cmd_sweep(args) -> int:
     del llm
     for peer in args.compare:
         runner = load_peer(peer, model_path, threads_used(args),
-                            n_ctx=(args.input_len + args.output_len + 8) * max(sizes), n_seq=max(sizes))
+                           n_ctx=(args.input_len + args.output_len + 8) * max(sizes), n_seq=max(sizes))
         systems.append(runner.info)
         for b in sizes:
             rate = runner.decode_batch(workload[b], args.output_len)

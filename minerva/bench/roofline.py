@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.errors import MinervaError
 from minerva.bench.hardware import PRESETS, Hardware, hardware_from_args, probe
 from minerva.bench.measure import minerva_decode, minerva_prefill, random_prompt
+from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_quant import KV_FORMATS
 from minerva.kernels.weights import PackedWeight

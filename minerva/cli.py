@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 from pathlib import Path
 
-from minerva.engine.engine import EngineConfig
+import torch
+
+from minerva import bench
+from minerva.bench import roofline
+from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
-from minerva.hardware import peak_rss_mb
-from minerva.kernels.kv_quant import KV_FORMATS
+from minerva.llm import LLM
+from minerva.machine import peak_rss_mb
+from minerva.options import (
+    add_model_options,
+    add_sampling_options,
+    engine_options,
+    kv_formats,
+    sampling,
+)
+from minerva.serve.app import ServerConfig
+from minerva.serve.async_engine import on_own_thread
+from minerva.serve.server import serve
+from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
     """`[MODEL] X`: one positional is X (default model), two are MODEL and X."""
-    from minerva.store import KNOWN_MODELS
-
     if len(args) == 2:
         return args[0], args[1]
     if len(args) == 1:
@@ -31,90 +45,8 @@ def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[st
     raise MinervaError(f"expected [MODEL] {what}, got {len(args)} arguments")
 
 
-def _add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
-                        "GPUs, else float32)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
-                   help="quantize a SafeTensors model's weights at load, group-wise (weight-only)")
-    kv = sorted(KV_FORMATS)
-    p.add_argument("--kv-cache-dtype", default=None, choices=kv, help="K and V cache precision")
-    p.add_argument("--kv-cache-dtype-k", default=None, choices=kv, help="K cache precision (default auto)")
-    p.add_argument("--kv-cache-dtype-v", default=None, choices=kv, help="V cache precision (default auto)")
-    if not engine:
-        return
-    g = p.add_argument_group("engine")
-    g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
-                   help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start")
-    g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
-                   help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
-                   help="token budget of one step (prompt chunks + decodes)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
-    add_speculative_options(p)
-
-
-def add_speculative_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding (exact: the output distribution is unchanged)")
-    g.add_argument("--speculative", default=None, metavar="METHOD",
-                   help="ngram (prompt lookup), self[:LAYERS] (the model's first layers) or draft:MODEL")
-    g.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
-                   help="tokens guessed per step (default %(default)s)")
-    g.add_argument("--speculative-max-batch", type=int, default=EngineConfig.speculative_max_batch,
-                   help="no guesses in steps with more running requests than this (default %(default)s)")
-
-
-def speculative_options(args) -> dict:
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                speculative_max_batch=args.speculative_max_batch)
-
-
-def _kv_formats(args) -> tuple[str, str]:
-    both = args.kv_cache_dtype or "auto"
-    return args.kv_cache_dtype_k or both, args.kv_cache_dtype_v or both
-
-
-def _engine_options(args) -> dict:
-    k, v = _kv_formats(args)
-    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype_k=k, kv_cache_dtype_v=v,
-                **speculative_options(args))
-
-
-def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", "-n", type=int, default=256)
-    g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-
-
-def _sampling(args):
-    from minerva.engine.sampler import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, seed=args.seed,
-                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-
-
 def _load(model: str | None, args, engine: bool = True):
-    from minerva.llm import LLM
-
-    options = _engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
+    options = engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
     llm = LLM(model, device=args.device, dtype=args.dtype, threads=args.threads,
               quantize=args.quantize, **options)
     c = llm.config
@@ -150,16 +82,12 @@ def _stream_one(llm, prompt, params) -> None:
 
 
 def cmd_pull(args) -> int:
-    from minerva.store import pull
-
     path = pull(args.name, verify=args.verify)
     print(path)
     return 0
 
 
 def cmd_list(args) -> int:
-    from minerva.store import KNOWN_MODELS, list_models
-
     entries = list_models()
     if not entries:
         print(f"no models pulled yet; try `minerva pull {next(iter(KNOWN_MODELS))}` "
@@ -174,7 +102,7 @@ def cmd_list(args) -> int:
 def cmd_generate(args) -> int:
     model, prompt = _model_and_rest(args.args, '"PROMPT"', rest_required=False)
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
-    params = _sampling(args)
+    params = sampling(args)
     llm = _load(model, args)
     if not args.raw:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -186,7 +114,7 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     if len(args.model) > 1:
         raise MinervaError("chat takes at most one MODEL argument")
-    params = _sampling(args)
+    params = sampling(args)
     llm = _load(args.model[0] if args.model else None, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -224,12 +152,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import dataclasses
-
-    from minerva.serve.app import ServerConfig
-    from minerva.serve.server import serve
-    from minerva.store import DEFAULT_MODEL
-
     if len(args.model) > 1:
         raise MinervaError("serve takes at most one MODEL argument")
     if not 0 <= args.port <= 65535:
@@ -238,10 +160,6 @@ def cmd_serve(args) -> int:
     # Checked before the model loads, so a bad flag fails at once.
     config = ServerConfig(args.served_model_name or "?", api_key=args.api_key or None,
                           max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
-    import torch
-
-    from minerva.serve.async_engine import on_own_thread
-
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
     llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
     # Clients name the model as it was given: a pulled name as is, a file or directory by its stem.
@@ -254,8 +172,6 @@ def cmd_serve(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    from minerva.engine.perplexity import perplexity
-
     model, file = _model_and_rest(args.args, "FILE", rest_required=True)
     for flag in ("context", "stride"):
         value = getattr(args, flag)
@@ -266,7 +182,7 @@ def cmd_perplexity(args) -> int:
     except (OSError, UnicodeDecodeError) as exc:
         raise MinervaError(f"cannot read text file '{file}': {exc}") from None
     llm = _load(model, args, engine=False)
-    k_format, v_format = _kv_formats(args)
+    k_format, v_format = kv_formats(args)
     ids = llm.tokenizer.encode(text)
     context = args.context if args.context is not None else min(llm.config.max_position, 1024)
     start = time.perf_counter()
@@ -300,15 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT")
     p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
-    _add_model_options(p)
-    _add_sampling_options(p)
+    add_model_options(p)
+    add_sampling_options(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="interactive chat with the model's template")
     p.add_argument("model", nargs="*", metavar="MODEL")
     p.add_argument("--system", default=None)
-    _add_model_options(p)
-    _add_sampling_options(p)
+    add_model_options(p)
+    add_sampling_options(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)",
@@ -324,21 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for the engine; beyond it, 503 with Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
-    _add_model_options(p)
+    add_model_options(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("perplexity", help="perplexity of a model over a text file")
     p.add_argument("args", nargs="+", metavar="[MODEL] FILE")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default min(1024, model context))")
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default = context)")
-    _add_model_options(p, engine=False)
+    add_model_options(p, engine=False)
     p.set_defaults(func=cmd_perplexity)
 
-    from minerva.bench import add_parser as add_bench
-    from minerva.roofline import add_parser as add_roofline
-
-    add_bench(sub)
-    add_roofline(sub)
+    bench.add_parser(sub)
+    roofline.add_parser(sub)
     return parser
 
 
@@ -346,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
-            from minerva.bench import check_args
-            check_args(args)
+            bench.check_args(args)
         return args.func(args)
     except MinervaError as exc:
         print(f"minerva: error: {exc}", file=sys.stderr)

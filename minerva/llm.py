@@ -14,6 +14,7 @@ from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
 from minerva.kernels import dispatch
+from minerva.machine import machine
 from minerva.models.loader import LoadedModel, load_model
 from minerva.store import resolve
 
@@ -54,8 +55,6 @@ def set_threads(threads: int | None) -> int:
     """CPU threads for every kernel: `threads`, or by default one per physical core
     (a second hyper-thread on a core only contends for the same FMA units and cache)."""
     if threads is None:
-        from minerva.hardware import machine
-
         threads = machine().physical_cores
     if not isinstance(threads, int) or threads < 1:
         raise MinervaError(f"--threads must be an integer >= 1, got {threads!r}")

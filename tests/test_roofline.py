@@ -10,16 +10,17 @@ import math
 import gguf
 import pytest
 
-from minerva.errors import MinervaError
-from minerva.formats.gguf import GGUFFile, GGUFTensor
-from minerva.hardware import PRESETS, Hardware, hardware_from_args, machine, probe
-from minerva.roofline import (
+from minerva.bench.hardware import PRESETS, Hardware, hardware_from_args, probe
+from minerva.bench.roofline import (
     ModelCosts,
     add_parser,
     decode_ceiling,
     model_costs,
     prefill_ceiling,
 )
+from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile, GGUFTensor
+from minerva.machine import machine
 
 HW = Hardware("test", bandwidth=10e9, fp32_flops=1e12, bf16_flops=4e12, source="given")
 

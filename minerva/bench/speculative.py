@@ -16,7 +16,12 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from minerva.bench.args import add_common_options
+from minerva.bench.measure import load_minerva
+from minerva.bench.report import header, threads_used, write_json
+from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
+from minerva.options import add_speculative_options
 
 TASK = "Rewrite the following text with the same words, fixing only typos if there are any:\n\n{text}"
 
@@ -35,9 +40,6 @@ def _run(llm, prompt: str, params, batch: int) -> tuple[float, list[list[int]]]:
 
 
 def cmd_speculative(args) -> int:
-    from minerva.bench import _threads, header, load_minerva, write_json
-    from minerva.engine.sampler import SamplingParams
-
     if not args.speculative:
         raise MinervaError("bench speculative needs --speculative ngram|self[:LAYERS]|draft:MODEL")
     for name in ("repetitions", "gen", "batch", "text_tokens"):
@@ -72,7 +74,7 @@ def cmd_speculative(args) -> int:
                         spec.stats.num_steps) == before, "requests that opted out were given guesses"
     s = spec.stats
     same = outputs["off"] == outputs["on"]
-    lines = header(llm.path, args.threads or _threads())
+    lines = header(llm.path, threads_used(args))
     lines.append(f"task:    rewrite a given text of {len(ids)} tokens, greedy, {args.gen} new tokens, "
                  f"batch {args.batch}, {args.repetitions} repetitions alternating off/on")
     lines.append(f"speculative: {args.speculative}, {args.num_speculative_tokens} tokens a step, stands down "
@@ -100,11 +102,9 @@ def cmd_speculative(args) -> int:
     return 0 if same else 1
 
 
-def add_parser(bsub, common) -> None:
-    from minerva.cli import add_speculative_options
-
+def add_parser(bsub) -> None:
     q = bsub.add_parser("speculative", help="generation with and without speculative decoding, side by side")
-    common(q)
+    add_common_options(q)
     add_speculative_options(q)
     q.add_argument("-n", "--gen", type=int, default=256, help="tokens to generate (default 256)")
     q.add_argument("-r", "--repetitions", type=int, default=3)

@@ -1,5 +1,5 @@
-"""What a machine can do: its description, its measured memory bandwidth and compute
-peaks, and datasheet figures for hardware Minerva is not running on.
+"""What a machine can do: its measured memory bandwidth and compute peaks, and datasheet
+figures for hardware Minerva is not running on (the host's description is `minerva.machine`).
 
 `minerva roofline` divides a model's bytes and FLOPs per token by these numbers.
 The probe measures the CPU with torch itself, so its figures are the ones torch's
@@ -9,8 +9,6 @@ kernels reach here, not the vendor's theoretical peaks.
 from __future__ import annotations
 
 import math
-import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,57 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minerva.errors import MinervaError
-
-# --------------------------------------------------------------------- machine
-
-@dataclass(frozen=True)
-class Machine:
-    """The host a report ran on."""
-
-    cpu: str
-    physical_cores: int
-    logical_cpus: int
-    memory_bytes: int
-
-    def describe(self) -> str:
-        threads = f", {self.logical_cpus} threads" if self.logical_cpus != self.physical_cores else ""
-        memory = f", {self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else ""
-        return f"{self.cpu} ({self.physical_cores} cores{threads}{memory})"
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def machine() -> Machine:
-    """Describe this host from /proc (Linux), falling back to what `platform` and `os` know."""
-    cpuinfo = _read("/proc/cpuinfo")
-    name = ""
-    cores: set[tuple[str, str]] = set()
-    physical_id = ""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip()
-        if key == "model name" and not name:
-            name = value
-        elif key == "physical id":
-            physical_id = value
-        elif key == "core id":
-            cores.add((physical_id, value))
-    logical = os.cpu_count() or 1
-    memory = 0
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith("MemTotal:"):
-            memory = int(line.split()[1]) * 1024
-            break
-    name = name or platform.processor() or platform.machine() or "unknown CPU"
-    return Machine(cpu=name, physical_cores=len(cores) or logical, logical_cpus=logical,
-                   memory_bytes=memory)
-
+from minerva.machine import machine
 
 # -------------------------------------------------------------------- hardware
 
@@ -216,24 +164,3 @@ def probe(seconds: float = 3.0, threads: int | None = None) -> Hardware:
         torch.set_num_threads(before)
     return Hardware(f"{machine().cpu}, {used} thread{'s' if used != 1 else ''}", bandwidth, fp32, bf16,
                     "measured")
-
-
-def rss_mb() -> float:
-    """This process's resident memory now, in MB (nan where /proc is missing)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (nan on Windows)."""
-    try:
-        import resource
-    except ImportError:
-        return float("nan")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

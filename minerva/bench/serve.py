@@ -23,8 +23,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile
+from minerva.formats.tokenizer import Tokenizer
+from minerva.llm import LLM, set_threads
 from minerva.serve.async_engine import on_own_thread
+from minerva.store import resolve
 
 
 @dataclass
@@ -42,10 +47,6 @@ class Result:
 
 
 def load_tokenizer(model: str | None):
-    from minerva.formats.gguf import GGUFFile
-    from minerva.formats.tokenizer import Tokenizer
-    from minerva.store import resolve
-
     path = resolve(model)
     return path, (Tokenizer.from_pretrained_dir(path) if path.is_dir()
                   else Tokenizer.from_gguf_metadata(GGUFFile(path).metadata))
@@ -163,9 +164,6 @@ def summarize(results: list[Result], duration: float) -> dict:
 
 
 def load_offline(args):
-    from minerva.engine.sampler import SamplingParams
-    from minerva.llm import LLM
-
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_concurrency or args.num_prompts)
     llm.generate(["warm-up"] * 2, SamplingParams(max_tokens=2, temperature=0))
@@ -175,9 +173,6 @@ def load_offline(args):
 def offline(llm, args, prompts: list[tuple[str, int]], fresh: list[tuple[str, int]]) -> dict:
     """The same prompts through the offline engine at the same concurrency (its max_num_seqs), and
     the prefill time of `fresh` prompts of the same length (never seen: no prefix-cache hits)."""
-    from minerva.engine.sampler import SamplingParams
-    from minerva.llm import set_threads
-
     set_threads(None)  # a fresh thread: one per physical core, as LLM() set on the loading thread
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     prefill = []

@@ -13,12 +13,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from minerva.bench import SystemInfo
+import torch
+
+from minerva.bench.report import SystemInfo
 from minerva.errors import MinervaError
-from minerva.hardware import rss_mb
+from minerva.machine import rss_mb
+
+PEERS = ("llama.cpp", "transformers")
 
 
-def load(name: str, model_path: Path, threads: int, n_ctx: int, n_seq: int = 1):
+def load_peer(name: str, model_path: Path, threads: int, n_ctx: int, n_seq: int = 1):
     if name == "llama.cpp":
         return LlamaCpp(model_path, threads, n_ctx, n_seq)
     if name == "transformers":
@@ -175,11 +179,10 @@ class Transformers:
 
     def __init__(self, model_path: Path, threads: int):
         try:
-            import torch
+            import transformers
             from transformers import AutoModelForCausalLM
         except ImportError:
             raise MinervaError("--compare transformers needs transformers: pip install transformers accelerate") from None
-        self.torch = torch
         torch.set_num_threads(threads)
         before = rss_mb()
         start = time.perf_counter()
@@ -190,16 +193,14 @@ class Transformers:
             self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
         self.model.eval()
-        import transformers
         self.info = SystemInfo("transformers", time.perf_counter() - start, rss_mb() - before,
                                f"(growth of this process; transformers {transformers.__version__}, float32)")
 
     def _forward(self, ids, cache=None):
-        with self.torch.inference_mode():
+        with torch.inference_mode():
             return self.model(input_ids=ids, past_key_values=cache, use_cache=True)
 
     def prefill(self, prompt: list[int], depth: int = 0) -> float:
-        torch = self.torch
         cache = None
         if depth:
             cache = self._forward(torch.tensor([prompt[:depth]])).past_key_values
@@ -213,7 +214,6 @@ class Transformers:
     def decode_batch(self, prompts: list[list[int]], n: int) -> float:
         if len({len(p) for p in prompts}) != 1:
             raise MinervaError("the transformers peer decodes batches of equal-length prompts only")
-        torch = self.torch
         ids = torch.tensor(prompts)
         out = self._forward(ids)
         cache, tok = out.past_key_values, ids[:, -1:]

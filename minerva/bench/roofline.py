@@ -7,7 +7,7 @@ the time of a step; the larger one is the ceiling (the "roofline"). Decode at ba
 is nearly always memory bound, large batches and prefill become compute bound.
 
 The costs come from the loaded model itself (the bytes its weights really take,
-packed or dense), the hardware from `minerva.hardware` (measured here, or datasheet
+packed or dense), the hardware from `minerva.bench.hardware` (measured here, or datasheet
 figures for other hardware), and `--measure` runs the engine to put real tokens/s
 next to each ceiling.
 """
@@ -19,28 +19,20 @@ import os
 import random
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from minerva.bench.hardware import PRESETS, Hardware, hardware_from_args, probe
+from minerva.bench.measure import minerva_decode, minerva_prefill, random_prompt
 from minerva.errors import MinervaError
-from minerva.hardware import (
-    PRESETS,
-    Hardware,
-    hardware_from_args,
-    machine,
-    peak_rss_mb,
-    probe,
-)
 from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_quant import KV_FORMATS
 from minerva.kernels.weights import PackedWeight
+from minerva.llm import LLM, resolve_dtype
+from minerva.machine import machine, peak_rss_mb
 from minerva.models.config import SLIDING
 from minerva.models.layers import Linear
 from minerva.models.loader import LoadedModel
-
-if TYPE_CHECKING:  # importing the LLM loads the engine; the command imports it when it runs
-    from minerva.llm import LLM
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_CONTEXTS = (128, 512, 2048, 8192)
@@ -165,8 +157,6 @@ def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str
     return _ceiling(prompt_len, costs.weight_bytes_per_token, costs.prefill_flops(prompt_len), hw, dtype)
 
 
-# ----------------------------------------------------------------- measurement
-
 # ------------------------------------------------------------------------- CLI
 
 def _load_average() -> str:
@@ -223,8 +213,6 @@ def _rows(llm: LLM, costs: ModelCosts, hw: Hardware, args: argparse.Namespace) -
     decode_n = decode_ceiling(costs, hw, args.batch, ctx_n, args.dtype)
     measured: list[float | None] = [None, None, None]
     if args.measure:  # the same measurements as `minerva bench`
-        from minerva.bench import minerva_decode, minerva_prefill, random_prompt
-
         print("measuring: warm-up, prefill, batch-1 decode, batch-N decode...", file=sys.stderr)
         rng = random.Random(0)
 
@@ -258,8 +246,6 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     for flag in ("batch", "prompt"):
         if getattr(args, flag) < 1:
             raise MinervaError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    from minerva.llm import LLM, resolve_dtype
-
     if args.dtype == "auto":
         args.dtype = "bfloat16" if hw is not None else resolve_dtype("auto", torch.device("cpu"))
     kv = args.kv_cache_dtype

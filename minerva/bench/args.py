@@ -1,0 +1,50 @@
+"""The options every Minerva-side `minerva bench` sub-command takes, the argument types of
+its lists and ranges, and the checks run before any model loads."""
+
+from __future__ import annotations
+
+import argparse
+
+from minerva.bench.peers import PEERS
+from minerva.errors import MinervaError
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+
+
+def int_range(text: str) -> tuple[int, int]:
+    vals = ints(text.replace(":", ","))
+    if len(vals) == 1:
+        vals = vals * 2
+    if len(vals) != 2 or not 1 <= vals[0] <= vals[1]:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got '{text}'")
+    return vals[0], vals[1]
+
+
+def add_common_options(q: argparse.ArgumentParser) -> None:
+    q.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="pulled name, .gguf file or Hugging Face directory (default smollm2-135m)")
+    q.add_argument("--compare", action="append", default=[], choices=PEERS,
+                   help="also run this peer on the same model file (repeatable)")
+    q.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="activation dtype (default auto: bfloat16 where the CPU has AVX-512 BF16)")
+    q.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize a SafeTensors model at load (group-wise, weight-only)")
+    q.add_argument("--kv-cache-memory", type=float, default=0.2)
+    q.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def check_args(args) -> None:
+    for name in ("repetitions", "num_prompts", "threads", "output_len", "input_len"):
+        v = getattr(args, name, None)
+        if isinstance(v, int) and v < 1:
+            raise MinervaError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    if getattr(args, "batch_sizes", None) is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
+        raise MinervaError("--batch-sizes must be positive integers")

@@ -1,0 +1,71 @@
+"""`minerva bench latency`, llama-bench style: prompt processing (pp) and generation (tg) of
+one sequence, optionally at a KV depth, as mean ± standard deviation over `-r` repetitions."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+
+from minerva.bench.args import add_common_options, ints
+from minerva.bench.measure import load_minerva, minerva_decode, minerva_prefill, random_prompt
+from minerva.bench.peers import load_peer
+from minerva.bench.report import Figure, header, print_report, threads_used, write_json
+
+
+def cmd_latency(args) -> int:
+    rng = random.Random(args.seed)
+    llm, info = load_minerva(args)
+    systems, figures = [info], []
+    depths = args.depth or [0]
+
+    def prompts(length: int) -> list[list[int]]:
+        return [random_prompt(rng, llm, max(length, 1)) for _ in range(args.repetitions)]
+
+    plan = []  # (name, kind, depth, prompts, n): pp prompts hold depth + n tokens
+    for d in depths:
+        suffix = f"@d{d}" if d else ""
+        plan += [(f"pp{p}{suffix}", "pp", d, prompts(d + p), p) for p in args.prompt if p]
+        plan += [(f"tg{n}{suffix}", "tg", d, prompts(d), n) for n in args.gen if n]
+
+    minerva_prefill(llm, prompts(64)[0])  # warm-up
+    for name, kind, depth, ps, n in plan:
+        fig = Figure(name, "minerva")
+        for prompt in ps:
+            if kind == "pp":
+                fig.samples.append(minerva_prefill(llm, prompt, depth))
+            else:  # n + 1 tokens: the first comes from the prompt's forward, then n decode steps
+                fig.samples.append(minerva_decode(llm, [prompt], n + 1)[0])
+        figures.append(fig)
+    lines = header(llm.path, threads_used(args))
+    model_path = llm.path
+    llm = None  # free the model before loading a peer
+    for peer in args.compare:
+        runner = load_peer(peer, model_path, threads_used(args), n_ctx=_ctx_needed(plan))
+        systems.append(runner.info)
+        for name, kind, depth, ps, n in plan:
+            fig = Figure(name, peer)
+            for prompt in ps:
+                if kind == "pp":
+                    fig.samples.append(runner.prefill(prompt, depth))
+                else:
+                    fig.samples.append(runner.decode(prompt, n))
+            figures.append(fig)
+        runner.close()
+    print_report(lines, systems, figures)
+    write_json(args.json, {"header": lines, "systems": [asdict(s) for s in systems],
+                           "figures": [{**asdict(f), "mean": f.mean, "std": f.std} for f in figures]})
+    return 0
+
+
+def _ctx_needed(plan) -> int:
+    return max(len(p) + n + 8 for _, _, _, ps, n in plan for p in ps)
+
+
+def add_parser(bsub) -> None:
+    q = bsub.add_parser("latency", help="llama-bench style: prompt processing (pp) and generation (tg)")
+    add_common_options(q)
+    q.add_argument("-p", "--prompt", type=ints, default=[512], help="prompt lengths (comma-separated)")
+    q.add_argument("-n", "--gen", type=ints, default=[128], help="generation lengths (comma-separated)")
+    q.add_argument("-r", "--repetitions", type=int, default=5)
+    q.add_argument("-d", "--depth", type=ints, default=[0], help="KV depth (tokens already in context)")
+    q.set_defaults(func=cmd_latency)

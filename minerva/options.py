@@ -1,0 +1,92 @@
+"""Command-line options shared by the `minerva` commands and `minerva bench`: the model,
+engine, speculative-decoding and sampling flags, and what they turn into.
+
+A leaf: it imports the engine's configuration and sampler, never the commands that use it,
+so `cli` and `bench` can both depend on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from minerva.engine.engine import EngineConfig
+from minerva.engine.sampler import SamplingParams
+from minerva.kernels.kv_quant import KV_FORMATS
+
+
+def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
+                        "GPUs, else float32)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                   help="quantize a SafeTensors model's weights at load, group-wise (weight-only)")
+    kv = sorted(KV_FORMATS)
+    p.add_argument("--kv-cache-dtype", default=None, choices=kv, help="K and V cache precision")
+    p.add_argument("--kv-cache-dtype-k", default=None, choices=kv, help="K cache precision (default auto)")
+    p.add_argument("--kv-cache-dtype-v", default=None, choices=kv, help="V cache precision (default auto)")
+    if not engine:
+        return
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
+                   help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start")
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                   help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="token budget of one step (prompt chunks + decodes)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    add_speculative_options(p)
+
+
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (exact: the output distribution is unchanged)")
+    g.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="ngram (prompt lookup), self[:LAYERS] (the model's first layers) or draft:MODEL")
+    g.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                   help="tokens guessed per step (default %(default)s)")
+    g.add_argument("--speculative-max-batch", type=int, default=EngineConfig.speculative_max_batch,
+                   help="no guesses in steps with more running requests than this (default %(default)s)")
+
+
+def speculative_options(args) -> dict:
+    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_max_batch=args.speculative_max_batch)
+
+
+def kv_formats(args) -> tuple[str, str]:
+    both = args.kv_cache_dtype or "auto"
+    return args.kv_cache_dtype_k or both, args.kv_cache_dtype_v or both
+
+
+def engine_options(args) -> dict:
+    k, v = kv_formats(args)
+    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype_k=k, kv_cache_dtype_v=v,
+                **speculative_options(args))
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", "-n", type=int, default=256)
+    g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling(args) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty,
+                          presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)

@@ -234,13 +234,10 @@ def build_app(llm, config: ServerConfig, threads: int | None = None) -> FastAPI:
                 raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the "
                                     f"prompt has {len(ids)} tokens{asked}; shorten the prompt or lower "
                                     f"max_tokens", "messages" if hasattr(body, "messages") else "prompt")
-            group = llm._requests(ids, sampling(body, max_tokens or room, logprobs))
-            for r in group:
-                try:
-                    llm.engine.check(r)
-                except MinervaError as exc:
-                    raise APIError(400, str(exc)) from None
-            requests += group
+            try:
+                requests += llm.make_requests(ids, sampling(body, max_tokens or room, logprobs))
+            except MinervaError as exc:
+                raise APIError(400, str(exc)) from None
         return requests
 
     def submit(requests: list[Request]):

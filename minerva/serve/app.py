@@ -1,8 +1,9 @@
 """The HTTP side: a FastAPI app with the OpenAI routes, errors in OpenAI's shape, and guards.
 
 `build_app(llm, config)` wires an `AsyncEngine` (the engine's own thread) into the
-routes. Every error a client can cause is a 4xx with `{"error": {...}}`; the guard
-middleware answers 401 (missing key) and 413 (body too large) before any route runs.
+routes of `OpenAIRoutes`; what the routes convert (bodies, results) lives in `convert`.
+Every error a client can cause is a 4xx with `{"error": {...}}`; the guard middleware
+answers 401 (missing key) and 413 (body too large) before any route runs.
 """
 
 from __future__ import annotations

@@ -117,8 +117,10 @@ class LLM:
         bos = self._token(self.tokenizer.bos_token_id)
         return self.tokenizer.add_bos and bool(bos) and text.startswith(bos)
 
-    def _requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
-        """One request per completion (n of them); they share the prompt's KV through the prefix cache."""
+    def make_requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        """The engine requests of one prompt, one per completion (n of them), checked by the
+        engine (a MinervaError for one that could never run); siblings get seeds seed, seed + 1, ...
+        and share the prompt's KV through the prefix cache."""
         ids = self.encode_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
         group = [Request(ids, dataclasses.replace(
@@ -126,6 +128,8 @@ class LLM:
                  for i in range(params.n)]
         for sibling in group[1:]:
             sibling.wait_for = group[0]
+        for r in group:
+            self.engine.check(r)
         return group
 
     # --------------------------------------------------------- generation
@@ -138,10 +142,7 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise MinervaError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
-        groups = [self._requests(p, sp) for p, sp in zip(prompts, params)]
-        for group in groups:  # reject bad input before any work is done
-            for r in group:
-                self.engine.check(r)
+        groups = [self.make_requests(p, sp) for p, sp in zip(prompts, params)]  # all checked before any runs
         where = {}
         for i, group in enumerate(groups):
             for j, r in enumerate(group):

@@ -7,11 +7,12 @@ and seeded requests must come back token for token the same whatever else the se
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import openai
 import pytest
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 from minerva import LLM, SamplingParams
 from tests.server_util import metric, running_server, wait_for
@@ -121,6 +122,16 @@ def test_logprobs_shape(client, ref):
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob for t in content)
     assert all(t.token == t.top_logprobs[0].token for t in content)  # greedy picks the most likely
+    ref_lp = ref.chat(CHAT, greedy(8, logprobs=3)).outputs[0].logprobs
+
+    def text(token_id):  # the reference tokenizer's text of one token
+        return ref.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    assert [t.token for t in content] == [text(w.token_id) for w in ref_lp]
+    assert [t.logprob for t in content] == pytest.approx([w.logprob for w in ref_lp], abs=1e-5)
+    assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in content] == [
+        [(text(i), pytest.approx(lp, abs=1e-5)) for i, lp in w.top] for w in ref_lp]
+    assert all(t.bytes == list(t.token.encode()) for t in content)
     comp = client.completions.create(model="smollm2-135m", prompt="1, 2, 3,", max_tokens=5, temperature=0,
                                      logprobs=2)
     lp = comp.choices[0].logprobs
@@ -143,6 +154,8 @@ def test_bad_requests_are_400(client, served):
     limit = served[1].state.llm.engine.max_model_len
     with pytest.raises(openai.BadRequestError, match=f"maximum context length is {limit} tokens"):
         client.completions.create(model="smollm2-135m", prompt="word " * 3000, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="prompt token id 99999999 is out of range"):
+        client.completions.create(model="smollm2-135m", prompt=[1, 99999999], max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1, logit_bias={"99999999": 1})
     with pytest.raises(openai.NotFoundError, match="smollm2-135m"):
@@ -223,15 +236,24 @@ def test_disconnect_aborts_and_frees_blocks(served, stream):
 
 
 def test_metrics_names(served):
-    text = httpx.get(f"{served[0]}/metrics").text
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
-                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
-                 "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-                 "request_queue_time_seconds_bucket", "request_success_total"):
+    r = httpx.get(f"{served[0]}/metrics")
+    text = r.text
+    names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+             "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
+             "generation_tokens_total", "time_to_first_token_seconds_bucket",
+             "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+             "request_queue_time_seconds_bucket", "request_success_total")
+    for name in names:
         assert f"minerva:{name}" in text, name
     assert metric(served[0], "minerva:generation_tokens_total") > 0
-    assert json.dumps(text)  # plain text, no binary
+    # Prometheus' text format, as prometheus_client's own parser reads it: every name is a sample
+    # (not only a HELP line), labelled with the served model.
+    assert r.headers["content-type"] == CONTENT_TYPE_LATEST
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    assert {f"minerva:{name}" for name in names} <= set(samples)
+    generated = samples["minerva:generation_tokens_total"]
+    assert generated.labels == {"model_name": "smollm2-135m"}
+    assert generated.value == metric(served[0], "minerva:generation_tokens_total")
 
 
 def test_shutdown_ends_in_flight_requests(smollm2_gguf):

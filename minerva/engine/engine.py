@@ -106,8 +106,9 @@ class Engine:
         n, vocab = len(request.prompt_token_ids), self.model.config.vocab_size
         if n == 0:
             raise MinervaError("the prompt is empty after tokenization; give at least one token")
-        if any(not 0 <= t < vocab for t in request.prompt_token_ids):
-            raise MinervaError(f"prompt token ids must be in [0, {vocab})")
+        stray = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+        if stray is not None:
+            raise MinervaError(f"prompt token id {stray} is out of range: token ids must be in [0, {vocab})")
         bad = [t for t in request.params.logit_bias if t >= vocab]
         if bad:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")

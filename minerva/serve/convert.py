@@ -1,0 +1,228 @@
+"""The server's conversions, apart from HTTP: request bodies to `SamplingParams`, the API's own
+request rules, and engine results to OpenAI's response and stream-chunk shapes.
+
+Everything here is a plain function of its arguments (no FastAPI, no engine), so each is tested
+alone. Limits the engine enforces anyway (prompt token ids, the vocabulary, the KV pool, the
+sampling ranges) are not repeated here: `LLM.make_requests` raises them as `MinervaError`,
+which the app answers with a 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import uuid
+from typing import Callable, Sequence
+
+from minerva.engine.sampler import SamplingParams, TokenLogprob
+from minerva.errors import MinervaError
+from minerva.serve import protocol as P
+
+DONE = "data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.headers = status, message, param, type, headers
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               type: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": status}}
+
+
+# ------------------------------------------------------------------ requests
+
+
+def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them (content parts joined into one text)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's string keys as token ids; their range is the engine's to check."""
+    bias = {}
+    for key, value in (raw or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias key '{key}' is not a token id (an integer)", "logit_bias") from None
+    return bias
+
+
+def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    """The engine's parameters for one completion of `body` (SamplingParams checks the ranges)."""
+    return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
+                          top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
+                          repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
+                          seed=body.seed, logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                          speculative_tokens=body.speculative_tokens)
+
+
+def chat_max_tokens(body: P.ChatCompletionRequest) -> int | None:
+    return body.max_completion_tokens or body.max_tokens
+
+
+def chat_logprobs_count(body: P.ChatCompletionRequest) -> int | None:
+    """The engine's `logprobs` (top alternatives per token), None when none are wanted."""
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
+def max_tokens_within(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
+    """`max_tokens`, or all the room the context leaves; a 400 when the prompt and the tokens
+    asked for do not fit. Unlike the engine, which cuts a completion at the context, the API
+    refuses a max_tokens beyond it, as OpenAI does."""
+    room = max_model_len - prompt_len
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+                            f"has {prompt_len} tokens{asked}; shorten the prompt or lower max_tokens", param)
+    return max_tokens or room
+
+
+def completion_prompts(body: P.CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a text completion, after the rules of the features Minerva lacks."""
+    prompts = body.prompts()
+    if not prompts or len(prompts) > P.MAX_PROMPTS:
+        raise APIError(400, f"give between 1 and {P.MAX_PROMPTS} prompts", "prompt")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported: put the text in the prompt", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs); drop one of them", "echo")
+    return prompts
+
+
+# ------------------------------------------------------------------ numbers
+
+
+def finite(x: float) -> float:
+    """JSON has no -inf: a token the sampler ruled out gets OpenAI's -9999."""
+    return x if math.isfinite(x) else -9999.0
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> list[dict]:
+    def one(token_id: int, lp: float) -> dict:
+        t = token_text(token_id)
+        return {"token": t, "logprob": finite(lp), "bytes": list(t.encode())}
+
+    return [{**one(x.token_id, x.logprob), "top_logprobs": [one(i, lp) for i, lp in x.top]} for x in items]
+
+
+def completion_logprobs(items: Sequence[TokenLogprob], offset: int, token_text: Callable[[int], str]) -> dict:
+    """The legacy shape; `offset` is where the first token's text starts in the choice's text."""
+    tokens = [token_text(x.token_id) for x in items]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [finite(x.logprob) for x in items],
+            "top_logprobs": [{token_text(i): finite(lp) for i, lp in x.top} for x in items],
+            "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def timings(scheduled: Sequence[float], first_tokens: Sequence[float], ends: Sequence[float],
+            prompt_n: int, predicted_n: int) -> dict | None:
+    """llama.cpp's timings of a group of requests: prompt from the first scheduling to the first
+    token, generation from there to the last end; None until each has happened once."""
+    if not (scheduled and first_tokens and ends):
+        return None
+    prompt_ms = max(min(first_tokens) - min(scheduled), 0.0) * 1e3
+    predicted_ms = max(max(ends) - min(first_tokens), 0.0) * 1e3
+
+    def rate(n, ms):
+        return (ms / n if n else 0.0), (n / ms * 1e3 if ms > 0 else 0.0)
+
+    (ppt, pps), (gpt, gps) = rate(prompt_n, prompt_ms), rate(predicted_n, predicted_ms)
+    return {"prompt_n": prompt_n, "prompt_ms": prompt_ms, "prompt_per_token_ms": ppt,
+            "prompt_per_second": pps, "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": gpt, "predicted_per_second": gps}
+
+
+def group_timings(tracked, prompt_n: int, predicted_n: int) -> dict | None:
+    """`timings` of the async engine's `Tracked` records of one HTTP request."""
+    return timings([t.scheduled_time for t in tracked if t.scheduled_time is not None],
+                   [t.request.first_token_time for t in tracked if t.request.first_token_time is not None],
+                   [t.finish_time for t in tracked if t.finish_time is not None], prompt_n, predicted_n)
+
+
+# ------------------------------------------------------------------ responses
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    """How one request's results are written: a chat or a text completion, whole or as chunks.
+
+    `head` is the id, object, created and model every body and chunk repeats; `token_text`
+    turns a token id into its text for the logprobs.
+    """
+
+    chat: bool
+    want_logprobs: bool
+    head: dict
+    token_text: Callable[[int], str]
+
+    @classmethod
+    def new(cls, chat: bool, want_logprobs: bool, model: str, token_text: Callable[[int], str]) -> "Reply":
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model}
+        return cls(chat, want_logprobs, head, token_text)
+
+    def logprobs(self, items: Sequence[TokenLogprob], offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(items, self.token_text)}
+        return completion_logprobs(items, offset, self.token_text)
+
+    def choice(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
+               offset: int = 0) -> dict:
+        """One choice of a whole response."""
+        lp = self.logprobs(items, offset)
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def response(self, choices: list[dict], usage: dict, timings: dict | None) -> dict:
+        return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": choices, "usage": usage, "timings": timings}
+
+    def delta(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
+              offset: int = 0) -> dict:
+        """One choice of a stream chunk (a chat delta carries no content once it has finished)."""
+        lp = self.logprobs(items, offset)
+        if self.chat:
+            return {"index": index, "delta": {"content": text} if text or not finish else {}, "logprobs": lp,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def opening(self, prefixes: list[str]) -> list[dict]:
+        """The choices of the first chunk: the assistant role of every chat choice, or the echoed
+        prompts of a text completion; none when there is nothing to say yet."""
+        if self.chat:
+            return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None} for i in range(len(prefixes))]
+        return [self.delta(i, p, None, []) for i, p in enumerate(prefixes) if p]
+
+    def chunk(self, choices: list[dict], **extra) -> str:
+        """A server-sent event with one chunk."""
+        return f"data: {json.dumps({**self.head, 'choices': choices, **extra}, allow_nan=False)}\n\n"
+
+
+def stream_error(exc: Exception) -> str:
+    """The event that ends a stream whose requests failed: the input's fault (400) or a bug (500)."""
+    code, kind = (400, "invalid_request_error") if isinstance(exc, MinervaError) else (500, "server_error")
+    return f"data: {json.dumps({'error': {'message': str(exc), 'type': kind, 'code': code}})}\n\n"

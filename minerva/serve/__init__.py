@@ -1,1 +1,1 @@
-"""The OpenAI-compatible HTTP server (`minerva serve`) and its load client (`minerva bench serve`)."""
+"""The OpenAI-compatible HTTP server (`minerva serve`); its load client is `minerva.bench.serve`."""

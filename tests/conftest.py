@@ -1,4 +1,5 @@
-"""Shared fixtures: the two real models, pulled once into the model store, and loaded once."""
+"""Shared fixtures: the two real models, pulled once into the model store and loaded once, and a
+tiny random GGUF model for the command-line and server tests."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import pytest
 import torch
 
 from minerva.store import pull
+from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
 
 torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A 1-layer llama GGUF with random weights and a 257-token byte-level vocabulary."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=TINY_CONTEXT)
 
 
 @pytest.fixture(scope="session")

@@ -8,32 +8,9 @@ import sys
 import gguf
 import pytest
 
-from tests.tiny_gguf import write_tiny_llama
-
-
-def run(*args: str, env_home=None, input: str | None = None, timeout: int = 300):
-    env = None
-    if env_home is not None:
-        import os
-
-        env = {**os.environ, "MINERVA_HOME": str(env_home)}
-    return subprocess.run([sys.executable, "-m", "minerva", *args], capture_output=True, text=True,
-                          input=input, timeout=timeout, env=env)
-
-
-def assert_clean_error(proc, *fragments: str, code: int = 1):
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error:" in ln]
-    assert len(errors) == 1, proc.stderr
-    for f in fragments:
-        assert f in errors[0], errors[0]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=32)
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
+from tests.helpers.tiny_hf import save
 
 
 def test_generate_tiny_model_streams(tiny):
@@ -106,7 +83,8 @@ def test_output_into_closed_pipe(tiny):
 
 
 def test_prompt_longer_than_context(tiny):
-    assert_clean_error(run("generate", str(tiny), "x" * 100, "--raw"), "context is 32")
+    prompt = "x" * (TINY_CONTEXT + 10)  # one token per byte
+    assert_clean_error(run("generate", str(tiny), prompt, "--raw"), f"context is {TINY_CONTEXT}")
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"),
@@ -179,8 +157,6 @@ def test_bad_thread_count(tiny, value):
 
 
 def test_quantize_a_safetensors_model(tmp_path):
-    from tests.test_tiny_safetensors import save
-
     path = save(tmp_path, "llama-tied")
     proc = run("generate", str(path), "hello", "--raw", "-n", "4", "--temperature", "0", "--ignore-eos",
                "--quantize", "int4")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from minerva import LLM, SamplingParams
 from minerva.engine.request import Request
 from minerva.errors import MinervaError
-from tests.test_tiny_safetensors import VOCAB, save
+from tests.helpers.tiny_hf import VOCAB, save
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,14 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from transformers import AutoModelForCausalLM
 
-from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.errors import MinervaError
 from minerva.kernels.quantize import quantize
 from minerva.kernels.weights import PackedWeight
 from minerva.models.layers import Linear
 from minerva.models.loader import load_model
-from tests.test_tiny_safetensors import VOCAB, save
-from tests.tiny_gguf import write_tiny_llama
+from tests.helpers.paged import paged_logits
+from tests.helpers.tiny_gguf import write_tiny_llama
+from tests.helpers.tiny_hf import VOCAB, save
 
 
 def awkward_rows(cols: int) -> np.ndarray:
@@ -84,9 +84,7 @@ def test_quantized_model_matches_transformers_on_dequantized_weights(tmp_path, n
     m = loaded.model
     weights = [mod.weight for mod in m.modules() if isinstance(mod, Linear)]
     assert weights and all(isinstance(w, PackedWeight) for w in weights)
-    cache = ContiguousKVCache(m.config, len(ids), torch.device("cpu"), torch.float32)
-    with torch.inference_mode():
-        mine = m.logits(run_tokens(m, cache, ids, chunk=8))
+    mine = paged_logits(m, ids, chunk=8)
     ref = reference_logits(path, ids, scheme)
     assert torch.allclose(mine, ref, atol=2e-4, rtol=1e-4), (mine - ref).abs().max()
     dense = load_model(path)  # packed, and smaller than the float model by the scheme's ratio

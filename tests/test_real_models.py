@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minerva import SamplingParams
-from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.engine.perplexity import perplexity
+from tests.helpers.paged import paged_logits
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +28,8 @@ def pair(request):
 
 
 def minerva_logits(llm, ids: list[int]) -> torch.Tensor:
-    model = llm.loaded.model
-    cache = ContiguousKVCache(model.config, len(ids), llm.device, llm.dtype)
-    with torch.inference_mode():
-        return model.logits(run_tokens(model, cache, ids))
+    """Through the paged KV cache in chunks of 256: a prompt the engine prefills in pieces."""
+    return paged_logits(llm.loaded.model, ids, chunk=256, dtype=llm.dtype, device=llm.device)
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from minerva import LLM, SamplingParams
-from tests.server_util import metric, running_server, wait_for
+from tests.helpers.server import metric, running_server, wait_for
 
 pytestmark = pytest.mark.slow
 

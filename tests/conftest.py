@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minerva.store import pull
+from tests.helpers.hf import load_hf_reference
 from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
 
 torch.manual_seed(0)
@@ -40,14 +41,6 @@ def gemma3_llm(gemma3_gguf):
     from minerva import LLM
 
     return LLM(str(gemma3_gguf), device="cpu", dtype="float32")
-
-
-def load_hf_reference(path):
-    """transformers loading the same GGUF, dequantized to fp32: the independent reference."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from transformers import AutoModelForCausalLM
 
 from minerva.errors import MinervaError
 from minerva.kernels.quantize import quantize
 from minerva.kernels.weights import PackedWeight
 from minerva.models.layers import Linear
 from minerva.models.loader import load_model
+from tests.helpers.hf import load_hf_quantized_reference
 from tests.helpers.paged import paged_logits
 from tests.helpers.tiny_gguf import write_tiny_llama
 from tests.helpers.tiny_hf import VOCAB, save
@@ -62,17 +61,8 @@ def test_bad_tensors_are_refused():
 
 
 def reference_logits(path, ids, scheme):
-    """transformers on the checkpoint, every matmul weight replaced by its quantize-dequantize
-    round trip through the gguf package (the embedding and head at int8 under int4)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() != 2:
-                continue
-            qtype = QT.Q8_0 if scheme == "int8" or "embed_tokens" in name or "lm_head" in name else QT.Q4_1
-            w = p.detach().numpy()
-            p.copy_(torch.from_numpy(gguf_dequantize(gguf_quantize(w, qtype), qtype).reshape(w.shape)))
-        return model(torch.tensor([ids])).logits[0]
+    with torch.inference_mode():
+        return load_hf_quantized_reference(path, scheme)(torch.tensor([ids])).logits[0]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

@@ -6,6 +6,7 @@ the model's logits from transformers (tiny random checkpoints).
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -264,8 +265,9 @@ def test_random_add_abort_step_never_leaks(tight_llm, actions):
 def test_auto_dtype_is_bfloat16_where_the_cpu_kernels_run(model_dir):
     with open("/proc/cpuinfo") as f:
         flags = set(next((ln for ln in f if ln.startswith("flags")), ":").split(":", 1)[1].split())
-    # the instruction sets the C++ kernels are built for (minerva/kernels/csrc)
-    capable = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"} <= flags
+    # the instruction sets the C++ kernels are built for (minerva/kernels/csrc), unless switched off
+    capable = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"} <= flags \
+        and not os.environ.get("MINERVA_NO_NATIVE")
     llm = make_llm(model_dir, dtype="auto")
     expected = "bfloat16" if capable else "float32"
     assert llm.dtype_name == expected and llm.dtype == getattr(torch, expected)

@@ -1,9 +1,9 @@
 """GGUF files, read through the `gguf` package's memory-mapped reader.
 
-Opening a file reads only its header and maps the rest. A tensor's packed bytes come
-as a zero-copy uint8 view of the mapping (`GGUFTensor.raw`), or as a private copy read
-without the mapping (`GGUFTensor.read`, what the model loader takes), so the process
-does not hold the file's pages next to its copy.
+Opening a file reads only its header and maps the rest: a tensor's packed bytes are a
+uint8 view of the mapping (`GGUFTensor.data`). The model loader takes a private copy of
+each tensor read without the mapping (`GGUFTensor.read`), so the process does not hold
+the file's pages next to its copy.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared fixtures: the two real models, pulled once into the model store, and loaded once."""
+"""Shared fixtures: the two real models, pulled once into the model store and loaded once, and a
+tiny random GGUF model for the command-line and server tests."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ import pytest
 import torch
 
 from minerva.store import pull
+from tests.helpers.hf import load_hf_reference
+from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
 
 torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A 1-layer llama GGUF with random weights and a 257-token byte-level vocabulary."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=TINY_CONTEXT)
 
 
 @pytest.fixture(scope="session")
@@ -32,14 +41,6 @@ def gemma3_llm(gemma3_gguf):
     from minerva import LLM
 
     return LLM(str(gemma3_gguf), device="cpu", dtype="float32")
-
-
-def load_hf_reference(path):
-    """transformers loading the same GGUF, dequantized to fp32: the independent reference."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from tests.test_cli import assert_clean_error, run
-from tests.tiny_gguf import write_tiny_llama
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.tiny_gguf import write_tiny_llama
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 

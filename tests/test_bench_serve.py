@@ -8,9 +8,9 @@ import json
 import pytest
 
 from minerva import LLM
-from tests.server_util import running_server
-from tests.test_cli import assert_clean_error, run
-from tests.tiny_gguf import write_tiny_llama
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.server import running_server
+from tests.helpers.tiny_gguf import write_tiny_llama
 
 
 @pytest.fixture(scope="module")

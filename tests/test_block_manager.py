@@ -402,7 +402,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert refs == bm._ref
         assert list(bm._free) == [b for b in bm._free if refs[b] == 0]  # keys are unique by construction
         assert set(bm._free) == {b for b in range(bm.num_blocks) if refs[b] == 0}
-        assert bm.num_used_blocks + bm.num_free_blocks == bm.num_blocks
+        assert bm.num_free_blocks == sum(r == 0 for r in refs)
         assert bm.num_used_blocks == sum(r > 0 for r in refs)
         # Un-hashed free blocks are reused before cached ones.
         hashed = [bm._hash[b] is not None for b in bm._free]

@@ -8,38 +8,27 @@ import sys
 import gguf
 import pytest
 
-from tests.tiny_gguf import write_tiny_llama
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.hf import hf_greedy, hf_perplexity, load_hf_quantized_reference, load_hf_reference
+from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
+from tests.helpers.tiny_hf import save
 
 
-def run(*args: str, env_home=None, input: str | None = None, timeout: int = 300):
-    env = None
-    if env_home is not None:
-        import os
+def reference_tokenizer(path):
+    from transformers import AutoTokenizer
 
-        env = {**os.environ, "MINERVA_HOME": str(env_home)}
-    return subprocess.run([sys.executable, "-m", "minerva", *args], capture_output=True, text=True,
-                          input=input, timeout=timeout, env=env)
-
-
-def assert_clean_error(proc, *fragments: str, code: int = 1):
-    assert proc.returncode == code, proc.stderr
-    assert "Traceback" not in proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error:" in ln]
-    assert len(errors) == 1, proc.stderr
-    for f in fragments:
-        assert f in errors[0], errors[0]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=32)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def test_generate_tiny_model_streams(tiny):
-    proc = run("generate", str(tiny), "hello", "--raw", "-n", "5", "--temperature", "0", "--ignore-eos")
+    """The streamed text is transformers' greedy continuation on the same GGUF weights."""
+    proc = run("generate", str(tiny), "hello", "--raw", "-n", "12", "--temperature", "0", "--ignore-eos",
+               "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
-    assert "5 tokens" in proc.stderr and "finish=length" in proc.stderr
+    assert "12 tokens" in proc.stderr and "finish=length" in proc.stderr
+    tok = reference_tokenizer(tiny)
+    ref = hf_greedy(load_hf_reference(tiny), tok.encode("hello"), 12)
+    assert proc.stdout == tok.decode(ref) + "\n"
 
 
 def test_missing_file(tmp_path):
@@ -106,7 +95,8 @@ def test_output_into_closed_pipe(tiny):
 
 
 def test_prompt_longer_than_context(tiny):
-    assert_clean_error(run("generate", str(tiny), "x" * 100, "--raw"), "context is 32")
+    prompt = "x" * (TINY_CONTEXT + 10)  # one token per byte
+    assert_clean_error(run("generate", str(tiny), prompt, "--raw"), f"context is {TINY_CONTEXT}")
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"),
@@ -137,11 +127,15 @@ def test_perplexity_missing_text(tiny, tmp_path):
 
 
 def test_perplexity_tiny(tiny, tmp_path):
+    """The printed perplexity is transformers' over the same windows, on the same GGUF weights."""
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 3)
-    proc = run("perplexity", str(tiny), str(text), "--context", "16", "--stride", "8")
+    proc = run("perplexity", str(tiny), str(text), "--context", "16", "--stride", "8", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("perplexity ")
+    ours = float(proc.stdout.split()[1])
+    ref = hf_perplexity(load_hf_reference(tiny), reference_tokenizer(tiny).encode(text.read_text()), 16, 8)
+    assert abs(ours - ref) / ref < 1e-4, (ours, ref)
 
 
 def test_perplexity_with_quantized_kv(tiny, tmp_path):
@@ -179,13 +173,18 @@ def test_bad_thread_count(tiny, value):
 
 
 def test_quantize_a_safetensors_model(tmp_path):
-    from tests.test_tiny_safetensors import save
-
+    """int4 text is transformers' greedy continuation with the weights quantized and
+    dequantized by the gguf package."""
     path = save(tmp_path, "llama-tied")
-    proc = run("generate", str(path), "hello", "--raw", "-n", "4", "--temperature", "0", "--ignore-eos",
-               "--quantize", "int4")
+    proc = run("generate", str(path), "hello", "--raw", "-n", "8", "--temperature", "0", "--ignore-eos",
+               "--quantize", "int4", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
-    assert "4 tokens" in proc.stderr
+    assert "8 tokens" in proc.stderr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = hf_greedy(load_hf_quantized_reference(path, "int4"), tok.encode("hello"), 8)
+    assert proc.stdout == tok.decode(ref) + "\n"
 
 
 def test_quantize_refuses_gguf_and_unknown_schemes(tiny):

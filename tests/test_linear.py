@@ -1,4 +1,5 @@
-"""The CPU linear used by every weight format: per-row results independent of the batch."""
+"""The padded torch linear of float matrices where the packed kernels do not run (`DenseWeight`):
+per-row results independent of the batch."""
 
 import torch
 import torch.nn.functional as F

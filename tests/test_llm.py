@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minerva import LLM, MinervaError, SamplingParams
+from tests.helpers.hf import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +53,17 @@ def test_stop_string_truncates(smollm2_llm):
     assert streamed == stopped.text
 
 
-def test_chat_ends_at_end_of_turn(smollm2_llm):
-    out = smollm2_llm.chat([{"role": "user", "content": "Say hello."}],
-                           SamplingParams(max_tokens=200, temperature=0))
+def test_chat_ends_at_end_of_turn(smollm2_llm, smollm2_hf):
+    """The reply is transformers' greedy reply to the same prompt ids, up to the end-of-turn
+    token, which ends the output without being part of it."""
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = smollm2_llm.chat(messages, SamplingParams(max_tokens=200, temperature=0))
     assert out.finish_reason == "stop"
-    assert "<|im_end|>" not in out.text and out.text.strip()
+    tok = smollm2_llm.tokenizer
+    ref = hf_greedy(smollm2_hf, out.prompt_token_ids, 200, tok.eos_token_ids)
+    assert len(ref) < 200, "the reference reply did not end within 200 tokens"
+    assert out.token_ids == ref and out.text == tok.decode(ref)
+    assert "<|im_end|>" not in out.text
 
 
 def test_max_tokens_length(smollm2_llm):
@@ -79,9 +86,12 @@ def test_prompt_longer_than_context(smollm2_llm):
         smollm2_llm.generate([[10**9]], SamplingParams(max_tokens=1))
 
 
-def test_gemma_chat_uses_builtin_template(gemma3_llm):
+def test_gemma_chat_uses_builtin_template(gemma3_llm, gemma3_hf):
     prompt = gemma3_llm.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt.startswith("<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
     out = gemma3_llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0))[0]
-    assert out.prompt_token_ids.count(gemma3_llm.tokenizer.bos_token_id) == 1
-    assert out.text.strip()
+    tok = gemma3_llm.tokenizer
+    assert out.prompt_token_ids.count(tok.bos_token_id) == 1
+    # the reply is transformers' greedy reply to the same ids, ended by <end_of_turn> or length
+    ref = hf_greedy(gemma3_hf, out.prompt_token_ids, 40, tok.eos_token_ids)
+    assert ref and out.token_ids == ref and out.text == tok.decode(ref)

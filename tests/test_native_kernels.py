@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from minerva.kernels import native
-from tests.test_quant import FP16_FIELDS, bits, random_blocks
+from tests.helpers.quant_blocks import FP16_FIELDS, bits, random_blocks
 
 PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 

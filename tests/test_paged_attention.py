@@ -283,18 +283,6 @@ def test_bytes_per_block_matches_allocation(k_format, v_format, dtype):
     assert allocated == blocks * per_block == cache.nbytes
 
 
-def test_copy_blocks_copies_every_layer():
-    batch = Batch([(40, 40)], 16, "int8", "float32")
-    unused = sorted(set(range(batch.cache.num_blocks)) - set(batch.tables[0].tolist()))
-    src, dst = batch.tables[0][:2], torch.tensor(unused[:2])
-    batch.cache.copy_blocks(src, dst)
-    for kind in ("k", "v"):
-        for t in batch.cache.data[kind] + (batch.cache.scales[kind] or []):
-            assert torch.equal(t[dst], t[src])
-    k, _ = batch.cache.gather(batch.layer, torch.cat([dst, batch.tables[0][2:]]), 40, torch.float32)
-    assert torch.equal(k, dequantize_kv(*quantize_kv(batch.k[0], "int8"), torch.float32))
-
-
 @pytest.mark.skipif(native.NEEDED_CPU_FLAGS - native.cpu_flags() != set(), reason="CPU lacks the native kernels")
 def test_native_kernel_covers_the_common_formats():
     """On a capable CPU, "auto" must really take the C++ path for float32/bf16/int8 pools."""

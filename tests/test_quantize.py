@@ -11,18 +11,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from transformers import AutoModelForCausalLM
 
-from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.errors import MinervaError
 from minerva.kernels.quantize import quantize
 from minerva.kernels.weights import PackedWeight
 from minerva.models.layers import Linear
 from minerva.models.loader import load_model
-from tests.test_tiny_safetensors import VOCAB, save
-from tests.tiny_gguf import write_tiny_llama
+from tests.helpers.hf import load_hf_quantized_reference
+from tests.helpers.paged import paged_logits
+from tests.helpers.tiny_gguf import write_tiny_llama
+from tests.helpers.tiny_hf import VOCAB, save
 
 
 def awkward_rows(cols: int) -> np.ndarray:
@@ -62,17 +61,8 @@ def test_bad_tensors_are_refused():
 
 
 def reference_logits(path, ids, scheme):
-    """transformers on the checkpoint, every matmul weight replaced by its quantize-dequantize
-    round trip through the gguf package (the embedding and head at int8 under int4)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() != 2:
-                continue
-            qtype = QT.Q8_0 if scheme == "int8" or "embed_tokens" in name or "lm_head" in name else QT.Q4_1
-            w = p.detach().numpy()
-            p.copy_(torch.from_numpy(gguf_dequantize(gguf_quantize(w, qtype), qtype).reshape(w.shape)))
-        return model(torch.tensor([ids])).logits[0]
+    with torch.inference_mode():
+        return load_hf_quantized_reference(path, scheme)(torch.tensor([ids])).logits[0]
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -84,9 +74,7 @@ def test_quantized_model_matches_transformers_on_dequantized_weights(tmp_path, n
     m = loaded.model
     weights = [mod.weight for mod in m.modules() if isinstance(mod, Linear)]
     assert weights and all(isinstance(w, PackedWeight) for w in weights)
-    cache = ContiguousKVCache(m.config, len(ids), torch.device("cpu"), torch.float32)
-    with torch.inference_mode():
-        mine = m.logits(run_tokens(m, cache, ids, chunk=8))
+    mine = paged_logits(m, ids, chunk=8)
     ref = reference_logits(path, ids, scheme)
     assert torch.allclose(mine, ref, atol=2e-4, rtol=1e-4), (mine - ref).abs().max()
     dense = load_model(path)  # packed, and smaller than the float model by the scheme's ratio

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from minerva import SamplingParams
-from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.engine.perplexity import perplexity
+from tests.helpers.hf import hf_greedy, hf_perplexity
+from tests.helpers.paged import paged_logits
 
 pytestmark = pytest.mark.slow
 
@@ -28,10 +27,8 @@ def pair(request):
 
 
 def minerva_logits(llm, ids: list[int]) -> torch.Tensor:
-    model = llm.loaded.model
-    cache = ContiguousKVCache(model.config, len(ids), llm.device, llm.dtype)
-    with torch.inference_mode():
-        return model.logits(run_tokens(model, cache, ids))
+    """Through the paged KV cache in chunks of 256: a prompt the engine prefills in pieces."""
+    return paged_logits(llm.loaded.model, ids, chunk=256, dtype=llm.dtype, device=llm.device)
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -57,18 +54,6 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    """Greedy decoding with the transformers model and its own KV cache, EOS not special."""
-    out, past, x = [], None, torch.tensor([ids])
-    with torch.inference_mode():
-        for _ in range(n):
-            r = hf(x, past_key_values=past, use_cache=True)
-            past = r.past_key_values
-            out.append(int(r.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-    return out
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_continuation_matches_transformers(pair, prompt):
     llm, hf = pair
@@ -76,28 +61,6 @@ def test_greedy_continuation_matches_transformers(pair, prompt):
     out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0]
     assert out.token_ids == hf_greedy(hf, ids, 32)
     assert out.finish_reason == "length"
-
-
-def hf_perplexity(hf, ids: list[int], context: int, stride: int) -> float:
-    """The sliding-window procedure of HF's perplexity guide, on the transformers model."""
-    nll, count, prev_end = 0.0, 0, 0
-    for begin in range(0, len(ids), stride):
-        end = min(begin + context, len(ids))
-        trg = end - prev_end
-        x = torch.tensor([ids[begin:end]])
-        labels = x.clone()
-        labels[:, :-trg] = -100
-        with torch.inference_mode():
-            logits = hf(x).logits.float()
-        logp = torch.log_softmax(logits[0, :-1], -1)
-        tgt = labels[0, 1:]
-        keep = tgt != -100
-        nll -= logp[keep].gather(1, tgt[keep, None]).sum().item()
-        count += int(keep.sum())
-        prev_end = end
-        if end == len(ids):
-            break
-    return math.exp(nll / count)
 
 
 def test_perplexity_matches_transformers(pair):

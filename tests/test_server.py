@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from minerva import LLM, SamplingParams
-from tests.server_util import metric, running_server, wait_for
+from tests.helpers.server import metric, running_server, wait_for
 
 pytestmark = pytest.mark.slow
 

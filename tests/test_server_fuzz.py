@@ -18,16 +18,11 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from minerva import LLM
-from tests.server_util import metric, running_server, wait_for
-from tests.tiny_gguf import write_tiny_llama
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.server import metric, running_server, wait_for
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=64)
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +191,4 @@ def test_engine_failure_fails_requests_not_server(served, monkeypatch):
 
 @pytest.mark.parametrize("flag,value", [("--max-waiting", "0"), ("--port", "70000"), ("--shutdown-timeout", "-1")])
 def test_cli_serve_bad_flags(tiny, flag, value):
-    from tests.test_cli import assert_clean_error, run
-
     assert_clean_error(run("serve", str(tiny), flag, value), flag)

@@ -23,7 +23,9 @@ from minerva import LLM, SamplingParams
 from minerva.engine.rejection import verify
 from minerva.engine.speculative import NgramProposer
 from minerva.errors import MinervaError
-from tests.test_tiny_safetensors import VOCAB, save
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.server import metric, running_server
+from tests.helpers.tiny_hf import VOCAB, save
 
 ALPHA = 1e-3  # the seeds are fixed, so each test is deterministic; a failure is far outside chance
 
@@ -165,8 +167,6 @@ def test_bad_settings(target_dir, tmp_path):
 
 
 def test_bench_speculative_reports_both_sides(target_dir, tmp_path):
-    from tests.test_cli import assert_clean_error, run
-
     text = tmp_path / "text.txt"
     text.write_text("the cat sat on the mat and the cat sat on the mat again " * 6)
     out = tmp_path / "spec.json"
@@ -203,8 +203,6 @@ def test_greedy_is_unchanged_on_smollm2(smollm2_gguf, smollm2_llm, method):
 
 def test_server_speculation_per_request_and_metrics(target_dir):
     import httpx
-
-    from tests.server_util import metric, running_server
 
     llm = make(target_dir, speculative="ngram", speculative_max_batch=64)
     prompt = repetitive_prompts(1)[0]

@@ -6,66 +6,18 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig)
+from transformers import AutoModelForCausalLM
 
-from minerva.engine.kv_cache import ContiguousKVCache, run_tokens
 from minerva.errors import MinervaError
 from minerva.models.loader import load_model
-
-VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge
-
-
-def write_tokenizer(path):
-    """A byte-level tokenizer with VOCAB tokens (256 bytes, one merge): a complete model directory."""
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet) + ["Ġt"])}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t")]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": sorted(alphabet)[0]}))
-
-
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-CONFIGS = {
-    "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
-    "llama-untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0),
-    "llama3-rope-scaling": lambda: LlamaConfig(
-        **COMMON, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "tinyllama-mha": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4}),
-    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False),
-    "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16,
-                                       sliding_window=8, query_pre_attn_scalar=16,
-                                       layer_types=["sliding_attention", "full_attention"] * 2),
-}
-
-
-def save(tmp_path, name, dtype=torch.float32, shard=None):
-    torch.manual_seed(0)
-    config = CONFIGS[name]()
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # random norms too, so an off-by-one norm convention shows up
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.normal_(0.0, 0.5)
-    model = model.to(dtype)
-    path = tmp_path / name
-    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
-    write_tokenizer(path)
-    return path
+from tests.helpers.paged import paged_logits
+from tests.helpers.tiny_gguf import write_llama_from_hf
+from tests.helpers.tiny_hf import CONFIGS, VOCAB, save
 
 
 def logits_pair(path, ids):
-    loaded = load_model(path)
-    m = loaded.model
-    cache = ContiguousKVCache(m.config, len(ids), torch.device("cpu"), torch.float32)
+    mine = paged_logits(load_model(path).model, ids, chunk=16)  # several chunks through the KV cache
     with torch.inference_mode():
-        mine = m.logits(run_tokens(m, cache, ids, chunk=16))  # several chunks through the KV cache
         ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(
             torch.tensor([ids])).logits[0]
     return mine, ref
@@ -126,20 +78,15 @@ def test_incomplete_rope_scaling(tmp_path):
         load_model(path)
 
 
-
 @pytest.mark.parametrize("name", ["llama-untied", "llama3-rope-scaling", "tinyllama-mha"])
 def test_gguf_conversion_matches_transformers(tmp_path, name):
     """The same weights written as GGUF the way llama.cpp converts them (Q/K rows permuted,
     llama3 scaling as a rope_freqs tensor): Minerva's GGUF path against transformers."""
-    from tests.tiny_gguf import write_llama_from_hf
-
     hf_dir = save(tmp_path, name)
     ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     path = write_llama_from_hf(tmp_path / f"{name}.gguf", ref_model)
     ids = torch.randint(0, VOCAB, (40,)).tolist()
-    loaded = load_model(path)
-    cache = ContiguousKVCache(loaded.config, len(ids), torch.device("cpu"), torch.float32)
+    mine = paged_logits(load_model(path).model, ids, chunk=16)
     with torch.inference_mode():
-        mine = loaded.model.logits(run_tokens(loaded.model, cache, ids, chunk=16))
         ref = ref_model(torch.tensor([ids])).logits[0]
     assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max()

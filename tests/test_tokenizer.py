@@ -21,7 +21,8 @@ import pytest
 
 from minerva.errors import MinervaError
 from minerva.formats.chat import (CHATML_TEMPLATE, GEMMA3_TEMPLATE, chat_template_for, render_chat)
-from minerva.formats.tokenizer import PRE_TOKENIZERS, IncrementalDetokenizer, Tokenizer
+from minerva.formats.tokenizer import IncrementalDetokenizer, Tokenizer
+from minerva.formats.tokenizer_gguf import PRE_TOKENIZERS
 
 CORPUS = [
     "",
@@ -219,7 +220,6 @@ def test_gemma3_special_tokens(gemma3):
     assert tok.encode("hi")[0] == 2 and tok.encode("hi", add_special_tokens=False)[0] != 2
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_smollm2_digits_split_like_llama_cpp(smollm2):
     """llama.cpp's 'smollm' pre-tokenizer splits every digit off before the GPT-2

@@ -1,7 +1,9 @@
 """GGUF files, read through the `gguf` package's memory-mapped reader.
 
-Opening a file reads only its header; tensor data stays in the page cache and is
-handed out as zero-copy uint8 views, so loading never copies the whole file.
+Opening a file reads only its header and maps the rest: a tensor's packed bytes are a
+uint8 view of the mapping (`GGUFTensor.data`). The model loader takes a private copy of
+each tensor read without the mapping (`GGUFTensor.read`), so the process does not hold
+the file's pages next to its copy.
 """
 
 from __future__ import annotations

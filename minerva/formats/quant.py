@@ -2,8 +2,8 @@
 
 Every function here is bit-identical to the numpy reference in the `gguf` package
 (`gguf.quants.dequantize`): the float32 operations are done in the same order,
-with the same operands, so that future fast kernels can be tested against this
-module with `torch.equal`. Integer unpacking is exact, so only the float ops
+with the same operands, so that a fast kernel can be tested against this module
+with `torch.equal`. Integer unpacking is exact, so only the float ops
 (scale products, `d * q - m`) need to follow the reference.
 
 Formats are data: `QUANT_TYPES` maps each supported `gguf.GGMLQuantizationType`

@@ -96,12 +96,6 @@ class PagedKVCache:
             out.append(dequantize_kv(data, scale, dtype))
         return out[0], out[1]
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""
-        for kind in ("k", "v"):
-            for t in self.data[kind] + (self.scales[kind] or []):
-                t[dst] = t[src]
-
 
 def attention_kernel(dtype: torch.dtype, cache: PagedKVCache):
     """The backend's kernel for attention over `cache` with queries of `dtype`, or None."""

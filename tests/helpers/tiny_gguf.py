@@ -10,6 +10,7 @@ import numpy as np
 from tokenizers import pre_tokenizers
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 16, 32, 1, 2, 1
+TINY_CONTEXT = 256  # the context of the shared `tiny` fixture (conftest.py)
 
 
 def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,

@@ -1,0 +1,1 @@
+"""Code shared by several test modules (test modules import from here, never from each other)."""

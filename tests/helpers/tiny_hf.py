@@ -1,0 +1,56 @@
+"""Tiny random-weight transformers checkpoints saved as SafeTensors model directories."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
+
+VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge
+
+
+def write_tokenizer(path):
+    """A byte-level tokenizer with VOCAB tokens (256 bytes, one merge): a complete model directory."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet) + ["Ġt"])}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": sorted(alphabet)[0]}))
+
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {
+    "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "llama-untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0),
+    "llama3-rope-scaling": lambda: LlamaConfig(
+        **COMMON, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "tinyllama-mha": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 4}),
+    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=8, tie_word_embeddings=False),
+    "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16,
+                                       sliding_window=8, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
+
+def save(tmp_path, name, dtype=torch.float32, shard=None):
+    """Save the random model CONFIGS[name] (seeded, so the same every time) under tmp_path/name."""
+    torch.manual_seed(0)
+    config = CONFIGS[name]()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random norms too, so an off-by-one norm convention shows up
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.5)
+    model = model.to(dtype)
+    path = tmp_path / name
+    model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
+    write_tokenizer(path)
+    return path

@@ -11,14 +11,8 @@ import json
 import pytest
 
 from tests.helpers.cli import assert_clean_error, run
-from tests.helpers.tiny_gguf import write_tiny_llama
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=256)
 
 
 def assert_report(out: str, *names: str) -> None:

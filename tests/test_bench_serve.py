@@ -10,12 +10,6 @@ import pytest
 from minerva import LLM
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.server import running_server
-from tests.helpers.tiny_gguf import write_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=128)
 
 
 @pytest.fixture(scope="module")

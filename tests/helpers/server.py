@@ -39,8 +39,13 @@ def running_server(llm, **config):
 
 
 def metric(base_url: str, name: str, labels: str = "", headers: dict | None = None) -> float:
-    """Sum of a metric's samples in /metrics whose labels contain `labels`; 0 if there are none."""
+    """Sum of a metric's samples in /metrics whose labels contain `labels`; 0 if there are none
+    (a labelled counter has no sample before its first count). A name /metrics does not
+    declare is an error, so a wait on a renamed metric cannot pass by reading 0."""
     text = httpx.get(f"{base_url}/metrics", headers=headers or {}, timeout=10).text
+    family = re.sub(r"_(total|sum|count|bucket|created)$", "", name)
+    if not re.search(rf"^# TYPE ({re.escape(name)}|{re.escape(family)}) ", text, re.M):
+        raise AssertionError(f"/metrics declares no metric named {name}")
     pattern = rf"^{re.escape(name)}(?:{{([^}}]*)}})? (\S+)$"
     return sum(float(m.group(2)) for m in re.finditer(pattern, text, re.M) if labels in (m.group(1) or ""))
 

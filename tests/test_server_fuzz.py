@@ -39,6 +39,10 @@ def test_api_key(served):
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH).status_code == 200
+    for header in (f"bearer {KEY}", f"BEARER {KEY}"):  # the scheme is case-insensitive (RFC 7235)
+        assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header}).status_code == 200
+    for header in (KEY, f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", f"Bearer{KEY}"):
+        assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header}).status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
     assert httpx.get(f"{url}/metrics").status_code == 200
 

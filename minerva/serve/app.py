@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 from typing import AsyncIterator
@@ -79,12 +80,17 @@ class Guard:
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
 
+    def authorized(self, header: str) -> bool:
+        """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
+        scheme, _, key = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key and not scope["path"].startswith(self.PUBLIC):
-            if headers.get("authorization", "") != f"Bearer {self.api_key}":
+            if not self.authorized(headers.get("authorization", "")):
                 return await error_response(401, "missing or wrong API key: send the header "
                                                  "'Authorization: Bearer <key>' with the server's --api-key",
                                             type="authentication_error",

@@ -59,6 +59,8 @@ def test_sweep_writes_csv_json_and_plot(tiny, tmp_path):
     (["latency", "-r", "0"], "--repetitions"),
     (["sweep", "--batch-sizes", "0"], "--batch-sizes"),
     (["throughput", "--num-prompts", "0"], "--num-prompts"),
+    (["throughput", "--num-prompts", "2", "--sequential", "3"], "--sequential"),
+    (["throughput", "--num-prompts", "2", "--sequential", "-1"], "--sequential"),
 ])
 def test_bad_arguments(tiny, args, fragment):
     assert_clean_error(run("bench", args[0], str(tiny), *args[1:]), fragment)

@@ -18,8 +18,9 @@ _loaded: dict[str, KernelBackend] = {}
 
 
 def backend(device: torch.device | str) -> KernelBackend:
-    """The backend of `device`'s type, made once per process."""
-    kind = torch.device(device).type
+    """The backend of `device`'s type, made once per process (asked on every op: no new
+    torch.device for one that is already one)."""
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
     b = _loaded.get(kind)
     if b is None:
         b = _loaded[kind] = BACKENDS.get(kind, KernelBackend)()

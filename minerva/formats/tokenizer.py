@@ -15,6 +15,7 @@ streaming detokenization.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -170,15 +171,25 @@ class Tokenizer:
         """Token ids of `text`. Special tokens written in the text map to their ids."""
         if not isinstance(text, str):
             raise MinervaError(f"cannot tokenize a {type(text).__name__}: expected a string")
-        ids = self._backend.encode(
-            text, add_special_tokens=add_special_tokens and self._backend_adds_special
-        ).ids
+        check_unicode(text)
+        # encode_batch_fast releases the GIL while it works (encode does not), so a long prompt
+        # tokenized on a worker thread does not stall the event loop or the engine thread.
+        ids = self._backend.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens and self._backend_adds_special
+        )[0].ids
         if add_special_tokens:
             if self._add_bos:
                 ids.insert(0, self._bos)
             if self._add_eos:
                 ids.append(self._eos)
         return ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (an upper bound), so
+        `len(text) / max_token_chars` is a lower bound on the tokens of `text`: a check of a
+        prompt's length that costs nothing next to tokenizing it."""
+        return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
@@ -206,6 +217,18 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self._vocab_size}, bos={self._bos}, eos={sorted(self._eos_ids)}, "
             f"add_bos={self.add_bos}, architecture={self.architecture!r})"
         )
+
+
+def check_unicode(text: str) -> None:
+    """A MinervaError when `text` holds a lone UTF-16 surrogate (JSON's "\\ud800" decodes to
+    one), which no tokenizer can encode: valid text has surrogates only as pairs."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MinervaError(f"the text has a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                           f"{exc.start}; send valid Unicode (surrogates only in pairs)") from None
 
 
 class IncrementalDetokenizer:

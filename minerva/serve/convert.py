@@ -49,11 +49,20 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's string keys as token ids; their range is the engine's to check."""
     bias = {}
     for key, value in (raw or {}).items():
-        try:
-            bias[int(key)] = value
-        except ValueError:
-            raise APIError(400, f"logit_bias key '{key}' is not a token id (an integer)", "logit_bias") from None
+        # Only plain ASCII digits: int() would also take " 1 ", "1_0" and other scripts' digits.
+        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id (digits 0-9, no sign, "
+                                f"spaces or leading zeros)", "logit_bias")
+        bias[int(key)] = value
     return bias
+
+
+def check_supported(body: P._Sampling) -> None:
+    """A 400 naming the first OpenAI field set to something Minerva does not implement yet."""
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(400, f"'{name}' is not supported by this server yet; leave it out "
+                            f"(or send {json.dumps(P.UNSUPPORTED[name][1])})", name)
 
 
 def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:

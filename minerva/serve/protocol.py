@@ -1,13 +1,15 @@
 """Request and response bodies of the OpenAI-compatible API (the subset Minerva serves).
 
 Field limits live here, so FastAPI rejects bad values before a handler runs and
-publishes them in the OpenAPI schema. Unknown fields are ignored, as OpenAI's
-clients send more than any one server uses.
+publishes them in the OpenAPI schema. Types are strict, as in OpenAI's API ("4" is not
+a number, "yes" not a boolean), and a field Minerva does not implement is a 400 naming
+it, never silently ignored: unknown fields are refused by the models, and OpenAI fields
+Minerva lacks (`UNSUPPORTED`) are accepted only with the value that asks for nothing.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -18,12 +20,22 @@ MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 INT64 = 2**63 - 1
 
+# Fields of OpenAI's API that Minerva does not implement yet -> the values that ask for nothing.
+UNSUPPORTED: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+
 PositiveInt = Annotated[int, Field(ge=1, le=INT64)]
 TokenId = Annotated[int, Field(ge=0, le=INT64)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -36,8 +48,8 @@ class _Sampling(_Body):
     model: str | None = Field(None, description="Served model name; omitted means the served model.")
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: PositiveInt | None = None
-    stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = Field(
-        None, max_length=MAX_STOP)
+    stop: (Annotated[str, Field(min_length=1)]
+           | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, ge=0, le=2)
@@ -56,6 +68,20 @@ class _Sampling(_Body):
         description="Guesses per step for this request when the server runs with --speculative "
                     "(0 turns speculation off for it; default: the server's setting).")
     user: str | None = None
+    # OpenAI fields Minerva does not implement yet: only the values in UNSUPPORTED pass.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something Minerva does not implement, else None."""
+        for name, neutral in UNSUPPORTED.items():
+            if getattr(self, name) not in neutral:
+                return name
+        return None
 
     def stop_list(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

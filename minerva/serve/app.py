@@ -142,14 +142,25 @@ async def _minerva_error(_, exc: MinervaError):
     return error_response(400, str(exc))
 
 
+_UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part) -> bool:
+    """Whether a part of a pydantic error location names a field or an index (not the
+    member of a union that failed, such as 'constrained-str' or 'list[int]')."""
+    return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
+
+
 async def _validation_error(_, exc: RequestValidationError):
     errors = exc.errors()
     first = errors[0] if errors else {}
-    where = [str(x) for x in first.get("loc", ()) if x != "body"]
+    where = [str(x) for x in first.get("loc", ()) if _is_field(x)]
     param = ".".join(where) or None
     msg = first.get("msg", "invalid request")
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
+    if first.get("type") == "extra_forbidden":
+        text = f"unknown field '{param}': this server does not implement it; leave it out{more}"
     return error_response(400, text, param)
 
 
@@ -175,6 +186,8 @@ class OpenAIRoutes:
         self.llm, self.engine, self.metrics, self.config = llm, engine, metrics, config
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.engine.max_model_len
+        # A prompt longer than this many characters cannot fit the context, whatever its tokens.
+        self.max_prompt_chars = self.max_model_len * llm.tokenizer.max_token_chars
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
@@ -193,32 +206,29 @@ class OpenAIRoutes:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        """The engine thread runs while the app does; on shutdown, in-flight requests get
-        shutdown_timeout to finish before the rest are aborted."""
-        engine, timeout = self.engine, self.config.shutdown_timeout
-        engine.start()
+        """The engine thread runs while the app does. On shutdown (`minerva serve` drains before
+        its connections close, see `server.Server`; this covers other hosts), in-flight requests
+        get shutdown_timeout to finish before the rest are aborted."""
+        self.engine.start()
         yield
-        engine.accepting = False  # new requests get 503 from here on
-        deadline = time.monotonic() + timeout
-        while engine.num_unfinished and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if engine.num_unfinished:
-            log.warning("aborting %d requests still running after %.0f s", engine.num_unfinished, timeout)
-        await asyncio.to_thread(engine.stop)
+        await self.engine.drain(self.config.shutdown_timeout)
+        await asyncio.to_thread(self.engine.stop)
 
     # -------------------------------------------------------------- routes
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         self.check_model(body.model)
-        ids = self.encode(self.chat_prompt(body.messages, body.add_generation_prompt))
+        convert.check_supported(body)
+        ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt), "messages")
         requests = self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
                                  "messages")
         return await self.answer(raw, requests, body, True, body.logprobs, len(ids), [""] * len(requests))
 
     async def completions(self, body: P.CompletionRequest, raw: HTTPRequest) -> Response:
         self.check_model(body.model)
+        convert.check_supported(body)
         prompts = convert.completion_prompts(body)
-        ids = [self.encode(p) for p in prompts]
+        ids = [await self.encode(p, "prompt") for p in prompts]
         requests = self.requests(ids, body, body.max_tokens, body.logprobs, "prompt")
         prefixes = [""] * len(requests)
         if body.echo:
@@ -243,9 +253,9 @@ class OpenAIRoutes:
     async def tokenize(self, body: P.TokenizeRequest):
         self.check_model(body.model)
         if body.messages is not None:
-            ids = self.llm.encode_prompt(self.chat_prompt(body.messages, body.add_generation_prompt))
+            ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt), "messages")
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await self.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, body: P.DetokenizeRequest):
@@ -260,18 +270,29 @@ class OpenAIRoutes:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}' "
                                 f"(see /v1/models)", "model")
 
-    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> str:
+    async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> str:
+        """The conversation rendered by the model's chat template, on a worker thread: a template
+        is code from the model file, and its time is bounded by the renderer, not the event loop."""
         try:
-            return self.llm.apply_chat_template(convert.chat_messages(messages),
-                                                add_generation_prompt=add_generation_prompt)
+            return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
+                                           add_generation_prompt=add_generation_prompt)
         except MinervaError as exc:
             raise APIError(400, str(exc), "messages") from None
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int], param: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a prompt. Text longer than the context could hold is refused before any
+        tokenizing; the rest is tokenized on a worker thread (the tokenizer lets go of the GIL),
+        so a long prompt does not stall other requests' streams."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {len(prompt)} characters, more than this model's maximum "
+                                f"context length of {self.max_model_len} tokens can hold (at most "
+                                f"{self.max_prompt_chars}); shorten the prompt", param)
         try:
-            return self.llm.encode_prompt(prompt)
+            if add_special_tokens is None:
+                return await asyncio.to_thread(self.llm.encode_prompt, prompt)
+            return await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens)
         except MinervaError as exc:
-            raise APIError(400, str(exc), "prompt") from None
+            raise APIError(400, str(exc), param) from None
 
     def requests(self, prompts: list[list[int]], body: P._Sampling, max_tokens: int | None,
                  logprobs: int | None, param: str) -> list[Request]:
@@ -280,6 +301,10 @@ class OpenAIRoutes:
         for ids in prompts:
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
             requests += self.llm.make_requests(ids, convert.sampling_params(body, limit, logprobs))
+        if len(requests) > self.config.max_waiting:  # could never be queued: not a matter of retrying
+            raise APIError(400, f"this request asks for {len(requests)} completions (prompts x n), more than "
+                                f"the server queues at once (--max-waiting {self.config.max_waiting}); "
+                                f"split it", "n")
         return requests
 
     def submit(self, requests: list[Request]) -> Group:

@@ -103,6 +103,21 @@ class AsyncEngine:
     def abort(self, group: Group) -> None:
         self._commands.put(("abort", [r.request_id for r in group.requests]))
 
+    async def drain(self, timeout: float, give_up=lambda: False) -> None:
+        """Stop taking requests, give those in flight `timeout` seconds to finish, then abort
+        the rest: each of their streams ends with finish_reason "abort" (and the server's
+        [DONE]) instead of a cut connection. `give_up()` true ends the wait early."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.num_unfinished and time.monotonic() < deadline and not give_up():
+            await asyncio.sleep(0.05)
+        if self.num_unfinished and self.alive:
+            log.warning("aborting %d requests still running after %.0f s", self.num_unfinished, timeout)
+            self._commands.put(("abort all", None))
+            deadline = time.monotonic() + 5.0
+            while self.num_unfinished and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+
     async def stream(self, group: Group) -> AsyncIterator[tuple[Tracked, StreamDelta]]:
         """Deltas of the group's requests until all have finished; aborts them if the consumer
         stops early (a client that went away, a cancelled task)."""
@@ -150,6 +165,9 @@ class AsyncEngine:
                     self._add(arg, out)
                 elif kind == "abort":
                     for rid in arg:
+                        self._abort(rid, out)
+                elif kind == "abort all":
+                    for rid in list(self._live):
                         self._abort(rid, out)
                 else:
                     stop = True

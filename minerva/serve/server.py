@@ -5,7 +5,36 @@ from __future__ import annotations
 import logging
 import sys
 
+import uvicorn
+
 from minerva.serve.app import ServerConfig, build_app
+
+# After the drain, how long uvicorn waits for clients to read the ends of their responses.
+CLOSE_GRACE = 5.0
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server with Minerva's shutdown (SIGTERM, SIGINT).
+
+    uvicorn alone waits for open connections and then cancels their tasks: a stream in flight
+    ends with a cut connection and a CancelledError traceback. Here the listening sockets close
+    first, the engine then drains (in-flight requests get --shutdown-timeout to finish, the rest
+    end with finish_reason "abort" and [DONE]), and only then does uvicorn close connections.
+    The process exits 0: a shutdown asked for by a signal is a clean exit, so the signal is not
+    raised again after it (what uvicorn does by default).
+    """
+
+    def __init__(self, config: uvicorn.Config, drain_timeout: float):
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in getattr(self, "servers", ()):
+            server.close()  # no new connections while draining
+        engine = self.config.app.state.engine
+        await engine.drain(self.drain_timeout, give_up=lambda: self.force_exit)
+        await super().shutdown(sockets)
+        self._captured_signals.clear()  # read by uvicorn's capture_signals after this returns
 
 
 def describe(llm, config: ServerConfig, url: str) -> str:
@@ -19,15 +48,17 @@ def describe(llm, config: ServerConfig, url: str) -> str:
             f"OpenAI API at {url}/v1")
 
 
+def make_server(app, config: ServerConfig, log_level: str = "info", **uvicorn_options) -> Server:
+    """The uvicorn server `minerva serve` runs `app` with (the tests run the same one)."""
+    return Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=5,
+                                 timeout_graceful_shutdown=CLOSE_GRACE, **uvicorn_options),
+                  drain_timeout=config.shutdown_timeout)
+
+
 def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           threads: int | None = None) -> None:
-    import uvicorn
-
     app = build_app(llm, config, threads=threads)
     shown = f"[{host}]" if ":" in host else host
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     print(describe(llm, config, f"http://{shown}:{port}"), file=sys.stderr, flush=True)
-    # uvicorn stops accepting on SIGTERM/SIGINT and waits shutdown_timeout for open requests;
-    # the app's lifespan then aborts what is left and joins the engine thread.
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=config.shutdown_timeout or None, timeout_keep_alive=5)
+    make_server(app, config, host=host, port=port).run()

@@ -257,8 +257,9 @@ def test_metrics_names(served):
 
 
 def test_shutdown_ends_in_flight_requests(smollm2_gguf):
-    """Shutting down with a request still generating: within the timeouts the stream ends, the
-    engine thread stops, and the request's blocks are freed."""
+    """Shutting down with a request still generating: after the shutdown timeout the stream ends
+    with finish_reason "abort" and [DONE], the engine thread stops, and the request's blocks are
+    freed."""
     import threading
     import time
 
@@ -280,5 +281,8 @@ def test_shutdown_ends_in_flight_requests(smollm2_gguf):
         start = time.monotonic()
     t.join(30)
     assert not t.is_alive() and time.monotonic() - start < 15
+    data = [e for e in events if e.startswith("data: ")]
+    assert data[-1] == "data: [DONE]", events[-3:]
+    assert '"finish_reason": "abort"' in data[-2], data[-2]
     assert not app.state.engine.alive
     assert llm.engine.blocks.num_used_blocks == 0 and not llm.engine.has_unfinished()

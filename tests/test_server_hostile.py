@@ -1,0 +1,313 @@
+"""`minerva serve` against careless and hostile clients: bad Unicode, loose types, fields it does
+not implement, requests that can never fit, long prompts, clients that vanish, and SIGTERM with
+streams in flight. Every failure is a 4xx with an OpenAI error body; nothing a client sends
+costs another client its answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from minerva import LLM
+from tests.helpers.server import metric, running_server, wait_for
+from tests.helpers.tiny_gguf import write_tiny_llama
+
+LONG_CONTEXT = 4096  # long enough that a stream outlasts a short shutdown timeout
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=8e6, max_num_seqs=4)
+    with running_server(llm, max_waiting=8) as (url, app):
+        yield url, app
+
+
+def post(url: str, route: str, body: dict | str, timeout: float = 60) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{url}{route}", content=content, headers={"Content-Type": "application/json"},
+                      timeout=timeout)
+
+
+def assert_400(r: httpx.Response, *fragments: str, param: str | None = None) -> dict:
+    assert r.status_code == 400, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == 400
+    for f in fragments:
+        assert f in error["message"], error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# ------------------------------------------------------------------ Unicode
+
+
+SURROGATE = '"a\\ud800b"'  # JSON text for a string with a lone high surrogate
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", '{"prompt": %s, "max_tokens": 2}' % SURROGATE),
+    ("/v1/completions", '{"prompt": ["ok", %s], "max_tokens": 2}' % SURROGATE),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": %s}], "max_tokens": 2}' % SURROGATE),
+    ("/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}], "max_tokens": 2}' % SURROGATE),
+    ("/tokenize", '{"prompt": %s}' % SURROGATE),
+    ("/tokenize", '{"messages": [{"role": "user", "content": %s}]}' % SURROGATE),
+])
+def test_lone_surrogate_is_400(served, route, body):
+    assert_400(post(served[0], route, body), "lone surrogate", "U+D800")
+
+
+def test_surrogate_pair_is_fine(served):
+    r = post(served[0], "/v1/completions", '{"prompt": "a\\ud83d\\ude00b", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ types and fields
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", "4"), ("max_tokens", 4.0), ("stream", "yes"), ("stream", 1), ("temperature", "1"),
+    ("n", True), ("seed", "7"), ("ignore_eos", "true"), ("stop", 5), ("logprobs", "2"), ("echo", 0),
+])
+def test_types_are_strict(served, field, value):
+    r = post(served[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
+    assert_400(r, field, param=field)
+
+
+def test_chat_types_are_strict(served):
+    url = served[0]
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert_400(post(url, "/v1/chat/completions", {**base, "logprobs": "true"}), param="logprobs")
+    assert_400(post(url, "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": 5}]}))
+    assert post(url, "/v1/chat/completions", {**base, "temperature": 0}).status_code == 200  # int for a float
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+])
+def test_unimplemented_fields_are_400(served, field, value):
+    url = served[0]
+    for route, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                        ("/v1/completions", {"prompt": "hi"})):
+        r = post(url, route, {**base, "max_tokens": 2, field: value})
+        assert_400(r, f"'{field}' is not supported", param=field)
+
+
+def test_unknown_field_is_400_and_neutral_values_pass(served):
+    url = served[0]
+    r = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_a": 0.5})
+    assert_400(r, "unknown field 'top_a'", param="top_a")
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "mood": "x"}]})
+    assert_400(r, "unknown field 'messages.0.mood'")
+    neutral = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+               "parallel_tool_calls": True}
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                           **neutral})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("key", [" 1 ", "1_0", "\u0661", "+1", "-1", "01", "1.0", "", "0x10"])
+def test_logit_bias_keys_are_plain_integers(served, key):
+    r = post(served[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, "logit_bias": {key: 5}})
+    assert_400(r, "logit_bias key", param="logit_bias")
+
+
+def test_logit_bias_plain_key_works(served):
+    url = served[0]
+    [b] = post(url, "/tokenize", {"prompt": "B", "add_special_tokens": False}).json()["tokens"]
+    r = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 0,
+                                      "logit_bias": {str(b): 100}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "BBB", r.text
+
+
+# ------------------------------------------------------------------ status codes
+
+
+def test_long_stop_string_is_accepted(served):
+    stop = "a stop string longer than sixteen characters"
+    r = post(served[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": stop})
+    assert r.status_code == 200, r.text
+    r = post(served[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": [stop] * 16})
+    assert r.status_code == 200, r.text
+    assert_400(post(served[0], "/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}), param="stop")
+
+
+def test_request_beyond_max_waiting_is_400_not_503(served):
+    """Nine completions can never be queued under --max-waiting 8, however idle the server is."""
+    url = served[0]
+    r = post(url, "/v1/completions", {"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})
+    error = assert_400(r, "--max-waiting 8", "9 completions")
+    assert "retry-after" not in r.headers and error["type"] == "invalid_request_error"
+    assert post(url, "/v1/completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 2}).status_code == 200
+
+
+# ------------------------------------------------------------------ long prompts
+
+
+def test_prompt_longer_than_the_context_is_refused_untokenized(served, monkeypatch):
+    """A prompt with more characters than the context could hold tokens is refused without being
+    tokenized; the rest are tokenized on a worker thread, never on the event loop."""
+    url, app = served
+    tok = app.state.llm.tokenizer
+    real, threads = tok.encode, []
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "encode", spy)
+    limit = app.state.llm.engine.max_model_len * tok.max_token_chars
+    r = post(url, "/v1/completions", {"prompt": "x" * (limit + 1), "max_tokens": 2})
+    assert_400(r, f"{limit + 1} characters", "maximum context length", param="prompt")
+    r = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (limit + 1)}]})
+    assert_400(r, "characters", "maximum context length", param="messages")
+    assert threads == []
+    r = post(url, "/v1/completions", {"prompt": "x" * 50, "max_tokens": 2})
+    assert r.status_code == 200
+    r = post(url, "/tokenize", {"prompt": "abc"})
+    assert r.status_code == 200 and r.json()["count"] >= 3
+    assert len(threads) == 2 and "MainThread" not in threads and all(threads), threads
+    loop_thread = app.state.engine._loop._thread_id
+    assert all(t != loop_thread for t in threads)
+
+
+# ------------------------------------------------------------------ vanishing clients
+
+
+def test_soak_random_disconnects_free_every_block(served):
+    """16 streaming clients, half of which go away at a random point: every survivor gets its
+    whole answer and [DONE], and the KV cache ends empty."""
+    url = served[0]
+    rng = random.Random(1234)
+    plans = [(rng.random() < 0.5, rng.randint(1, 30)) for _ in range(16)]
+    results: list = [None] * len(plans)
+
+    def client(i: int, leave: bool, after: int) -> None:
+        body = {"prompt": f"client {i}", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if leave and len(lines) >= after:
+                    break  # leaving the block closes the connection mid-stream
+        results[i] = (r.status_code, lines)
+
+    for round_ in range(2):
+        threads = [threading.Thread(target=client, args=(i, *plan)) for i, plan in enumerate(plans)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        for (leave, _), (status, lines) in zip(plans, results):
+            assert status in (200, 503), status
+            if status == 200 and not leave:
+                data = [ln for ln in lines if ln.startswith("data: ")]
+                assert data[-1] == "data: [DONE]"
+                assert sum(len(json.loads(d[6:])["choices"][0]["text"]) > 0 for d in data[:-1]) >= 1
+        wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0
+                 and metric(url, "minerva:num_requests_running") == 0, what="an idle engine")
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+# ------------------------------------------------------------------ SIGTERM
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        time.sleep(0.2)
+        return False
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("long") / "long.gguf", context=LONG_CONTEXT)
+
+
+@pytest.mark.parametrize("shutdown_timeout,finished", [(0.5, "abort"), (60, "length")])
+def test_sigterm_ends_streams_cleanly(long_tiny, shutdown_timeout, finished):
+    """SIGTERM with streams in flight, read by the openai SDK: within --shutdown-timeout they
+    finish ("length"); past it they end with finish_reason "abort"; either way each stream gets
+    its [DONE], and the server exits 0 without a traceback."""
+    from openai import OpenAI
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "minerva", "serve", str(long_tiny), "--port", str(port),
+                             "--kv-cache-memory", "16e6", "--shutdown-timeout", str(shutdown_timeout)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    max_tokens = 3000 if finished == "abort" else 300
+    ends: list = []
+    started = threading.Semaphore(0)
+
+    def sdk_stream() -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        reasons, first = [], True
+        stream = client.completions.create(model="long", prompt="once upon a time", max_tokens=max_tokens,
+                                           stream=True, extra_body={"ignore_eos": True})
+        for chunk in stream:  # raises if the connection breaks
+            if first:
+                started.release()
+                first = False
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        ends.append(("sdk", reasons))
+
+    def raw_stream() -> None:
+        body = {"prompt": "once", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                if not lines:
+                    started.release()
+                lines.append(line)
+        data = [ln for ln in lines if ln.startswith("data: ")]
+        ends.append(("raw", data[-1], json.loads(data[-2][6:])["choices"][0]["finish_reason"]))
+
+    try:
+        wait_for(lambda: _up(url), timeout=120, what="minerva serve to start")
+        threads = [threading.Thread(target=sdk_stream) for _ in range(3)] + [threading.Thread(target=raw_stream)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=shutdown_timeout + 60)
+        for t in threads:
+            t.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "CancelledError" not in out, out
+    assert sorted(e[0] for e in ends) == ["raw", "sdk", "sdk", "sdk"], (ends, out)
+    for e in ends:
+        if e[0] == "sdk":
+            assert e[1] == [finished], e
+        else:
+            assert e[1] == "data: [DONE]" and e[2] == finished, (e, out)

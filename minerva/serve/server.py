@@ -6,6 +6,7 @@ import logging
 import sys
 
 from minerva.serve.app import ServerConfig, build_app
+from minerva.serve.connections import http_protocol
 
 
 def describe(llm, config: ServerConfig, url: str) -> str:
@@ -19,6 +20,13 @@ def describe(llm, config: ServerConfig, url: str) -> str:
             f"OpenAI API at {url}/v1")
 
 
+def uvicorn_options(config: ServerConfig) -> dict:
+    """The uvicorn settings `config` implies: the HTTP protocol with its header deadline and
+    connection cap (see `connections`), keep-alive and the graceful-shutdown wait."""
+    return dict(http=http_protocol(config.header_timeout, config.max_connections), timeout_keep_alive=5,
+                timeout_graceful_shutdown=config.shutdown_timeout or None)
+
+
 def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           threads: int | None = None) -> None:
     import uvicorn
@@ -29,5 +37,4 @@ def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     print(describe(llm, config, f"http://{shown}:{port}"), file=sys.stderr, flush=True)
     # uvicorn stops accepting on SIGTERM/SIGINT and waits shutdown_timeout for open requests;
     # the app's lifespan then aborts what is left and joins the engine thread.
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False,
-                timeout_graceful_shutdown=config.shutdown_timeout or None, timeout_keep_alive=5)
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False, **uvicorn_options(config))

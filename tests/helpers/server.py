@@ -16,13 +16,16 @@ def running_server(llm, **config):
     import uvicorn
 
     from minerva.serve.app import ServerConfig, build_app
+    from minerva.serve.server import uvicorn_options
 
-    app = build_app(llm, ServerConfig(**{"served_model_name": "test-model", **config}))
+    server_config = ServerConfig(**{"served_model_name": "test-model", **config})
+    app = build_app(llm, server_config)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                            **{**uvicorn_options(server_config), "timeout_graceful_shutdown": 2}))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -159,7 +159,9 @@ def cmd_serve(args) -> int:
     model = args.model[0] if args.model else None
     # Checked before the model loads, so a bad flag fails at once.
     config = ServerConfig(args.served_model_name or "?", api_key=args.api_key or None,
-                          max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout)
+                          max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+                          header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                          max_connections=args.max_connections)
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
     llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
     # Clients name the model as it was given: a pulled name as is, a file or directory by its stem.
@@ -240,6 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for the engine; beyond it, 503 with Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM before they are aborted")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a complete request head; slower: 408 and closed "
+                        "(default 10)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request has to send its whole body after its head; slower: 408 and closed "
+                        "(default 60)")
+    p.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections allowed; one more gets 503 with Retry-After at once (default 1024)")
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 

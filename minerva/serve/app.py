@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import math
 import time
 from typing import AsyncIterator
 
@@ -41,8 +42,16 @@ class ServerConfig:
     max_waiting: int = 256  # requests queued before the engine takes them; more get 503
     max_body_bytes: int = 4 << 20
     shutdown_timeout: float = 10.0  # seconds in-flight requests get on shutdown
+    header_timeout: float = 10.0  # seconds a connection has to send a complete request head; then 408
+    body_timeout: float = 60.0  # seconds a request has to send its whole body after its head; then 408
+    max_connections: int = 1024  # open connections; one more gets 503 at once
 
     def __post_init__(self):
+        for flag, value in (("header-timeout", self.header_timeout), ("body-timeout", self.body_timeout)):
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise MinervaError(f"--{flag} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(self.max_connections, int) or self.max_connections < 1:
+            raise MinervaError(f"--max-connections must be an integer >= 1, got {self.max_connections!r}")
         if not isinstance(self.max_waiting, int) or self.max_waiting < 1:
             raise MinervaError(f"--max-waiting must be an integer >= 1, got {self.max_waiting!r}")
         if not self.shutdown_timeout >= 0:
@@ -69,16 +78,18 @@ ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what i
 
 
 class Guard:
-    """ASGI middleware: the API key (401) and the body size (413), checked before routing.
+    """ASGI middleware: the API key (401), the body size (413) and the body's deadline (408),
+    checked before routing.
 
-    The body is read here (at most max_body_bytes of it) and replayed to the app, so a
-    chunked upload cannot grow past the limit either.
+    The body is read here (at most max_body_bytes of it, all within body_timeout seconds) and
+    replayed to the app, so a chunked upload cannot grow past the limit, nor a slow one hold
+    its connection, either.
     """
 
     PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float = 60.0):
+        self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
 
     def authorized(self, header: str) -> bool:
         """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
@@ -102,8 +113,15 @@ class Guard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                return await error_response(408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                                 f"(the server's --body-timeout)",
+                                            headers={"Connection": "close"})(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client left before sending its body
             chunks.append(message.get("body", b""))
@@ -404,7 +422,8 @@ def build_app(llm, config: ServerConfig, threads: int | None = None) -> FastAPI:
     app = FastAPI(title="Minerva", version="0.1.0", lifespan=routes.lifespan,
                   description="OpenAI-compatible server of the Minerva inference engine.")
     app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout=config.body_timeout)
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
     routes.register(app)

@@ -8,6 +8,7 @@ import sys
 import uvicorn
 
 from minerva.serve.app import ServerConfig, build_app
+from minerva.serve.connections import http_protocol
 
 # After the drain, how long uvicorn waits for clients to read the ends of their responses.
 CLOSE_GRACE = 5.0
@@ -48,10 +49,13 @@ def describe(llm, config: ServerConfig, url: str) -> str:
             f"OpenAI API at {url}/v1")
 
 
-def make_server(app, config: ServerConfig, log_level: str = "info", **uvicorn_options) -> Server:
-    """The uvicorn server `minerva serve` runs `app` with (the tests run the same one)."""
+def make_server(app, config: ServerConfig, log_level: str = "info", **options) -> Server:
+    """The uvicorn server `minerva serve` runs `app` with (the tests run the same one): the HTTP
+    protocol with its request-head deadline and connection cap (see `connections`), keep-alive,
+    and the drain on shutdown."""
     return Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=5,
-                                 timeout_graceful_shutdown=CLOSE_GRACE, **uvicorn_options),
+                                 http=http_protocol(config.header_timeout, config.max_connections),
+                                 timeout_graceful_shutdown=CLOSE_GRACE, **options),
                   drain_timeout=config.shutdown_timeout)
 
 

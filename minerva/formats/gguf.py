@@ -43,6 +43,10 @@ def _value_type(raw: int) -> gguf.GGUFValueType:
     return gguf.GGUFValueType(int(raw))
 
 
+def _power_of_two(n) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
 class _Reader(gguf.GGUFReader):
     """The `gguf` package's reader, with array fields parsed in one pass and every size
     the file claims checked against the bytes it has.
@@ -88,6 +92,9 @@ class _Reader(gguf.GGUFReader):
             self._push_field(gguf.ReaderField(orig_offs, key, [klen, kdata, raw_type, *parts],
                                               [i + 3 for i in idxs], types), skip_sum=True)
             offs += size
+        align = self.fields.get("general.alignment")
+        if align is not None and (align.types != [gguf.GGUFValueType.UINT32] or not _power_of_two(align.contents())):
+            raise _Corrupt(f"general.alignment = {align.contents()!r} is not a power of two stored as UINT32")
         return offs
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):

@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from tests.helpers.cli import assert_clean_error, run
-from tests.helpers.hostile import INTERESTING, M32, M64, put, run_worker, sites
+from tests.helpers.hostile import INTERESTING, M32, M64, put, retyped, run_worker, sites
 from tests.helpers.tiny_gguf import write_tiny_llama
 
 SECONDS_PER_FILE = 2.0
@@ -90,6 +90,23 @@ def _aligned_gguf(path, alignment: int):
     return path
 
 
+V = gguf.GGUFValueType
+RETYPED = [  # (case, key, value, type, item type, fragments): a well-formed file, a value of the wrong type
+    ("tokens-uint32", "tokenizer.ggml.tokens", 5, V.UINT32, None, ["tokenizer.ggml.tokens", "list of str"]),
+    ("tokens-string", "tokenizer.ggml.tokens", "abc", V.STRING, None, ["tokenizer.ggml.tokens", "list of str"]),
+    ("merges-ints", "tokenizer.ggml.merges", [1, 2], V.ARRAY, V.UINT32, ["tokenizer.ggml.merges", "list of str"]),
+    ("types-strings", "tokenizer.ggml.token_type", ["a"] * 257, V.ARRAY, V.STRING,
+     ["tokenizer.ggml.token_type", "list of int"]),
+    ("bos-nan", "tokenizer.ggml.bos_token_id", float("nan"), V.FLOAT32, None, ["bos_token_id", "type int"]),
+    ("bos-list", "tokenizer.ggml.bos_token_id", [1], V.ARRAY, V.UINT32, ["bos_token_id", "type int"]),
+    ("pre-list", "tokenizer.ggml.pre", ["a"], V.ARRAY, V.STRING, ["tokenizer.ggml.pre", "type str"]),
+    ("template-int", "tokenizer.chat_template", 1, V.UINT32, None, ["tokenizer.chat_template", "type str"]),
+    ("layers-float-inf", "llama.block_count", float("inf"), V.FLOAT32, None,
+     ["llama.block_count = inf is not a plausible layer count"]),
+    ("heads-string", "llama.attention.head_count", "many", V.STRING, None,
+     ["llama.attention.head_count = 'many' is not a plausible head count"]),
+]
+
 HF_CONFIG = dict(model_type="llama", vocab_size=257, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=256)
@@ -136,6 +153,8 @@ def results(base, tmp_path_factory):
     for case, site, value, _ in GGUF_CASES:
         paths[f"gguf:{case}"] = root / f"{case}.gguf"
         paths[f"gguf:{case}"].write_bytes(_mutated(data, where, site, value))
+    for case, key, value, vtype, sub, _ in RETYPED:
+        paths[f"retyped:{case}"] = retyped(base[0], root / f"{case}.gguf", key, value, vtype, sub)
     for value in (0, 3, 1 << 31, M32):
         paths[f"align:{value}"] = _aligned_gguf(root / f"align-{value}.gguf", value)
     for case, config, _ in HF_CASES:
@@ -156,6 +175,11 @@ def _assert_clean(result: dict, fragments: list[str]):
 @pytest.mark.parametrize("case,site,value,fragments", GGUF_CASES, ids=[c[0] for c in GGUF_CASES])
 def test_corrupt_gguf_is_one_clean_error(results, case, site, value, fragments):
     _assert_clean(results[f"gguf:{case}"], fragments)
+
+
+@pytest.mark.parametrize("case,key,value,vtype,sub,fragments", RETYPED, ids=[c[0] for c in RETYPED])
+def test_value_of_the_wrong_type_is_one_clean_error(results, case, key, value, vtype, sub, fragments):
+    _assert_clean(results[f"retyped:{case}"], fragments)
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 1 << 31, M32])
@@ -182,3 +206,56 @@ def test_cli_reports_a_corrupt_array_length_on_one_line(base, tmp_path):
 def test_cli_reports_a_deeply_nested_config_on_one_line(tmp_path):
     path = _hf_dir(tmp_path, "deep", '"a": ' + "[" * 100_000 + "]" * 100_000)
     assert_clean_error(run("generate", path, "hi", timeout=120), "config.json", "nested too deeply")
+
+
+# ------------------------------------------------------------------ fuzz
+
+FUZZ_SEED, FUZZ_SITES, FUZZ_BYTES, FUZZ_CUTS = 20240612, 320, 80, 40
+
+
+def fuzz_cases(data: bytes, where: dict, seed: int) -> list[tuple[str, bytes]]:
+    """Deterministic mutations of a valid file: an interesting value written over a length,
+    count, type or offset; a few random bytes in the header, metadata and tensor infos; a cut."""
+    rng = random.Random(seed)
+    size, names = len(data), sorted(where)
+    infos_end = max(s.offset + s.width for s in where.values())
+    cases = []
+    for _ in range(FUZZ_SITES):
+        site = where[rng.choice(names)]
+        old = site.value(data)
+        value = rng.choice(INTERESTING + [size - 1, size, size + 1, size - infos_end, size - infos_end + 32,
+                                          old - 1, old + 1, 2 * old, old + rng.randint(2, 64)])
+        cases.append((f"{site.name}={value}", put(data, site, value)))
+    for i in range(FUZZ_BYTES):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(infos_end)] = rng.randrange(256)
+        cases.append((f"bytes-{i}", bytes(b)))
+    for _ in range(FUZZ_CUTS):
+        n = rng.randrange(size)
+        cases.append((f"cut-{n}", data[:n]))
+    return cases
+
+
+def test_mutation_fuzz_loads_or_fails_cleanly(base, tmp_path):
+    """Each mutated file loads or raises MinervaError (never another exception), each within
+    SECONDS_PER_FILE and without growing the peak RSS by more than RSS_GROWTH_MB."""
+    _, data, where = base
+    cases = [("unmutated", data), *fuzz_cases(data, where, FUZZ_SEED)]
+    paths = {}
+    for i, (name, blob) in enumerate(cases):
+        paths[name] = tmp_path / f"case{i}.gguf"
+        paths[name].write_bytes(blob)
+    start = time.perf_counter()
+    results = run_worker([str(p) for p in paths.values()], tmp_path)
+    wall = time.perf_counter() - start
+    by_case = {name: results[str(p)] for name, p in paths.items()}
+    assert by_case["unmutated"]["outcome"] == "ok", by_case["unmutated"]
+    bad = {name: r for name, r in by_case.items()
+           if r["outcome"] not in ("ok", "MinervaError") or r["seconds"] > SECONDS_PER_FILE
+           or r["rss_growth_mb"] > RSS_GROWTH_MB
+           or "MemoryError" in r["message"] or "RecursionError" in r["message"]}
+    assert not bad, {name: (r["outcome"], r["message"][-300:]) for name, r in list(bad.items())[:10]}
+    errors = sum(r["outcome"] == "MinervaError" for r in by_case.values())
+    assert errors > len(cases) // 2, f"only {errors} of {len(cases)} mutations were refused"
+    print(f"{len(cases)} cases, {errors} refused, {wall:.1f} s")

@@ -426,7 +426,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         arch = _architecture(f.architecture, f"'{path}'")
         config = _config_from_gguf(f, arch)
         weights = GGUFWeights(f, arch, config, device, dtype)
-        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        except MinervaError as exc:
+            raise MinervaError(f"'{path}': {exc}") from None
     with torch.inference_mode():
         model = arch.build(config, weights)
         stored, compute = _prepare(model)

@@ -86,6 +86,27 @@ def put(data: bytes, site: Site, value: int) -> bytes:
     return data[:site.offset] + value.to_bytes(site.width, "little") + data[site.offset + site.width:]
 
 
+def retyped(src: Path, dst: Path, key: str, value, vtype: gguf.GGUFValueType,
+            sub_type: gguf.GGUFValueType | None = None) -> Path:
+    """A copy of the GGUF file `src` whose metadata `key` holds `value` as `vtype` instead:
+    a well-formed file with a value of the wrong type."""
+    reader = gguf.GGUFReader(src, "r")
+    w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", key):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    w.add_key_value(key, value, vtype, sub_type=sub_type)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def run_worker(manifest: list[str], tmp_path: Path, timeout: float = 240) -> dict[str, dict]:
     """Load every path of `manifest` in one capped subprocess; results by path."""
     listing = tmp_path / "manifest.json"

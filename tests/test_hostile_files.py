@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -91,10 +92,11 @@ def _aligned_gguf(path, alignment: int):
 
 
 V = gguf.GGUFValueType
-RETYPED = [  # (case, key, value, type, item type, fragments): a well-formed file, a value of the wrong type
+# (case, key, value, type, item type, fragments): a well-formed file with one value of the wrong type
+RETYPED = [
     ("tokens-uint32", "tokenizer.ggml.tokens", 5, V.UINT32, None, ["tokenizer.ggml.tokens", "list of str"]),
-    ("tokens-string", "tokenizer.ggml.tokens", "abc", V.STRING, None, ["tokenizer.ggml.tokens", "list of str"]),
-    ("merges-ints", "tokenizer.ggml.merges", [1, 2], V.ARRAY, V.UINT32, ["tokenizer.ggml.merges", "list of str"]),
+    ("tokens-string", "tokenizer.ggml.tokens", "abc", V.STRING, None, ["tokens", "list of str"]),
+    ("merges-ints", "tokenizer.ggml.merges", [1, 2], V.ARRAY, V.UINT32, ["merges", "list of str"]),
     ("types-strings", "tokenizer.ggml.token_type", ["a"] * 257, V.ARRAY, V.STRING,
      ["tokenizer.ggml.token_type", "list of int"]),
     ("bos-nan", "tokenizer.ggml.bos_token_id", float("nan"), V.FLOAT32, None, ["bos_token_id", "type int"]),
@@ -144,6 +146,24 @@ def _hf_dir(root, name: str, config: dict | str) -> str:
     return str(path)
 
 
+def _safetensors(header: dict | None = None, length: int | None = None) -> bytes:
+    """A one-tensor safetensors file, with its JSON header or the header's length replaced."""
+    header = header or {"model.norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}}
+    text = json.dumps(header)
+    text += " " * (-len(text) % 8)
+    return (len(text) if length is None else length).to_bytes(8, "little") + text.encode() + bytes(256)
+
+
+ST_CASES = [  # (case, model.safetensors bytes): already refused by the safetensors library; kept as guards
+    ("header-len-2^64-1", _safetensors(length=M64)),
+    ("header-len-past-end", _safetensors(length=4096)),
+    ("shape-overflow", _safetensors({"model.norm.weight": {"dtype": "F32", "shape": [1 << 32, 1 << 32, 4],
+                                                           "data_offsets": [0, 256]}})),
+    ("offset-past-end", _safetensors({"model.norm.weight": {"dtype": "F32", "shape": [64],
+                                                            "data_offsets": [0, 1 << 40]}})),
+]
+
+
 @pytest.fixture(scope="module")
 def results(base, tmp_path_factory):
     """Every hostile file of this module, loaded once in the capped worker."""
@@ -159,6 +179,9 @@ def results(base, tmp_path_factory):
         paths[f"align:{value}"] = _aligned_gguf(root / f"align-{value}.gguf", value)
     for case, config, _ in HF_CASES:
         paths[f"hf:{case}"] = _hf_dir(root, case, config)
+    for case, blob in ST_CASES:
+        paths[f"st:{case}"] = Path(_hf_dir(root, f"st-{case}", {}))
+        (paths[f"st:{case}"] / "model.safetensors").write_bytes(blob)
     out = run_worker([str(p) for p in paths.values()], root)
     return {key: out[str(p)] for key, p in paths.items()}
 
@@ -191,6 +214,11 @@ def test_bad_alignment_is_one_clean_error(results, alignment):
 @pytest.mark.parametrize("case,config,fragments", HF_CASES, ids=[c[0] for c in HF_CASES])
 def test_absurd_config_json_is_one_clean_error(results, case, config, fragments):
     _assert_clean(results[f"hf:{case}"], ["config.json", *fragments])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in ST_CASES])
+def test_corrupt_safetensors_is_one_clean_error(results, case):
+    _assert_clean(results[f"st:{case}"], ["model.safetensors", "not a readable safetensors file"])
 
 
 def test_cli_reports_a_corrupt_array_length_on_one_line(base, tmp_path):

@@ -29,8 +29,10 @@ _MAX_TENSORS = 1 << 20
 _MAX_ARRAY = 1 << 21  # entries of one metadata array
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 # The fewest bytes one entry can take: a metadata entry (key length, type, one byte of
-# value), a tensor info (name length, dim count, type, offset), an array element.
-_KV_BYTES, _TENSOR_INFO_BYTES, _ARRAY_BYTES, _STRING_BYTES = 13, 24, 12, 8
+# value), a tensor info (name length, dim count, type, offset), a string or array element
+# (its length; its item type and length); a number takes its itemsize.
+_KV_BYTES, _TENSOR_INFO_BYTES = 13, 24
+_ITEM_BYTES = {gguf.GGUFValueType.STRING: 8, gguf.GGUFValueType.ARRAY: 12}
 
 
 class _Corrupt(ValueError):
@@ -90,11 +92,12 @@ class _Reader(gguf.GGUFReader):
             except (_Corrupt, UnicodeDecodeError) as exc:
                 raise _Corrupt(f"{where}: {exc}") from None
             self._push_field(gguf.ReaderField(orig_offs, key, [klen, kdata, raw_type, *parts],
-                                              [i + 3 for i in idxs], types), skip_sum=True)
+                                              [j + 3 for j in idxs], types), skip_sum=True)
             offs += size
-        align = self.fields.get("general.alignment")
-        if align is not None and (align.types != [gguf.GGUFValueType.UINT32] or not _power_of_two(align.contents())):
-            raise _Corrupt(f"general.alignment = {align.contents()!r} is not a power of two stored as UINT32")
+        align = self.fields.get("general.alignment")  # checked here to name it; the stock reader raises
+        if align is not None and (align.types != [gguf.GGUFValueType.UINT32]
+                                  or not _power_of_two(align.contents())):
+            raise _Corrupt(f"general.alignment = {align.contents()!r} should be a power of two (UINT32)")
         return offs
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
@@ -105,8 +108,7 @@ class _Reader(gguf.GGUFReader):
         sub = _value_type(itype[0])
         n, offs = int(alen[0]), orig_offs + 12
         nptype = self.gguf_scalar_to_np.get(sub)
-        least = {gguf.GGUFValueType.STRING: _STRING_BYTES, gguf.GGUFValueType.ARRAY: _ARRAY_BYTES}.get(
-            sub) or np.dtype(nptype).itemsize
+        least = _ITEM_BYTES.get(sub) or np.dtype(nptype).itemsize
         self._count(n, f"entries in a {sub.name} array", offs, least, _MAX_ARRAY)
         if self.byte_order != "I" or sub == gguf.GGUFValueType.ARRAY:  # rare and small
             return super()._get_field_parts(orig_offs, raw_type)

@@ -127,8 +127,8 @@ def _md_get(md: Mapping[str, Any], key: str, default: Any = None) -> Any:
     if value is None:
         return default
     kind, item = _TYPES.get(key, (object, None))
-    if not isinstance(value, kind) or (item is not None and not all(isinstance(v, item) for v in value)):
-        want = f"a list of {getattr(item, '__name__', 'number')}" if item is not None else f"of type {kind.__name__}"
+    if not isinstance(value, kind) or (item and not all(isinstance(v, item) for v in value)):
+        want = f"a list of {getattr(item, '__name__', 'number')}" if item else f"of type {kind.__name__}"
         raise MinervaError(f"GGUF metadata {key} should be {want}, not {str(value)[:60]!r}; "
                            "the file is corrupt")
     return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import struct
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tests.helpers.tiny_gguf import write_tiny_llama
 SECONDS_PER_FILE = 2.0
 RSS_GROWTH_MB = 300  # per file; the loader may keep a tiny model, never what a length claims
 
+V = gguf.GGUFValueType
 TOKENS, MERGES = "kv:tokenizer.ggml.tokens:alen", "kv:tokenizer.ggml.merges:alen"
 
 # (case, site or None for the whole file, value, fragments the error must contain)
@@ -78,6 +80,13 @@ def base(tmp_path_factory):
     return path, path.read_bytes(), sites(path)
 
 
+def _nested_arrays(path, depth: int):
+    """A header-only GGUF file whose one metadata entry is an array nested `depth` deep."""
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<I", V.ARRAY)
+    path.write_bytes(data + struct.pack("<IQ", V.ARRAY, 1) * depth + struct.pack("<IQ", V.UINT32, 0))
+    return path
+
+
 def _aligned_gguf(path, alignment: int):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_custom_alignment(64)
@@ -91,7 +100,6 @@ def _aligned_gguf(path, alignment: int):
     return path
 
 
-V = gguf.GGUFValueType
 # (case, key, value, type, item type, fragments): a well-formed file with one value of the wrong type
 RETYPED = [
     ("tokens-uint32", "tokenizer.ggml.tokens", 5, V.UINT32, None, ["tokenizer.ggml.tokens", "list of str"]),
@@ -175,6 +183,7 @@ def results(base, tmp_path_factory):
         paths[f"gguf:{case}"].write_bytes(_mutated(data, where, site, value))
     for case, key, value, vtype, sub, _ in RETYPED:
         paths[f"retyped:{case}"] = retyped(base[0], root / f"{case}.gguf", key, value, vtype, sub)
+    paths["nested-arrays"] = _nested_arrays(root / "nested.gguf", 100_000)
     for value in (0, 3, 1 << 31, M32):
         paths[f"align:{value}"] = _aligned_gguf(root / f"align-{value}.gguf", value)
     for case, config, _ in HF_CASES:
@@ -203,6 +212,10 @@ def test_corrupt_gguf_is_one_clean_error(results, case, site, value, fragments):
 @pytest.mark.parametrize("case,key,value,vtype,sub,fragments", RETYPED, ids=[c[0] for c in RETYPED])
 def test_value_of_the_wrong_type_is_one_clean_error(results, case, key, value, vtype, sub, fragments):
     _assert_clean(results[f"retyped:{case}"], fragments)
+
+
+def test_deeply_nested_gguf_arrays_are_one_clean_error(results):
+    _assert_clean(results["nested-arrays"], ["metadata 'a'", "nested more than"])
 
 
 @pytest.mark.parametrize("alignment", [0, 3, 1 << 31, M32])

@@ -28,6 +28,7 @@ _MAX_KVS = 1 << 16
 _MAX_TENSORS = 1 << 20
 _MAX_ARRAY = 1 << 21  # entries of one metadata array
 _MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_NESTING = 8  # arrays of arrays (llama.cpp reads none; the stock reader recurses per level)
 # The fewest bytes one entry can take: a metadata entry (key length, type, one byte of
 # value), a tensor info (name length, dim count, type, offset), a string or array element
 # (its length; its item type and length); a number takes its itemsize.
@@ -60,6 +61,8 @@ class _Reader(gguf.GGUFReader):
     reader also trusts lengths: a read past the end silently comes back short, and an
     array length of 2**64-1 loops until memory runs out; here both raise `_Corrupt`.
     """
+
+    _depth = 0  # of arrays within arrays being read
 
     def _get(self, offset, dtype, count=1, override_order=None):
         count, offset, size = int(count), int(offset), len(self.data)
@@ -110,13 +113,25 @@ class _Reader(gguf.GGUFReader):
         nptype = self.gguf_scalar_to_np.get(sub)
         least = _ITEM_BYTES.get(sub) or np.dtype(nptype).itemsize
         self._count(n, f"entries in a {sub.name} array", offs, least, _MAX_ARRAY)
-        if self.byte_order != "I" or sub == gguf.GGUFValueType.ARRAY:  # rare and small
+        if sub == gguf.GGUFValueType.ARRAY:
+            return self._nested_array(orig_offs, raw_type)
+        if self.byte_order != "I":  # rare and small
             return super()._get_field_parts(orig_offs, raw_type)
         types = [gguf.GGUFValueType.ARRAY, sub]
         if nptype is not None:
             values = self._get(offs, nptype, n)
             return 12 + int(values.nbytes), [itype, alen, values], [2], types
         return self._string_array(orig_offs, itype, alen, types)
+
+    def _nested_array(self, orig_offs: int, raw_type: int):
+        """Arrays of arrays go through the stock reader, which recurses once per level."""
+        self._depth += 1
+        try:
+            if self._depth > _MAX_NESTING:
+                raise _Corrupt(f"arrays nested more than {_MAX_NESTING} deep")
+            return super()._get_field_parts(orig_offs, raw_type)
+        finally:
+            self._depth -= 1
 
     def _string_array(self, orig_offs: int, itype, alen, types):
         mv, size = memoryview(self.data), len(self.data)

@@ -28,10 +28,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise MinervaError(f"cannot read '{index}': {exc}") from None
-        return sorted({path / f for f in weight_map.values()})
+            weight_map = _read_json(index)["weight_map"]
+            return sorted({path / f for f in weight_map.values()})
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise MinervaError(f"'{index}' has no valid weight_map ({type(exc).__name__}: {exc}); "
+                               "re-download the checkpoint") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if any(p.suffix.lower() in PICKLE_SUFFIXES for p in path.iterdir()):
@@ -40,16 +41,24 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def _read_json(path: Path) -> Any:
+    """A JSON file's value; unreadable, malformed or absurdly nested JSON is one clean error."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError, bad UTF-8, an int over 4300 digits
+        raise MinervaError(f"cannot read '{path}': {exc}".replace("\n", " ")) from None
+    except RecursionError:
+        raise MinervaError(f"cannot read '{path}': its JSON is nested too deeply to be a real "
+                           "model file; re-download it") from None
+
+
 class SafeTensorsDir:
     """Tensors of a single-file or sharded (model.safetensors.index.json) checkpoint."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         files = checkpoint_files(self.path)
-        try:
-            self.config: dict[str, Any] = json.loads((self.path / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise MinervaError(f"cannot read '{self.path / 'config.json'}': {exc}") from None
+        self.config: dict[str, Any] = _read_json(self.path / "config.json")
         if not isinstance(self.config, dict):
             raise MinervaError(f"'{self.path / 'config.json'}' is not a JSON object")
         self._where: dict[str, Any] = {}

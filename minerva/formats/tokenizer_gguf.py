@@ -110,9 +110,28 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     "viking": _Pre([_BLOOM, r"\p{N}"]),
 }
 
+# The type llama.cpp reads each key as (and the type of a list's items); a value of
+# another type comes from a corrupt or hostile file and is refused by `_md_get`.
+_TYPES: dict[str, tuple[type, Any]] = {
+    "tokenizer.ggml.model": (str, None), "tokenizer.ggml.pre": (str, None),
+    "tokenizer.ggml.tokens": (list, str), "tokenizer.ggml.merges": (list, str),
+    "tokenizer.ggml.token_type": (list, int), "tokenizer.ggml.scores": (list, (int, float)),
+    "tokenizer.chat_template": (str, None),
+    **{f"tokenizer.ggml.{k}_token_id": (int, None)
+       for k in ("bos", "eos", "eot", "eom", "unknown", "padding")},
+}
+
+
 def _md_get(md: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    value = md.get(key, default)
-    return default if value is None else value
+    value = md.get(key)
+    if value is None:
+        return default
+    kind, item = _TYPES.get(key, (object, None))
+    if not isinstance(value, kind) or (item and not all(isinstance(v, item) for v in value)):
+        want = f"a list of {getattr(item, '__name__', 'number')}" if item else f"of type {kind.__name__}"
+        raise MinervaError(f"GGUF metadata {key} should be {want}, not {str(value)[:60]!r}; "
+                           "the file is corrupt")
+    return value
 
 
 def _as_bool(value: Any, default: bool) -> bool:
@@ -123,8 +142,8 @@ def _as_bool(value: Any, default: bool) -> bool:
 
 def gguf_tokenizer_args(md: Mapping[str, Any]) -> dict[str, Any]:
     """The `Tokenizer` arguments (backend included) that a GGUF file's metadata describes."""
-    model = md.get("tokenizer.ggml.model")
-    tokens = md.get("tokenizer.ggml.tokens")
+    model = _md_get(md, "tokenizer.ggml.model")
+    tokens = _md_get(md, "tokenizer.ggml.tokens")
     if model is None or tokens is None:
         raise MinervaError(
             "GGUF metadata has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)"
@@ -142,7 +161,7 @@ def gguf_tokenizer_args(md: Mapping[str, Any]) -> dict[str, Any]:
         token_types = [TOKEN_NORMAL] * n_vocab
 
     def token_id(key: str) -> int | None:
-        value = md.get(f"tokenizer.ggml.{key}")
+        value = _md_get(md, f"tokenizer.ggml.{key}")
         if value is None:
             return None
         value = int(value)
@@ -160,7 +179,7 @@ def gguf_tokenizer_args(md: Mapping[str, Any]) -> dict[str, Any]:
         extra_eos_ids=[i for i in extra if i is not None],
         add_bos=_as_bool(md.get("tokenizer.ggml.add_bos_token"), default_add_bos),
         add_eos=_as_bool(md.get("tokenizer.ggml.add_eos_token"), False),
-        chat_template=md.get("tokenizer.chat_template") or None,
+        chat_template=_md_get(md, "tokenizer.chat_template") or None,
         architecture=md.get("general.architecture"),
         vocab_size=n_vocab,
         unk_token_id=unk,
@@ -184,7 +203,7 @@ def _byte_level(md: Mapping[str, Any], tokens: list[str], token_types: list[int]
         raise MinervaError(
             f"unsupported pre-tokenizer {pre_name!r} in GGUF metadata (tokenizer.ggml.pre)"
         )
-    merges = md.get("tokenizer.ggml.merges")
+    merges = _md_get(md, "tokenizer.ggml.merges")
     if merges is None:
         raise MinervaError("GGUF metadata has a 'gpt2' tokenizer but no tokenizer.ggml.merges")
     backend = _byte_level_bpe(tokens, list(merges), pre)

@@ -134,7 +134,7 @@ def _read_json(path: Path) -> dict:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
         raise MinervaError(f"{path}: not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}
 

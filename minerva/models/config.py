@@ -3,9 +3,36 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Mapping
+
 from minerva.errors import MinervaError
 
 FULL, SLIDING = "full", "sliding"
+
+# Upper bounds far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
+# 128 heads, feed-forward 53248; vocabularies up to ~262k; contexts up to 10M tokens). A
+# value past one comes from a corrupt or hostile file and is refused before anything is
+# sized from it (a 10^9-layer file would otherwise build a 10^9-entry tuple first).
+LIMITS: dict[str, tuple[int, str]] = {
+    "num_layers": (1024, "layer count"),
+    "hidden_size": (1 << 17, "hidden size"),
+    "intermediate_size": (1 << 20, "feed-forward size"),
+    "num_heads": (1024, "head count"),
+    "num_kv_heads": (1024, "KV head count"),
+    "head_dim": (4096, "head size"),
+    "vocab_size": (1 << 21, "vocabulary size"),
+    "max_position": (1 << 24, "context length"),
+    "sliding_window": (1 << 24, "sliding window"),
+}
+
+
+def check_plausible(values: Mapping[str, Any], source: str, keys: Mapping[str, str]) -> None:
+    """Refuse a size no real model comes near; `keys` gives the file's own name for each field."""
+    for name, (limit, what) in LIMITS.items():
+        value = values.get(name)
+        if value is not None and not (isinstance(value, int) and 0 < value <= limit):
+            raise MinervaError(f"{source}: {keys.get(name, name)} = {value!r} is not a plausible {what} "
+                               f"(1 to {limit}); the file is corrupt or not a model Minerva can run")
 
 
 @dataclass(frozen=True)
@@ -42,6 +69,7 @@ class ModelConfig:
     final_logit_softcap: float | None = None
 
     def __post_init__(self):
+        check_plausible(vars(self), "invalid model config", {})
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         checks = {

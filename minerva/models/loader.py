@@ -23,7 +23,7 @@ from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
 from minerva.kernels.weights import PackedWeight, Weight, float_weight
 from minerva.models import gemma3, llama
-from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling
+from minerva.models.config import FULL, SLIDING, ModelConfig, RopeScaling, check_plausible
 from minerva.models.layers import CausalLM, Linear, freeze
 
 # ---------------------------------------------------------------- name tables
@@ -303,59 +303,94 @@ class LoadedModel:
     compute_bytes: int  # what the matmuls read: packed bytes, or dequantized copies
 
 
+# The file's own name for each size field, for errors that name what to look at.
+GGUF_SIZE_KEYS = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+                  "num_layers": "block_count", "num_heads": "attention.head_count",
+                  "num_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+                  "max_position": "context_length", "sliding_window": "attention.sliding_window"}
+HF_SIZE_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
+
+
+def _whole(value: Any) -> Any:
+    """int(value), or the value itself when it is no number, for `check_plausible` to name."""
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return value
+
+
 def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
     embed = f.tensors.get("token_embd.weight")
     if embed is None:
         raise MinervaError(f"'{f.path}' has no token_embd.weight tensor")
+    keys = {k: f"{f.architecture}.{v}" for k, v in GGUF_SIZE_KEYS.items()}
+    keys["vocab_size"] = "the row count of token_embd.weight"
+    if f.get("attention.key_length") is None:
+        keys["head_dim"] = f"{f.architecture}.rope.dimension_count"
     try:
-        heads = int(f.require("attention.head_count"))
-        hidden = int(f.require("embedding_length"))
-        return ModelConfig(
-            architecture=f.architecture,
+        heads = _whole(f.require("attention.head_count"))
+        hidden = _whole(f.require("embedding_length"))
+        sizes = dict(
             vocab_size=embed.shape[0],
             hidden_size=hidden,
-            intermediate_size=int(f.require("feed_forward_length")),
-            num_layers=int(f.require("block_count")),
+            intermediate_size=_whole(f.require("feed_forward_length")),
+            num_layers=_whole(f.require("block_count")),
             num_heads=heads,
-            num_kv_heads=int(f.get("attention.head_count_kv") or heads),
-            head_dim=int(f.get("attention.key_length") or f.get("rope.dimension_count") or hidden // heads),
+            num_kv_heads=_whole(f.get("attention.head_count_kv") or heads),
+            max_position=_whole(f.get("context_length") or 4096),
+        )
+        check_plausible(sizes, f"'{f.path}'", keys)  # before the layer count sizes anything
+        sizes["head_dim"] = _whole(f.get("attention.key_length") or f.get("rope.dimension_count")
+                                  or hidden // heads)
+        extra = arch.gguf_config(f)
+        check_plausible({**sizes, **extra}, f"'{f.path}'", keys)
+        return ModelConfig(
+            architecture=f.architecture,
+            **sizes,
             rms_norm_eps=float(f.require("attention.layer_norm_rms_epsilon")),
             rope_theta=float(f.get("rope.freq_base") or 10000.0),
             rope_scaling=_gguf_rope_scaling(f),
-            max_position=int(f.get("context_length") or 4096),
             tie_word_embeddings="output.weight" not in f.tensors,
-            **arch.gguf_config(f),
+            **extra,
         )
-    except (TypeError, ValueError, ZeroDivisionError) as exc:
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
         raise MinervaError(f"'{f.path}' has invalid model metadata ({exc})") from None
 
 
 def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
     model_type = cfg.get("model_type")
-    arch_name = HF_MODEL_TYPES.get(model_type, model_type or "?")
-    arch = _architecture(arch_name, f"'{path / 'config.json'}'")
+    arch_name = HF_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else "?"
+    source = f"'{path / 'config.json'}'"
+    arch = _architecture(arch_name, source)
     try:
+        heads = _whole(cfg["num_attention_heads"])
+        hidden = _whole(cfg["hidden_size"])
+        sizes = dict(
+            vocab_size=_whole(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=_whole(cfg["intermediate_size"]),
+            num_layers=_whole(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=_whole(cfg.get("num_key_value_heads") or heads),
+            max_position=_whole(cfg.get("max_position_embeddings", 4096)),
+        )
+        check_plausible(sizes, source, HF_SIZE_KEYS)  # before the layer count sizes anything
+        sizes["head_dim"] = _whole(cfg.get("head_dim") or hidden // heads)
         theta, scaling = _hf_rope(cfg)
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        extra = arch.hf_config(cfg)
+        check_plausible({**sizes, **extra}, source, HF_SIZE_KEYS)
         fields = dict(
             architecture=arch_name,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            **sizes,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            **arch.hf_config(cfg),
+            **extra,
         )
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise MinervaError(f"'{path / 'config.json'}' lacks or has a bad field {exc}") from None
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+        raise MinervaError(f"{source} lacks or has a bad field ({type(exc).__name__}: {exc})") from None
     return ModelConfig(**fields), arch
 
 
@@ -391,7 +426,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         arch = _architecture(f.architecture, f"'{path}'")
         config = _config_from_gguf(f, arch)
         weights = GGUFWeights(f, arch, config, device, dtype)
-        tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        try:
+            tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+        except MinervaError as exc:
+            raise MinervaError(f"'{path}': {exc}") from None
     with torch.inference_mode():
         model = arch.build(config, weights)
         stored, compute = _prepare(model)

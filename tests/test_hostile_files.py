@@ -1,0 +1,302 @@
+"""Corrupt and hostile model files: every one must fail with one clean `MinervaError` that names
+what is wrong, quickly and without allocating what a corrupt length claims.
+
+The files are mutations of a tiny valid GGUF (tests/helpers/tiny_gguf.py) and hand-written
+config.json files; all of them are loaded by `load_model` in one subprocess whose address space
+is capped (tests/helpers/hostile.py), so a loader that trusts a length of 2**64-1 fails the test
+with a MemoryError or a timeout instead of taking the machine down.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.hostile import INTERESTING, M32, M64, put, retyped, run_worker, sites
+from tests.helpers.tiny_gguf import write_tiny_llama
+
+SECONDS_PER_FILE = 2.0
+RSS_GROWTH_MB = 300  # per file; the loader may keep a tiny model, never what a length claims
+
+V = gguf.GGUFValueType
+TOKENS, MERGES = "kv:tokenizer.ggml.tokens:alen", "kv:tokenizer.ggml.merges:alen"
+
+# (case, site or None for the whole file, value, fragments the error must contain)
+GGUF_CASES = [
+    *[(f"{what}-len-{value}", site, value, [f"tokenizer.ggml.{what}", "entries", "re-download"])
+      for what, site in (("tokens", TOKENS), ("merges", MERGES)) for value in (10**8, 1 << 63, M64)],
+    ("block-count-1e9", "kv:llama.block_count:value", 10**9,
+     ["llama.block_count = 1000000000 is not a plausible layer count"]),
+    ("hidden-2^31", "kv:llama.embedding_length:value", 1 << 31,
+     ["llama.embedding_length = 2147483648 is not a plausible hidden size"]),
+    ("ffn-2^32-1", "kv:llama.feed_forward_length:value", M32, ["llama.feed_forward_length", "plausible"]),
+    ("heads-0", "kv:llama.attention.head_count:value", 0,
+     ["llama.attention.head_count = 0 is not a plausible head count"]),
+    ("context-2^32-1", "kv:llama.context_length:value", M32, ["llama.context_length", "plausible context"]),
+    ("tensor-count-2^64-1", "tensor_count", M64, ["18446744073709551615 tensors claimed"]),
+    ("kv-count-2^63", "kv_count", 1 << 63, ["9223372036854775808 metadata entries claimed"]),
+    ("arch-string-len-2^64-1", "kv:general.architecture:slen", M64, ["general.architecture", "past the end"]),
+    ("key-len-2^64-1", "kv:general.architecture:klen", M64, ["metadata entry 0", "past the end"]),
+    ("first-token-len-2^64-1", "kv:tokenizer.ggml.tokens:slen0", M64,
+     ["tokenizer.ggml.tokens", "string 0", "past the end"]),
+    ("kv-type-99", "kv:llama.block_count:type", 99, ["llama.block_count", "unknown value type 99"]),
+    ("array-type-99", "kv:tokenizer.ggml.tokens:itype", 99, ["tokenizer.ggml.tokens", "unknown value type"]),
+    ("dim-2^40", "t:token_embd.weight:dim0", 1 << 40, ["token_embd.weight", "claims bytes"]),
+    ("dim-0", "t:token_embd.weight:dim0", 0, ["token_embd.weight", "has dims [0, 257]"]),
+    ("dim-2^64-1", "t:token_embd.weight:dim0", M64, ["token_embd.weight", "claims bytes"]),
+    ("tensor-type-99", "t:token_embd.weight:type", 99, ["token_embd.weight", "unknown type 99"]),
+    ("offset-past-end", "t:blk.0.ffn_up.weight:offset", "size", ["blk.0.ffn_up.weight", "claims bytes"]),
+    ("offset-2^64-1", "t:blk.0.ffn_up.weight:offset", M64, ["blk.0.ffn_up.weight", "claims bytes"]),
+    ("offset-misaligned", "t:blk.0.ffn_up.weight:offset", "+1", ["blk.0.ffn_up.weight", "alignment 32"]),
+    ("offsets-overlap", "t:blk.0.ffn_up.weight:offset", 0, ["overlap", "blk.0.ffn_up.weight"]),
+    ("truncated-header", None, "cut:40", ["re-download"]),
+    ("truncated-data", None, "cut:-4", ["re-download"]),
+]
+
+
+def _mutated(base: bytes, where: dict, site: str | None, value) -> bytes:
+    if site is None:
+        return base[:int(value.split(":")[1])]
+    s = where[site]
+    if value == "size":
+        value = len(base)
+    elif value == "+1":
+        value = s.value(base) + 1
+    return put(base, s, value)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("base") / "tiny.gguf")
+    return path, path.read_bytes(), sites(path)
+
+
+def _nested_arrays(path, depth: int):
+    """A header-only GGUF file whose one metadata entry is an array nested `depth` deep."""
+    data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<I", V.ARRAY)
+    path.write_bytes(data + struct.pack("<IQ", V.ARRAY, 1) * depth + struct.pack("<IQ", V.UINT32, 0))
+    return path
+
+
+def _aligned_gguf(path, alignment: int):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_tensor("t.weight", np.ones((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    site = sites(path)["kv:general.alignment:value"]
+    path.write_bytes(put(path.read_bytes(), site, alignment))
+    return path
+
+
+# (case, key, value, type, item type, fragments): a well-formed file with one value of the wrong type
+RETYPED = [
+    ("tokens-uint32", "tokenizer.ggml.tokens", 5, V.UINT32, None, ["tokenizer.ggml.tokens", "list of str"]),
+    ("tokens-string", "tokenizer.ggml.tokens", "abc", V.STRING, None, ["tokens", "list of str"]),
+    ("merges-ints", "tokenizer.ggml.merges", [1, 2], V.ARRAY, V.UINT32, ["merges", "list of str"]),
+    ("types-strings", "tokenizer.ggml.token_type", ["a"] * 257, V.ARRAY, V.STRING,
+     ["tokenizer.ggml.token_type", "list of int"]),
+    ("bos-nan", "tokenizer.ggml.bos_token_id", float("nan"), V.FLOAT32, None, ["bos_token_id", "type int"]),
+    ("bos-list", "tokenizer.ggml.bos_token_id", [1], V.ARRAY, V.UINT32, ["bos_token_id", "type int"]),
+    ("pre-list", "tokenizer.ggml.pre", ["a"], V.ARRAY, V.STRING, ["tokenizer.ggml.pre", "type str"]),
+    ("template-int", "tokenizer.chat_template", 1, V.UINT32, None, ["tokenizer.chat_template", "type str"]),
+    ("layers-float-inf", "llama.block_count", float("inf"), V.FLOAT32, None,
+     ["llama.block_count = inf is not a plausible layer count"]),
+    ("heads-string", "llama.attention.head_count", "many", V.STRING, None,
+     ["llama.attention.head_count = 'many' is not a plausible head count"]),
+]
+
+HF_CONFIG = dict(model_type="llama", vocab_size=257, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=256)
+HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appended to one; fragments)
+    ("layers-1e9", {"num_hidden_layers": 10**9},
+     ["num_hidden_layers = 1000000000 is not a plausible layer count"]),
+    ("mistral-layers-1e9", {"model_type": "mistral", "sliding_window": 8, "num_hidden_layers": 10**9},
+     ["num_hidden_layers = 1000000000", "plausible"]),
+    ("gemma3-layers-1e9", {"model_type": "gemma3_text", "sliding_window": 8, "num_hidden_layers": 10**9},
+     ["num_hidden_layers = 1000000000", "plausible"]),
+    ("hidden-2^31", {"hidden_size": 1 << 31}, ["hidden_size = 2147483648 is not a plausible hidden size"]),
+    ("vocab-2^40", {"vocab_size": 1 << 40}, ["vocab_size = 1099511627776", "plausible vocabulary"]),
+    ("heads-0", {"num_attention_heads": 0}, ["num_attention_heads = 0", "plausible head count"]),
+    ("context-1e12", {"max_position_embeddings": 10**12}, ["max_position_embeddings", "plausible context"]),
+    ("head-dim-2^31", {"head_dim": 1 << 31}, ["head_dim = 2147483648", "plausible head size"]),
+    ("window-2^40", {"model_type": "mistral", "sliding_window": 1 << 40}, ["sliding_window", "plausible"]),
+    ("layers-inf", '"num_hidden_layers": 1e400', ["num_hidden_layers"]),
+    ("nested-100000", '"a": ' + "[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
+    ("int-5000-digits", '"hidden_size": ' + "9" * 5000, ["cannot read"]),
+    ("rope-list", {"rope_scaling": [1, 2]}, ["bad field"]),
+    ("model-type-list", {"model_type": ["llama"]}, ["not supported"]),
+]
+
+
+def _hf_dir(root, name: str, config: dict | str) -> str:
+    """A model directory: config.json (with the odd fields) and a one-tensor model.safetensors."""
+    path = root / name
+    path.mkdir()
+    if isinstance(config, dict):
+        text = json.dumps({**HF_CONFIG, **config})
+    else:  # a later duplicate key wins in json.loads
+        text = json.dumps(HF_CONFIG)[:-1] + ", " + config + "}"
+    (path / "config.json").write_text(text)
+    save_file({"model.norm.weight": np.ones(64, dtype=np.float32)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+def _safetensors(header: dict | None = None, length: int | None = None) -> bytes:
+    """A one-tensor safetensors file, with its JSON header or the header's length replaced."""
+    header = header or {"model.norm.weight": {"dtype": "F32", "shape": [64], "data_offsets": [0, 256]}}
+    text = json.dumps(header)
+    text += " " * (-len(text) % 8)
+    return (len(text) if length is None else length).to_bytes(8, "little") + text.encode() + bytes(256)
+
+
+ST_CASES = [  # (case, model.safetensors bytes): already refused by the safetensors library; kept as guards
+    ("header-len-2^64-1", _safetensors(length=M64)),
+    ("header-len-past-end", _safetensors(length=4096)),
+    ("shape-overflow", _safetensors({"model.norm.weight": {"dtype": "F32", "shape": [1 << 32, 1 << 32, 4],
+                                                           "data_offsets": [0, 256]}})),
+    ("offset-past-end", _safetensors({"model.norm.weight": {"dtype": "F32", "shape": [64],
+                                                            "data_offsets": [0, 1 << 40]}})),
+]
+
+
+@pytest.fixture(scope="module")
+def results(base, tmp_path_factory):
+    """Every hostile file of this module, loaded once in the capped worker."""
+    root = tmp_path_factory.mktemp("hostile")
+    _, data, where = base
+    paths = {}
+    for case, site, value, _ in GGUF_CASES:
+        paths[f"gguf:{case}"] = root / f"{case}.gguf"
+        paths[f"gguf:{case}"].write_bytes(_mutated(data, where, site, value))
+    for case, key, value, vtype, sub, _ in RETYPED:
+        paths[f"retyped:{case}"] = retyped(base[0], root / f"{case}.gguf", key, value, vtype, sub)
+    paths["nested-arrays"] = _nested_arrays(root / "nested.gguf", 100_000)
+    for value in (0, 3, 1 << 31, M32):
+        paths[f"align:{value}"] = _aligned_gguf(root / f"align-{value}.gguf", value)
+    for case, config, _ in HF_CASES:
+        paths[f"hf:{case}"] = _hf_dir(root, case, config)
+    for case, blob in ST_CASES:
+        paths[f"st:{case}"] = Path(_hf_dir(root, f"st-{case}", {}))
+        (paths[f"st:{case}"] / "model.safetensors").write_bytes(blob)
+    out = run_worker([str(p) for p in paths.values()], root)
+    return {key: out[str(p)] for key, p in paths.items()}
+
+
+def _assert_clean(result: dict, fragments: list[str]):
+    assert result["outcome"] == "MinervaError", result
+    assert result["seconds"] < SECONDS_PER_FILE, result
+    assert result["rss_growth_mb"] < RSS_GROWTH_MB, result
+    assert "MemoryError" not in result["message"] and "RecursionError" not in result["message"], result
+    for f in fragments:
+        assert f in result["message"], result
+
+
+@pytest.mark.parametrize("case,site,value,fragments", GGUF_CASES, ids=[c[0] for c in GGUF_CASES])
+def test_corrupt_gguf_is_one_clean_error(results, case, site, value, fragments):
+    _assert_clean(results[f"gguf:{case}"], fragments)
+
+
+@pytest.mark.parametrize("case,key,value,vtype,sub,fragments", RETYPED, ids=[c[0] for c in RETYPED])
+def test_value_of_the_wrong_type_is_one_clean_error(results, case, key, value, vtype, sub, fragments):
+    _assert_clean(results[f"retyped:{case}"], fragments)
+
+
+def test_deeply_nested_gguf_arrays_are_one_clean_error(results):
+    _assert_clean(results["nested-arrays"], ["metadata 'a'", "nested more than"])
+
+
+@pytest.mark.parametrize("alignment", [0, 3, 1 << 31, M32])
+def test_bad_alignment_is_one_clean_error(results, alignment):
+    expected = "alignment 2147483648" if alignment == 1 << 31 else f"general.alignment = {alignment}"
+    _assert_clean(results[f"align:{alignment}"], [expected])
+
+
+@pytest.mark.parametrize("case,config,fragments", HF_CASES, ids=[c[0] for c in HF_CASES])
+def test_absurd_config_json_is_one_clean_error(results, case, config, fragments):
+    _assert_clean(results[f"hf:{case}"], ["config.json", *fragments])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in ST_CASES])
+def test_corrupt_safetensors_is_one_clean_error(results, case):
+    _assert_clean(results[f"st:{case}"], ["model.safetensors", "not a readable safetensors file"])
+
+
+def test_cli_reports_a_corrupt_array_length_on_one_line(base, tmp_path):
+    _, data, where = base
+    bad = tmp_path / "huge-vocab.gguf"
+    bad.write_bytes(put(data, where[TOKENS], M64))
+    start = time.perf_counter()
+    proc = run("generate", str(bad), "hi", timeout=120)
+    assert_clean_error(proc, "huge-vocab.gguf", "tokenizer.ggml.tokens", "re-download")
+    assert time.perf_counter() - start < 60  # the command's start-up included; the old loader never ended
+
+
+def test_cli_reports_a_deeply_nested_config_on_one_line(tmp_path):
+    path = _hf_dir(tmp_path, "deep", '"a": ' + "[" * 100_000 + "]" * 100_000)
+    assert_clean_error(run("generate", path, "hi", timeout=120), "config.json", "nested too deeply")
+
+
+# ------------------------------------------------------------------ fuzz
+
+FUZZ_SEED, FUZZ_SITES, FUZZ_BYTES, FUZZ_CUTS = 20240612, 320, 80, 40
+
+
+def fuzz_cases(data: bytes, where: dict, seed: int) -> list[tuple[str, bytes]]:
+    """Deterministic mutations of a valid file: an interesting value written over a length,
+    count, type or offset; a few random bytes in the header, metadata and tensor infos; a cut."""
+    rng = random.Random(seed)
+    size, names = len(data), sorted(where)
+    infos_end = max(s.offset + s.width for s in where.values())
+    cases = []
+    for _ in range(FUZZ_SITES):
+        site = where[rng.choice(names)]
+        old = site.value(data)
+        value = rng.choice(INTERESTING + [size - 1, size, size + 1, size - infos_end, size - infos_end + 32,
+                                          old - 1, old + 1, 2 * old, old + rng.randint(2, 64)])
+        cases.append((f"{site.name}={value}", put(data, site, value)))
+    for i in range(FUZZ_BYTES):
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(infos_end)] = rng.randrange(256)
+        cases.append((f"bytes-{i}", bytes(b)))
+    for _ in range(FUZZ_CUTS):
+        n = rng.randrange(size)
+        cases.append((f"cut-{n}", data[:n]))
+    return cases
+
+
+def test_mutation_fuzz_loads_or_fails_cleanly(base, tmp_path):
+    """Each mutated file loads or raises MinervaError (never another exception), each within
+    SECONDS_PER_FILE and without growing the peak RSS by more than RSS_GROWTH_MB."""
+    _, data, where = base
+    cases = [("unmutated", data), *fuzz_cases(data, where, FUZZ_SEED)]
+    paths = {}
+    for i, (name, blob) in enumerate(cases):
+        paths[name] = tmp_path / f"case{i}.gguf"
+        paths[name].write_bytes(blob)
+    start = time.perf_counter()
+    results = run_worker([str(p) for p in paths.values()], tmp_path)
+    wall = time.perf_counter() - start
+    by_case = {name: results[str(p)] for name, p in paths.items()}
+    assert by_case["unmutated"]["outcome"] == "ok", by_case["unmutated"]
+    bad = {name: r for name, r in by_case.items()
+           if r["outcome"] not in ("ok", "MinervaError") or r["seconds"] > SECONDS_PER_FILE
+           or r["rss_growth_mb"] > RSS_GROWTH_MB
+           or "MemoryError" in r["message"] or "RecursionError" in r["message"]}
+    assert not bad, {name: (r["outcome"], r["message"][-300:]) for name, r in list(bad.items())[:10]}
+    errors = sum(r["outcome"] == "MinervaError" for r in by_case.values())
+    assert errors > len(cases) // 2, f"only {errors} of {len(cases)} mutations were refused"
+    print(f"{len(cases)} cases, {errors} refused, {wall:.1f} s")

@@ -72,8 +72,7 @@ class Budget:
     def iterate(self) -> None:
         self.iterations += 1
         if self.iterations > self.limits.max_iterations:
-            raise TemplateLimitError(
-                f"chat template exceeded its budget of {self.limits.max_iterations} loop iterations")
+            raise TemplateLimitError(f"chat template ran more than {self.limits.max_iterations} loop iterations")
         self.tick()
 
     def check_chars(self, n: int) -> None:

@@ -5,7 +5,8 @@ GGUF, `chat_template` in tokenizer_config.json). They come with model files,
 so they are untrusted: they run in Jinja's immutable sandbox, where any access
 to an unsafe attribute (`__class__`, `__globals__`, ...) fails at once instead
 of quietly rendering as empty, and within a budget of time, loop iterations and
-size (`chat_limits`), so a template cannot hang or exhaust the server either.
+size (`chat_budget`, `chat_limits`), so a template cannot hang or exhaust the
+server either.
 
     text = render_chat(template, [{"role": "user", "content": "Hi"}],
                        bos_token="<s>", eos_token="</s>")
@@ -28,7 +29,8 @@ from minerva.errors import MinervaError
 from minerva.formats.chat_budget import DEFAULT_LIMITS, TemplateLimitError, TemplateLimits, limited
 from minerva.formats.chat_limits import LimitedSandbox, limited_filter
 
-__all__ = ["TemplateLimitError", "TemplateLimits", "chat_template_for", "render_chat", "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "TemplateLimitError", "TemplateLimits",
+           "chat_template_for", "render_chat", "validate_messages"]
 
 # The official Gemma 3 template (google/gemma-3-*-it): the system message is
 # put in front of the first user turn, and the assistant's role is "model".

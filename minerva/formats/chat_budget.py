@@ -4,7 +4,7 @@
 characters a render may use; `Budget` keeps the count for the render in
 progress and raises `TemplateLimitError` the moment one runs out. The budget
 lives in a context variable set by `limited()`, so renders on different threads
-(the server renders through `asyncio.to_thread`) each count their own.
+(the server may render through `asyncio.to_thread`) each count their own.
 `chat_limits` holds the hooks in the compiled template that report here.
 """
 

@@ -285,6 +285,7 @@ class LimitedCodeGenerator(CodeGenerator):
         super().visit_Getitem(node, frame)
         self.write(")")
 
+    # Jinja 3's hooks around each piece of output (this sandbox has no `finalize`).
     def _output_child_pre(self, node: nodes.Expr, frame: Any, finalize: Any) -> None:
         self.write("environment.limited_output(context.eval_ctx, ")
 

@@ -6,6 +6,7 @@ the model's logits from transformers (tiny random checkpoints).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -260,6 +261,21 @@ def test_random_add_abort_step_never_leaks(tight_llm, actions):
             assert r.finish_reason == "length" and len(r.output_token_ids) == r.params.max_tokens
         else:
             assert r.finish_reason in ("abort", "length")
+
+
+@pytest.mark.parametrize("dtype,norm_weight,advice", [
+    ("float16", 1e6, r"overflow in float16; run with --dtype bfloat16 or float32"),  # finite in the wider dtypes
+    ("bfloat16", math.nan, r"in bfloat16; run with --dtype float32\)"),
+    ("float32", math.nan, r"ran in float32, so no wider dtype helps"),
+])
+def test_nan_logits_advice_fits_the_dtype_of_the_run(model_dir, dtype, norm_weight, advice):
+    llm = make_llm(model_dir, dtype=dtype)
+    with torch.inference_mode():
+        llm.loaded.model.norm.weight.fill_(norm_weight)
+    with pytest.raises(MinervaError, match=r"the model produced NaN/inf logits \(.*" + advice) as e:
+        llm.generate([[1, 2, 3]], GREEDY)
+    suggested = str(e.value).partition("--dtype")[2].replace(")", " ").split()
+    assert dtype not in suggested  # never "use the dtype you are using"
 
 
 def test_auto_dtype_is_bfloat16_where_the_cpu_kernels_run(model_dir):

@@ -12,13 +12,24 @@ class StopChecker:
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = stops
-        self.holdback = max((len(s) for s in stops), default=1) - 1
+        self.longest = max((len(s) for s in stops), default=0)
+        self.firsts = {s[0] for s in stops if s}
 
     def find(self, text: str, new_from: int) -> int | None:
         """Index where the earliest stop string starts, searching the newly added region."""
         hits = [i for s in self.stops
                 if (i := text.find(s, max(0, new_from - len(s) + 1))) != -1]
         return min(hits) if hits else None
+
+    def held(self, text: str) -> int:
+        """How many characters at the end of `text` to hold back: the longest end of the text
+        that a stop string starts with, which the next tokens could complete. Only the last
+        `longest - 1` characters can be one (a whole stop string has been cut already)."""
+        tail = text[max(0, len(text) - self.longest + 1):] if self.longest > 1 else ""
+        for i, ch in enumerate(tail):  # leftmost first: the longest end
+            if ch in self.firsts and any(s.startswith(tail[i:]) for s in self.stops):
+                return len(tail) - i
+        return 0
 
 
 class OutputProcessor:
@@ -61,7 +72,7 @@ class OutputProcessor:
 
     def delta(self, finish: str | None) -> StreamDelta | None:
         """What is new since the last delta (text held back while it could start a stop string)."""
-        end = len(self.text) if finish else max(self.emitted, len(self.text) - self.stops.holdback)
+        end = len(self.text) if finish else max(self.emitted, len(self.text) - self.stops.held(self.text))
         if not (finish or end > self.emitted or self.pending):
             return None
         delta = StreamDelta(self.request_id, self.text[self.emitted:end], self.pending, finish,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from minerva.engine.rejection import probabilities, states_along, verify
-from minerva.engine.sampler import sample_batch, token_logprobs
+from minerva.engine.sampler import check_logits, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, SchedulerOutput
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
@@ -89,7 +89,9 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, device=self.device), AttentionContext(positions, backend))
         if not logit_rows:
             return None
-        return self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
+        check_logits(logits, hidden.dtype)  # hidden is in the dtype the model runs in; logits are float32
+        return logits
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[Sampled | None]:

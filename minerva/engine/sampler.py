@@ -105,6 +105,22 @@ def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.devic
     return SamplerState(params, gen, dict.fromkeys(prompt_ids))
 
 
+# What to try when a model's logits come out NaN/inf, by the dtype it ran in: float16
+# overflows past 65504, bfloat16 has float32's range but only 8 bits of mantissa.
+_OVERFLOW_ADVICE = {
+    torch.float16: "numeric overflow in float16; run with --dtype bfloat16 or float32",
+    torch.bfloat16: "numeric overflow in bfloat16; run with --dtype float32",
+}
+
+
+def check_logits(logits: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse logits with NaN or +inf, with advice that fits `dtype`, the dtype the model ran in."""
+    if not float(logits.max()) < math.inf:  # NaN propagates through max, as does +inf
+        advice = _OVERFLOW_ADVICE.get(dtype, f"it ran in {str(dtype).removeprefix('torch.')}, so no wider dtype "
+                                             "helps: the model's weights may be damaged")
+        raise MinervaError(f"the model produced NaN/inf logits ({advice})")
+
+
 def _rows(states: list[SamplerState], want) -> list[int]:
     return [i for i, s in enumerate(states) if want(s)]
 
@@ -129,9 +145,6 @@ def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Ten
     depend on which other rows share the batch.
     """
     logits = logits.float()
-    if not float(logits.max()) < math.inf:  # NaN propagates through max, as does +inf
-        raise MinervaError("the model produced NaN/inf logits (numeric overflow); "
-                           "run with --dtype bfloat16 or float32")
     params = [s.params for s in states]
     if all(p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
            and not p.logit_bias for p in params):

@@ -4,7 +4,9 @@ Templates are Jinja, as Hugging Face writes them (`tokenizer.chat_template` in a
 GGUF, `chat_template` in tokenizer_config.json). They come with model files,
 so they are untrusted: they run in Jinja's immutable sandbox, where any access
 to an unsafe attribute (`__class__`, `__globals__`, ...) fails at once instead
-of quietly rendering as empty.
+of quietly rendering as empty, and within a budget of time, loop iterations and
+size (`chat_budget`, `chat_limits`), so a template cannot hang or exhaust the
+server either.
 
     text = render_chat(template, [{"role": "user", "content": "Hi"}],
                        bos_token="<s>", eos_token="</s>")
@@ -22,9 +24,13 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
 from jinja2.exceptions import SecurityError, TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from minerva.errors import MinervaError
+from minerva.formats.chat_budget import DEFAULT_LIMITS, TemplateLimitError, TemplateLimits, limited
+from minerva.formats.chat_limits import LimitedSandbox, limited_filter
+
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "TemplateLimitError", "TemplateLimits",
+           "chat_template_for", "render_chat", "validate_messages"]
 
 # The official Gemma 3 template (google/gemma-3-*-it): the system message is
 # put in front of the first user turn, and the assistant's role is "model".
@@ -95,8 +101,8 @@ def chat_template_for(tokenizer_template: str | None, architecture: str) -> str:
     return BUILTIN_TEMPLATES.get((architecture or "").lower(), CHATML_TEMPLATE)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but an unsafe attribute raises instead of being undefined."""
+class _Sandbox(LimitedSandbox):
+    """The immutable sandbox with budgets, and an unsafe attribute raises instead of being undefined."""
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
@@ -173,6 +179,9 @@ def _environment() -> _Sandbox:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _Namespace
+    del env.globals["lipsum"]  # writes n paragraphs of filler: no use to a chat template, and n is unbounded
+    for name, func in list(env.filters.items()):
+        env.filters[name] = limited_filter(name, func)
     return env
 
 
@@ -234,11 +243,14 @@ def render_chat(
     bos_token: str | None,
     eos_token: str | None,
     add_generation_prompt: bool = True,
+    limits: TemplateLimits = DEFAULT_LIMITS,
     **variables: Any,
 ) -> str:
     """Render `messages` with a Jinja chat `template`, as transformers' `apply_chat_template(tokenize=False)` does.
 
     Extra keyword arguments (e.g. `tools`, other special tokens) are passed to the template too.
+    A template that runs past `limits` (time, loop iterations, size) raises `TemplateLimitError`.
+    Safe to call from any thread.
     """
     if not isinstance(template, str) or not template:
         raise MinervaError("chat template is empty")
@@ -255,7 +267,10 @@ def render_chat(
         add_generation_prompt=bool(add_generation_prompt),
     )
     try:
-        return compiled.render(**context)
+        with limited(limits):
+            return compiled.render(**context)
+    except TemplateLimitError as e:
+        raise e.with_traceback(None) from None
     except SecurityError as e:
         raise MinervaError(f"chat template tried something unsafe: {_one_line(e)}") from None
     except TemplateError as e:

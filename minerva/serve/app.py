@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minerva.engine.request import Request
 from minerva.engine.sampler import TokenLogprob
 from minerva.errors import MinervaError
+from minerva.formats.chat import TemplateLimitError
 from minerva.serve import convert
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine, EngineDead, Group, QueueFull
@@ -294,6 +295,10 @@ class OpenAIRoutes:
         try:
             return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
                                            add_generation_prompt=add_generation_prompt)
+        except TemplateLimitError as exc:  # the model file's template ran away, not the request
+            log.error("%s", exc)
+            raise APIError(500, f"{exc}; the model's chat template is broken or hostile: fix it, or "
+                                f"send a prompt to /v1/completions", type="server_error") from None
         except MinervaError as exc:
             raise APIError(400, str(exc), "messages") from None
 

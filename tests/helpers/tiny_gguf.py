@@ -15,15 +15,18 @@ TINY_CONTEXT = 256  # the context of the shared `tiny` fixture (conftest.py)
 
 def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
                      odd_tensor_type: gguf.GGMLQuantizationType | None = None,
-                     claimed_heads: int = HEADS) -> Path:
+                     claimed_heads: int = HEADS, chat_template: str | None = None) -> Path:
     """A 1-layer llama with a byte-level GPT-2 tokenizer (256 bytes + one merge) and random F32 weights.
 
     `odd_tensor_type` stores ffn_up with that type (raw random bytes) to exercise type checks;
-    `claimed_heads` writes a head count into the metadata that the tensors may not match.
+    `claimed_heads` writes a head count into the metadata that the tensors may not match;
+    `chat_template` is stored as the file's `tokenizer.chat_template`.
     """
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     vocab = _add_tokenizer(w)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     w.add_block_count(LAYERS)
     w.add_context_length(context)
     w.add_embedding_length(HIDDEN)

@@ -83,9 +83,11 @@ def test_logit_bias_keys_become_token_ids():
     assert e.value.status == 400 and e.value.param == "logit_bias" and "'hello'" in e.value.message
 
 
-def test_negative_logit_bias_key_is_the_sampling_params_error():
-    with pytest.raises(MinervaError, match="logit_bias"):
-        convert.sampling_params(P.CompletionRequest(prompt="p", logit_bias={"-1": 2}), 4, None)
+@pytest.mark.parametrize("key", ["-1", "+1", " 1", "1_0", "\u0661", "01", "", "9" * 5000])
+def test_logit_bias_key_is_plain_digits(key):
+    with pytest.raises(APIError, match="logit_bias key") as info:
+        convert.sampling_params(P.CompletionRequest(prompt="p", logit_bias={key: 2}), 4, None)
+    assert info.value.status == 400 and info.value.param == "logit_bias"
 
 
 @pytest.mark.parametrize("prompt_len,asked,limit,want", [(10, None, 100, 90), (10, 90, 100, 90), (10, 1, 100, 1),

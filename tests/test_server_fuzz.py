@@ -154,8 +154,7 @@ def test_cli_serve_sigterm(tiny):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    # uvicorn re-raises the signal once shut down, so the exit status says "ended by SIGTERM"
-    assert proc.returncode in (0, -signal.SIGTERM), out
+    assert proc.returncode == 0, out  # a shutdown asked for is a clean exit
     assert "Application shutdown complete" in out
     assert "serving tiny.gguf as 'tiny'" in out and "KV cache" in out and f"{url}/v1" in out, out
     assert "Traceback" not in out

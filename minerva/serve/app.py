@@ -3,7 +3,7 @@
 `build_app(llm, config)` wires an `AsyncEngine` (the engine's own thread) into the
 routes of `OpenAIRoutes`; what the routes convert (bodies, results) lives in `convert`.
 Every error a client can cause is a 4xx with `{"error": {...}}`; the guard middleware
-answers 401 (missing key) and 413 (body too large) before any route runs.
+answers 401 (missing key), 413 (body too large) and 408 (body too slow) before any route runs.
 """
 
 from __future__ import annotations
@@ -70,8 +70,10 @@ ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what i
     (400, "Invalid request: a field out of range, or a prompt beyond the context"),
     (401, "Missing or wrong API key (when the server runs with --api-key)"),
     (404, "Unknown model"),
+    (408, "The request head or body took longer than --header-timeout / --body-timeout"),
     (413, "Request body too large"),
-    (503, "Waiting queue full (see Retry-After) or shutting down"),
+    (500, "The model's chat template exceeded its limits, or the engine failed on this request"),
+    (503, "Waiting queue full (see Retry-After), too many connections, or shutting down"),
 ]}
 
 

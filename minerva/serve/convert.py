@@ -50,7 +50,7 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     bias = {}
     for key, value in (raw or {}).items():
         # Only plain ASCII digits: int() would also take " 1 ", "1_0" and other scripts' digits.
-        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0"):
+        if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0") or len(key) > 19:
             raise APIError(400, f"logit_bias key {key!r} is not a token id (digits 0-9, no sign, "
                                 f"spaces or leading zeros)", "logit_bias")
         bias[int(key)] = value

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 
 from minerva import LLM
 from tests.helpers.cli import assert_clean_error, run
-from tests.helpers.server import metric, running_server, wait_for
+from tests.helpers.server import free_port, is_up, metric, running_server, wait_for
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -134,18 +133,14 @@ def test_still_healthy_after_fuzzing(served):
 
 def test_cli_serve_sigterm(tiny):
     """`minerva serve` logs what it serves, answers, and on SIGTERM finishes in-flight work and exits."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "minerva", "serve", str(tiny), "--port", str(port),
                              "--kv-cache-memory", "4e6", "--shutdown-timeout", "5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(lambda: _up(url), timeout=120, what="minerva serve to start")
+        wait_for(lambda: is_up(url), timeout=120, what="minerva serve to start")
         r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
         proc.send_signal(signal.SIGTERM)
@@ -158,14 +153,6 @@ def test_cli_serve_sigterm(tiny):
     assert "Application shutdown complete" in out
     assert "serving tiny.gguf as 'tiny'" in out and "KV cache" in out and f"{url}/v1" in out, out
     assert "Traceback" not in out
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        time.sleep(0.2)
-        return False
 
 
 def test_engine_failure_fails_requests_not_server(served, monkeypatch):

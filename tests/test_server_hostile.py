@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from minerva import LLM
-from tests.helpers.server import metric, running_server, wait_for
+from tests.helpers.server import free_port, is_up, metric, running_server, wait_for
 from tests.helpers.tiny_gguf import write_tiny_llama
 
 LONG_CONTEXT = 4096  # long enough that a stream outlasts a short shutdown timeout
@@ -271,20 +270,6 @@ def test_soak_random_disconnects_free_every_block(served):
 # ------------------------------------------------------------------ SIGTERM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        time.sleep(0.2)
-        return False
-
-
 @pytest.fixture(scope="module")
 def long_tiny(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("long") / "long.gguf", context=LONG_CONTEXT)
@@ -297,7 +282,7 @@ def test_sigterm_ends_streams_cleanly(long_tiny, shutdown_timeout, finished):
     its [DONE], and the server exits 0 without a traceback."""
     from openai import OpenAI
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "minerva", "serve", str(long_tiny), "--port", str(port),
                              "--kv-cache-memory", "16e6", "--shutdown-timeout", str(shutdown_timeout)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -331,7 +316,7 @@ def test_sigterm_ends_streams_cleanly(long_tiny, shutdown_timeout, finished):
         ends.append(("raw", data[-1], json.loads(data[-2][6:])["choices"][0]["finish_reason"]))
 
     try:
-        wait_for(lambda: _up(url), timeout=120, what="minerva serve to start")
+        wait_for(lambda: is_up(url), timeout=120, what="minerva serve to start")
         threads = [threading.Thread(target=sdk_stream) for _ in range(3)] + [threading.Thread(target=raw_stream)]
         for t in threads:
             t.start()

@@ -56,3 +56,18 @@ def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def is_up(url: str) -> bool:
+    """Whether a server answers /health with 200 (a short pause when it does not answer yet)."""
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        time.sleep(0.2)
+        return False

@@ -15,6 +15,7 @@ from minerva import bench
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
+from minerva.kernels import dispatch
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb
 from minerva.options import (
@@ -55,6 +56,10 @@ def _load(model: str | None, args, engine: bool = True):
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, {llm.dtype_name}, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
+    missing = dispatch.backend(llm.device).unavailable_reason
+    if missing:  # say so: the reference path is several times slower
+        print(f"note: Minerva's compiled kernels are unavailable ({missing}); running the plain-torch "
+              f"reference path", file=sys.stderr)
     return llm
 
 

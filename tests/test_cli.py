@@ -31,6 +31,18 @@ def test_generate_tiny_model_streams(tiny):
     assert proc.stdout == tok.decode(ref) + "\n"
 
 
+def test_reference_path_is_announced(tiny):
+    """Without the compiled kernels (here switched off), the load says so and why."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(tiny), "hi", "-n", "2", "--raw"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MINERVA_NO_NATIVE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "compiled kernels are unavailable (disabled by MINERVA_NO_NATIVE)" in proc.stderr, proc.stderr
+    assert "reference path" in proc.stderr
+
+
 def test_missing_file(tmp_path):
     assert_clean_error(run("generate", str(tmp_path / "nope.gguf"), "hi"), "nope.gguf")
 

@@ -91,7 +91,7 @@ class Guard:
 
     PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float = 60.0):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
 
     def authorized(self, header: str) -> bool:

@@ -30,7 +30,7 @@ class Server(uvicorn.Server):
         self.drain_timeout = drain_timeout
 
     async def shutdown(self, sockets=None) -> None:
-        for server in getattr(self, "servers", ()):
+        for server in self.servers:
             server.close()  # no new connections while draining
         engine = self.config.app.state.engine
         await engine.drain(self.drain_timeout, give_up=lambda: self.force_exit)

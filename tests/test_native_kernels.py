@@ -15,7 +15,7 @@ from tests.helpers.quant_blocks import FP16_FIELDS, bits, random_blocks
 
 PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
-capable = not (native.NEEDED_CPU_FLAGS - native.cpu_flags())
+capable = native.capable()
 if not capable:
     pytest.skip(f"this CPU cannot run the packed kernels ({native.load() or native.unavailable_reason})",
                 allow_module_level=True)

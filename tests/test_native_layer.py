@@ -13,7 +13,7 @@ from minerva.kernels import native
 from tests.helpers.paged import paged_logits
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(bool(native.NEEDED_CPU_FLAGS - native.cpu_flags()),
+              pytest.mark.skipif(not native.capable(),
                                  reason="this CPU cannot run the native kernels")]
 
 

@@ -7,7 +7,7 @@ import torch
 
 from minerva.kernels import native, ops
 
-pytestmark = pytest.mark.skipif(bool(native.NEEDED_CPU_FLAGS - native.cpu_flags()),
+pytestmark = pytest.mark.skipif(not native.capable(),
                                 reason="this CPU cannot run the native kernels")
 G = torch.Generator().manual_seed(0)
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}

@@ -283,7 +283,7 @@ def test_bytes_per_block_matches_allocation(k_format, v_format, dtype):
     assert allocated == blocks * per_block == cache.nbytes
 
 
-@pytest.mark.skipif(native.NEEDED_CPU_FLAGS - native.cpu_flags() != set(), reason="CPU lacks the native kernels")
+@pytest.mark.skipif(not native.capable(), reason="CPU lacks the native kernels")
 def test_native_kernel_covers_the_common_formats():
     """On a capable CPU, "auto" must really take the C++ path for float32/bf16/int8 pools."""
     for fmt in ("float32", "bfloat16", "int8"):
@@ -291,7 +291,7 @@ def test_native_kernel_covers_the_common_formats():
         torch.testing.assert_close(batch.paged(5, impl="native"), batch.paged(5, impl="auto"), atol=0, rtol=0)
 
 
-@pytest.mark.skipif(native.NEEDED_CPU_FLAGS - native.cpu_flags() != set(), reason="CPU lacks the native kernels")
+@pytest.mark.skipif(not native.capable(), reason="CPU lacks the native kernels")
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_write_equals_torch_write(fmt, dtype):

@@ -43,8 +43,9 @@ class CpuBackend(KernelBackend):
         return self.module if dtype in ACTIVATIONS else None
 
     def default_dtype(self, device: torch.device) -> str:
-        # the kernels need AVX-512 BF16, where bf16 activations are the fast choice
-        return "bfloat16" if self.module is not None else "float32"
+        # with AVX-512 BF16, bf16 activations are the fast choice (bf16 dot products); the
+        # AVX2 build widens bf16 to float32 for its FMAs, so float32 loses nothing there
+        return "bfloat16" if self.module is not None and native.built == "avx512" else "float32"
 
     @contextlib.contextmanager
     def step(self):

@@ -1,10 +1,11 @@
 """Minerva's C++ CPU kernels, compiled on first use with PyTorch's extension builder.
 
-The build happens once per machine (about a minute on two cores) and is cached under
+Two builds of the same entry points (`csrc/kernels.h`): one for x86-64 CPUs with
+AVX-512 (F, BW, VL, BF16) and F16C, one for CPUs with AVX2, FMA and F16C (most laptops
+and many servers); `isa()` picks the first the CPU can run. The build happens once per machine (about a minute on two cores) and is cached under
 `$MINERVA_HOME/kernels` (else `~/.cache/minerva/kernels`), keyed by the source, the
 compiler flags, the torch version and the CPU's features, so a changed source or a
-different CPU gets its own build. On a CPU without the instructions the kernels use
-(x86-64 with AVX-512 F/BW/VL/BF16 and F16C), or when the build fails, `load()`
+different CPU gets its own build. On a CPU with neither, or when the build fails, `load()`
 returns None and the callers fall back to the plain-torch reference path; the
 reason is logged once. Which kernel runs for what is decided in `minerva.kernels.dispatch`.
 """
@@ -25,17 +26,27 @@ import torch
 
 log = logging.getLogger("minerva")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp", "module.cpp")]
-HEADERS = [Path(__file__).parent / "csrc" / name for name in ("simd.h", "kernels.h", "parallel.h")]
+CSRC = Path(__file__).parent / "csrc"
+# the sources of each build, by instruction set; module.cpp (the Python module) is shared
+SOURCES = {
+    "avx512": [CSRC / name for name in ("qmatmul.cpp", "attention.cpp", "ops.cpp", "module.cpp")],
+    "avx2": [CSRC / name for name in ("qmatmul_avx2.cpp", "attention_avx2.cpp", "ops_avx2.cpp", "module.cpp")],
+}
+HEADERS = [CSRC / name for name in ("simd.h", "simd_avx2.h", "kernels.h", "parallel.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-NEEDED_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"}
+# what each build needs from the CPU, best first
+NEEDED_CPU_FLAGS = {
+    "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
 
 _module: ModuleType | None = None
 _tried = False
 unavailable_reason: str | None = None
+built: str | None = None  # the build that loaded: "avx512" or "avx2"
 
 
 def cpu_flags() -> set[str]:
@@ -49,11 +60,24 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _cache_dir(flags: set[str]) -> Path:
+def isa(flags: set[str] | None = None) -> str | None:
+    """The build this CPU runs ("avx512" or "avx2"), or None when it can run neither."""
+    flags = cpu_flags() if flags is None else flags
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    return next((name for name, needed in NEEDED_CPU_FLAGS.items() if needed <= flags), None)
+
+
+def capable() -> bool:
+    """Whether this CPU can run one of the builds (tests use it to skip)."""
+    return isa() is not None
+
+
+def _cache_dir(flags: set[str], build: str) -> Path:
     h = hashlib.sha256()
-    for src in SOURCES + HEADERS:
+    for src in SOURCES[build] + HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy"]).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy", build]).encode())
     home = os.environ.get("MINERVA_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
     return base / "kernels" / h.hexdigest()[:16]
@@ -61,7 +85,7 @@ def _cache_dir(flags: set[str]) -> Path:
 
 def load() -> ModuleType | None:
     """The compiled module, or None (see `unavailable_reason`)."""
-    global _module, _tried, unavailable_reason
+    global _module, _tried, unavailable_reason, built
     if _tried:
         return _module
     _tried = True
@@ -69,12 +93,15 @@ def load() -> ModuleType | None:
         unavailable_reason = "disabled by MINERVA_NO_NATIVE"
         return None
     flags = cpu_flags()
-    missing = NEEDED_CPU_FLAGS - flags
-    if platform.machine() not in ("x86_64", "AMD64") or missing:
-        unavailable_reason = f"this CPU lacks {', '.join(sorted(missing)) or 'x86-64'}"
+    which = isa(flags)
+    if which is None:
+        missing = NEEDED_CPU_FLAGS["avx2"] - flags
+        unavailable_reason = (f"this CPU lacks {', '.join(sorted(missing))}" if missing and platform.machine()
+                              in ("x86_64", "AMD64") else "not an x86-64 CPU")
         log.info("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)
         return None
-    build = _cache_dir(flags)
+    sources = SOURCES[which]
+    build = _cache_dir(flags, which)
     build.mkdir(parents=True, exist_ok=True)
     scripts = sysconfig.get_path("scripts")  # pip's ninja lives beside this interpreter
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
@@ -87,11 +114,12 @@ def load() -> ModuleType | None:
         # two checkouts of the same sources share one build instead of rebuilding in turn.
         src = build / "src"
         src.mkdir(exist_ok=True)
-        for f in SOURCES + HEADERS:
+        for f in sources + HEADERS:
             if not (src / f.name).exists() or (src / f.name).read_bytes() != f.read_bytes():
                 shutil.copyfile(f, src / f.name)
-        _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in SOURCES],
+        _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in sources],
                                      extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build), verbose=False)
+        built = which
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
         log.warning("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)

@@ -22,19 +22,12 @@
 #include <vector>
 
 #include "parallel.h"
+#include "qformat.h"
 #include "simd.h"
 
 namespace {
 
-// GGML type ids (gguf.GGMLQuantizationType)
-enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-             BF16 = 30 };
-
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
+using namespace minerva;
 
 inline __m512 cvt_u8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)); }
 inline __m512 cvt_i8(__m128i b) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)); }
@@ -111,17 +104,6 @@ inline void decode32<Q8_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1
   __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
   w0 = _mm512_mul_ps(cvt_i8(q0), d);
   w1 = _mm512_mul_ps(cvt_i8(q1), d);
-}
-
-// Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
-inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = s[j] & 63;
-    mn = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
-    mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-  }
 }
 
 template <>
@@ -204,40 +186,6 @@ inline void decode32<BF16>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1
   const __m256i* p = reinterpret_cast<const __m256i*>(row + 64 * g);
   w0 = bf16_to_f32(_mm256_loadu_si256(p));
   w1 = bf16_to_f32(_mm256_loadu_si256(p + 1));
-}
-
-template <int QT> struct Layout;
-template <> struct Layout<F32> { static constexpr int block = 32, bytes = 128; };
-template <> struct Layout<F16> { static constexpr int block = 32, bytes = 64; };
-template <> struct Layout<BF16> { static constexpr int block = 32, bytes = 64; };
-template <> struct Layout<Q4_0> { static constexpr int block = 32, bytes = 18; };
-template <> struct Layout<Q4_1> { static constexpr int block = 32, bytes = 20; };
-template <> struct Layout<Q5_0> { static constexpr int block = 32, bytes = 22; };
-template <> struct Layout<Q5_1> { static constexpr int block = 32, bytes = 24; };
-template <> struct Layout<Q8_0> { static constexpr int block = 32, bytes = 34; };
-template <> struct Layout<Q4_K> { static constexpr int block = 256, bytes = 144; };
-template <> struct Layout<Q5_K> { static constexpr int block = 256, bytes = 176; };
-template <> struct Layout<Q6_K> { static constexpr int block = 256, bytes = 210; };
-
-// Calls f.template operator()<QT>() for the GGML type `qtype`.
-template <typename F>
-auto with_format(int64_t qtype, F&& f) {
-  switch (qtype) {
-    case Q4_0: return f.template operator()<Q4_0>();
-    case Q4_1: return f.template operator()<Q4_1>();
-    case Q5_0: return f.template operator()<Q5_0>();
-    case Q5_1: return f.template operator()<Q5_1>();
-    case Q8_0: return f.template operator()<Q8_0>();
-    case Q4_K: return f.template operator()<Q4_K>();
-    case Q5_K: return f.template operator()<Q5_K>();
-    case Q6_K: return f.template operator()<Q6_K>();
-    case F32: return f.template operator()<F32>();
-    case F16: return f.template operator()<F16>();
-    case BF16: return f.template operator()<BF16>();
-    default: break;
-  }
-  TORCH_CHECK(false, "no packed kernel for GGML type ", qtype);
-  return f.template operator()<Q4_0>();  // not reached
 }
 
 // Every output element y[m, n] is computed the same way on every path:
@@ -422,19 +370,6 @@ void decode_row_bf16(const uint8_t* row, int64_t K, uint16_t* out) {
     decode32<QT>(row, g, w0, w1);
     _mm512_storeu_si512(out + 32 * g, (__m512i)pack_bf16(w0, w1));
   }
-}
-
-template <int QT>
-int64_t row_bytes(int64_t K) { return K / Layout<QT>::block * Layout<QT>::bytes; }
-
-template <int QT>
-void check_args(const torch::Tensor& packed, int64_t rows, int64_t cols) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu(),
-              "packed weight must be a contiguous CPU uint8 tensor");
-  TORCH_CHECK(cols > 0 && cols % Layout<QT>::block == 0, "row length ", cols,
-              " is not a multiple of the block size ", Layout<QT>::block);
-  TORCH_CHECK(packed.numel() == rows * row_bytes<QT>(cols), "packed weight has ", packed.numel(),
-              " bytes, expected ", rows * row_bytes<QT>(cols));
 }
 
 constexpr int NB = 4;  // weight rows per step of the small-batch path

@@ -1,0 +1,376 @@
+// Paged attention over the KV pool for x86-64 CPUs with AVX2 and FMA (the AVX-512 build's
+// attention.cpp, on 8-lane vectors).
+//
+// One call covers every request of a step: query rows (chunked prefill, decode and
+// speculative verification alike) attend causally, optionally within a sliding
+// window, to their own request's keys, read through its block table. Each (query row,
+// KV head) is one work item computed start to finish by one thread in a fixed order
+// (scores, max, exp, sum, weighted sum of V), so a row's result never depends on the
+// other rows or requests in the batch. K and V may be stored as float32, bfloat16 or
+// int8 with a float32 scale per token and head; the math is float32.
+//
+// Keys are taken in chunks that fit the L1 cache: a chunk of K (or V) rows is read from
+// memory once, widened to float32 once when stored narrower, and then used from cache by
+// every query head of the KV head's group, so a long context is streamed once per item.
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "simd_avx2.h"
+
+namespace {
+
+using namespace minerva;
+
+struct Pool {
+  const void* data;
+  const float* scale;  // null for float storage
+  int64_t block_stride, token_stride;  // elements
+  int64_t scale_block_stride, scale_token_stride;
+};
+
+// float32 values of this many keys' rows (K or V) per chunk: 16 KiB, in L1 with the rest
+constexpr int64_t kChunkFloats = 4096;
+
+// Walks a request's block table from key `lo` on, a chunk of rows at a time, without a
+// division per key.
+struct RowCursor {
+  const int64_t* table;
+  int64_t block_size, b, off;
+  RowCursor(const int64_t* table_, int64_t lo, int64_t block_size_)
+      : table(table_), block_size(block_size_), b(lo / block_size_), off(lo % block_size_) {}
+
+  // the next n rows of head hk: row pointers and int8 scales (1 for float storage)
+  template <typename T>
+  void next(const Pool& P, int64_t n, int64_t hk, int64_t D, const T** rows, float* scales) {
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t blk = table[b];
+      rows[j] = static_cast<const T*>(P.data) + blk * P.block_stride + off * P.token_stride + hk * D;
+      scales[j] = P.scale ? P.scale[blk * P.scale_block_stride + off * P.scale_token_stride + hk] : 1.0f;
+      if (++off == block_size) off = 0, ++b;
+    }
+  }
+};
+
+// The next n rows as float32 pointers: the pool's own rows for float32 storage, else the
+// rows widened (bf16) or dequantized (int8: value * scale, as load8 computes it) into buf.
+template <typename T>
+void chunk_rows(const Pool& P, RowCursor& cur, int64_t n, int64_t hk, int64_t D, float* buf,
+                const float** rows) {
+  const T* src[kChunkFloats / 8];
+  float scales[kChunkFloats / 8];
+  cur.next<T>(P, n, hk, D, src, scales);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t j = 0; j < n; ++j) rows[j] = src[j];
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      float* dst = buf + j * D;
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, load8(src[j] + d, scales[j]));
+      rows[j] = dst;
+    }
+  }
+}
+
+// scores[j] for 8 keys against one (pre-scaled) query head: acc[j] = q . k_j, 8 lanes of D
+// at a time, then one horizontal sum for all 8 keys.
+inline __m256 scores8(const float* q, const float* const* k, int64_t D) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), acc[j]);
+  }
+  return hsum8(acc);
+}
+
+// acc[g] += sum_j p[g * stride + j] * v_j[d : d + 16] over the chunk's n keys, for NG heads.
+// Keys go round-robin over NC register sets (independent FMA chains), summed at the end;
+// NG * NC * 2 = 8 accumulators at most (AVX2 has 16 registers).
+template <int NG, int NC>
+inline void weighted_sum(const float* p, int64_t stride, const float* const* v, int64_t n, int64_t d, float* acc,
+                         int64_t D) {
+  __m256 a[NC][NG][2];
+  for (int c = 0; c < NC; ++c)
+    for (int g = 0; g < NG; ++g) a[c][g][0] = a[c][g][1] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + NC <= n; j += NC) {
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      const __m256 v0 = _mm256_loadu_ps(v[j + c] + d), v1 = _mm256_loadu_ps(v[j + c] + d + 8);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const __m256 pb = _mm256_broadcast_ss(p + g * stride + j + c);
+        a[c][g][0] = _mm256_fmadd_ps(pb, v0, a[c][g][0]);
+        a[c][g][1] = _mm256_fmadd_ps(pb, v1, a[c][g][1]);
+      }
+    }
+  }
+  for (int c = 0; j < n; ++j, ++c) {
+    const __m256 v0 = _mm256_loadu_ps(v[j] + d), v1 = _mm256_loadu_ps(v[j] + d + 8);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 pb = _mm256_broadcast_ss(p + g * stride + j);
+      a[c][g][0] = _mm256_fmadd_ps(pb, v0, a[c][g][0]);
+      a[c][g][1] = _mm256_fmadd_ps(pb, v1, a[c][g][1]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int h = 0; h < 2; ++h) {
+      __m256 s = a[0][g][h];
+      for (int c = 1; c < NC; ++c) s = _mm256_add_ps(s, a[c][g][h]);
+      float* o = acc + g * D + d + 8 * h;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), s));
+    }
+}
+
+struct Scratch {
+  std::vector<float> scores, qf, acc, buf;
+  std::vector<const float*> rows;
+};
+
+// One (query row, KV head) item: the G query heads of the group against keys lo..hi-1.
+template <typename QT, typename KT, typename VT>
+void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
+                 int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, Scratch& w) {
+  const int64_t S = hi - lo, S8 = (S + 7) / 8 * 8;
+  const int64_t C = std::max<int64_t>(8, kChunkFloats / D / 8 * 8);  // keys per chunk
+  w.scores.resize(G * S8);
+  w.qf.resize(G * D);
+  w.acc.assign(G * D, 0.0f);
+  w.buf.resize(C * D);
+  w.rows.resize(C);
+  float* qf = w.qf.data();
+  float* sc = w.scores.data();
+  const float** rows = w.rows.data();
+  for (int64_t g = 0; g < G; ++g)  // q pre-scaled: scores = (scale q) . k
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(qf + g * D + d, _mm256_mul_ps(load8(q + g * D + d, 1.0f), _mm256_set1_ps(scale)));
+  // scores, a chunk of keys at a time, 8 keys per step (the last step of a short chunk
+  // repeats its last key; those lanes get -inf)
+  RowCursor kc(table, lo, block_size);
+  for (int64_t c0 = 0; c0 < S; c0 += C) {
+    const int64_t n = std::min(C, S - c0);
+    chunk_rows<KT>(K, kc, n, hk, D, w.buf.data(), rows);
+    for (int64_t j = n; j % 8; ++j) rows[j] = rows[n - 1];
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                         _mm256_set1_ps(static_cast<float>(n - j0)), _CMP_LT_OQ);
+      for (int64_t g = 0; g < G; ++g)
+        _mm256_storeu_ps(sc + g * S8 + c0 + j0,
+                         _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), scores8(qf + g * D, rows + j0, D), valid));
+    }
+  }
+  // softmax numerators in place, and 1 / sum
+  float inv_sum[64];
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = sc + g * S8;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < S8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    const __m256 m = _mm256_set1_ps(reduce_max(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < S8; j += 8) {  // padding lanes hold -inf: exp gives 0
+      const __m256 x = _mm256_loadu_ps(s + j);
+      const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                     exp256(_mm256_sub_ps(x, m)));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv_sum[g] = 1.0f / reduce_add(sum);
+  }
+  // acc = sum_j p_j v_j, a chunk of V rows at a time: 16 lanes of D and up to 4 heads per pass
+  RowCursor vc(table, lo, block_size);
+  float* acc = w.acc.data();
+  for (int64_t c0 = 0; c0 < S; c0 += C) {
+    const int64_t n = std::min(C, S - c0);
+    chunk_rows<VT>(V, vc, n, hk, D, w.buf.data(), rows);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const float* p = sc + g0 * S8 + c0;
+      float* a = acc + g0 * D;
+      for (int64_t d = 0; d < D; d += 16) {
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 1: weighted_sum<1, 4>(p, S8, rows, n, d, a, D); break;
+          case 2: weighted_sum<2, 2>(p, S8, rows, n, d, a, D); break;
+          case 3: weighted_sum<3, 1>(p, S8, rows, n, d, a, D); break;
+          default: weighted_sum<4, 1>(p, S8, rows, n, d, a, D); break;
+        }
+      }
+    }
+  }
+  // out = acc / sum
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; d += 8)
+      store8(out + g * D + d, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + d), _mm256_set1_ps(inv_sum[g])));
+}
+
+template <typename QT, typename KT, typename VT>
+void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables, int64_t table_stride,
+            const int64_t* seq_lens, const int64_t* qsl, const int64_t* positions, int64_t B, int64_t T,
+            int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale) {
+  const int64_t G = H / Hkv;
+  TORCH_CHECK(G <= 64, "at most 64 query heads per KV head");
+  std::vector<int64_t> req(T), lo(T), hi(T);
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = qsl[b]; t < qsl[b + 1]; ++t) {
+      req[t] = b;
+      hi[t] = std::min(positions[t] + 1, seq_lens[b]);
+      lo[t] = window > 0 ? std::max<int64_t>(0, positions[t] - window + 1) : 0;
+      work += (hi[t] - lo[t]) * H;
+    }
+  // small steps (a decode of a short context) are cheaper on one thread than to fork
+  const int64_t items = T * Hkv, grain = work < (1 << 14) ? items : 1;
+  minerva::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+    Scratch w;
+    for (int64_t item = i0; item < i1; ++item) {
+      // KV-head-major: a thread's consecutive items are consecutive rows of one head, which
+      // read the same keys, so that head's K/V stays in cache from one row to the next.
+      const int64_t hk = item / T, t = item % T;
+      attend_item<QT, KT, VT>(q + (t * H + hk * G) * D, out + (t * H + hk * G) * D, K, V,
+                              tables + req[t] * table_stride, lo[t], hi[t], G, D, block_size, hk, scale, w);
+    }
+  });
+}
+
+Pool pool_of(const torch::Tensor& data, const torch::Tensor& scale) {
+  Pool p{data.data_ptr(), nullptr, data.stride(0), data.stride(1), 0, 0};
+  if (scale.defined() && scale.numel() > 0) {
+    TORCH_CHECK(scale.dtype() == torch::kFloat32 && scale.dim() == 3, "KV scales must be float32 [blocks, block_size, Hkv]");
+    p.scale = scale.data_ptr<float>();
+    p.scale_block_stride = scale.stride(0);
+    p.scale_token_stride = scale.stride(1);
+  }
+  return p;
+}
+
+template <typename QT, typename KT>
+void dispatch_v(const torch::Tensor& v, const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables,
+                int64_t ts, const int64_t* sl, const int64_t* qsl, const int64_t* pos, int64_t B, int64_t T,
+                int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t window, float scale) {
+  switch (v.scalar_type()) {
+    case torch::kFloat32: attend<QT, KT, float>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    case torch::kBFloat16: attend<QT, KT, at::BFloat16>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    case torch::kInt8: attend<QT, KT, int8_t>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    default: TORCH_CHECK(false, "unsupported V cache dtype ", v.scalar_type());
+  }
+}
+
+}  // namespace
+
+// q [T, H, D]; k/v pools [blocks, block_size, Hkv, D] (+ float32 scales [blocks, block_size,
+// Hkv] for int8, else empty tensors); block_tables [B, max_blocks] int64; seq_lens [B];
+// query_start_loc [B + 1]; positions [T]; window <= 0 for none.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
+                              torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                              torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
+                              double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q must be [T, H, D] and k/v [blocks, block_size, Hkv, D]");
+  q = q.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(2), bs = k.size(1);
+  TORCH_CHECK(D % 16 == 0 && k.size(3) == D && v.size(3) == D && H % Hkv == 0, "bad head sizes");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "KV pools must be dense in [Hkv, D]");
+  auto i64 = [](const torch::Tensor& x) { return x.to(torch::kInt64).contiguous(); };
+  block_tables = i64(block_tables), seq_lens = i64(seq_lens), query_start_loc = i64(query_start_loc),
+  positions = i64(positions);
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1 && positions.size(0) == T && block_tables.size(0) == B, "bad batch layout");
+  auto out = torch::empty_like(q);
+  Pool K = pool_of(k, k_scale), V = pool_of(v, v_scale);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t ts = block_tables.size(1);
+  const int64_t *sl = seq_lens.data_ptr<int64_t>(), *qsl = query_start_loc.data_ptr<int64_t>(),
+                *pos = positions.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](auto* qp, auto* op) {
+    using QT = std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>;
+    switch (k.scalar_type()) {
+      case torch::kFloat32: dispatch_v<QT, float>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      case torch::kBFloat16: dispatch_v<QT, at::BFloat16>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      case torch::kInt8: dispatch_v<QT, int8_t>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      default: TORCH_CHECK(false, "unsupported K cache dtype ", k.scalar_type());
+    }
+  };
+  if (q.scalar_type() == torch::kFloat32) run(q.data_ptr<float>(), out.data_ptr<float>());
+  else if (q.scalar_type() == torch::kBFloat16) run(q.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "q must be float32 or bfloat16");
+  return out;
+}
+
+namespace {
+
+// 8 float32 values (integers in [-127, 127]) as int8
+inline void store8_i8(int8_t* p, __m256 v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+}
+
+template <typename XT, typename PT>
+void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const int64_t* slots, int64_t T,
+                int64_t Hkv, int64_t D) {
+  minerva::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const XT* src = x + t * x_stride + h * D;
+      PT* dst = pool + (slots[t] * Hkv + h) * D;
+      if constexpr (std::is_same_v<PT, int8_t>) {
+        // as kv_quant.quantize_kv: scale = absmax / 127; q = round_half_even(x / scale), clamped
+        __m256 amax = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) amax = _mm256_max_ps(amax, abs8(load8(src + d, 1.0f)));
+        const float scale = reduce_max(amax) / 127.0f;
+        const __m256 div = _mm256_set1_ps(scale > 0 ? scale : 1.0f);
+        const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+        for (int64_t d = 0; d < D; d += 8) {
+          __m256 q = _mm256_round_ps(_mm256_div_ps(load8(src + d, 1.0f), div),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          store8_i8(dst + d, _mm256_min_ps(_mm256_max_ps(q, lo), hi));
+        }
+        scales[slots[t] * Hkv + h] = scale;
+      } else {
+        for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(src + d, 1.0f));
+      }
+    }
+  }
+  });
+}
+
+}  // namespace
+
+// Store new K or V rows x [T, Hkv, D] (float32/bfloat16; any token stride) at pool slots
+// (pool [blocks, block_size, Hkv, D] of float32, bfloat16 or int8 + float32 scales).
+void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, Hkv, D], dense per token");
+  TORCH_CHECK(pool.is_contiguous() && pool.size(2) == x.size(1) && pool.size(3) == x.size(2), "pool does not match x");
+  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  slots = slots.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == T, "one slot per token");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t num_slots = pool.size(0) * pool.size(1);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "slot out of range");
+  float* sc = nullptr;
+  if (pool.scalar_type() == torch::kInt8) {
+    TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat32 && scales.numel() == num_slots * Hkv,
+                "int8 pools need float32 scales [blocks, block_size, Hkv]");
+    sc = scales.data_ptr<float>();
+  }
+  auto go = [&](auto* xp) {
+    using XT = std::remove_pointer_t<decltype(xp)>;
+    switch (pool.scalar_type()) {
+      case torch::kFloat32: write_rows<XT, float>(xp, x.stride(0), pool.data_ptr<float>(), sc, sl, T, Hkv, D); break;
+      case torch::kBFloat16: write_rows<XT, at::BFloat16>(xp, x.stride(0), pool.data_ptr<at::BFloat16>(), sc, sl, T, Hkv, D); break;
+      case torch::kInt8: write_rows<XT, int8_t>(xp, x.stride(0), pool.data_ptr<int8_t>(), sc, sl, T, Hkv, D); break;
+      default: TORCH_CHECK(false, "unsupported pool dtype ", pool.scalar_type());
+    }
+  };
+  if (x.scalar_type() == torch::kFloat32) go(x.data_ptr<float>());
+  else if (x.scalar_type() == torch::kBFloat16) go(x.data_ptr<at::BFloat16>());
+  else TORCH_CHECK(false, "x must be float32 or bfloat16");
+}

@@ -1,0 +1,123 @@
+// Small fused CPU ops around the matmuls for x86-64 CPUs with AVX2 and FMA (the AVX-512
+// build's ops.cpp, on 8-lane vectors): RMSNorm (with the residual add), rotary embedding,
+// and the gated activations. Each row is computed on its own in a fixed order (batch
+// invariant); math is float32 whatever the storage (float32 / bfloat16).
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "simd_avx2.h"
+
+namespace {
+
+using namespace minerva;
+
+template <typename F>
+void by_dtype(const torch::Tensor& x, F&& f) {
+  if (x.scalar_type() == torch::kFloat32) f(static_cast<float*>(nullptr));
+  else if (x.scalar_type() == torch::kBFloat16) f(static_cast<at::BFloat16*>(nullptr));
+  else TORCH_CHECK(false, "expected float32 or bfloat16, got ", x.scalar_type());
+}
+
+template <typename T>
+void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, float eps) {
+  minerva::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      __m256 ss = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 v = load8(xr + d, 1.0f);
+        ss = _mm256_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.0f / std::sqrt(reduce_add(ss) / static_cast<float>(D) + eps);
+      const __m256 s = _mm256_set1_ps(inv);
+      for (int64_t d = 0; d < D; d += 8)
+        store8(out + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(w + d), _mm256_mul_ps(load8(xr + d, 1.0f), s)));
+    }
+  });
+}
+
+}  // namespace
+
+// RMSNorm over the last dim: w * (x / sqrt(mean(x^2) + eps)); w float32 [D].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  x = x.contiguous();
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
+  auto out = torch::empty_like(x);
+  w = w.contiguous();
+  by_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    norm_rows<T>(x.data_ptr<T>(), w.data_ptr<float>(), out.data_ptr<T>(), x.numel() / D, D, static_cast<float>(eps));
+  });
+  return out;
+}
+
+// h += a (in place), then return rms_norm(h).
+torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps) {
+  TORCH_CHECK(h.is_contiguous() && h.sizes() == a.sizes() && h.scalar_type() == a.scalar_type(), "bad add_rms_norm args");
+  h.add_(a);
+  return rms_norm(h, w, eps);
+}
+
+// Rotary embedding, half-split layout, in place on x [T, heads, D] with cos/sin float32 [T, D/2]:
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_ needs x [T, heads, D] dense per token");
+  const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && cos.size(1) == half, "bad rope shapes");
+  cos = cos.contiguous(), sin = sin.contiguous();
+  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+  const int64_t ts = x.stride(0);
+  by_dtype(x, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    T_* base = x.data_ptr<T_>();
+    minerva::parallel_for(0, T * Hn, 64, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / Hn, h = i % Hn;
+        T_* p = base + t * ts + h * D;
+        for (int64_t d = 0; d < half; d += 8) {
+          const __m256 x1 = load8(p + d, 1.0f), x2 = load8(p + half + d, 1.0f);
+          const __m256 cv = _mm256_loadu_ps(c + t * half + d), sv = _mm256_loadu_ps(s + t * half + d);
+          store8(p + d, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+          store8(p + half + d, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+        }
+      }
+    });
+  });
+}
+
+// gate_up [T, 2I] (gate first) -> act(gate) * up [T, I]; act 0 = silu, 1 = gelu (tanh approximation).
+torch::Tensor act_mul(torch::Tensor gu, int64_t act) {
+  gu = gu.contiguous();
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
+  auto out = torch::empty({T, I}, gu.options());
+  by_dtype(gu, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    const T_* in = gu.data_ptr<T_>();
+    T_* o = out.data_ptr<T_>();
+    minerva::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      const __m256 one = _mm256_set1_ps(1.0f);
+      const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t i = 0; i < I; i += 8) {
+          const __m256 g = load8(in + t * 2 * I + i, 1.0f), u = load8(in + t * 2 * I + I + i, 1.0f);
+          __m256 a;
+          if (act == 0) {
+            a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+          } else {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
+            const __m256 y = _mm256_mul_ps(k0, _mm256_fmadd_ps(_mm256_mul_ps(k1, g), _mm256_mul_ps(g, g), g));
+            a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y))));
+          }
+          store8(o + t * I + i, _mm256_mul_ps(a, u));
+        }
+    });
+  });
+  return out;
+}

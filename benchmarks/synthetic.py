@@ -217,23 +217,26 @@ _RMS_SCALE6 = _rms_uniform(64, 0)  # a random 6-bit K-quant sub-block scale
 @dataclass(frozen=True)
 class Recipe:
     """How random bytes become a sane block: the RMS of a dequantized value when d = 1, the
-    fp16 fields to set (byte offset, value as a multiple of d), and for Q4_K/Q5_K whether
-    each 6-bit minimum is made equal to its scale (with dmin = centre * d every sub-block
-    is then d * scale * (q - centre): mean 0)."""
+    fp16 fields to set (byte offset, value as a multiple of d), whether d takes a random
+    sign per block (Q4_0/Q5_0, whose codes run -8..7 and -16..15: as in llama.cpp's
+    quantizer, where d = max / -8 has the sign of the block's largest value, so the mean
+    is 0), and for Q4_K/Q5_K whether each 6-bit minimum is made equal to its scale (with
+    dmin = centre * d every sub-block is then d * scale * (q - centre): mean 0)."""
 
     unit_rms: float
     fields: tuple[tuple[int, float], ...]
+    signed: bool = False
     mins_follow_scales: bool = False
 
 
 RECIPES = {  # offsets and layouts as in gguf.quants and minerva/formats/quant.py
-    QT.Q4_0: Recipe(_rms_uniform(16, 8), ((0, 1.0),)),
+    QT.Q4_0: Recipe(_rms_uniform(16, 8), ((0, 1.0),), signed=True),
     QT.Q4_1: Recipe(_rms_uniform(16, 7.5), ((0, 1.0), (2, -7.5))),
-    QT.Q5_0: Recipe(_rms_uniform(32, 16), ((0, 1.0),)),
+    QT.Q5_0: Recipe(_rms_uniform(32, 16), ((0, 1.0),), signed=True),
     QT.Q5_1: Recipe(_rms_uniform(32, 15.5), ((0, 1.0), (2, -15.5))),
     QT.Q8_0: Recipe(_RMS_INT8, ((0, 1.0),)),
-    QT.Q4_K: Recipe(_RMS_SCALE6 * _rms_uniform(16, 7.5), ((0, 1.0), (2, 7.5)), True),
-    QT.Q5_K: Recipe(_RMS_SCALE6 * _rms_uniform(32, 15.5), ((0, 1.0), (2, 15.5)), True),
+    QT.Q4_K: Recipe(_RMS_SCALE6 * _rms_uniform(16, 7.5), ((0, 1.0), (2, 7.5)), mins_follow_scales=True),
+    QT.Q5_K: Recipe(_RMS_SCALE6 * _rms_uniform(32, 15.5), ((0, 1.0), (2, 15.5)), mins_follow_scales=True),
     QT.Q6_K: Recipe(_RMS_INT8 * _rms_uniform(64, 32), ((208, 1.0),)),  # int8 scales stay random
 }
 
@@ -268,7 +271,7 @@ class RandomTensor:
             d = np.float16(WEIGHT_STD / recipe.unit_rms)
             self.fields = [(off, np.array([mult * float(d)], np.float16).view(np.uint8))
                            for off, mult in recipe.fields]
-            self.mins_follow_scales = recipe.mins_follow_scales
+            self.signed, self.mins_follow_scales = recipe.signed, recipe.mins_follow_scales
         elif self.table is None:
             raise MinervaError(f"no recipe for random {qtype.name} tensors")
 
@@ -286,8 +289,11 @@ class RandomTensor:
         if self.table is not None:
             return self.table[raw.view(np.uint16)]
         blocks = raw.reshape(-1, self.type_size)
+        sign = blocks[:, 1] & 0x80 if self.signed else None  # a random bit, before d is written over it
         for off, value in self.fields:
             blocks[:, off:off + 2] = value
+        if self.signed:
+            blocks[:, 1] |= sign
         if self.mins_follow_scales:  # 12 scale bytes at 4..15: 4 of scales, 4 of mins, 4 of both
             blocks[:, 8:12] = blocks[:, 4:8]
             low = blocks[:, 12:16] & 0x0F

@@ -91,6 +91,10 @@ def test_prefill_ceiling():
     # One prompt token costs what one decode step at context 1 costs.
     assert prefill_ceiling(m, HW, 1).tokens_per_second == pytest.approx(
         decode_ceiling(m, HW, 1, 1).tokens_per_second)
+    # After a depth of 100 tokens, the prompt's tokens attend to those too.
+    deep = prefill_ceiling(m, HW, 64, depth=100)
+    flops = sum(m.flops_per_token(c) for c in range(101, 165))
+    assert deep.tokens_per_second == pytest.approx(64 / max(flops / 1e12, m.weight_bytes_per_token / HW.bandwidth))
 
 
 # ---------------------------------------------------------- the real model

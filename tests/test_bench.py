@@ -28,9 +28,15 @@ def test_latency(tiny, tmp_path):
                "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     assert_report(proc.stdout, "pp16", "pp32", "tg8", "pp16@d32", "tg8@d32")
-    figures = json.loads(out.read_text())["figures"]
+    report = json.loads(out.read_text())
+    figures = report["figures"]
     assert {f["name"] for f in figures} == {"pp16", "pp32", "tg8", "pp16@d32", "pp32@d32", "tg8@d32"}
     assert all(len(f["samples"]) == 2 and all(s > 0 for s in f["samples"]) for f in figures)
+    # each test next to its roofline ceiling: decode at batch 1 is bound by memory bandwidth
+    roofline = {t["name"]: t for t in report["roofline"]["tests"]}
+    assert set(roofline) == {f["name"] for f in figures} and report["roofline"]["hardware"]["bandwidth"] > 0
+    assert roofline["tg8"]["bound"] == "memory" and all(t["fraction"] > 0 for t in roofline.values())
+    assert "roofline: " in proc.stdout and "of ceiling" in proc.stdout
 
 
 def test_throughput(tiny):

@@ -126,10 +126,12 @@ def _bandwidth(seconds: float) -> float:
 
 
 def _matmul_flops(dtype: torch.dtype, seconds: float) -> float:
-    """Best FLOP/s of an n x n matmul; n shrinks where one warm product alone would take
-    longer than `seconds`."""
+    """Best FLOP/s of an n x n matmul. n doubles from 256 up to MATMUL_SIZE while the next
+    size's product (8x the work) still fits in a quarter of `seconds`, so a CPU without a
+    fast path for `dtype` (bf16 without AVX-512 BF16 takes about a minute for one 2048^3
+    product) is measured on a smaller product instead of stalling the probe."""
     start = time.perf_counter()
-    n = MATMUL_SIZE
+    n = 256
     while True:
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
@@ -137,9 +139,9 @@ def _matmul_flops(dtype: torch.dtype, seconds: float) -> float:
         torch.mm(a, b, out=c)  # the first call pays one-time set-up
         t = time.perf_counter()
         torch.mm(a, b, out=c)
-        if time.perf_counter() - t < seconds or n <= 512:
+        if n >= MATMUL_SIZE or 8 * (time.perf_counter() - t) > seconds / 4:
             break
-        n //= 2
+        n *= 2
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=c), start + seconds)
 
 

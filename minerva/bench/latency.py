@@ -1,5 +1,7 @@
 """`minerva bench latency`, llama-bench style: prompt processing (pp) and generation (tg) of
-one sequence, optionally at a KV depth, as mean ± standard deviation over `-r` repetitions."""
+one sequence, optionally at a KV depth, as mean ± standard deviation over `-r` repetitions,
+then each test's roofline ceiling on this machine (bandwidth and compute probed, costs as in
+`minerva roofline`) and the fraction of it Minerva reached."""
 
 from __future__ import annotations
 
@@ -7,9 +9,11 @@ import random
 from dataclasses import asdict
 
 from minerva.bench.args import add_common_options, ints
+from minerva.bench.hardware import probe
 from minerva.bench.measure import load_minerva, minerva_decode, minerva_prefill, random_prompt
 from minerva.bench.peers import load_peer
 from minerva.bench.report import Figure, header, print_report, threads_used, write_json
+from minerva.bench.roofline import Row, ceiling_table, decode_ceiling, model_costs, prefill_ceiling
 
 
 def cmd_latency(args) -> int:
@@ -36,6 +40,7 @@ def cmd_latency(args) -> int:
             else:  # n + 1 tokens: the first comes from the prompt's forward, then n decode steps
                 fig.samples.append(minerva_decode(llm, [prompt], n + 1)[0])
         figures.append(fig)
+    roofline_lines, roofline = _roofline(llm, args, plan, figures)
     lines = header(llm.path, threads_used(args))
     model_path = llm.path
     llm = None  # free the model before loading a peer
@@ -52,9 +57,30 @@ def cmd_latency(args) -> int:
             figures.append(fig)
         runner.close()
     print_report(lines, systems, figures)
+    print("\n".join(roofline_lines))
     write_json(args.json, {"header": lines, "systems": [asdict(s) for s in systems],
-                           "figures": [{**asdict(f), "mean": f.mean, "std": f.std} for f in figures]})
+                           "figures": [{**asdict(f), "mean": f.mean, "std": f.std} for f in figures],
+                           "roofline": roofline})
     return 0
+
+
+def _roofline(llm, args, plan, figures: list[Figure]) -> tuple[list[str], dict]:
+    """Each test's ceiling on this machine (probed), and the fraction of it Minerva reached:
+    tg at batch 1 and its mean context, pp after its depth."""
+    hw = probe(seconds=2.0)
+    cfg = llm.engine.config
+    costs = model_costs(llm.loaded, cfg.kv_cache_dtype_k, cfg.kv_cache_dtype_v, dtype=llm.dtype)
+    rows = []
+    for (name, kind, depth, _, n), fig in zip(plan, figures):
+        ceiling = (prefill_ceiling(costs, hw, n, args.dtype, depth) if kind == "pp"
+                   else decode_ceiling(costs, hw, 1, max(depth, 1) + n // 2, args.dtype))
+        rows.append(Row(name, ceiling, fig.mean))
+    lines = ["", f"roofline: {hw.describe()}; {costs.weight_bytes_per_token / 1e6:,.1f} MB of weights "
+                 f"read per pass ({args.dtype} ceilings)", *ceiling_table(rows)]
+    return lines, {"hardware": asdict(hw), "weight_bytes_per_token": costs.weight_bytes_per_token,
+                   "tests": [{"name": r.label, "ceiling_tokens_per_s": r.ceiling.tokens_per_second,
+                              "bound": r.ceiling.bound, "fraction": r.measured / r.ceiling.tokens_per_second}
+                             for r in rows]}
 
 
 def _ctx_needed(plan) -> int:

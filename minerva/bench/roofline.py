@@ -152,9 +152,12 @@ def decode_ceiling(costs: ModelCosts, hw: Hardware, batch: int, context: int,
     return _ceiling(batch, step_bytes, batch * costs.flops_per_token(context), hw, dtype)
 
 
-def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str = "float32") -> Ceiling:
-    """Prompt tokens/s of one prompt computed in a single pass (weights read once)."""
-    return _ceiling(prompt_len, costs.weight_bytes_per_token, costs.prefill_flops(prompt_len), hw, dtype)
+def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str = "float32",
+                    depth: int = 0) -> Ceiling:
+    """Prompt tokens/s of one prompt computed in a single pass (weights read once), after
+    `depth` tokens of its sequence are already in the KV cache."""
+    flops = costs.prefill_flops(depth + prompt_len) - costs.prefill_flops(depth)
+    return _ceiling(prompt_len, costs.weight_bytes_per_token, flops, hw, dtype)
 
 
 # ------------------------------------------------------------------------- CLI
@@ -201,6 +204,13 @@ class Row:
             fraction = self.measured / self.ceiling.tokens_per_second
             cells += [_rate(self.measured), f"{100 * fraction:.1f}%"]
         return cells
+
+
+def ceiling_table(rows: list[Row]) -> list[str]:
+    """Each row's ceiling and what bounds it, and where measured the rate and the fraction reached."""
+    measured = any(r.measured is not None for r in rows)
+    return _table([["", "ceiling", "bound"] + (["measured", "of ceiling"] if measured else [])]
+                  + [r.cells() for r in rows], right={1, 3, 4})
 
 
 def _rows(llm: LLM, costs: ModelCosts, hw: Hardware, args: argparse.Namespace) -> list[Row]:
@@ -287,9 +297,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
          f"({args.dtype if kv == 'auto' else kv})"),
         "",
     ]
-    measured = rows[0].measured is not None
-    out += _table([["", "ceiling", "bound"] + (["measured", "of ceiling"] if measured else [])]
-                  + [r.cells() for r in rows], right={1, 3, 4})
+    out += ceiling_table(rows)
     if any(r.measured and r.measured > r.ceiling.tokens_per_second for r in rows):
         out.append("(above 100%: the engine beat a probed peak; the probe times torch's own kernels, "
                    "which are not always the fastest here, and a busy machine lowers either figure)")

@@ -80,11 +80,10 @@ class Shape:
     context: int
     rope_theta: float
     rms_eps: float = 1e-5
-    head_dim: int = 0  # 0: hidden // heads
 
-    def __post_init__(self):
-        if not self.head_dim:
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
 
 
 SHAPES = {
@@ -403,11 +402,16 @@ def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool
         else:
             data = RandomTensor(t.qtype, t.shape, s, tables)
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.qtype)  # type: ignore[arg-type]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=progress)
-    w.close()
-    partial.replace(path)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file(progress=progress)
+        w.close()
+        partial.replace(path)
+    except BaseException:
+        w.close()
+        partial.unlink(missing_ok=True)
+        raise
     return tensors
 
 
@@ -447,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         tensors = write(path, shape, args.type, seed=args.seed, pure=args.pure, tokenizer=args.tokenizer,
                         progress=sys.stderr.isatty())
-    except MinervaError as exc:
+    except (MinervaError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     secs = time.perf_counter() - start

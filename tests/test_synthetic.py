@@ -118,6 +118,11 @@ def test_bad_shrink_is_refused():
 
 
 @pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_gguf):
+    return Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+
+
+@pytest.fixture(scope="module")
 def tinyllama_layer(tmp_path_factory, smollm2_gguf):
     """TinyLlama's real shape with one layer (Q4_K_M: ~120 MB)."""
     path = tmp_path_factory.mktemp("synthetic") / "tinyllama-1layer.gguf"
@@ -141,7 +146,7 @@ def test_gguf_reader_reads_the_file(tinyllama_layer):
             assert abs(values.std() / syn.WEIGHT_STD - 1) < 0.1, t.name
 
 
-def test_minerva_runs_it_with_smollm2s_tokenizer(tinyllama_layer, smollm2_gguf):
+def test_minerva_runs_it_with_smollm2s_tokenizer(tinyllama_layer, smollm2_tokenizer):
     from minerva import LLM
     from minerva.engine.sampler import SamplingParams
 
@@ -150,7 +155,7 @@ def test_minerva_runs_it_with_smollm2s_tokenizer(tinyllama_layer, smollm2_gguf):
     assert (llm.config.vocab_size, llm.config.hidden_size, llm.config.num_kv_heads) == (32000, 2048, 4)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 4 and all(0 <= t < 32000 for t in out.token_ids)
-    source = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+    source = smollm2_tokenizer
     for text in TEXTS:  # all under the cut, so they tokenize the same
         ids = source.encode(text)
         assert max(ids) < 32000 and llm.tokenizer.encode(text) == ids
@@ -158,16 +163,16 @@ def test_minerva_runs_it_with_smollm2s_tokenizer(tinyllama_layer, smollm2_gguf):
     assert llm.tokenizer.chat_template == source.chat_template
 
 
-def test_padded_vocabulary_shrunken_llama3(tmp_path, smollm2_gguf):
+def test_padded_vocabulary_shrunken_llama3(tmp_path, smollm2_tokenizer):
     """Llama-3-8B's vocabulary (above SmolLM2's): every text tokenizes as SmolLM2 does."""
     from minerva import LLM
     from minerva.engine.sampler import SamplingParams
 
     path = tmp_path / "llama3.gguf"
-    syn.write(path, syn.adjust(syn.SHAPES["llama3-8b"], layers=1, context=512, shrink=8), "Q4_0")
+    syn.write(path, syn.adjust(syn.SHAPES["llama3-8b"], layers=1, context=512, shrink=16), "Q4_0")
     llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=float(64 << 20))
-    assert (llm.config.vocab_size, llm.config.hidden_size, llm.config.max_position) == (128256, 512, 512)
-    source = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+    assert (llm.config.vocab_size, llm.config.hidden_size, llm.config.max_position) == (128256, 256, 512)
+    source = smollm2_tokenizer
     assert all(llm.tokenizer.encode(t) == source.encode(t) for t in TEXTS + ["Antidisestablishmentarianism"])
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 4
@@ -196,19 +201,24 @@ def test_cli_prints_path_size_and_types(tmp_path):
     assert any(line.startswith("Q8_0 ") for line in proc.stdout.splitlines())
 
 
-def test_cli_refuses_a_bad_shrink(tmp_path):
-    bad = run_script("mistral-7b", "--shrink", "3", "-o", str(tmp_path / "x.gguf"))
-    assert bad.returncode == 1 and "error: --shrink 3" in bad.stderr and "Traceback" not in bad.stderr
-    assert not (tmp_path / "x.gguf").exists()
+@pytest.mark.parametrize("args,fragment", [(["--shrink", "3"], "error: --shrink 3"),
+                                           (["--layers", "0"], "error: --layers"),
+                                           (["-o", "{tmp}/a-file/x.gguf"], "error: ")])
+def test_cli_refuses_bad_input(tmp_path, args, fragment):
+    (tmp_path / "a-file").write_text("not a directory")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    bad = run_script("mistral-7b", "--layers", "1", "--shrink", "8", "-o", str(tmp_path / "x.gguf"), *args)
+    assert bad.returncode == 1 and fragment in bad.stderr and "Traceback" not in bad.stderr
+    assert not list(tmp_path.glob("*.gguf*"))
 
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
-def test_llama_cpp_loads_it(tinyllama_layer, smollm2_gguf):
+def test_llama_cpp_loads_it(tinyllama_layer, smollm2_tokenizer):
     from llama_cpp import Llama
 
     path, _ = tinyllama_layer
     model = Llama(str(path), n_ctx=64, n_threads=2, verbose=False)
-    source = Tokenizer.from_gguf_metadata(GGUFFile(smollm2_gguf).metadata)
+    source = smollm2_tokenizer
     for text in TEXTS:
         assert model.tokenize(text.encode(), add_bos=False, special=True) == source.encode(text, False)
     out = model.create_completion("Hello", max_tokens=4, temperature=0)

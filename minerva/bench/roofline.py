@@ -209,8 +209,12 @@ class Row:
 def ceiling_table(rows: list[Row]) -> list[str]:
     """Each row's ceiling and what bounds it, and where measured the rate and the fraction reached."""
     measured = any(r.measured is not None for r in rows)
-    return _table([["", "ceiling", "bound"] + (["measured", "of ceiling"] if measured else [])]
-                  + [r.cells() for r in rows], right={1, 3, 4})
+    out = _table([["", "ceiling", "bound"] + (["measured", "of ceiling"] if measured else [])]
+                 + [r.cells() for r in rows], right={1, 3, 4})
+    if any(r.measured and r.measured > r.ceiling.tokens_per_second for r in rows):
+        out.append("(above 100%: the engine beat a probed peak; the probe times torch's own kernels, "
+                   "which are not always the fastest here, and a busy machine lowers either figure)")
+    return out
 
 
 def _rows(llm: LLM, costs: ModelCosts, hw: Hardware, args: argparse.Namespace) -> list[Row]:
@@ -298,9 +302,6 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         "",
     ]
     out += ceiling_table(rows)
-    if any(r.measured and r.measured > r.ceiling.tokens_per_second for r in rows):
-        out.append("(above 100%: the engine beat a probed peak; the probe times torch's own kernels, "
-                   "which are not always the fastest here, and a busy machine lowers either figure)")
     out += ["", f"decode ceiling by context length (batch 1 and batch {args.batch}, all sequences together):"]
     out += _context_table(costs, hw, args)
     if probed:

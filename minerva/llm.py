@@ -82,9 +82,10 @@ class LLM:
         engine_config = EngineConfig(**engine_options)
         set_threads(threads)
         self.device = parse_device(device)
+        # the model first: a wrong name is an error at once, before the kernels are built
+        self.path = resolve(model, auto_pull=auto_pull)
         self.dtype_name = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[self.dtype_name]
-        self.path = resolve(model, auto_pull=auto_pull)
         self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config

@@ -348,13 +348,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 
 namespace {
 
-// 8 float32 values (integers in [-127, 127]) as int8
-inline void store8_i8(int8_t* p, __m256 v) {
-  const __m256i i = _mm256_cvtps_epi32(v);
-  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
-}
-
 template <typename XT, typename PT>
 void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const int64_t* slots, int64_t T,
                 int64_t Hkv, int64_t D) {
@@ -373,7 +366,7 @@ void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const in
         for (int64_t d = 0; d < D; d += 8) {
           __m256 q = _mm256_round_ps(_mm256_div_ps(load8(src + d, 1.0f), div),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          store8_i8(dst + d, _mm256_min_ps(_mm256_max_ps(q, lo), hi));
+          store8(dst + d, _mm256_min_ps(_mm256_max_ps(q, lo), hi));
         }
         scales[slots[t] * Hkv + h] = scale;
       } else {

@@ -52,6 +52,13 @@ inline void store8(at::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
 }
 
+// 8 float32 values that are already integers in [-127, 127] (rounded and clamped) as int8
+inline void store8(int8_t* p, __m256 v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+}
+
 // Lane sums of 8 vectors as one vector: out[i] = sum of the lanes of v[i], each as
 // ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), the tree of reduce_add below.
 inline __m256 hsum8(const __m256 v[8]) {

@@ -23,6 +23,7 @@
 
 #include "parallel.h"
 #include "qformat.h"
+#include "simd_avx2.h"
 
 namespace {
 
@@ -227,18 +228,10 @@ template <> struct Block<Q6_K> {
   }
 };
 
-// The lane sum of v, always in the same order.
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // lanes k + k+4
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                          // k + k+2
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                           // 0 + 1
-  return _mm_cvtss_f32(s);
-}
-
 template <int mr, int nr>
 inline void store_sums(const __m256 (&acc)[mr][nr], float* y, int64_t ldy) {
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nr; ++j) y[i * ldy + j] = hsum8(acc[i][j]);
+    for (int j = 0; j < nr; ++j) y[i * ldy + j] = reduce_add(acc[i][j]);  // a fixed lane order
 }
 
 // The blocks at group g of rows row, row + rb, ...

@@ -68,14 +68,15 @@ class LLM:
 
     `model` is a pulled name (pulled on first use), a .gguf path or a Hugging
     Face directory; None means the default model. `quantize` ("int8" | "int4")
-    quantizes a SafeTensors checkpoint's weights group-wise at load. Engine options (KV budget and
+    quantizes a SafeTensors checkpoint's weights group-wise at load; `activations="int8"`
+    quantizes activations to 8 bits for integer dot products (`minerva.kernels.act_quant`). Engine options (KV budget and
     precision, batch limits, prefix caching) are the fields of `EngineConfig`;
     `threads` defaults to the number of physical cores.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str = "auto", auto_pull: bool = True, threads: int | None = None,
-                 quantize: str | None = None, **engine_options):
+                 quantize: str | None = None, activations: str = "float", **engine_options):
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
@@ -86,15 +87,17 @@ class LLM:
         self.path = resolve(model, auto_pull=auto_pull)
         self.dtype_name = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[self.dtype_name]
-        self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize)
+        self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize,
+                                             activations=activations)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
         draft = engine_config.draft_model
         if draft is not None:
-            draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype)
+            draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype,
+                               activations=activations)
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
-                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}", draft=draft)
+                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}:{activations}", draft=draft)
 
     # ------------------------------------------------------------ prompts
 

@@ -14,12 +14,19 @@ from minerva.engine.sampler import SamplingParams
 from minerva.kernels.kv_quant import KV_FORMATS
 
 
+ACTIVATIONS_HELP = ("float: quantized weights meet the float activations (default); int8: activations are "
+                    "quantized to 8 bits per block of 32 for integer dot products (faster on CPUs, "
+                    "slightly different results, as llama.cpp computes)")
+
+
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
                         "GPUs, else float32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--activations", default="float", choices=["float", "int8"],
+                   help=ACTIVATIONS_HELP)
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize a SafeTensors model's weights at load, group-wise (weight-only)")
     kv = sorted(KV_FORMATS)

@@ -11,7 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from minerva.kernels import native
-from tests.helpers.quant_blocks import FP16_FIELDS, bits, random_blocks
+from tests.helpers.quant_blocks import bits, random_blocks, realistic_blocks
 
 PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 
@@ -26,16 +26,6 @@ def kernels():
     mod = native.load()
     assert mod is not None, f"the CPU supports the kernels but they did not load: {native.unavailable_reason}"
     return mod
-
-
-def realistic_blocks(qtype, rows, cols, rng):
-    """Packed weights with the value ranges of real checkpoints (scales ~1e-2)."""
-    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
-        return gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
-    raw = random_blocks(qtype, (rows, cols), rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    for off in FP16_FIELDS[qtype]:
-        raw[:, off:off + 2] = rng.uniform(1e-4, 2e-3, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
-    return raw.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("qtype", PACKED_TYPES, ids=lambda t: t.name)

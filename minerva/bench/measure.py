@@ -21,7 +21,7 @@ def load_minerva(args) -> tuple[LLM, SystemInfo]:
     # first on purpose (pp at a depth).
     speculative = speculative_options(args) if getattr(args, "speculative", None) is not None else {}
     llm = LLM(args.model, dtype=args.dtype, threads=args.threads, quantize=args.quantize,
-              kv_cache_memory=args.kv_cache_memory,
+              activations=args.activations, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens, **speculative)
     args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline

@@ -28,6 +28,7 @@ from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_quant import KV_FORMATS
 from minerva.kernels.weights import PackedWeight
+from minerva.options import ACTIVATIONS_HELP
 from minerva.llm import LLM, resolve_dtype
 from minerva.machine import machine, peak_rss_mb
 from minerva.models.config import SLIDING
@@ -265,7 +266,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     kv = args.kv_cache_dtype
     # The probe measures the CPU, so the engine runs there too. Without --measure the KV
     # pool is never used: keep it small.
-    llm = LLM(args.model, device="cpu", dtype=args.dtype,
+    llm = LLM(args.model, device="cpu", dtype=args.dtype, activations=args.activations,
               kv_cache_memory=0.2 if args.measure else float(64 << 20),
               max_num_seqs=max(64, args.batch), kv_cache_dtype_k=kv, kv_cache_dtype_v=kv)
     loaded, config = llm.loaded, llm.config
@@ -334,6 +335,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="activation dtype; picks the fp32 or bf16 compute peak (default auto: what the "
                         "engine would pick here, bfloat16 for --hardware)")
+    p.add_argument("--activations", default="float", choices=["float", "int8"], help=ACTIVATIONS_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_FORMATS),
                    help="K and V cache precision (default auto: the activation dtype)")
     p.add_argument("--measure", action="store_true",

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minerva.formats.quant import dequantize
-from minerva.kernels import dispatch
+from minerva.kernels import act_quant, dispatch
 
 FLOAT_QTYPES = {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16,
                 torch.bfloat16: gguf.GGMLQuantizationType.BF16}
@@ -69,6 +69,10 @@ class PackedWeight:
     or bfloat16 activations), it multiplies straight from these bytes; rows are gathered
     packed and decoded on their own for embedding lookups. Without one, `materialize`
     makes a dequantized copy once and `matmul` uses it (the reference path).
+
+    With `int8` set (`use_int8_activations`), a quantized weight multiplies 8-bit
+    activations (`minerva.kernels.act_quant`): integer dot products in the kernel, the same
+    rounding of x on the reference path.
     """
 
     def __init__(self, packed: torch.Tensor, qtype: gguf.GGMLQuantizationType,
@@ -80,6 +84,12 @@ class PackedWeight:
         self.kernel = dispatch.matmul_kernel(packed.device, qtype, dtype)  # None: the reference path
         self.packed = packed.contiguous() if self.kernel is not None else packed  # uint8 [rows, row bytes]
         self._dense: torch.Tensor | None = None
+        self.int8 = False
+
+    def use_int8_activations(self) -> None:
+        """Multiply 8-bit activations from now on, if this is a quantized type (float
+        matrices keep float activations)."""
+        self.int8 = act_quant.applies(self.qtype)
 
     @property
     def nbytes(self) -> int:
@@ -108,11 +118,14 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype == self.dtype:
             rows, cols = self.shape
+            mm = self.kernel.qmatmul_q8 if self.int8 else self.kernel.qmatmul
             if x.dim() == 2:
-                return self.kernel.qmatmul(x, self.packed, self.qtype_id, rows, cols)
-            y = self.kernel.qmatmul(x.reshape(-1, cols), self.packed, self.qtype_id, rows, cols)
+                return mm(x, self.packed, self.qtype_id, rows, cols)
+            y = mm(x.reshape(-1, cols), self.packed, self.qtype_id, rows, cols)
             return y.reshape(*x.shape[:-1], rows)
         self.materialize()
+        if self.int8:
+            x = act_quant.round_trip(x).to(x.dtype)
         return linear(x, self._dense)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -158,9 +171,11 @@ def fuse(weights: list[Weight]) -> Weight | None:
         if len({(w.tensor.shape[1], w.tensor.dtype, w.tensor.device) for w in weights}) == 1:
             return DenseWeight(torch.cat([w.tensor for w in weights]))
     elif all(isinstance(w, PackedWeight) for w in weights):
-        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device) for w in weights}
+        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device, w.int8) for w in weights}
         if len(same) == 1 and all(w.kernel is not None for w in weights):
             packed = torch.cat([w.packed.reshape(w.shape[0], -1) for w in weights])
-            return PackedWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
-                              first.dtype)
+            fused = PackedWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
+                                 first.dtype)
+            fused.int8 = first.int8
+            return fused
     return None

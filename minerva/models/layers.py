@@ -214,7 +214,7 @@ class DecoderLayer(Layer):
 
         def packed(lin: Linear):
             w = lin.weight
-            return kernel.Packed(w.packed, w.qtype_id, *w.shape)
+            return kernel.Packed(w.packed, w.qtype_id, *w.shape, w.int8)
 
         opt = lambda n: None if n is None else n.weight  # noqa: E731
         self.fused = kernel.DecoderLayer(

@@ -20,6 +20,7 @@ from minerva.formats.gguf import GGUFFile, GGUFTensor
 from minerva.formats.quant import QUANT_TYPES
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
+from minerva.kernels import act_quant
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
 from minerva.kernels.weights import PackedWeight, Weight, float_weight
 from minerva.models import gemma3, llama
@@ -406,13 +407,16 @@ def _prepare(model: CausalLM) -> tuple[int, int]:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, quantize: str | None = None) -> LoadedModel:
+               dtype: torch.dtype = torch.float32, quantize: str | None = None,
+               activations: str = "float") -> LoadedModel:
     """Load a model; `quantize` ("int8" | "int4") quantizes a SafeTensors checkpoint's
-    matmul weights group-wise at load (GGUF files come quantized already)."""
+    matmul weights group-wise at load (GGUF files come quantized already); `activations`
+    "int8" has every quantized weight multiply 8-bit activations (`minerva.kernels.act_quant`)."""
     start = time.perf_counter()
     path = Path(path)
     device = torch.device(device)
     check_scheme(quantize)
+    act_quant.check_mode(activations)
     if path.is_dir():
         d = SafeTensorsDir(path)
         config, arch = _config_from_hf(d.config, path)
@@ -434,6 +438,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         model = arch.build(config, weights)
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
+    if activations == "int8":
+        for m in model.modules():
+            if isinstance(m, Linear) and isinstance(m.weight, PackedWeight):
+                m.weight.use_int8_activations()
     for layer in model.layers:
         layer.make_fused()
     freeze(model)

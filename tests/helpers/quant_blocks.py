@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf.quants import quantize as gguf_quantize
 
 # Byte offsets of the fp16 scale fields inside one block (F16 itself: every value).
 FP16_FIELDS = {
@@ -37,3 +38,13 @@ def bits(x):
     """int32 view with every NaN replaced by one canonical NaN pattern."""
     x = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     return np.where(np.isnan(x), np.float32(np.nan), x).view(np.int32)
+
+
+def realistic_blocks(qtype, rows, cols, rng):
+    """Packed weights with the value ranges of real checkpoints (scales ~1e-2)."""
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
+        return gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
+    raw = random_blocks(qtype, (rows, cols), rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    for off in FP16_FIELDS[qtype]:
+        raw[:, off:off + 2] = rng.uniform(1e-4, 2e-3, raw.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(rows, -1)

@@ -17,7 +17,10 @@ namespace {
 struct Packed {
   torch::Tensor bytes;
   int64_t qtype, rows, cols;
-  torch::Tensor operator()(const torch::Tensor& x) const { return qmatmul(x, bytes, qtype, rows, cols); }
+  bool int8 = false;  // 8-bit activations (qmatmul_q8)
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return int8 ? qmatmul_q8(x, bytes, qtype, rows, cols) : qmatmul(x, bytes, qtype, rows, cols);
+  }
 };
 
 // One projection or several on the same input (Q/K/V of different GGML types), outputs side by side.
@@ -73,6 +76,8 @@ struct DecoderLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
+  m.def("qmatmul_q8", &qmatmul_q8, "x @ W^T with x quantized to 8 bits per block of 32 (integer dot products)");
+  m.def("quantize_activations", &quantize_activations, "x -> (int8 values, scale per block of 32, scale * sum)");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
@@ -83,7 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");
   m.def("act_mul", &act_mul, "act(gate) * up");
   py::class_<Packed>(m, "Packed")
-      .def(py::init<torch::Tensor, int64_t, int64_t, int64_t>());
+      .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, bool>(), py::arg("bytes"), py::arg("qtype"),
+           py::arg("rows"), py::arg("cols"), py::arg("int8") = false);
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init([](std::vector<Packed> qkv, Packed o, std::vector<Packed> gate_up, Packed down,
                        torch::Tensor input_norm,

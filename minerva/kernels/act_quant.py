@@ -1,0 +1,54 @@
+"""8-bit activations (`--activations int8`): what the integer-dot-product matmul does to x.
+
+Each row of x is quantized on its own, in blocks of 32 values, as llama.cpp quantizes
+activations for its Q8_0 dot products: d = max|x| / 127, q = round(x / d) (x times the
+float32 reciprocal 1 / d, rounded to nearest even), x̃ = d * q. The packed kernels
+(csrc/qmatmul_q8.cpp) multiply the weights by x̃ with exact integer dot products per
+block; this module is their plain-torch counterpart: the tests' reference, and what the
+reference path runs when no kernel covers a weight, so a flag means the same numbers on
+every path.
+
+Weights in float formats (F32, F16, BF16) keep float activations: an int8 path gains
+nothing there.
+"""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+BLOCK = 32
+MODES = ("float", "int8")
+Q = gguf.GGMLQuantizationType
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+
+
+def check_mode(mode: str) -> None:
+    from minerva.errors import MinervaError
+    if mode not in MODES:
+        raise MinervaError(f"--activations must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def applies(qtype) -> bool:
+    """Whether `--activations int8` changes a weight of this GGML type (quantized ones)."""
+    return qtype not in FLOAT_TYPES
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 32) -> (q int8 [..., K], d float32 [..., K / 32])."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv.unsqueeze(-1)).clamp_(-127, 127)
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def dequantize(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x̃ = d * q in float32."""
+    blocks = q.float().reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK)
+    return (blocks * d.unsqueeze(-1)).reshape(q.shape)
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """x̃ as float32: the activations an int8 matmul multiplies."""
+    return dequantize(*quantize(x))

@@ -1,0 +1,386 @@
+// Packed GGML matmul on 8-bit activations (`--activations int8`), in both builds.
+//
+// y[M, N] = x̃[M, K] @ W^T where x̃ is x quantized per row in blocks of 32, as llama.cpp's
+// Q8_0 activations: d = max|x| / 127, q = round(x / d) (to nearest even), x̃ = d * q. The
+// weights stay in their GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and meet
+// the activations in integer dot products, 32 weights at a time: `maddubs` (u8 x i8 pairs
+// to i16), `madd` (to i32, times the weight's integer sub-block scales where it has them),
+// then one float multiply-add per 32 weights by the weight's and the activation's scales.
+// A weight's offset (Q4_1/Q5_1 min, Q4_K/Q5_K dmin * min) meets the block's d * sum(q).
+//
+// Signed weight values w (Q4_0, Q5_0, Q8_0, Q6_K) use |w| as the unsigned operand and q
+// with w's sign as the signed one. No step saturates: |w| <= 128, |q| <= 127, so a pair
+// sums to at most 32512, and the i32 sums stay far below 2^31.
+//
+// Exactness: each output element is one fixed sequence of operations over K (per block:
+// an exact integer dot product, then acc = fma(d_w * d_x, dot, acc) in 8 lanes; offsets
+// summed in their own float), followed by a fixed lane reduction; a row is quantized on
+// its own. A row's result therefore never depends on the batch, the tiling or the threads.
+// The plain-torch counterpart is minerva/kernels/act_quant.py.
+//
+// Written with AVX2 intrinsics, which both builds' CPUs have.
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "qformat.h"
+#include "simd_avx2.h"
+
+namespace {
+
+using namespace minerva;
+
+inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i high4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+
+// 16 bytes of nibbles as 32 bytes: the low nibbles (elements 0..15), then the high ones (16..31)
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i q = load128(p);
+  return low4(_mm256_set_m128i(_mm_srli_epi16(q, 4), q));
+}
+
+// bit l of `bits` as byte l (l = 0..31): 16 where set, else 0
+inline __m256i bits32(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
+}
+
+inline __m256i ones16() { return _mm256_set1_epi16(1); }
+
+// One block of a packed row as 32-weight sub-blocks of int8 values. sub(s, ...) gives sub-block
+// s's values w (signed when SIGNED, else unsigned), the i16 multipliers of its i16 pair sums
+// (the integer sub-block scales, or ones), its float scale d and, when OFFSET, the offset m:
+// weight = d * scale * w + m.
+template <int QT> struct W8;
+
+template <> struct W8<Q4_0> {
+  static constexpr bool SIGNED = true, OFFSET = false;
+  static constexpr int subs = 1;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 18) {}
+  void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
+    w = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    sc = ones16();
+    d = f16(b);
+  }
+};
+
+template <> struct W8<Q4_1> {
+  static constexpr bool SIGNED = false, OFFSET = true;
+  static constexpr int subs = 1;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 20) {}
+  void sub(int, __m256i& w, __m256i& sc, float& d, float& m) const {
+    w = nibbles32(b + 4);
+    sc = ones16();
+    d = f16(b);
+    m = f16(b + 2);
+  }
+};
+
+template <> struct W8<Q5_0> {
+  static constexpr bool SIGNED = true, OFFSET = false;
+  static constexpr int subs = 1;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 22) {}
+  void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), bits32(qh)), _mm256_set1_epi8(16));
+    sc = ones16();
+    d = f16(b);
+  }
+};
+
+template <> struct W8<Q5_1> {
+  static constexpr bool SIGNED = false, OFFSET = true;
+  static constexpr int subs = 1;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 24) {}
+  void sub(int, __m256i& w, __m256i& sc, float& d, float& m) const {
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    w = _mm256_or_si256(nibbles32(b + 8), bits32(qh));
+    sc = ones16();
+    d = f16(b);
+    m = f16(b + 2);
+  }
+};
+
+template <> struct W8<Q8_0> {
+  static constexpr bool SIGNED = true, OFFSET = false;
+  static constexpr int subs = 1;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 34) {}
+  void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
+    w = load256(b + 2);
+    sc = ones16();
+    d = f16(b);
+  }
+};
+
+// Q4_K / Q5_K super-block header: d, dmin and the 6-bit scales and mins of the 8 sub-blocks,
+// unpacked from their 12 bytes all at once
+struct KHeader {
+  float d, dmin;
+  uint8_t sc[8], mn[8];
+  explicit KHeader(const uint8_t* b) : d(f16(b)), dmin(f16(b + 2)) {
+    uint32_t u[3];
+    std::memcpy(u, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    const uint32_t s03 = u[0] & low6, m03 = u[1] & low6;
+    const uint32_t s47 = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+    const uint32_t m47 = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+    std::memcpy(sc, &s03, 4);
+    std::memcpy(sc + 4, &s47, 4);
+    std::memcpy(mn, &m03, 4);
+    std::memcpy(mn + 4, &m47, 4);
+  }
+};
+
+// Q4_K: weight = d * sc_s * q - dmin * mn_s; sub-blocks 2j and 2j+1 are the low and high
+// nibbles of bytes 32j .. 32j+31
+template <> struct W8<Q4_K> {
+  static constexpr bool SIGNED = false, OFFSET = true;
+  static constexpr int subs = 8;
+  const uint8_t* qs;
+  KHeader h;
+  W8(const uint8_t* row, int64_t g) : qs(row + (g >> 3) * 144 + 16), h(row + (g >> 3) * 144) {}
+  void sub(int s, __m256i& w, __m256i& sc, float& d, float& m) const {
+    const __m256i v = load256(qs + 32 * (s >> 1));
+    w = (s & 1) ? high4(v) : low4(v);
+    sc = _mm256_set1_epi16(h.sc[s]);
+    d = h.d;
+    m = -(h.dmin * h.mn[s]);
+  }
+};
+
+// Q5_K: as Q4_K, with a fifth bit per weight (bit s of qh[l] for element l of sub-block s)
+template <> struct W8<Q5_K> {
+  static constexpr bool SIGNED = false, OFFSET = true;
+  static constexpr int subs = 8;
+  const uint8_t* b;
+  KHeader h;
+  W8(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 176), h(b) {}
+  void sub(int s, __m256i& w, __m256i& sc, float& d, float& m) const {
+    const __m256i v = load256(b + 48 + 32 * (s >> 1));
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 16), s), _mm256_set1_epi8(1));
+    w = _mm256_or_si256((s & 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
+    sc = _mm256_set1_epi16(h.sc[s]);
+    d = h.d;
+    m = -(h.dmin * h.mn[s]);
+  }
+};
+
+// Q6_K: 4 low bits from ql, 2 high bits from qh, minus 32; an int8 scale per 16 weights. Sub-block
+// s = 4 * part + t reads ql bytes 64 part + 32 (t & 1) (nibble t >> 1) and qh bytes 128 + 32 part
+// (bits 2t, 2t+1); its halves take scales 8 part + 2t and 8 part + 2t + 1.
+template <> struct W8<Q6_K> {
+  static constexpr bool SIGNED = true, OFFSET = false;
+  static constexpr int subs = 8;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 210) {}
+  void sub(int s, __m256i& w, __m256i& sc, float& d, float&) const {
+    const int part = s >> 2, t = s & 3;
+    const __m256i v = load256(b + 64 * part + 32 * (t & 1));
+    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 128 + 32 * part), 2 * t), _mm256_set1_epi8(3));
+    w = _mm256_sub_epi8(_mm256_or_si256((t >> 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4)),
+                        _mm256_set1_epi8(32));
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * part + 2 * t);
+    sc = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0]));
+    d = f16(b + 208);
+  }
+};
+
+template <int QT>
+constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || QT == Q4_K ||
+                        QT == Q5_K || QT == Q6_K;
+
+// x quantized: per row, K int8 values, and per block of 32 its scale d and d * sum(q)
+struct Q8 {
+  const int8_t* q;
+  const float *d, *s;
+  int64_t K, G;  // row length, blocks per row
+};
+
+inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const float* xg = x + 32 * g;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float dg = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(dg != 0.0f ? 1.0f / dg : 0.0f);
+    __m256i i[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      i[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+    }
+    // packs work within 128-bit lanes: 0 4 1 5 2 6 3 7 puts the 32-bit groups back in order
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    const __m256i b = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * g), b);
+    const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
+    const __m256i sum32 = _mm256_madd_epi16(sum16, ones16());
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    d[g] = dg;
+    s[g] = dg * static_cast<float>(_mm_cvtsi128_si32(t));
+  }
+}
+
+template <int QT, size_t... J>
+std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int64_t g, std::index_sequence<J...>) {
+  return {W8<QT>(row + J * rb, g)...};
+}
+
+constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
+
+// mr rows of x (from row m0 of a) against nb weight rows; y[i * ldy + j]
+template <int QT, int mr, int nb>
+void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
+  using B = W8<QT>;
+  __m256 acc[mr][nb];
+  float off[mr][nb];
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nb; ++j) {
+      acc[i][j] = _mm256_setzero_ps();
+      off[i][j] = 0.0f;
+    }
+  const int64_t ahead = PF_BLOCKS * nb * rb, step = (nb * rb + a.G - 1) / a.G;
+  for (int64_t g0 = 0; g0 < a.G; g0 += B::subs) {
+    for (int64_t o = g0 * step; o < (g0 + B::subs) * step; o += 64) prefetch(row + ahead + o);
+    const auto blocks = make_blocks<QT>(row, rb, g0, std::make_index_sequence<nb>{});
+#pragma GCC unroll 8
+    for (int s = 0; s < B::subs; ++s) {
+      __m256i w[nb], wa[nb], sc[nb];
+      float d[nb], m[nb];
+      for (int j = 0; j < nb; ++j) {
+        blocks[j].sub(s, w[j], sc[j], d[j], m[j]);
+        if constexpr (B::SIGNED) wa[j] = _mm256_abs_epi8(w[j]);
+      }
+      const int64_t g = g0 + s;
+      for (int i = 0; i < mr; ++i) {
+        const int64_t r = m0 + i;
+        const __m256i xv = load256(a.q + r * a.K + 32 * g);
+        const float dx = a.d[r * a.G + g];
+        for (int j = 0; j < nb; ++j) {
+          const __m256i p = B::SIGNED ? _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j]))
+                                      : _mm256_maddubs_epi16(w[j], xv);
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, sc[j]));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_set1_ps(d[j] * dx), dot, acc[i][j]);
+          if constexpr (B::OFFSET) off[i][j] += m[j] * a.s[r * a.G + g];
+        }
+      }
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int j = 0; j < nb; ++j) y[i * ldy + j] = reduce_add(acc[i][j])  /* a fixed lane order */ + off[i][j];
+}
+
+// Rows of x in tiles of 4 (fewer at the end) against nb weight rows.
+template <int QT, int nb>
+void rows_against(const Q8& a, int64_t M, const uint8_t* row, int64_t rb, float* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile<QT, 4, nb>(a, m, row, rb, y + m * N, N);
+  switch (M - m) {
+    case 3: tile<QT, 3, nb>(a, m, row, rb, y + m * N, N); break;
+    case 2: tile<QT, 2, nb>(a, m, row, rb, y + m * N, N); break;
+    case 1: tile<QT, 1, nb>(a, m, row, rb, y + m * N, N); break;
+    default: break;
+  }
+}
+
+template <int QT>
+void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
+  const int64_t rb = row_bytes<QT>(a.K);
+  if (M == 1) {  // four independent weight rows keep the pipes busy
+    minerva::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = 4 * blk;
+        if (n + 4 <= N) tile<QT, 1, 4>(a, 0, W + n * rb, rb, y + n, N);
+        else
+          for (int64_t j = n; j < N; ++j) tile<QT, 1, 1>(a, 0, W + j * rb, rb, y + j, N);
+      }
+    });
+    return;
+  }
+  minerva::parallel_for(0, (N + 1) / 2, 2, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n = 2 * blk;
+      if (n + 2 <= N) rows_against<QT, 2>(a, M, W + n * rb, rb, y + n, N);
+      else rows_against<QT, 1>(a, M, W + n * rb, rb, y + n, N);
+    }
+  });
+}
+
+// x [M, K] float32 (or bfloat16, widened exactly) quantized into q, d, s
+void quantize_all(const torch::Tensor& x32, torch::Tensor& q, torch::Tensor& d, torch::Tensor& s) {
+  const int64_t M = x32.size(0), K = x32.size(1), G = K / 32;
+  const float* x = x32.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
+  minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, qp + r * K, dp + r * G, sp + r * G);
+  });
+}
+
+torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [M, ", cols, "]");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(cols % 32 == 0, "row length ", cols, " is not a multiple of 32");
+  return x.dtype() == torch::kBFloat16 ? x.to(torch::kFloat32).contiguous() : x.contiguous();
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  const torch::Tensor x32 = widened(x, x.dim() == 2 ? x.size(1) : -1);
+  const int64_t M = x32.size(0), K = x32.size(1);
+  auto q = torch::empty({M, K}, torch::dtype(torch::kInt8));
+  auto d = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
+  auto s = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
+  quantize_all(x32, q, d, s);
+  return {q, d, s};
+}
+
+torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
+  return with_format(qtype, [&]<int QT>() -> torch::Tensor {
+    if constexpr (!has_w8<QT>) {
+      return qmatmul(x, packed, qtype, rows, cols);  // float matrices keep float activations
+    } else {
+      check_args<QT>(packed, rows, cols);
+      const bool bf16 = x.dtype() == torch::kBFloat16;
+      const torch::Tensor x32 = widened(x, cols);
+      const int64_t M = x32.size(0), K = cols;
+      auto q = torch::empty({M, K}, torch::dtype(torch::kInt8));
+      auto d = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
+      auto s = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
+      quantize_all(x32, q, d, s);
+      auto y = torch::empty({M, rows}, torch::dtype(torch::kFloat32));
+      const Q8 a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), K, K / 32};
+      matmul<QT>(a, M, packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
+      return bf16 ? y.to(torch::kBFloat16) : y;
+    }
+  });
+}

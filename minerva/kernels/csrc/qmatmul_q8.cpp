@@ -8,9 +8,11 @@
 // then one float multiply-add per 32 weights by the weight's and the activation's scales.
 // A weight's offset (Q4_1/Q5_1 min, Q4_K/Q5_K dmin * min) meets the block's d * sum(q).
 //
-// Signed weight values w (Q4_0, Q5_0, Q8_0, Q6_K) use |w| as the unsigned operand and q
-// with w's sign as the signed one. No step saturates: |w| <= 128, |q| <= 127, so a pair
-// sums to at most 32512, and the i32 sums stay far below 2^31.
+// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32) enter unsigned, and the
+// bias times the x block's pair sums is subtracted from the i16 pair sums; Q8_0's signed values
+// use |w| as the unsigned operand and q with w's sign as the signed one. No step saturates:
+// a pair sums to at most 2 * 127 * max(63, 128) = 32512, the bias term to 32 * 254, and the
+// i32 sums stay far below 2^31.
 //
 // Exactness: each output element is one fixed sequence of operations over K, followed by a
 // fixed lane reduction, and a row is quantized on its own. Per 32-weight block an exact
@@ -68,12 +70,12 @@ inline __m256i ones16() { return _mm256_set1_epi16(1); }
 template <int QT> struct W8;
 
 template <> struct W8<Q4_0> {
-  static constexpr bool SIGNED = true, OFFSET = false;
-  static constexpr int subs = 1;
+  static constexpr bool SIGNED = false, OFFSET = false;
+  static constexpr int subs = 1, BIAS = 3;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 18) {}
   void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
-    w = _mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8));
+    w = nibbles32(b + 2);
     sc = ones16();
     d = f16(b);
   }
@@ -81,7 +83,7 @@ template <> struct W8<Q4_0> {
 
 template <> struct W8<Q4_1> {
   static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 1;
+  static constexpr int subs = 1, BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 20) {}
   void sub(int, __m256i& w, __m256i& sc, float& d, float& m) const {
@@ -93,14 +95,14 @@ template <> struct W8<Q4_1> {
 };
 
 template <> struct W8<Q5_0> {
-  static constexpr bool SIGNED = true, OFFSET = false;
-  static constexpr int subs = 1;
+  static constexpr bool SIGNED = false, OFFSET = false;
+  static constexpr int subs = 1, BIAS = 4;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 22) {}
   void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
-    w = _mm256_sub_epi8(_mm256_or_si256(nibbles32(b + 6), bits32(qh)), _mm256_set1_epi8(16));
+    w = _mm256_or_si256(nibbles32(b + 6), bits32(qh));
     sc = ones16();
     d = f16(b);
   }
@@ -108,7 +110,7 @@ template <> struct W8<Q5_0> {
 
 template <> struct W8<Q5_1> {
   static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 1;
+  static constexpr int subs = 1, BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 24) {}
   void sub(int, __m256i& w, __m256i& sc, float& d, float& m) const {
@@ -123,7 +125,7 @@ template <> struct W8<Q5_1> {
 
 template <> struct W8<Q8_0> {
   static constexpr bool SIGNED = true, OFFSET = false;
-  static constexpr int subs = 1;
+  static constexpr int subs = 1, BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 34) {}
   void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
@@ -161,7 +163,7 @@ struct KHeader {
 // nibbles of bytes 32j .. 32j+31
 template <> struct W8<Q4_K> {
   static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 8;
+  static constexpr int subs = 8, BIAS = 0;
   const uint8_t* qs;
   KHeader h;
   W8(const uint8_t* row, int64_t g) : qs(row + (g >> 3) * 144 + 16), h(row + (g >> 3) * 144) {}
@@ -177,7 +179,7 @@ template <> struct W8<Q4_K> {
 // Q5_K: as Q4_K, with a fifth bit per weight (bit s of qh[l] for element l of sub-block s)
 template <> struct W8<Q5_K> {
   static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 8;
+  static constexpr int subs = 8, BIAS = 0;
   const uint8_t* b;
   KHeader h;
   W8(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 176), h(b) {}
@@ -195,18 +197,21 @@ template <> struct W8<Q5_K> {
 // s = 4 * part + t reads ql bytes 64 part + 32 (t & 1) (nibble t >> 1) and qh bytes 128 + 32 part
 // (bits 2t, 2t+1); its halves take scales 8 part + 2t and 8 part + 2t + 1.
 template <> struct W8<Q6_K> {
-  static constexpr bool SIGNED = true, OFFSET = false;
-  static constexpr int subs = 8;
+  static constexpr bool SIGNED = false, OFFSET = false;
+  static constexpr int subs = 8, BIAS = 5;
   const uint8_t* b;
-  W8(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 210) {}
+  __m256i scales;  // the 16 int8 scales as i16
+  W8(const uint8_t* row, int64_t g)
+      : b(row + (g >> 3) * 210), scales(_mm256_cvtepi8_epi16(load128(b + 192))) {}
   void sub(int s, __m256i& w, __m256i& sc) const {
     const int part = s >> 2, t = s & 3;
     const __m256i v = load256(b + 64 * part + 32 * (t & 1));
     const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 128 + 32 * part), 2 * t), _mm256_set1_epi8(3));
-    w = _mm256_sub_epi8(_mm256_or_si256((t >> 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4)),
-                        _mm256_set1_epi8(32));
-    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * part + 2 * t);
-    sc = _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0]));
+    w = _mm256_or_si256((t >> 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
+    // scales 2s and 2s+1 (one i32 of `scales`) spread over the low and the high 8 i16 lanes
+    sc = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(s)),
+                             _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                              2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
   }
   float scale() const { return f16(b + 208); }
 };
@@ -218,11 +223,12 @@ constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || 
 // x quantized: per row, K int8 values, and per block of 32 its scale d and d * sum(q)
 struct Q8 {
   const int8_t* q;
+  const int16_t* p;  // the 16 pair sums q[2l] + q[2l+1] of each block
   const float *d, *s;
   int64_t K, G;  // row length, blocks per row
 };
 
-inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* pairs, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / 32; ++g) {
     const float* xg = x + 32 * g;
@@ -246,6 +252,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* 
     const __m256i b = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * g), b);
     const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 16 * g), sum16);
     const __m256i sum32 = _mm256_madd_epi16(sum16, ones16());
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
@@ -262,10 +269,19 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 
 // The integer dot product of 32 weights with 32 int8 activations, as 8 float lanes (each the
 // exact i32 sum of 4 products, times the weights' i16 multipliers sc)
-template <bool SIGNED>
-inline __m256 dot32(__m256i w, __m256i wa, __m256i xv, __m256i sc) {
-  const __m256i p = SIGNED ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
+// (bias > 0: the weights are stored as w + 2^bias, and bias_x holds 2^bias times the pair
+// sums of x, so the difference is the dot product with w)
+template <bool SIGNED, int BIAS>
+inline __m256 dot32(__m256i w, __m256i wa, __m256i xv, __m256i bias_x, __m256i sc) {
+  __m256i p = SIGNED ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
+  if constexpr (BIAS > 0) p = _mm256_sub_epi16(p, bias_x);
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, sc));
+}
+
+template <int BIAS>
+inline __m256i bias_of(const Q8& a, int64_t r, int64_t g) {
+  if constexpr (BIAS == 0) return _mm256_setzero_si256();
+  else return _mm256_slli_epi16(load256(a.p + r * (a.K / 2) + 16 * g), BIAS);
 }
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
@@ -297,10 +313,11 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
       }
       for (int i = 0; i < mr; ++i) {
         const int64_t r = m0 + i;
-        const __m256i xv = load256(a.q + r * a.K + 32 * g0);
+        const __m256i xv = load256(a.q + r * a.K + 32 * g0), xb = bias_of<B::BIAS>(a, r, g0);
         const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g0]);
         for (int j = 0; j < nb; ++j) {
-          acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), dot32<B::SIGNED>(w[j], wa[j], xv, sc[j]), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), dot32<B::SIGNED, B::BIAS>(w[j], wa[j], xv, xb, sc[j]),
+                                      acc[i][j]);
           if constexpr (B::OFFSET) off[i][j] += m[j] * a.s[r * a.G + g0];
         }
       }
@@ -317,9 +334,9 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         }
         for (int i = 0; i < mr; ++i) {
           const int64_t r = m0 + i;
-          const __m256i xv = load256(a.q + r * a.K + 32 * (g0 + s));
+          const __m256i xv = load256(a.q + r * a.K + 32 * (g0 + s)), xb = bias_of<B::BIAS>(a, r, g0 + s);
           const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g0 + s]);
-          for (int j = 0; j < nb; ++j) sum[i][j] = _mm256_fmadd_ps(dot32<B::SIGNED>(w[j], wa[j], xv, sc[j]), dx, sum[i][j]);
+          for (int j = 0; j < nb; ++j) sum[i][j] = _mm256_fmadd_ps(dot32<B::SIGNED, B::BIAS>(w[j], wa[j], xv, xb, sc[j]), dx, sum[i][j]);
         }
       }
       for (int j = 0; j < nb; ++j) {
@@ -367,17 +384,6 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   });
 }
 
-// x [M, K] float32 (or bfloat16, widened exactly) quantized into q, d, s
-void quantize_all(const torch::Tensor& x32, torch::Tensor& q, torch::Tensor& d, torch::Tensor& s) {
-  const int64_t M = x32.size(0), K = x32.size(1), G = K / 32;
-  const float* x = x32.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
-  minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * K, K, qp + r * K, dp + r * G, sp + r * G);
-  });
-}
-
 torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [M, ", cols, "]");
   TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
@@ -385,16 +391,35 @@ torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
   return x.dtype() == torch::kBFloat16 ? x.to(torch::kFloat32).contiguous() : x.contiguous();
 }
 
+// x [M, K] float32 quantized row by row: values, pair sums, scales, scale * sum
+struct Quantized {
+  torch::Tensor q, p, d, s;
+  explicit Quantized(const torch::Tensor& x32) {
+    const int64_t M = x32.size(0), K = x32.size(1), G = K / 32;
+    q = torch::empty({M, K}, torch::dtype(torch::kInt8));
+    p = torch::empty({M, K / 2}, torch::dtype(torch::kInt16));
+    d = torch::empty({M, G}, torch::dtype(torch::kFloat32));
+    s = torch::empty({M, G}, torch::dtype(torch::kFloat32));
+    const float* x = x32.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    int16_t* pp = p.data_ptr<int16_t>();
+    float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
+    minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        quantize_row(x + r * K, K, qp + r * K, pp + r * (K / 2), dp + r * G, sp + r * G);
+    });
+  }
+  Q8 view() const {
+    return Q8{q.data_ptr<int8_t>(), p.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(), q.size(1),
+              q.size(1) / 32};
+  }
+};
+
 }  // namespace
 
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
-  const torch::Tensor x32 = widened(x, x.dim() == 2 ? x.size(1) : -1);
-  const int64_t M = x32.size(0), K = x32.size(1);
-  auto q = torch::empty({M, K}, torch::dtype(torch::kInt8));
-  auto d = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
-  auto s = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
-  quantize_all(x32, q, d, s);
-  return {q, d, s};
+  const Quantized a(widened(x, x.dim() == 2 ? x.size(1) : -1));
+  return {a.q, a.d, a.s};
 }
 
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
@@ -403,17 +428,10 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
       return qmatmul(x, packed, qtype, rows, cols);  // float matrices keep float activations
     } else {
       check_args<QT>(packed, rows, cols);
-      const bool bf16 = x.dtype() == torch::kBFloat16;
-      const torch::Tensor x32 = widened(x, cols);
-      const int64_t M = x32.size(0), K = cols;
-      auto q = torch::empty({M, K}, torch::dtype(torch::kInt8));
-      auto d = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
-      auto s = torch::empty({M, K / 32}, torch::dtype(torch::kFloat32));
-      quantize_all(x32, q, d, s);
-      auto y = torch::empty({M, rows}, torch::dtype(torch::kFloat32));
-      const Q8 a{q.data_ptr<int8_t>(), d.data_ptr<float>(), s.data_ptr<float>(), K, K / 32};
-      matmul<QT>(a, M, packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
-      return bf16 ? y.to(torch::kBFloat16) : y;
+      const Quantized a(widened(x, cols));
+      auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
+      matmul<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
+      return x.dtype() == torch::kBFloat16 ? y.to(torch::kBFloat16) : y;
     }
   });
 }

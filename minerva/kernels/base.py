@@ -6,11 +6,12 @@ and how to run a step on its device (`step`, `default_dtype`). The object a `*_k
 method returns has the entry points the callers use, named as in
 `minerva/kernels/csrc/kernels.h`:
 
-- matmul: `qmatmul(x, packed, qtype, rows, cols)`, `dequantize_rows(packed, qtype, cols)`
+- matmul: `qmatmul(x, packed, qtype, rows, cols)`, `dequantize_rows(packed, qtype, cols)`, and
+  with 8-bit activations `qmatmul_q8(x, packed, qtype, rows, cols)`
 - ops: `rms_norm`, `add_rms_norm`, `rope_`, `act_mul`
 - attention: `paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens,
   query_start_loc, positions, window, scale)`, `kv_write(x, pool, scales, slots)`
-- layer: `Packed(bytes, qtype, rows, cols)` and `DecoderLayer(...)`, a whole decoder layer
+- layer: `Packed(bytes, qtype, rows, cols, int8)` and `DecoderLayer(...)`, a whole decoder layer
   as one call (see `minerva.models.layers.DecoderLayer.make_fused`)
 
 Where a backend covers nothing, the plain-torch reference runs; every kernel is tested

@@ -17,6 +17,8 @@ from __future__ import annotations
 import gguf
 import torch
 
+from minerva.errors import MinervaError
+
 BLOCK = 32
 MODES = ("float", "int8")
 Q = gguf.GGMLQuantizationType
@@ -24,7 +26,6 @@ FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
 
 def check_mode(mode: str) -> None:
-    from minerva.errors import MinervaError
     if mode not in MODES:
         raise MinervaError(f"--activations must be one of {', '.join(MODES)}, got {mode!r}")
 

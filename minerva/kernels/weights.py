@@ -125,7 +125,7 @@ class PackedWeight:
             return y.reshape(*x.shape[:-1], rows)
         self.materialize()
         if self.int8:
-            x = act_quant.round_trip(x).to(x.dtype)
+            x = act_quant.round_trip(x, act_quant.block_for(self.qtype)).to(x.dtype)
         return linear(x, self._dense)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -76,8 +76,10 @@ struct DecoderLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
-  m.def("qmatmul_q8", &qmatmul_q8, "x @ W^T with x quantized to 8 bits per block of 32 (integer dot products)");
-  m.def("quantize_activations", &quantize_activations, "x -> (int8 values, scale per block of 32, scale * sum)");
+  m.def("qmatmul_q8", &qmatmul_q8,
+        "x @ W^T with x quantized to 8 bits per block (32; 256 for K-quants), integer dot products");
+  m.def("quantize_activations", &quantize_activations, "x -> (int8 values, scale per block, scale * sum)",
+        py::arg("x"), py::arg("block") = 32);
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");

@@ -1,24 +1,27 @@
 // Packed GGML matmul on 8-bit activations (`--activations int8`), in both builds.
 //
-// y[M, N] = x̃[M, K] @ W^T where x̃ is x quantized per row in blocks of 32, as llama.cpp's
-// Q8_0 activations: d = max|x| / 127, q = round(x / d) (to nearest even), x̃ = d * q. The
-// weights stay in their GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) and meet
-// the activations in integer dot products, 32 weights at a time: `maddubs` (u8 x i8 pairs
-// to i16), `madd` (to i32, times the weight's integer sub-block scales where it has them),
-// then one float multiply-add per 32 weights by the weight's and the activation's scales.
-// A weight's offset (Q4_1/Q5_1 min, Q4_K/Q5_K dmin * min) meets the block's d * sum(q).
+// y[M, N] = x̃[M, K] @ W^T where x̃ is x quantized per row in blocks, as llama.cpp quantizes
+// activations: d = max|x| / 127, q = round(x / d) (to nearest even), x̃ = d * q. Blocks of 32
+// (its Q8_0) meet the 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); blocks of 256 (its
+// Q8_K) meet the K-quants' super-blocks (Q4_K, Q5_K, Q6_K), so a super-block's 8 sub-block dot
+// products add up in i32 and need one float multiply-add. The weights stay in their GGUF
+// blocks and meet the activations in integer dot products, 32 weights at a time: `maddubs`
+// (u8 x i8 pairs to i16), `madd` (to i32, times the weight's integer sub-block scales where
+// it has them). A weight's offset (Q4_1/Q5_1 min, Q4_K/Q5_K dmin * min) meets x's block sums.
 //
-// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32) enter unsigned, and the
-// bias times the x block's pair sums is subtracted from the i16 pair sums; Q8_0's signed values
+// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32) enter unsigned. For
+// Q4_0/Q5_0 the bias times the x block's pair sums is subtracted from the i16 pair sums; for
+// Q6_K 32 * sum(scale * x's sum of 16) from the super-block's i32 sum. Q8_0's signed values
 // use |w| as the unsigned operand and q with w's sign as the signed one. No step saturates:
-// a pair sums to at most 2 * 127 * max(63, 128) = 32512, the bias term to 32 * 254, and the
-// i32 sums stay far below 2^31.
+// a pair sums to at most 2 * 127 * max(63, 128) = 32512, the bias term to 32 * 254, and a
+// super-block's i32 sum to 256 * 128 * 63 * 127 < 2^31.
 //
 // Exactness: each output element is one fixed sequence of operations over K, followed by a
 // fixed lane reduction, and a row is quantized on its own. Per 32-weight block an exact
 // integer dot product in 8 lanes, then acc = fma(d_w * d_x, dot, acc) (Q4_1/Q5_1 offsets
-// summed in their own float); per K-quant super-block sum = fma(dot_s, d_x, sum) over its 8
-// sub-blocks, then acc = fma(sum, d, acc) and acc = fma(offsets, d_x * sum(q), acc). A row's result therefore never depends on the batch, the tiling or the threads.
+// summed in their own float); per K-quant super-block an exact i32 sum in 8 lanes, then
+// acc = fma(sum, d_w * d_x, acc) and, for Q4_K/Q5_K, acc = fma(mins . x's sums, -dmin * d_x,
+// acc). A row's result therefore never depends on the batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.
 //
 // Written with AVX2 intrinsics, which both builds' CPUs have.
@@ -135,126 +138,151 @@ template <> struct W8<Q8_0> {
   }
 };
 
+// The K-quants meet x quantized in blocks of 256 (one scale per super-block, as llama.cpp's
+// Q8_K), so a super-block's 8 sub-block dot products add up in i32 before one float
+// multiply-add. w(s) gives sub-block s's unsigned values (elements 32s .. 32s+31 of the
+// super-block), sc(s) the i16 multipliers of its pair sums, d the float scale. Q4_K/Q5_K also
+// give `mins` (mn_s at i16 lanes 2s and 2s+1, against x's sums of 16) and dmin; Q6_K gives its
+// 16 scales as i16 for the bias: the stored values are w + 32.
+
+// the 8 i16 lanes of an 8-byte vector, in both halves
+inline __m256i u8x8_to_i16x2(const uint8_t* p) {
+  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// a shuffle control that spreads i16 lane s of a 128-bit half over all its 8 lanes
+inline __m256i spread16(int s) { return _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * s + 1) + 2 * s)); }
+
 // Q4_K / Q5_K super-block header: d, dmin and the 6-bit scales and mins of the 8 sub-blocks,
 // unpacked from their 12 bytes all at once
 struct KHeader {
   float d, dmin;
-  uint8_t sc[8], mn[8];
+  __m256i sc16, mins;
   explicit KHeader(const uint8_t* b) : d(f16(b)), dmin(f16(b + 2)) {
     uint32_t u[3];
     std::memcpy(u, b + 4, 12);
     const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    const uint32_t s03 = u[0] & low6, m03 = u[1] & low6;
-    const uint32_t s47 = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-    const uint32_t m47 = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-    std::memcpy(sc, &s03, 4);
-    std::memcpy(sc + 4, &s47, 4);
-    std::memcpy(mn, &m03, 4);
-    std::memcpy(mn + 4, &m47, 4);
+    uint32_t sc[2] = {u[0] & low6, (u[2] & low4) | (((u[0] >> 6) & low2) << 4)};
+    uint32_t mn[2] = {u[1] & low6, ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)};
+    sc16 = u8x8_to_i16x2(reinterpret_cast<const uint8_t*>(sc));
+    const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
   }
-  // the offsets -dmin * mn of the 8 sub-blocks
-  __m256 offsets() const {
-    return _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                                    reinterpret_cast<const __m128i*>(mn)))));
-  }
+  __m256i sc(int s) const { return _mm256_shuffle_epi8(sc16, spread16(s)); }
 };
 
 // Q4_K: weight = d * sc_s * q - dmin * mn_s; sub-blocks 2j and 2j+1 are the low and high
 // nibbles of bytes 32j .. 32j+31
 template <> struct W8<Q4_K> {
-  static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 8, BIAS = 0;
+  static constexpr bool MINS = true;
+  static constexpr int BIAS = 0;
   const uint8_t* qs;
   KHeader h;
-  W8(const uint8_t* row, int64_t g) : qs(row + (g >> 3) * 144 + 16), h(row + (g >> 3) * 144) {}
-  void sub(int s, __m256i& w, __m256i& sc) const {
+  W8(const uint8_t* row, int64_t g) : qs(row + g * 144 + 16), h(row + g * 144) {}
+  __m256i w(int s) const {
     const __m256i v = load256(qs + 32 * (s >> 1));
-    w = (s & 1) ? high4(v) : low4(v);
-    sc = _mm256_set1_epi16(h.sc[s]);
+    return (s & 1) ? high4(v) : low4(v);
   }
-  float scale() const { return h.d; }
-  __m256 offsets() const { return h.offsets(); }
+  __m256i sc(int s) const { return h.sc(s); }
+  float d() const { return h.d; }
 };
 
 // Q5_K: as Q4_K, with a fifth bit per weight (bit s of qh[l] for element l of sub-block s)
 template <> struct W8<Q5_K> {
-  static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 8, BIAS = 0;
+  static constexpr bool MINS = true;
+  static constexpr int BIAS = 0;
   const uint8_t* b;
   KHeader h;
-  W8(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 176), h(b) {}
-  void sub(int s, __m256i& w, __m256i& sc) const {
+  W8(const uint8_t* row, int64_t g) : b(row + g * 176), h(b) {}
+  __m256i w(int s) const {
     const __m256i v = load256(b + 48 + 32 * (s >> 1));
     const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 16), s), _mm256_set1_epi8(1));
-    w = _mm256_or_si256((s & 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
-    sc = _mm256_set1_epi16(h.sc[s]);
+    return _mm256_or_si256((s & 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
   }
-  float scale() const { return h.d; }
-  __m256 offsets() const { return h.offsets(); }
+  __m256i sc(int s) const { return h.sc(s); }
+  float d() const { return h.d; }
 };
 
 // Q6_K: 4 low bits from ql, 2 high bits from qh, minus 32; an int8 scale per 16 weights. Sub-block
 // s = 4 * part + t reads ql bytes 64 part + 32 (t & 1) (nibble t >> 1) and qh bytes 128 + 32 part
 // (bits 2t, 2t+1); its halves take scales 8 part + 2t and 8 part + 2t + 1.
 template <> struct W8<Q6_K> {
-  static constexpr bool SIGNED = false, OFFSET = false;
-  static constexpr int subs = 8, BIAS = 5;
+  static constexpr bool MINS = false;
+  static constexpr int BIAS = 5;
   const uint8_t* b;
-  __m256i scales;  // the 16 int8 scales as i16
-  W8(const uint8_t* row, int64_t g)
-      : b(row + (g >> 3) * 210), scales(_mm256_cvtepi8_epi16(load128(b + 192))) {}
-  void sub(int s, __m256i& w, __m256i& sc) const {
+  __m256i sc16;  // the 16 int8 scales as i16
+  W8(const uint8_t* row, int64_t g) : b(row + g * 210), sc16(_mm256_cvtepi8_epi16(load128(b + 192))) {}
+  __m256i w(int s) const {
     const int part = s >> 2, t = s & 3;
     const __m256i v = load256(b + 64 * part + 32 * (t & 1));
     const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 128 + 32 * part), 2 * t), _mm256_set1_epi8(3));
-    w = _mm256_or_si256((t >> 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
-    // scales 2s and 2s+1 (one i32 of `scales`) spread over the low and the high 8 i16 lanes
-    sc = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(scales, _mm256_set1_epi32(s)),
-                             _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                              2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+    return _mm256_or_si256((t >> 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
   }
-  float scale() const { return f16(b + 208); }
+  // scales 2s and 2s+1 (one i32 of sc16) spread over the low and the high 8 i16 lanes
+  __m256i sc(int s) const {
+    return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)),
+                               _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+  }
+  float d() const { return f16(b + 208); }
 };
+
+template <int QT>
+constexpr bool is_k = QT == Q4_K || QT == Q5_K || QT == Q6_K;
 
 template <int QT>
 constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || QT == Q4_K ||
                         QT == Q5_K || QT == Q6_K;
 
-// x quantized: per row, K int8 values, and per block of 32 its scale d and d * sum(q)
+// x quantized: per row, K int8 values in blocks of B (32 or 256) with one scale d each; per
+// 32-block also d * sum(q) and the 16 pair sums q[2l] + q[2l+1] (the biased weights' term);
+// per 256-block the 16 sums of 16 (the K-quants' mins and bias)
 struct Q8 {
   const int8_t* q;
-  const int16_t* p;  // the 16 pair sums q[2l] + q[2l+1] of each block
+  const int16_t* p;  // K / 2 i16 per row (B = 32: pair sums) or K / 16 (B = 256: sums of 16)
   const float *d, *s;
   int64_t K, G;  // row length, blocks per row
+  int64_t lp;    // i16 sums per row
 };
 
-inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* pairs, float* d, float* s) {
+template <int B>
+inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t g = 0; g < K / 32; ++g) {
-    const float* xg = x + 32 * g;
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xg + 8 * i);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  for (int64_t g = 0; g < K / B; ++g) {
+    const float* xg = x + B * g;
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < B / 8; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + 8 * i)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h);
     const float dg = amax / 127.0f;
     const __m256 id = _mm256_set1_ps(dg != 0.0f ? 1.0f / dg : 0.0f);
-    __m256i i[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      i[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+    __m256i total = _mm256_setzero_si256();
+    for (int c = 0; c < B / 32; ++c) {
+      __m256i i[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + 32 * c + 8 * k), id),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        i[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+      }
+      // packs work within 128-bit lanes: 0 4 1 5 2 6 3 7 puts the 32-bit groups back in order
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+      const __m256i b = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + B * g + 32 * c), b);
+      const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
+      const __m256i sum32 = _mm256_madd_epi16(sum16, ones16());
+      total = _mm256_add_epi32(total, sum32);
+      if constexpr (B == 32) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + 16 * g), sum16);
+      } else {  // the two sums of 16: lanes 0..3 and 4..7 of sum32 (each 4 elements)
+        const __m128i h16 = _mm_hadd_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        const __m128i h8 = _mm_hadd_epi32(h16, h16);  // lanes: sum of 0..15, sum of 16..31
+        sums[16 * g + 2 * c] = static_cast<int16_t>(_mm_cvtsi128_si32(h8));
+        sums[16 * g + 2 * c + 1] = static_cast<int16_t>(_mm_extract_epi32(h8, 1));
+      }
     }
-    // packs work within 128-bit lanes: 0 4 1 5 2 6 3 7 puts the 32-bit groups back in order
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-    const __m256i b = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * g), b);
-    const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 16 * g), sum16);
-    const __m256i sum32 = _mm256_madd_epi16(sum16, ones16());
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
     d[g] = dg;
@@ -281,7 +309,7 @@ inline __m256 dot32(__m256i w, __m256i wa, __m256i xv, __m256i bias_x, __m256i s
 template <int BIAS>
 inline __m256i bias_of(const Q8& a, int64_t r, int64_t g) {
   if constexpr (BIAS == 0) return _mm256_setzero_si256();
-  else return _mm256_slli_epi16(load256(a.p + r * (a.K / 2) + 16 * g), BIAS);
+  else return _mm256_slli_epi16(load256(a.p + r * a.lp + 16 * g), BIAS);
 }
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
@@ -298,10 +326,10 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
       off[i][j] = 0.0f;
     }
   const int64_t ahead = PF_BLOCKS * nb * rb, step = (nb * rb + a.G - 1) / a.G;
-  for (int64_t g0 = 0; g0 < a.G; g0 += B::subs) {
-    for (int64_t o = g0 * step; o < (g0 + B::subs) * step; o += 64) prefetch(row + ahead + o);
-    const auto blocks = make_blocks<QT>(row, rb, g0, std::make_index_sequence<nb>{});
-    if constexpr (B::subs == 1) {  // 32-weight blocks: acc += (d_w * d_x) * dot
+  for (int64_t g = 0; g < a.G; ++g) {
+    for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
+    const auto blocks = make_blocks<QT>(row, rb, g, std::make_index_sequence<nb>{});
+    if constexpr (!is_k<QT>) {  // 32-weight blocks: acc += (d_w * d_x) * dot
       __m256i w[nb], wa[nb], sc[nb];
       __m256 dw[nb];
       float m[nb];
@@ -313,39 +341,42 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
       }
       for (int i = 0; i < mr; ++i) {
         const int64_t r = m0 + i;
-        const __m256i xv = load256(a.q + r * a.K + 32 * g0), xb = bias_of<B::BIAS>(a, r, g0);
-        const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g0]);
+        const __m256i xv = load256(a.q + r * a.K + 32 * g), xb = bias_of<B::BIAS>(a, r, g);
+        const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g]);
         for (int j = 0; j < nb; ++j) {
           acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), dot32<B::SIGNED, B::BIAS>(w[j], wa[j], xv, xb, sc[j]),
                                       acc[i][j]);
-          if constexpr (B::OFFSET) off[i][j] += m[j] * a.s[r * a.G + g0];
+          if constexpr (B::OFFSET) off[i][j] += m[j] * a.s[r * a.G + g];
         }
       }
-    } else {  // 256-weight super-blocks: acc += d_w * sum over sub-blocks of d_x * dot, + offsets . (d_x * sum q)
-      __m256 sum[mr][nb];
+    } else {  // 256-weight super-blocks on 256-blocks of x: an exact i32 sum, then one float FMA
+      __m256i isum[mr][nb];
       for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nb; ++j) sum[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {
-        __m256i w[nb], wa[nb], sc[nb];
+        __m256i w[nb], sc[nb];
         for (int j = 0; j < nb; ++j) {
-          blocks[j].sub(s, w[j], sc[j]);
-          if constexpr (B::SIGNED) wa[j] = _mm256_abs_epi8(w[j]);
+          w[j] = blocks[j].w(s);
+          sc[j] = blocks[j].sc(s);
         }
         for (int i = 0; i < mr; ++i) {
-          const int64_t r = m0 + i;
-          const __m256i xv = load256(a.q + r * a.K + 32 * (g0 + s)), xb = bias_of<B::BIAS>(a, r, g0 + s);
-          const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g0 + s]);
-          for (int j = 0; j < nb; ++j) sum[i][j] = _mm256_fmadd_ps(dot32<B::SIGNED, B::BIAS>(w[j], wa[j], xv, xb, sc[j]), dx, sum[i][j]);
+          const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
+          for (int j = 0; j < nb; ++j)
+            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
         }
       }
-      for (int j = 0; j < nb; ++j) {
-        const __m256 dw = _mm256_set1_ps(blocks[j].scale());
-        for (int i = 0; i < mr; ++i) acc[i][j] = _mm256_fmadd_ps(sum[i][j], dw, acc[i][j]);
-        if constexpr (B::OFFSET) {
-          const __m256 neg_m = blocks[j].offsets();
-          for (int i = 0; i < mr; ++i)
-            acc[i][j] = _mm256_fmadd_ps(neg_m, _mm256_loadu_ps(a.s + (m0 + i) * a.G + g0), acc[i][j]);
+      for (int i = 0; i < mr; ++i) {
+        const int64_t r = m0 + i;
+        const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
+        const float dx = a.d[r * a.G + g];
+        for (int j = 0; j < nb; ++j) {
+          if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
+            isum[i][j] = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
+          if constexpr (B::MINS)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
+                                        _mm256_set1_ps(-blocks[j].h.dmin * dx), acc[i][j]);
         }
       }
     }
@@ -391,13 +422,17 @@ torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
   return x.dtype() == torch::kBFloat16 ? x.to(torch::kFloat32).contiguous() : x.contiguous();
 }
 
-// x [M, K] float32 quantized row by row: values, pair sums, scales, scale * sum
+// x [M, K] float32 quantized row by row in blocks of `block` (32 or 256): values, the i16
+// sums (Q8::p), scales, scale * sum
 struct Quantized {
   torch::Tensor q, p, d, s;
-  explicit Quantized(const torch::Tensor& x32) {
-    const int64_t M = x32.size(0), K = x32.size(1), G = K / 32;
+  int64_t block;
+  Quantized(const torch::Tensor& x32, int64_t block) : block(block) {
+    TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
+    const int64_t M = x32.size(0), K = x32.size(1), G = K / block, lp = block == 32 ? K / 2 : K / 16;
+    TORCH_CHECK(K % block == 0, "row length ", K, " is not a multiple of ", block);
     q = torch::empty({M, K}, torch::dtype(torch::kInt8));
-    p = torch::empty({M, K / 2}, torch::dtype(torch::kInt16));
+    p = torch::empty({M, lp}, torch::dtype(torch::kInt16));
     d = torch::empty({M, G}, torch::dtype(torch::kFloat32));
     s = torch::empty({M, G}, torch::dtype(torch::kFloat32));
     const float* x = x32.data_ptr<float>();
@@ -406,19 +441,21 @@ struct Quantized {
     float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
     minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        quantize_row(x + r * K, K, qp + r * K, pp + r * (K / 2), dp + r * G, sp + r * G);
+        if (block == 32) quantize_row<32>(x + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G);
+        else quantize_row<256>(x + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G);
     });
   }
   Q8 view() const {
-    return Q8{q.data_ptr<int8_t>(), p.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(), q.size(1),
-              q.size(1) / 32};
+    const int64_t K = q.size(1);
+    return Q8{q.data_ptr<int8_t>(), p.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(), K, K / block,
+              p.size(1)};
   }
 };
 
 }  // namespace
 
-std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
-  const Quantized a(widened(x, x.dim() == 2 ? x.size(1) : -1));
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) {
+  const Quantized a(widened(x, x.dim() == 2 ? x.size(1) : -1), block);
   return {a.q, a.d, a.s};
 }
 
@@ -428,7 +465,7 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
       return qmatmul(x, packed, qtype, rows, cols);  // float matrices keep float activations
     } else {
       check_args<QT>(packed, rows, cols);
-      const Quantized a(widened(x, cols));
+      const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
       auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
       matmul<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
       return x.dtype() == torch::kBFloat16 ? y.to(torch::kBFloat16) : y;

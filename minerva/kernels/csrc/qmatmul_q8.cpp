@@ -9,17 +9,17 @@
 // (u8 x i8 pairs to i16), `madd` (to i32, times the weight's integer sub-block scales where
 // it has them). A weight's offset (Q4_1/Q5_1 min, Q4_K/Q5_K dmin * min) meets x's block sums.
 //
-// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32) enter unsigned. For
-// Q4_0/Q5_0 the bias times the x block's pair sums is subtracted from the i16 pair sums; for
-// Q6_K 32 * sum(scale * x's sum of 16) from the super-block's i32 sum. Q8_0's signed values
-// use |w| as the unsigned operand and q with w's sign as the signed one. No step saturates:
-// a pair sums to at most 2 * 127 * max(63, 128) = 32512, the bias term to 32 * 254, and a
-// super-block's i32 sum to 256 * 128 * 63 * 127 < 2^31.
+// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32) enter unsigned, and the
+// bias times x's sums leaves the i32 dot product (Q4_0/Q5_0: bias * sum(q) of the block;
+// Q6_K: 32 * sum(scale * x's sum of 16)). Q8_0's signed values use |w| as the unsigned
+// operand and q with w's sign as the signed one. No step saturates: a pair sums to at most
+// 2 * 127 * max(63, 128) = 32512, and a super-block's i32 sum to 256 * 128 * 63 * 127 < 2^31.
 //
-// Exactness: each output element is one fixed sequence of operations over K, followed by a
-// fixed lane reduction, and a row is quantized on its own. Per 32-weight block an exact
-// integer dot product in 8 lanes, then acc = fma(d_w * d_x, dot, acc) (Q4_1/Q5_1 offsets
-// summed in their own float); per K-quant super-block an exact i32 sum in 8 lanes, then
+// Exactness: each output element is one fixed sequence of operations over K, and a row is
+// quantized on its own. The 32-weight block types take 8 weight rows at a time, one per
+// float lane: per block the exact integer dot product, then acc = fma(dot, d_w * d_x, acc)
+// and, for Q4_1/Q5_1, acc = fma(m, d_x * sum(q), acc). Per K-quant super-block an exact i32
+// sum in 8 lanes (reduced in a fixed lane order at the end), then
 // acc = fma(sum, d_w * d_x, acc) and, for Q4_K/Q5_K, acc = fma(mins . x's sums, -dmin * d_x,
 // acc). A row's result therefore never depends on the batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.
@@ -50,9 +50,10 @@ inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0
 inline __m256i high4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 
 // 16 bytes of nibbles as 32 bytes: the low nibbles (elements 0..15), then the high ones (16..31)
+// (the bytes loaded into both halves, the upper half shifted right by 4)
 inline __m256i nibbles32(const uint8_t* p) {
-  const __m128i q = load128(p);
-  return low4(_mm256_set_m128i(_mm_srli_epi16(q, 4), q));
+  const __m256i q = _mm256_broadcastsi128_si256(load128(p));
+  return low4(_mm256_srlv_epi32(q, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)));
 }
 
 // bit l of `bits` as byte l (l = 0..31): 16 where set, else 0
@@ -66,76 +67,57 @@ inline __m256i bits32(uint32_t bits) {
 
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
 
-// One block of a packed row as 32-weight sub-blocks of int8 values. sub(s, ...) gives sub-block
-// s's values w (signed when SIGNED, else unsigned), the i16 multipliers of its i16 pair sums
-// (the integer sub-block scales, or ones), its float scale d and, when OFFSET, the offset m:
-// weight = d * scale * w + m.
+// One 32-weight block of a packed row: w() gives its 32 values as bytes (signed when SIGNED,
+// else unsigned), with the f16 scale d at b[0] and, when OFFSET, the f16 offset m at b[2]:
+// weight = d * (w - 2^BIAS) + m.
 template <int QT> struct W8;
 
 template <> struct W8<Q4_0> {
   static constexpr bool SIGNED = false, OFFSET = false;
-  static constexpr int subs = 1, BIAS = 3;
+  static constexpr int BIAS = 3;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 18) {}
-  void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
-    w = nibbles32(b + 2);
-    sc = ones16();
-    d = f16(b);
-  }
+  __m256i w() const { return nibbles32(b + 2); }
 };
 
 template <> struct W8<Q4_1> {
   static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 1, BIAS = 0;
+  static constexpr int BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 20) {}
-  void sub(int, __m256i& w, __m256i& sc, float& d, float& m) const {
-    w = nibbles32(b + 4);
-    sc = ones16();
-    d = f16(b);
-    m = f16(b + 2);
-  }
+  __m256i w() const { return nibbles32(b + 4); }
 };
 
 template <> struct W8<Q5_0> {
   static constexpr bool SIGNED = false, OFFSET = false;
-  static constexpr int subs = 1, BIAS = 4;
+  static constexpr int BIAS = 4;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 22) {}
-  void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
+  __m256i w() const {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
-    w = _mm256_or_si256(nibbles32(b + 6), bits32(qh));
-    sc = ones16();
-    d = f16(b);
+    return _mm256_or_si256(nibbles32(b + 6), bits32(qh));
   }
 };
 
 template <> struct W8<Q5_1> {
   static constexpr bool SIGNED = false, OFFSET = true;
-  static constexpr int subs = 1, BIAS = 0;
+  static constexpr int BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 24) {}
-  void sub(int, __m256i& w, __m256i& sc, float& d, float& m) const {
+  __m256i w() const {
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
-    w = _mm256_or_si256(nibbles32(b + 8), bits32(qh));
-    sc = ones16();
-    d = f16(b);
-    m = f16(b + 2);
+    return _mm256_or_si256(nibbles32(b + 8), bits32(qh));
   }
 };
 
 template <> struct W8<Q8_0> {
   static constexpr bool SIGNED = true, OFFSET = false;
-  static constexpr int subs = 1, BIAS = 0;
+  static constexpr int BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 34) {}
-  void sub(int, __m256i& w, __m256i& sc, float& d, float&) const {
-    w = load256(b + 2);
-    sc = ones16();
-    d = f16(b);
-  }
+  __m256i w() const { return load256(b + 2); }
 };
 
 // The K-quants meet x quantized in blocks of 256 (one scale per super-block, as llama.cpp's
@@ -234,19 +216,19 @@ template <int QT>
 constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || QT == Q4_K ||
                         QT == Q5_K || QT == Q6_K;
 
-// x quantized: per row, K int8 values in blocks of B (32 or 256) with one scale d each; per
-// 32-block also d * sum(q) and the 16 pair sums q[2l] + q[2l+1] (the biased weights' term);
-// per 256-block the 16 sums of 16 (the K-quants' mins and bias)
+// x quantized: per row, K int8 values in blocks of B (32 or 256) with one scale d, sum(q) and
+// d * sum(q) each; per 256-block also the 16 sums of 16 (the K-quants' mins and bias)
 struct Q8 {
   const int8_t* q;
-  const int16_t* p;  // K / 2 i16 per row (B = 32: pair sums) or K / 16 (B = 256: sums of 16)
+  const int16_t* p;  // B = 256: K / 16 i16 per row (sums of 16); B = 32: none
   const float *d, *s;
-  int64_t K, G;  // row length, blocks per row
-  int64_t lp;    // i16 sums per row
+  const int32_t* n;  // sum(q) per block
+  int64_t K, G;      // row length, blocks per row
+  int64_t lp;        // i16 sums per row
 };
 
 template <int B>
-inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s) {
+inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s, int32_t* n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / B; ++g) {
     const float* xg = x + B * g;
@@ -273,9 +255,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, fl
       const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
       const __m256i sum32 = _mm256_madd_epi16(sum16, ones16());
       total = _mm256_add_epi32(total, sum32);
-      if constexpr (B == 32) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + 16 * g), sum16);
-      } else {  // the two sums of 16: lanes 0..3 and 4..7 of sum32 (each 4 elements)
+      if constexpr (B == 256) {  // the two sums of 16: lanes 0..3 and 4..7 of sum32 (each 4 elements)
         const __m128i h16 = _mm_hadd_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
         const __m128i h8 = _mm_hadd_epi32(h16, h16);  // lanes: sum of 0..15, sum of 16..31
         sums[16 * g + 2 * c] = static_cast<int16_t>(_mm_cvtsi128_si32(h8));
@@ -286,7 +266,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, fl
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
     d[g] = dg;
-    s[g] = dg * static_cast<float>(_mm_cvtsi128_si32(t));
+    n[g] = _mm_cvtsi128_si32(t);
+    s[g] = dg * static_cast<float>(n[g]);
   }
 }
 
@@ -295,100 +276,145 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
   return {W8<QT>(row + J * rb, g)...};
 }
 
-// The integer dot product of 32 weights with 32 int8 activations, as 8 float lanes (each the
-// exact i32 sum of 4 products, times the weights' i16 multipliers sc)
-// (bias > 0: the weights are stored as w + 2^bias, and bias_x holds 2^bias times the pair
-// sums of x, so the difference is the dot product with w)
-template <bool SIGNED, int BIAS>
-inline __m256 dot32(__m256i w, __m256i wa, __m256i xv, __m256i bias_x, __m256i sc) {
-  __m256i p = SIGNED ? _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w)) : _mm256_maddubs_epi16(w, xv);
-  if constexpr (BIAS > 0) p = _mm256_sub_epi16(p, bias_x);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, sc));
-}
-
-template <int BIAS>
-inline __m256i bias_of(const Q8& a, int64_t r, int64_t g) {
-  if constexpr (BIAS == 0) return _mm256_setzero_si256();
-  else return _mm256_slli_epi16(load256(a.p + r * a.lp + 16 * g), BIAS);
-}
-
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
-// mr rows of x (from row m0 of a) against nb weight rows; y[i * ldy + j]
+// The K-quants: mr rows of x (from row m0 of a) against nb weight rows; y[i * ldy + j]
 template <int QT, int mr, int nb>
 void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
   using B = W8<QT>;
   __m256 acc[mr][nb];
-  float off[mr][nb];
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nb; ++j) {
-      acc[i][j] = _mm256_setzero_ps();
-      off[i][j] = 0.0f;
-    }
+    for (int j = 0; j < nb; ++j) acc[i][j] = _mm256_setzero_ps();
   const int64_t ahead = PF_BLOCKS * nb * rb, step = (nb * rb + a.G - 1) / a.G;
   for (int64_t g = 0; g < a.G; ++g) {
     for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
     const auto blocks = make_blocks<QT>(row, rb, g, std::make_index_sequence<nb>{});
-    if constexpr (!is_k<QT>) {  // 32-weight blocks: acc += (d_w * d_x) * dot
-      __m256i w[nb], wa[nb], sc[nb];
-      __m256 dw[nb];
-      float m[nb];
-      for (int j = 0; j < nb; ++j) {
-        float d;
-        blocks[j].sub(0, w[j], sc[j], d, m[j]);
-        dw[j] = _mm256_set1_ps(d);
-        if constexpr (B::SIGNED) wa[j] = _mm256_abs_epi8(w[j]);
-      }
-      for (int i = 0; i < mr; ++i) {
-        const int64_t r = m0 + i;
-        const __m256i xv = load256(a.q + r * a.K + 32 * g), xb = bias_of<B::BIAS>(a, r, g);
-        const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g]);
-        for (int j = 0; j < nb; ++j) {
-          acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), dot32<B::SIGNED, B::BIAS>(w[j], wa[j], xv, xb, sc[j]),
-                                      acc[i][j]);
-          if constexpr (B::OFFSET) off[i][j] += m[j] * a.s[r * a.G + g];
-        }
-      }
-    } else {  // 256-weight super-blocks on 256-blocks of x: an exact i32 sum, then one float FMA
-      __m256i isum[mr][nb];
-      for (int i = 0; i < mr; ++i)
-        for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
+    __m256i isum[mr][nb];
+    for (int i = 0; i < mr; ++i)
+      for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
-        __m256i w[nb], sc[nb];
-        for (int j = 0; j < nb; ++j) {
-          w[j] = blocks[j].w(s);
-          sc[j] = blocks[j].sc(s);
-        }
-        for (int i = 0; i < mr; ++i) {
-          const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
-          for (int j = 0; j < nb; ++j)
-            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
-        }
+    for (int s = 0; s < 8; ++s) {
+      __m256i w[nb], sc[nb];
+      for (int j = 0; j < nb; ++j) {
+        w[j] = blocks[j].w(s);
+        sc[j] = blocks[j].sc(s);
       }
       for (int i = 0; i < mr; ++i) {
-        const int64_t r = m0 + i;
-        const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
-        const float dx = a.d[r * a.G + g];
-        for (int j = 0; j < nb; ++j) {
-          if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
-            isum[i][j] = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
-          if constexpr (B::MINS)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
-                                        _mm256_set1_ps(-blocks[j].h.dmin * dx), acc[i][j]);
-        }
+        const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
+        for (int j = 0; j < nb; ++j)
+          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
+      const float dx = a.d[r * a.G + g];
+      for (int j = 0; j < nb; ++j) {
+        if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
+          isum[i][j] = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
+        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
+        if constexpr (B::MINS)
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
+                                      _mm256_set1_ps(-blocks[j].h.dmin * dx), acc[i][j]);
       }
     }
   }
   for (int i = 0; i < mr; ++i)
-    for (int j = 0; j < nb; ++j) y[i * ldy + j] = reduce_add(acc[i][j])  /* a fixed lane order */ + off[i][j];
+    for (int j = 0; j < nb; ++j) y[i * ldy + j] = reduce_add(acc[i][j]);  // a fixed lane order
+}
+
+// the f16 at byte `off` of 8 blocks, as 8 floats
+template <int QT>
+inline __m256 f16x8(const std::array<W8<QT>, 8>& blocks, int off) {
+  uint16_t h[8];
+  for (int j = 0; j < 8; ++j) std::memcpy(h + j, blocks[j].b + off, 2);
+  return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
+}
+
+// lane j: the sum of the 32 products of row j's pair sums p[j] (16 i16 from maddubs; exact
+// integers, so the order is free). With SMALL (|pair| <= 8191: not Q8_0) two rows' pairs are
+// added once more in i16 before widening.
+template <bool SMALL>
+inline __m256i sum_rows(const __m256i* p) {
+  __m256i q[4];
+  if constexpr (SMALL) {  // lanes of madd(hadd(p2k, p2k+1)): row 2k, 2k, 2k+1, 2k+1 in each half
+    for (int k = 0; k < 4; ++k) q[k] = _mm256_madd_epi16(_mm256_hadd_epi16(p[2 * k], p[2 * k + 1]), ones16());
+  } else {
+    for (int k = 0; k < 4; ++k)
+      q[k] = _mm256_hadd_epi32(_mm256_madd_epi16(p[2 * k], ones16()), _mm256_madd_epi16(p[2 * k + 1], ones16()));
+  }
+  // each half of hadd(q0, q1): rows 0, 1, 2, 3 (that half's part)
+  const __m256i a = _mm256_hadd_epi32(q[0], q[1]), b = _mm256_hadd_epi32(q[2], q[3]);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The 32-weight block types: mr rows of x against 8 weight rows (the first `valid` of them
+// real; the others repeat the last and are dropped), one weight row per float lane. Per
+// block the 8 rows' exact integer dot products gather into one vector, and row j's output
+// is acc_j = fma(dot_jg, d_wjg * d_xg, acc_j) (then acc_j = fma(m_jg, d_xg * sum(q_g), acc_j)
+// for Q4_1/Q5_1) over the blocks g: the same operations whatever the tile.
+template <int QT, int mr>
+void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, float* y, int64_t ldy) {
+  using B = W8<QT>;
+  std::array<const uint8_t*, 8> rows;
+  for (int j = 0; j < 8; ++j) rows[j] = row + std::min(j, valid - 1) * rb;
+  __m256 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t ahead = PF_BLOCKS * 8 * rb, step = (8 * rb + a.G - 1) / a.G;
+  for (int64_t g = 0; g < a.G; ++g) {
+    if (valid == 8)
+      for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
+    const std::array<B, 8> blocks = {B(rows[0], g), B(rows[1], g), B(rows[2], g), B(rows[3], g),
+                                     B(rows[4], g), B(rows[5], g), B(rows[6], g), B(rows[7], g)};
+    __m256i w[8], wa[8];
+    for (int j = 0; j < 8; ++j) {
+      w[j] = blocks[j].w();
+      if constexpr (B::SIGNED) wa[j] = _mm256_abs_epi8(w[j]);
+    }
+    const __m256 dw = f16x8<QT>(blocks, 0);
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const __m256i xv = load256(a.q + r * a.K + 32 * g);
+      __m256i p[8];
+      for (int j = 0; j < 8; ++j)
+        p[j] = B::SIGNED ? _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j])) : _mm256_maddubs_epi16(w[j], xv);
+      __m256i dot = sum_rows<!B::SIGNED>(p);
+      if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << B::BIAS));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc[i]);
+      if constexpr (B::OFFSET) acc[i] = _mm256_fmadd_ps(f16x8<QT>(blocks, 2), _mm256_set1_ps(a.s[r * a.G + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    if (valid == 8) {
+      _mm256_storeu_ps(y + i * ldy, acc[i]);
+    } else {
+      float out[8];
+      _mm256_storeu_ps(out, acc[i]);
+      std::copy(out, out + valid, y + i * ldy);
+    }
+  }
 }
 
 template <int QT>
 void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(a.K);
-  if (M == 1) {  // four independent weight rows keep the pipes busy
+  if constexpr (!is_k<QT>) {  // 8 weight rows against tiles of 4 rows of x, the last tile shorter
+    minerva::parallel_for(0, (N + 7) / 8, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n = 8 * blk;
+        const int valid = static_cast<int>(std::min<int64_t>(8, N - n));
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) tile8<QT, 4>(a, m, W + n * rb, rb, valid, y + m * N + n, N);
+        switch (M - m) {
+          case 3: tile8<QT, 3>(a, m, W + n * rb, rb, valid, y + m * N + n, N); break;
+          case 2: tile8<QT, 2>(a, m, W + n * rb, rb, valid, y + m * N + n, N); break;
+          case 1: tile8<QT, 1>(a, m, W + n * rb, rb, valid, y + m * N + n, N); break;
+          default: break;
+        }
+      }
+    });
+  } else if (M == 1) {  // four independent weight rows keep the pipes busy
     minerva::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = 4 * blk;
@@ -397,22 +423,22 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
           for (int64_t j = n; j < N; ++j) tile<QT, 1, 1>(a, 0, W + j * rb, rb, y + j, N);
       }
     });
-    return;
-  }
-  // More rows: one weight row against tiles of 4 rows of x (measured on AVX2 against 2 or
-  // 4 weight rows per tile: 10-40% faster for M = 128), the last tile shorter.
-  minerva::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) tile<QT, 4, 1>(a, m, W + n * rb, rb, y + m * N + n, N);
-      switch (M - m) {
-        case 3: tile<QT, 3, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
-        case 2: tile<QT, 2, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
-        case 1: tile<QT, 1, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
-        default: break;
+  } else {
+    // More rows: one weight row against tiles of 4 rows of x (measured on AVX2 against 2 or
+    // 4 weight rows per tile: 10-40% faster for M = 128), the last tile shorter.
+    minerva::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) tile<QT, 4, 1>(a, m, W + n * rb, rb, y + m * N + n, N);
+        switch (M - m) {
+          case 3: tile<QT, 3, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
+          case 2: tile<QT, 2, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
+          case 1: tile<QT, 1, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
+          default: break;
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
@@ -422,33 +448,35 @@ torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
   return x.dtype() == torch::kBFloat16 ? x.to(torch::kFloat32).contiguous() : x.contiguous();
 }
 
-// x [M, K] float32 quantized row by row in blocks of `block` (32 or 256): values, the i16
-// sums (Q8::p), scales, scale * sum
+// x [M, K] float32 quantized row by row in blocks of `block` (32 or 256): values, for 256 the
+// i16 sums of 16 (Q8::p), scales, scale * sum, sum
 struct Quantized {
-  torch::Tensor q, p, d, s;
+  torch::Tensor q, p, d, s, n;
   int64_t block;
   Quantized(const torch::Tensor& x32, int64_t block) : block(block) {
     TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
-    const int64_t M = x32.size(0), K = x32.size(1), G = K / block, lp = block == 32 ? K / 2 : K / 16;
+    const int64_t M = x32.size(0), K = x32.size(1), G = K / block, lp = block == 32 ? 0 : K / 16;
     TORCH_CHECK(K % block == 0, "row length ", K, " is not a multiple of ", block);
     q = torch::empty({M, K}, torch::dtype(torch::kInt8));
     p = torch::empty({M, lp}, torch::dtype(torch::kInt16));
     d = torch::empty({M, G}, torch::dtype(torch::kFloat32));
     s = torch::empty({M, G}, torch::dtype(torch::kFloat32));
+    n = torch::empty({M, G}, torch::dtype(torch::kInt32));
     const float* x = x32.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     int16_t* pp = p.data_ptr<int16_t>();
     float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
+    int32_t* np = n.data_ptr<int32_t>();
     minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        if (block == 32) quantize_row<32>(x + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G);
-        else quantize_row<256>(x + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G);
+        if (block == 32) quantize_row<32>(x + r * K, K, qp + r * K, pp, dp + r * G, sp + r * G, np + r * G);
+        else quantize_row<256>(x + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G, np + r * G);
     });
   }
   Q8 view() const {
     const int64_t K = q.size(1);
-    return Q8{q.data_ptr<int8_t>(), p.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(), K, K / block,
-              p.size(1)};
+    return Q8{q.data_ptr<int8_t>(), p.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
+              n.data_ptr<int32_t>(), K, K / block, p.size(1)};
   }
 };
 

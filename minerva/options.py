@@ -15,7 +15,7 @@ from minerva.kernels.kv_quant import KV_FORMATS
 
 
 ACTIVATIONS_HELP = ("float: quantized weights meet the float activations (default); int8: activations are "
-                    "quantized to 8 bits per block of 32 for integer dot products (faster on CPUs, "
+                    "quantized to 8 bits per block of 32 (256 for K-quants) for integer dot products (faster on CPUs, "
                     "slightly different results, as llama.cpp computes)")
 
 

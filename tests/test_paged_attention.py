@@ -205,6 +205,31 @@ def test_batch_invariance(fmt, window, impl):
         assert torch.equal(mixed[start:start + e - s], alone)
 
 
+# Rows longer than the kernel's part (1024 keys) are split into parts that run on different
+# threads and are merged; request 0 has enough long rows that their partial results are
+# held in two waves.
+LONG_BATCH = [(6000, 2000), (2500, 1), (1100, 3), (70, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native.capable(), reason="CPU lacks the native kernels")
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [None, 1500])
+def test_long_rows_in_parts(fmt, window):
+    batch = Batch(LONG_BATCH, 16, fmt, fmt)
+    full = batch.paged(window)
+    tol = 1e-5 if fmt == "float32" else TOLERANCE[fmt][0]
+    for b, (L, n) in enumerate(LONG_BATCH):
+        s = batch.query_start_loc[b]
+        rows = sorted({0, n // 2, n - 1})
+        ref = dense_attention(batch.q[s:s + n][rows], batch.k[b], batch.v[b],
+                              batch.positions[s:s + n][rows], window, SCALE)
+        torch.testing.assert_close(full[s:s + n][rows].double(), ref, atol=tol, rtol=0)
+    for b in (1, 2, 3):  # alone: one wave and no other rows; in the batch: after request 0
+        s, e = batch.query_start_loc[b], batch.query_start_loc[b + 1]
+        assert torch.equal(batch.paged(window, requests=[b]), full[s:e])
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_float32_write_gather_round_trip_exact(block_size):
     batch = Batch(MIXED_BATCH, block_size)

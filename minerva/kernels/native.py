@@ -33,7 +33,8 @@ SOURCES = {
     "avx2": [CSRC / name for name in ("qmatmul_avx2.cpp", "qmatmul_q8.cpp", "attention_avx2.cpp", "ops_avx2.cpp",
                                       "module.cpp")],
 }
-HEADERS = [CSRC / name for name in ("simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h")]
+HEADERS = [CSRC / name for name in (
+    "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]

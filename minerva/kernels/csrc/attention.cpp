@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_parts.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -71,11 +72,13 @@ inline void weighted_sum(const float* p, int64_t stride, const VT* const* vrows,
 }
 
 // One (query row, KV head) item: the G query heads of the group against keys lo..hi-1.
-template <typename QT, typename KT, typename VT>
-void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
+// (ml null: out = the normalized result; else out holds the unnormalized sum and ml the
+// softmax max and sum of each head, for attention_parts.h to merge)
+template <typename QT, typename KT, typename VT, typename OT>
+void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
                  int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, std::vector<float>& scores,
                  std::vector<float>& qf, std::vector<const KT*>& krows, std::vector<float>& kscale,
-                 std::vector<const VT*>& vrows, std::vector<float>& vscale) {
+                 std::vector<const VT*>& vrows, std::vector<float>& vscale, float* ml) {
   const int64_t S = hi - lo, S16 = (S + 15) / 16 * 16;
   scores.assign(G * S16, -INFINITY);
   qf.resize(G * D);
@@ -113,7 +116,8 @@ void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64
     float* sc = scores.data() + g * S16;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < S16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const float mval = _mm512_reduce_max_ps(mx);
+    const __m512 m = _mm512_set1_ps(mval);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j = 0; j < S16; j += 16) {  // padding lanes hold -inf: exp gives 0
       __m512 x = _mm512_loadu_ps(sc + j);
@@ -122,7 +126,13 @@ void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64
       _mm512_storeu_ps(sc + j, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    if (ml) {
+      ml[g] = mval;
+      ml[G + g] = _mm512_reduce_add_ps(sum);
+      inv_sum[g] = 1.0f;
+    } else {
+      inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
   }
   // out = (sum_j p_j v_j) / sum, one 16-wide slice of D and up to 4 heads at a time
   for (int64_t d = 0; d < D; d += 16) {
@@ -156,21 +166,24 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
       lo[t] = window > 0 ? std::max<int64_t>(0, positions[t] - window + 1) : 0;
       work += (hi[t] - lo[t]) * H;
     }
-  // small steps (a decode of a short context) are cheaper on one thread than to fork
-  const int64_t items = T * Hkv, grain = work < (1 << 14) ? items : 1;
-  minerva::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
+  struct Scratch {
     std::vector<float> scores, qf, kscale, vscale;
     std::vector<const KT*> krows;
     std::vector<const VT*> vrows;
-    for (int64_t item = i0; item < i1; ++item) {
-      // KV-head-major: a thread's consecutive items are consecutive rows of one head, which
-      // read the same keys, so that head's K/V stays in cache from one row to the next.
-      const int64_t hk = item / T, t = item % T;
-      attend_item<QT, KT, VT>(q + (t * H + hk * G) * D, out + (t * H + hk * G) * D, K, V,
-                              tables + req[t] * table_stride, lo[t], hi[t], G, D, block_size, hk, scale,
-                              scores, qf, krows, kscale, vrows, vscale);
-    }
-  });
+  };
+  // small steps (a decode of a short context) are cheaper on one thread than to fork
+  minerva::attend_in_parts<Scratch>(
+      T, H, Hkv, D, lo.data(), hi.data(), work < (1 << 14), out,
+      [&](Scratch& w, int64_t t, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial, float* ml) {
+        const QT* qt = q + (t * H + hk * G) * D;
+        const int64_t* table = tables + req[t] * table_stride;
+        if (o)
+          attend_item<QT, KT, VT>(qt, o, K, V, table, plo, phi, G, D, block_size, hk, scale, w.scores, w.qf, w.krows,
+                                  w.kscale, w.vrows, w.vscale, nullptr);
+        else
+          attend_item<QT, KT, VT>(qt, partial, K, V, table, plo, phi, G, D, block_size, hk, scale, w.scores, w.qf,
+                                  w.krows, w.kscale, w.vrows, w.vscale, ml);
+      });
 }
 
 Pool pool_of(const torch::Tensor& data, const torch::Tensor& scale) {

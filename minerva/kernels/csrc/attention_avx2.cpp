@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_parts.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "simd_avx2.h"
@@ -158,9 +159,11 @@ struct Scratch {
 };
 
 // One (query row, KV head) item: the G query heads of the group against keys lo..hi-1.
-template <typename QT, typename KT, typename VT>
-void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
-                 int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, Scratch& w) {
+// (ml null: out = the normalized result; else out holds the unnormalized sum and ml the
+// softmax max and sum of each head, for attention_parts.h to merge)
+template <typename QT, typename KT, typename VT, typename OT>
+void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
+                 int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, Scratch& w, float* ml) {
   const int64_t S = hi - lo, S8 = (S + 7) / 8 * 8;
   const int64_t C = std::max<int64_t>(8, kChunkFloats / D / 8 * 8);  // keys per chunk
   const int64_t kbytes = D * sizeof(KT), vbytes = D * sizeof(VT);
@@ -214,7 +217,8 @@ void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64
     float* s = sc + g * S8;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < S8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-    const __m256 m = _mm256_set1_ps(reduce_max(mx));
+    const float mval = reduce_max(mx);
+    const __m256 m = _mm256_set1_ps(mval);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < S8; j += 8) {  // padding lanes hold -inf: exp gives 0
       const __m256 x = _mm256_loadu_ps(s + j);
@@ -223,7 +227,13 @@ void attend_item(const QT* q, QT* out, const Pool& K, const Pool& V, const int64
       _mm256_storeu_ps(s + j, e);
       sum = _mm256_add_ps(sum, e);
     }
-    inv_sum[g] = 1.0f / reduce_add(sum);
+    if (ml) {
+      ml[g] = mval;
+      ml[G + g] = reduce_add(sum);
+      inv_sum[g] = 1.0f;
+    } else {
+      inv_sum[g] = 1.0f / reduce_add(sum);
+    }
   }
   // acc = sum_j p_j v_j, a chunk at a time, in passes over it of 16 lanes of D and up to 4
   // heads (the heads of a slice of D in turn, while its lines of the rows are in L1)
@@ -269,17 +279,14 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
       work += (hi[t] - lo[t]) * H;
     }
   // small steps (a decode of a short context) are cheaper on one thread than to fork
-  const int64_t items = T * Hkv, grain = work < (1 << 14) ? items : 1;
-  minerva::parallel_for(0, items, grain, [&](int64_t i0, int64_t i1) {
-    Scratch w;
-    for (int64_t item = i0; item < i1; ++item) {
-      // KV-head-major: a thread's consecutive items are consecutive rows of one head, which
-      // read the same keys, so that head's K/V stays in cache from one row to the next.
-      const int64_t hk = item / T, t = item % T;
-      attend_item<QT, KT, VT>(q + (t * H + hk * G) * D, out + (t * H + hk * G) * D, K, V,
-                              tables + req[t] * table_stride, lo[t], hi[t], G, D, block_size, hk, scale, w);
-    }
-  });
+  minerva::attend_in_parts<Scratch>(
+      T, H, Hkv, D, lo.data(), hi.data(), work < (1 << 14), out,
+      [&](Scratch& w, int64_t t, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial, float* ml) {
+        const QT* qt = q + (t * H + hk * G) * D;
+        const int64_t* table = tables + req[t] * table_stride;
+        if (o) attend_item<QT, KT, VT>(qt, o, K, V, table, plo, phi, G, D, block_size, hk, scale, w, nullptr);
+        else attend_item<QT, KT, VT>(qt, partial, K, V, table, plo, phi, G, D, block_size, hk, scale, w, ml);
+      });
 }
 
 Pool pool_of(const torch::Tensor& data, const torch::Tensor& scale) {

@@ -16,10 +16,12 @@
 // 2 * 127 * max(63, 128) = 32512, and a super-block's i32 sum to 256 * 128 * 63 * 127 < 2^31.
 //
 // Exactness: each output element is one fixed sequence of operations over K, and a row is
-// quantized on its own. The 32-weight block types take 8 weight rows at a time, one per
+// quantized on its own. Q4_0, Q4_1, Q5_0 and Q5_1 take 8 weight rows at a time, one per
 // float lane: per block the exact integer dot product, then acc = fma(dot, d_w * d_x, acc)
-// and, for Q4_1/Q5_1, acc = fma(m, d_x * sum(q), acc). Per K-quant super-block an exact i32
-// sum in 8 lanes (reduced in a fixed lane order at the end), then
+// and, for Q4_1/Q5_1, acc = fma(m, d_x * sum(q), acc). The others keep 8 lanes per output,
+// reduced in a fixed order at the end: Q8_0 per block acc = fma(d_w * d_x, dot, acc) (its
+// weights need no decoding, and gathering rows costs more than it saves); per K-quant
+// super-block an exact i32 sum, then
 // acc = fma(sum, d_w * d_x, acc) and, for Q4_K/Q5_K, acc = fma(mins . x's sums, -dmin * d_x,
 // acc). A row's result therefore never depends on the batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.
@@ -67,13 +69,13 @@ inline __m256i bits32(uint32_t bits) {
 
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
 
-// One 32-weight block of a packed row: w() gives its 32 values as bytes (signed when SIGNED,
+// One 32-weight block of a packed row: w() gives its 32 values as bytes (signed for Q8_0,
 // else unsigned), with the f16 scale d at b[0] and, when OFFSET, the f16 offset m at b[2]:
 // weight = d * (w - 2^BIAS) + m.
 template <int QT> struct W8;
 
 template <> struct W8<Q4_0> {
-  static constexpr bool SIGNED = false, OFFSET = false;
+  static constexpr bool OFFSET = false;
   static constexpr int BIAS = 3;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 18) {}
@@ -81,7 +83,7 @@ template <> struct W8<Q4_0> {
 };
 
 template <> struct W8<Q4_1> {
-  static constexpr bool SIGNED = false, OFFSET = true;
+  static constexpr bool OFFSET = true;
   static constexpr int BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 20) {}
@@ -89,7 +91,7 @@ template <> struct W8<Q4_1> {
 };
 
 template <> struct W8<Q5_0> {
-  static constexpr bool SIGNED = false, OFFSET = false;
+  static constexpr bool OFFSET = false;
   static constexpr int BIAS = 4;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 22) {}
@@ -101,7 +103,7 @@ template <> struct W8<Q5_0> {
 };
 
 template <> struct W8<Q5_1> {
-  static constexpr bool SIGNED = false, OFFSET = true;
+  static constexpr bool OFFSET = true;
   static constexpr int BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 24) {}
@@ -113,7 +115,7 @@ template <> struct W8<Q5_1> {
 };
 
 template <> struct W8<Q8_0> {
-  static constexpr bool SIGNED = true, OFFSET = false;
+  static constexpr bool OFFSET = false;
   static constexpr int BIAS = 0;
   const uint8_t* b;
   W8(const uint8_t* row, int64_t g) : b(row + g * 34) {}
@@ -278,7 +280,8 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
-// The K-quants: mr rows of x (from row m0 of a) against nb weight rows; y[i * ldy + j]
+// The K-quants and Q8_0: mr rows of x (from row m0 of a) against nb weight rows, 8 float
+// lanes per output reduced in a fixed order at the end; y[i * ldy + j]
 template <int QT, int mr, int nb>
 void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
   using B = W8<QT>;
@@ -289,33 +292,52 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
   for (int64_t g = 0; g < a.G; ++g) {
     for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
     const auto blocks = make_blocks<QT>(row, rb, g, std::make_index_sequence<nb>{});
-    __m256i isum[mr][nb];
-    for (int i = 0; i < mr; ++i)
-      for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s) {
-      __m256i w[nb], sc[nb];
+    if constexpr (QT == Q8_0) {  // acc += (d_w * d_x) * dot, lane by lane (its weights need no decoding)
+      __m256i w[nb], wa[nb];
+      __m256 dw[nb];
       for (int j = 0; j < nb; ++j) {
-        w[j] = blocks[j].w(s);
-        sc[j] = blocks[j].sc(s);
+        w[j] = blocks[j].w();
+        wa[j] = _mm256_abs_epi8(w[j]);
+        dw[j] = _mm256_set1_ps(f16(blocks[j].b));
       }
       for (int i = 0; i < mr; ++i) {
-        const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
-        for (int j = 0; j < nb; ++j)
-          isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+        const int64_t r = m0 + i;
+        const __m256i xv = load256(a.q + r * a.K + 32 * g);
+        const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g]);
+        for (int j = 0; j < nb; ++j) {
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j])), ones16());
+          acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), _mm256_cvtepi32_ps(p), acc[i][j]);
+        }
       }
-    }
-    for (int i = 0; i < mr; ++i) {
-      const int64_t r = m0 + i;
-      const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
-      const float dx = a.d[r * a.G + g];
-      for (int j = 0; j < nb; ++j) {
-        if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
-          isum[i][j] = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
-        acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
-        if constexpr (B::MINS)
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
-                                      _mm256_set1_ps(-blocks[j].h.dmin * dx), acc[i][j]);
+    } else {  // an exact i32 sum per super-block, then one float FMA
+      __m256i isum[mr][nb];
+      for (int i = 0; i < mr; ++i)
+        for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        __m256i w[nb], sc[nb];
+        for (int j = 0; j < nb; ++j) {
+          w[j] = blocks[j].w(s);
+          sc[j] = blocks[j].sc(s);
+        }
+        for (int i = 0; i < mr; ++i) {
+          const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
+          for (int j = 0; j < nb; ++j)
+            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+        }
+      }
+      for (int i = 0; i < mr; ++i) {
+        const int64_t r = m0 + i;
+        const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
+        const float dx = a.d[r * a.G + g];
+        for (int j = 0; j < nb; ++j) {
+          if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
+            isum[i][j] = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
+          if constexpr (B::MINS)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
+                                        _mm256_set1_ps(-blocks[j].h.dmin * dx), acc[i][j]);
+        }
       }
     }
   }
@@ -331,24 +353,18 @@ inline __m256 f16x8(const std::array<W8<QT>, 8>& blocks, int off) {
   return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
-// lane j: the sum of the 32 products of row j's pair sums p[j] (16 i16 from maddubs; exact
-// integers, so the order is free). With SMALL (|pair| <= 8191: not Q8_0) two rows' pairs are
-// added once more in i16 before widening.
-template <bool SMALL>
+// lane j: the sum of the 32 products of row j's pair sums p[j] (16 i16 from maddubs, each at
+// most 2 * 31 * 127 = 7874; exact integers, so the order is free): two rows' pairs are added
+// once more in i16, then widened
 inline __m256i sum_rows(const __m256i* p) {
-  __m256i q[4];
-  if constexpr (SMALL) {  // lanes of madd(hadd(p2k, p2k+1)): row 2k, 2k, 2k+1, 2k+1 in each half
-    for (int k = 0; k < 4; ++k) q[k] = _mm256_madd_epi16(_mm256_hadd_epi16(p[2 * k], p[2 * k + 1]), ones16());
-  } else {
-    for (int k = 0; k < 4; ++k)
-      q[k] = _mm256_hadd_epi32(_mm256_madd_epi16(p[2 * k], ones16()), _mm256_madd_epi16(p[2 * k + 1], ones16()));
-  }
+  __m256i q[4];  // lanes of madd(hadd(p2k, p2k+1)): rows 2k, 2k, 2k+1, 2k+1 in each half
+  for (int k = 0; k < 4; ++k) q[k] = _mm256_madd_epi16(_mm256_hadd_epi16(p[2 * k], p[2 * k + 1]), ones16());
   // each half of hadd(q0, q1): rows 0, 1, 2, 3 (that half's part)
   const __m256i a = _mm256_hadd_epi32(q[0], q[1]), b = _mm256_hadd_epi32(q[2], q[3]);
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// The 32-weight block types: mr rows of x against 8 weight rows (the first `valid` of them
+// Q4_0, Q4_1, Q5_0, Q5_1: mr rows of x against 8 weight rows (the first `valid` of them
 // real; the others repeat the last and are dropped), one weight row per float lane. Per
 // block the 8 rows' exact integer dot products gather into one vector, and row j's output
 // is acc_j = fma(dot_jg, d_wjg * d_xg, acc_j) (then acc_j = fma(m_jg, d_xg * sum(q_g), acc_j)
@@ -366,19 +382,15 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
       for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
     const std::array<B, 8> blocks = {B(rows[0], g), B(rows[1], g), B(rows[2], g), B(rows[3], g),
                                      B(rows[4], g), B(rows[5], g), B(rows[6], g), B(rows[7], g)};
-    __m256i w[8], wa[8];
-    for (int j = 0; j < 8; ++j) {
-      w[j] = blocks[j].w();
-      if constexpr (B::SIGNED) wa[j] = _mm256_abs_epi8(w[j]);
-    }
+    __m256i w[8];
+    for (int j = 0; j < 8; ++j) w[j] = blocks[j].w();
     const __m256 dw = f16x8<QT>(blocks, 0);
     for (int i = 0; i < mr; ++i) {
       const int64_t r = m0 + i;
       const __m256i xv = load256(a.q + r * a.K + 32 * g);
       __m256i p[8];
-      for (int j = 0; j < 8; ++j)
-        p[j] = B::SIGNED ? _mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j])) : _mm256_maddubs_epi16(w[j], xv);
-      __m256i dot = sum_rows<!B::SIGNED>(p);
+      for (int j = 0; j < 8; ++j) p[j] = _mm256_maddubs_epi16(w[j], xv);
+      __m256i dot = sum_rows(p);
       if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
         dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << B::BIAS));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc[i]);
@@ -399,7 +411,7 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
 template <int QT>
 void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(a.K);
-  if constexpr (!is_k<QT>) {  // 8 weight rows against tiles of 4 rows of x, the last tile shorter
+  if constexpr (!is_k<QT> && QT != Q8_0) {  // 8 weight rows against tiles of 4 rows of x, the last tile shorter
     minerva::parallel_for(0, (N + 7) / 8, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = 8 * blk;

@@ -63,6 +63,7 @@ def test_sweep_writes_csv_json_and_plot(tiny, tmp_path):
 
 @pytest.mark.parametrize("args,fragment", [
     (["latency", "-r", "0"], "--repetitions"),
+    (["latency", "-d", "8,100000", "-r", "1"], "lower --depth"),  # checked before anything runs
     (["sweep", "--batch-sizes", "0"], "--batch-sizes"),
     (["throughput", "--num-prompts", "0"], "--num-prompts"),
     (["throughput", "--num-prompts", "2", "--sequential", "3"], "--sequential"),

@@ -14,6 +14,7 @@ from minerva.bench.measure import load_minerva, minerva_decode, minerva_prefill,
 from minerva.bench.peers import load_peer
 from minerva.bench.report import Figure, header, print_report, threads_used, write_json
 from minerva.bench.roofline import Row, ceiling_table, decode_ceiling, model_costs, prefill_ceiling
+from minerva.errors import MinervaError
 
 
 def cmd_latency(args) -> int:
@@ -25,6 +26,12 @@ def cmd_latency(args) -> int:
     def prompts(length: int) -> list[list[int]]:
         return [random_prompt(rng, llm, max(length, 1)) for _ in range(args.repetitions)]
 
+    ctx = llm.engine.max_model_len  # the model's context, or less when the KV pool holds less
+    longest = max(depths) + max([*args.prompt, *args.gen, 1]) + 1
+    if longest > ctx:  # before anything runs, so no figure is lost
+        raise MinervaError(f"--depth {max(depths)} plus the longest prompt or generation needs {longest} tokens "
+                           f"of context, but this model and KV cache hold {ctx}; lower --depth "
+                           f"(or raise --kv-cache-memory)")
     plan = []  # (name, kind, depth, prompts, n): pp prompts hold depth + n tokens
     for d in depths:
         suffix = f"@d{d}" if d else ""

@@ -21,9 +21,9 @@
 // and, for Q4_1/Q5_1, acc = fma(m, d_x * sum(q), acc). The others keep 8 lanes per output,
 // reduced in a fixed order at the end: Q8_0 per block acc = fma(d_w * d_x, dot, acc) (its
 // weights need no decoding, and gathering rows costs more than it saves); per K-quant
-// super-block an exact i32 sum, then
-// acc = fma(sum, d_w * d_x, acc) and, for Q4_K/Q5_K, acc = fma(mins . x's sums, -dmin * d_x,
-// acc). A row's result therefore never depends on the batch, the tiling or the threads.
+// super-block, for Q4_K/Q5_K acc = fma(mins . x's sums, -dmin * d_x, acc), then an exact
+// i32 sum and acc = fma(sum, d_w * d_x, acc). A row's result therefore never depends on the
+// batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.
 //
 // Written with AVX2 intrinsics, which both builds' CPUs have.
@@ -146,10 +146,12 @@ struct KHeader {
     uint32_t u[3];
     std::memcpy(u, b + 4, 12);
     const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    uint32_t sc[2] = {u[0] & low6, (u[2] & low4) | (((u[0] >> 6) & low2) << 4)};
-    uint32_t mn[2] = {u[1] & low6, ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4)};
-    sc16 = u8x8_to_i16x2(reinterpret_cast<const uint8_t*>(sc));
-    const __m128i m = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+    // the 8 scales and the 8 mins as bytes in a register (no round trip through memory)
+    const uint64_t s47 = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+    const uint64_t m47 = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+    const uint64_t sc = (s47 << 32) | (u[0] & low6), mn = (m47 << 32) | (u[1] & low6);
+    sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
+    const __m128i m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
     mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));
   }
   __m256i sc(int s) const { return _mm256_shuffle_epi8(sc16, spread16(s)); }
@@ -310,6 +312,14 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         }
       }
     } else {  // an exact i32 sum per super-block, then one float FMA
+      if constexpr (B::MINS)  // the offsets first, so the mins need no register during the sums
+        for (int i = 0; i < mr; ++i) {
+          const int64_t r = m0 + i;
+          const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
+          for (int j = 0; j < nb; ++j)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
+                                        _mm256_set1_ps(-blocks[j].h.dmin * a.d[r * a.G + g]), acc[i][j]);
+        }
       __m256i isum[mr][nb];
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
@@ -328,15 +338,14 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
       }
       for (int i = 0; i < mr; ++i) {
         const int64_t r = m0 + i;
-        const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
         const float dx = a.d[r * a.G + g];
         for (int j = 0; j < nb; ++j) {
-          if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
-            isum[i][j] = _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
+          if constexpr (B::BIAS > 0) {  // the stored values are w + 2^BIAS; x's 16 sums of 16
+            const __m256i sums = load256(a.p + r * a.lp + 16 * g);
+            isum[i][j] =
+                _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
+          }
           acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
-          if constexpr (B::MINS)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
-                                        _mm256_set1_ps(-blocks[j].h.dmin * dx), acc[i][j]);
         }
       }
     }

@@ -117,6 +117,37 @@ def test_preemption_takes_the_lowest_priority_latest_and_admits_nobody(tokenizer
     assert waiting in [r for r, _ in who(out)]  # the next step admits again (by priority)
 
 
+def test_a_long_prompt_neither_stalls_decoding_nor_delays_new_prompts(tokenizer):
+    """Decoding requests go before prompt chunks; while a request waits to start, running
+    prompt chunks take at most half the budget, so it starts in the next step."""
+    h = Harness(tokenizer, num_blocks=256, budget=16)
+    early = h.add(3)
+    h.step()  # early: prompt done, one token pending
+    long = h.add(200)
+    out, _ = h.step()
+    assert who(out) == [(early, 1), (long, 15)]
+    short = h.add(5)
+    out, _ = h.step()
+    assert who(out) == [(early, 1), (long, 8), (short, 5)]  # half the budget left for short
+    out, _ = h.step()
+    assert who(out) == [(early, 1), (short, 1), (long, 14)]  # nobody waits: no reserve
+
+
+def test_a_preempted_request_gives_back_the_token_it_was_given(tokenizer):
+    # 4 blocks of 4 tokens. A decoding request is given its token before a running prompt's
+    # chunk; it is also the lowest priority and latest, so it gives way (and its token is
+    # taken back) when that chunk needs its block.
+    h = Harness(tokenizer, num_blocks=4, block_size=4, budget=8)
+    first = h.add(16, priority=0)
+    h.step()  # 8 of its 16 prompt tokens: 2 blocks
+    late = h.add(2, priority=1)
+    out, _ = h.step()  # first: 4 more (half the budget, late waits): its 3rd block; late: the 4th
+    assert who(out) == [(first, 4), (late, 2)] and h.blocks.num_free_blocks == 0
+    out, _ = h.step()  # late's token first, then first's last 4 need a 4th block: late goes
+    assert who(out) == [(first, 4)] and late.status is Status.WAITING and h.sched.num_preemptions == 1
+    assert h.blocks.block_table(late.request_id) == []
+
+
 def test_guesses_are_trimmed_to_the_budget(tokenizer):
     h = Harness(tokenizer, budget=3)
     r = h.add(2)

@@ -3,9 +3,11 @@
 No prefill or decode phase: every request has `num_computed_tokens`, and each step
 gives running requests their next token(s) and new prompts chunks of their prompt,
 within a token budget and a cap on running requests. Order is priority, then
-arrival. When KV blocks run out, the lowest-priority, latest running request is
-preempted: its blocks are freed and it is recomputed later (mostly from the prefix
-cache).
+arrival, with two exceptions that keep latency bounded under long prompts: requests
+past their prompt get their next token(s) before any prompt chunk, and while requests
+wait to start, running prompt chunks take at most half the budget. When KV blocks run
+out, the lowest-priority, latest running request is preempted: its blocks are freed and
+it is recomputed later (mostly from the prefix cache).
 
 A step is `schedule()` -> the runner computes it -> `update_from_output()`, which
 owns what follows a forward: rolling back the K/V of rejected guesses, committing
@@ -138,13 +140,25 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted = False
         self.running.sort(key=lambda r: r.order)
-        for req in list(self.running):
+        # While requests wait to start, running prompt chunks take at most half the budget,
+        # so a new prompt starts in the next step however long the prompt ahead of it is.
+        starting = len(self.running) < self.config.max_num_seqs and any(not r.blocked for r in self.waiting)
+        prompt_budget = budget - budget // 2 if starting else budget
+        # Requests past their prompt (a token and any guesses to compute) go before prompt
+        # chunks, so a long prompt never stalls the others' decoding.
+        for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.order)):
             if req not in self.running or budget == 0:
                 continue  # preempted by an earlier request in this loop
             need = req.num_tokens - req.num_computed_tokens
-            if req.draft_token_ids and need + len(req.draft_token_ids) > budget:
-                self._trim_drafts(req, max(0, budget - need))
-            n = min(need + len(req.draft_token_ids), budget)
+            if need > 1:  # a prompt chunk (or a preempted request's recomputation)
+                n = min(need, budget, prompt_budget)
+                if n == 0:
+                    continue
+                prompt_budget -= n
+            else:
+                if req.draft_token_ids and need + len(req.draft_token_ids) > budget:
+                    self._trim_drafts(req, max(0, budget - need))
+                n = min(need + len(req.draft_token_ids), budget)
             while self.blocks.allocate(req.request_id, req.pending_token_ids, req.num_computed_tokens + n) is None:
                 if req.draft_token_ids:  # guesses never cost another request its place
                     req.clear_drafts()
@@ -153,6 +167,11 @@ class Scheduler:
                 victim = self.running[-1]  # lowest priority, latest arrival
                 self._preempt(victim)
                 preempted = True
+                # it may have been given its token earlier in this loop (requests past their
+                # prompt go first): take that back
+                given = next((i for i, g in enumerate(out) if g.request is victim), None)
+                if given is not None:
+                    budget += out.pop(given).num_new_tokens
                 if victim is req:
                     break
             if req in self.running:

@@ -161,6 +161,10 @@ def test_bad_arguments_raise(kernels):
         kernels.qmatmul_q8(torch.randn(2, 64), raw[:2], int(QT.Q4_0), 4, 64)
     with pytest.raises(RuntimeError, match="no packed kernel"):
         kernels.qmatmul_q8(torch.randn(2, 64), raw, 99, 4, 64)
+    with pytest.raises(RuntimeError, match="the activation block is 32 or 256"):
+        kernels.quantize_activations(torch.randn(2, 256), 64)
+    with pytest.raises(RuntimeError, match="not a multiple of 256"):
+        kernels.quantize_activations(torch.randn(2, 96), 256)
 
 
 def test_packed_weight_reference_path_rounds_x(monkeypatch):

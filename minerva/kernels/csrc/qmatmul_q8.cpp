@@ -129,11 +129,6 @@ template <> struct W8<Q8_0> {
 // give `mins` (mn_s at i16 lanes 2s and 2s+1, against x's sums of 16) and dmin; Q6_K gives its
 // 16 scales as i16 for the bias: the stored values are w + 32.
 
-// the 8 i16 lanes of an 8-byte vector, in both halves
-inline __m256i u8x8_to_i16x2(const uint8_t* p) {
-  return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // a shuffle control that spreads i16 lane s of a 128-bit half over all its 8 lanes
 inline __m256i spread16(int s) { return _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * s + 1) + 2 * s)); }
 
@@ -394,6 +389,8 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
     __m256i w[8];
     for (int j = 0; j < 8; ++j) w[j] = blocks[j].w();
     const __m256 dw = f16x8<QT>(blocks, 0);
+    __m256 m = _mm256_setzero_ps();  // the offsets, for Q4_1/Q5_1
+    if constexpr (B::OFFSET) m = f16x8<QT>(blocks, 2);
     for (int i = 0; i < mr; ++i) {
       const int64_t r = m0 + i;
       const __m256i xv = load256(a.q + r * a.K + 32 * g);
@@ -403,7 +400,7 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
       if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
         dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << B::BIAS));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc[i]);
-      if constexpr (B::OFFSET) acc[i] = _mm256_fmadd_ps(f16x8<QT>(blocks, 2), _mm256_set1_ps(a.s[r * a.G + g]), acc[i]);
+      if constexpr (B::OFFSET) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[r * a.G + g]), acc[i]);
     }
   }
   for (int i = 0; i < mr; ++i) {

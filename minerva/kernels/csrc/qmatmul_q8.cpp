@@ -33,6 +33,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -414,22 +415,39 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
   }
 }
 
+// Rows of x are taken 4 at a time (the last tile shorter): tile_rows(m, rows) runs a tile
+// of `rows` rows of x from row m.
+template <typename F>
+inline void x_tiles(int64_t M, const F& tile_rows) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_rows(m, std::integral_constant<int, 4>{});
+  switch (M - m) {
+    case 3: tile_rows(m, std::integral_constant<int, 3>{}); break;
+    case 2: tile_rows(m, std::integral_constant<int, 2>{}); break;
+    case 1: tile_rows(m, std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
+}
+
+// For M > 1 the weight rows go in panels of 32 (a few tens of KB, kept in L1/L2) and each
+// tile of x (4 rows, one K-long row each) meets the whole panel while it sits in L1: x is
+// read from L2/L3 once per panel rather than once per weight row.
+constexpr int64_t PANEL = 32;
+
 template <int QT>
 void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(a.K);
-  if constexpr (!is_k<QT> && QT != Q8_0) {  // 8 weight rows against tiles of 4 rows of x, the last tile shorter
-    minerva::parallel_for(0, (N + 7) / 8, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
+  if constexpr (!is_k<QT> && QT != Q8_0) {  // 8 weight rows against tiles of 4 rows of x
+    const int64_t per = M == 1 ? 8 : PANEL;
+    minerva::parallel_for(0, (N + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n = 8 * blk;
-        const int valid = static_cast<int>(std::min<int64_t>(8, N - n));
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile8<QT, 4>(a, m, W + n * rb, rb, valid, y + m * N + n, N);
-        switch (M - m) {
-          case 3: tile8<QT, 3>(a, m, W + n * rb, rb, valid, y + m * N + n, N); break;
-          case 2: tile8<QT, 2>(a, m, W + n * rb, rb, valid, y + m * N + n, N); break;
-          case 1: tile8<QT, 1>(a, m, W + n * rb, rb, valid, y + m * N + n, N); break;
-          default: break;
-        }
+        const int64_t n0 = per * blk, n1 = std::min(N, n0 + per);
+        x_tiles(M, [&](int64_t m, auto rows) {
+          for (int64_t n = n0; n < n1; n += 8) {
+            const int valid = static_cast<int>(std::min<int64_t>(8, N - n));
+            tile8<QT, decltype(rows)::value>(a, m, W + n * rb, rb, valid, y + m * N + n, N);
+          }
+        });
       }
     });
   } else if (M == 1) {  // four independent weight rows keep the pipes busy
@@ -443,17 +461,15 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
     });
   } else {
     // More rows: one weight row against tiles of 4 rows of x (measured on AVX2 against 2 or
-    // 4 weight rows per tile: 10-40% faster for M = 128), the last tile shorter.
-    minerva::parallel_for(0, N, 4, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) tile<QT, 4, 1>(a, m, W + n * rb, rb, y + m * N + n, N);
-        switch (M - m) {
-          case 3: tile<QT, 3, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
-          case 2: tile<QT, 2, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
-          case 1: tile<QT, 1, 1>(a, m, W + n * rb, rb, y + m * N + n, N); break;
-          default: break;
-        }
+    // 4 weight rows per tile: 10-40% faster for M = 128)
+    minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t n0 = PANEL * blk, n1 = std::min(N, n0 + PANEL);
+        x_tiles(M, [&](int64_t m, auto rows) {
+          int64_t n = n0;
+          for (; n + 2 <= n1; n += 2) tile<QT, decltype(rows)::value, 2>(a, m, W + n * rb, rb, y + m * N + n, N);
+          for (; n < n1; ++n) tile<QT, decltype(rows)::value, 1>(a, m, W + n * rb, rb, y + m * N + n, N);
+        });
       }
     });
   }
@@ -503,6 +519,30 @@ struct Quantized {
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) {
   const Quantized a(widened(x, x.dim() == 2 ? x.size(1) : -1), block);
   return {a.q, a.d, a.s};
+}
+
+// The int8 compute peak of the instruction mix above: `chunks` chunks (spread over the
+// threads) of `steps` steps, each 8 independent maddubs -> madd -> add triples on registers,
+// 32 multiply-adds a triple. Returns the multiply-adds done (the sums feed the result, so
+// nothing is optimised away; the value itself means nothing).
+double int8_peak_probe(int64_t chunks, int64_t steps) {
+  std::atomic<int64_t> sink{0};
+  minerva::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      __m256i acc[8];
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_set1_epi32(i);
+      __m256i w = _mm256_set1_epi8(static_cast<char>(3 + c)), x = _mm256_set1_epi8(5);
+      for (int64_t n = 0; n < steps; ++n) {
+        for (int i = 0; i < 8; ++i)
+          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones16()));
+        asm volatile("" : "+x"(w), "+x"(x));  // a new w and x each step, as far as the compiler knows
+      }
+      int64_t total = 0;
+      for (int i = 0; i < 8; ++i) total += _mm256_extract_epi32(acc[i], 0);
+      sink += total;
+    }
+  });
+  return sink.load() == 42 ? 0.0 : 256.0 * static_cast<double>(chunks) * static_cast<double>(steps);
 }
 
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {

@@ -10,6 +10,7 @@ import time
 
 import gguf
 import pytest
+import torch
 
 from minerva.bench.hardware import PRESETS, Hardware, hardware_from_args, probe
 from minerva.bench.roofline import (
@@ -21,6 +22,7 @@ from minerva.bench.roofline import (
 )
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile, GGUFTensor
+from minerva.kernels import native
 from minerva.machine import machine
 from minerva.models.layers import Linear
 
@@ -97,6 +99,23 @@ def test_prefill_ceiling():
     assert deep.tokens_per_second == pytest.approx(64 / max(flops / 1e12, m.weight_bytes_per_token / HW.bandwidth))
 
 
+def test_matmuls_on_8_bit_activations_use_the_int8_peak():
+    m = costs(int8_params=40_000_000)  # 40 M of the 50 M matmul weights take int8 activations
+    hw = Hardware("test", bandwidth=10e9, fp32_flops=1e12, bf16_flops=4e12, source="given", int8_ops=8e12)
+    flops = m.prefill_flops(512)
+    int8 = 512 * 2 * 40_000_000
+    c = prefill_ceiling(m, hw, 512)
+    assert c.bound == "compute"
+    assert c.compute_seconds == pytest.approx((flops - int8) / 1e12 + int8 / 8e12)
+    batch = 1000
+    d = decode_ceiling(m, hw, batch, context=1, dtype="bfloat16")
+    assert d.compute_seconds == pytest.approx((batch * m.flops_per_token(1) - batch * int8 / 512) / 4e12
+                                              + batch * int8 / 512 / 8e12)
+    # No int8 peak known: those matmuls are costed at the float peak, as without int8.
+    assert prefill_ceiling(m, HW, 512).compute_seconds == pytest.approx(flops / 1e12)
+    assert "8.00 TOPS int8" in hw.describe() and "int8" not in HW.describe()
+
+
 # ---------------------------------------------------------- the real model
 
 def _file_linear_tensors(path) -> dict[str, GGUFTensor]:
@@ -131,6 +150,18 @@ def test_model_costs_of_smollm2_match_its_file(smollm2_llm):
     # int8 K/V: one byte per value plus a float32 scale per token and head.
     assert model_costs(smollm2_llm.loaded, "int8", "int8").kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)
     assert model_costs(smollm2_llm.loaded, "bfloat16", "fp8").kv_bytes_per_token == 30 * 3 * (128 + 64 + 4)
+    assert m.int8_params == 0  # float activations
+
+
+def test_model_costs_count_the_weights_on_8_bit_activations(smollm2_gguf):
+    from minerva.models.loader import load_model
+
+    loaded = load_model(smollm2_gguf, device="cpu", dtype=torch.float32, activations="int8")
+    packed = [t for t in _file_linear_tensors(smollm2_gguf).values()
+              if t.qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                                 gguf.GGMLQuantizationType.BF16)]
+    assert packed  # Q4_1 layers, Q8_0 embedding
+    assert model_costs(loaded).int8_params == sum(t.shape[0] * t.shape[1] for t in packed)
 
 
 # ---------------------------------------------------------------- hardware
@@ -162,6 +193,9 @@ def test_probe_returns_positive_finite_figures():
     assert hw.source == "measured"
     for value in (hw.bandwidth, hw.fp32_flops, hw.bf16_flops):
         assert math.isfinite(value) and value > 0
+    if native.load() is not None:  # the int8 peak is measured with Minerva's kernels
+        assert math.isfinite(hw.int8_ops) and hw.int8_ops > 0
+        assert native.load().int8_peak_probe(3, 1000) == 256 * 3 * 1000  # multiply-adds done
 
 
 def test_machine_describes_this_host():

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minerva.errors import MinervaError
+from minerva.kernels import native
 from minerva.machine import machine
 
 # -------------------------------------------------------------------- hardware
@@ -29,6 +30,9 @@ class Hardware:
     fp32_flops: float  # FLOP/s of float32 matmul
     bf16_flops: float  # FLOP/s of bfloat16 matmul
     source: str  # "measured" or "datasheet" (or "given" for --bandwidth/--tflops)
+    # int8 dot products, 2 ops per multiply-add: the matmuls of `--activations int8`
+    # (None: not known; those matmuls are then costed at the float peak)
+    int8_ops: float | None = None
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s for activations of `dtype` ("float32" or "bfloat16")."""
@@ -37,24 +41,36 @@ class Hardware:
             raise MinervaError(f"no compute peak for dtype '{dtype}'; choose one of {', '.join(peaks)}")
         return peaks[dtype]
 
+    def int8_peak(self, dtype: str) -> float:
+        """Peak op/s of int8 dot products, or the `dtype` peak where the int8 one is not known."""
+        return self.int8_ops if self.int8_ops else self.peak_flops(dtype)
+
     def describe(self) -> str:
+        int8 = f", {_ops(self.int8_ops, 'OPS')} int8" if self.int8_ops else ""
         return (f"{self.name} ({self.source}): {self.bandwidth / 1e9:,.1f} GB/s, "
-                f"{self.bf16_flops / 1e12:,.2f} TFLOPS bf16, {self.fp32_flops / 1e12:,.2f} TFLOPS fp32")
+                f"{_ops(self.bf16_flops, 'FLOPS')} bf16, {_ops(self.fp32_flops, 'FLOPS')} fp32{int8}")
+
+
+def _ops(rate: float, unit: str) -> str:
+    """A compute rate in T (or, below 1e12, G) units: CPU figures read as 0.00 in T."""
+    return f"{rate / 1e12:,.2f} T{unit}" if rate >= 1e12 else f"{rate / 1e9:,.1f} G{unit}"
 
 
 # Datasheet figures: dense (no structured sparsity) peaks. The fp32 figure is the
 # non-tensor-core rate, which is what a float32 torch matmul gets on NVIDIA GPUs by
 # default (TF32 is off for matmuls unless a program turns it on).
 PRESETS: dict[str, Hardware] = {
-    # NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, BF16 tensor 989 TFLOPS dense, FP32 67 TFLOPS.
-    "h100": Hardware("NVIDIA H100 SXM", 3.35e12, 67e12, 989e12, "datasheet"),
+    # NVIDIA H100 SXM5 datasheet: 3.35 TB/s HBM3, BF16 tensor 989 TFLOPS dense, FP32 67 TFLOPS,
+    # INT8 tensor 1,979 TOPS dense.
+    "h100": Hardware("NVIDIA H100 SXM", 3.35e12, 67e12, 989e12, "datasheet", 1979e12),
     # NVIDIA H200 SXM datasheet: 4.8 TB/s HBM3e, same compute as H100 SXM.
-    "h200": Hardware("NVIDIA H200 SXM", 4.8e12, 67e12, 989e12, "datasheet"),
-    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e, BF16 tensor 312 TFLOPS dense, FP32 19.5 TFLOPS.
-    "a100": Hardware("NVIDIA A100 80GB SXM", 2.039e12, 19.5e12, 312e12, "datasheet"),
+    "h200": Hardware("NVIDIA H200 SXM", 4.8e12, 67e12, 989e12, "datasheet", 1979e12),
+    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s HBM2e, BF16 tensor 312 TFLOPS dense, FP32 19.5 TFLOPS,
+    # INT8 tensor 624 TOPS dense.
+    "a100": Hardware("NVIDIA A100 80GB SXM", 2.039e12, 19.5e12, 312e12, "datasheet", 624e12),
     # NVIDIA Ada (RTX 4090) whitepaper: 1,008 GB/s GDDR6X, FP32 82.6 TFLOPS,
-    # BF16 tensor with FP32 accumulate 165.2 TFLOPS dense.
-    "4090": Hardware("NVIDIA GeForce RTX 4090", 1.008e12, 82.6e12, 165.2e12, "datasheet"),
+    # BF16 tensor with FP32 accumulate 165.2 TFLOPS dense, INT8 tensor 660.6 TOPS dense.
+    "4090": Hardware("NVIDIA GeForce RTX 4090", 1.008e12, 82.6e12, 165.2e12, "datasheet", 660.6e12),
     # Apple M2 Ultra (76-core GPU): 800 GB/s unified memory, about 27.2 TFLOPS FP32 (Apple's
     # figure); the GPU runs 16-bit floats at about the fp32 rate, so bf16 uses the same number.
     "m2-ultra": Hardware("Apple M2 Ultra (76-core GPU)", 800e9, 27.2e12, 27.2e12, "datasheet"),
@@ -89,7 +105,7 @@ def hardware_from_args(name: str | None = None, bandwidth_gbs: float | None = No
     if bandwidth_gbs is not None:
         base = replace(base, bandwidth=bandwidth_gbs * 1e9)
     if tflops is not None:
-        base = replace(base, fp32_flops=tflops * 1e12, bf16_flops=tflops * 1e12)
+        base = replace(base, fp32_flops=tflops * 1e12, bf16_flops=tflops * 1e12, int8_ops=tflops * 1e12)
     return base
 
 
@@ -145,10 +161,31 @@ def _matmul_flops(dtype: torch.dtype, seconds: float) -> float:
     return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b, out=c), start + seconds)
 
 
+def _int8_ops(seconds: float) -> float | None:
+    """Best op/s (2 per multiply-add) of the int8 dot-product instructions the `--activations
+    int8` kernels use, run on registers on every thread: what those kernels could reach if
+    nothing but their multiply-adds took time. None without the native kernels."""
+    kernel = native.load()
+    if kernel is None:
+        return None
+    start = time.perf_counter()
+    chunks = 4 * torch.get_num_threads()  # several per thread, so a late thread costs little
+    steps = 1024
+    while True:  # double the work until a run takes a tenth of the time allowed
+        t = time.perf_counter()
+        kernel.int8_peak_probe(chunks, steps)
+        if time.perf_counter() - t > seconds / 10 or steps >= 1 << 30:
+            break
+        steps *= 2
+    macs = 256.0 * chunks * steps
+    return 2 * macs / _best_seconds(lambda: kernel.int8_peak_probe(chunks, steps), start + seconds)
+
+
 def probe(seconds: float = 3.0, threads: int | None = None) -> Hardware:
-    """Measure this CPU with torch: read bandwidth over a 512 MiB buffer and fp32/bf16
-    matmul peaks, best of several runs each, in about `seconds` in all (a little more
-    where `seconds` is too short for two timed runs of each).
+    """Measure this CPU: read bandwidth over a 512 MiB buffer and fp32/bf16 matmul peaks
+    with torch, and the int8 dot-product peak with Minerva's kernels; best of several runs
+    each, in about `seconds` in all (a little more where `seconds` is too short for two
+    timed runs of each).
 
     Uses torch's thread count unless `threads` is given (restored afterwards).
     """
@@ -160,9 +197,10 @@ def probe(seconds: float = 3.0, threads: int | None = None) -> Hardware:
     try:
         used = torch.get_num_threads()
         bandwidth = _bandwidth(0.4 * seconds)
-        fp32 = _matmul_flops(torch.float32, 0.3 * seconds)
-        bf16 = _matmul_flops(torch.bfloat16, 0.3 * seconds)
+        fp32 = _matmul_flops(torch.float32, 0.25 * seconds)
+        bf16 = _matmul_flops(torch.bfloat16, 0.25 * seconds)
+        int8 = _int8_ops(0.1 * seconds)
     finally:
         torch.set_num_threads(before)
     return Hardware(f"{machine().cpu}, {used} thread{'s' if used != 1 else ''}", bandwidth, fp32, bf16,
-                    "measured")
+                    "measured", int8)

@@ -56,6 +56,7 @@ class ModelCosts:
     head_dim: int
     windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
     max_context: int
+    int8_params: int = 0  # of matmul_params, those whose products take 8-bit activations
 
     @property
     def num_layers(self) -> int:
@@ -121,6 +122,7 @@ def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dt
         head_dim=config.head_dim,
         windows=tuple(config.sliding_window if t == SLIDING else None for t in config.layer_types),
         max_context=config.max_position,
+        int8_params=sum(w.shape[0] * w.shape[1] for w in weights if isinstance(w, PackedWeight) and w.int8),
     )
 
 
@@ -136,9 +138,11 @@ class Ceiling:
     compute_seconds: float  # per step: FLOPs / peak
 
 
-def _ceiling(tokens: int, step_bytes: float, step_flops: float, hw: Hardware, dtype: str) -> Ceiling:
+def _ceiling(tokens: int, step_bytes: float, step_flops: float, hw: Hardware, dtype: str,
+             int8_flops: float = 0.0) -> Ceiling:
+    """`int8_flops` of the step's `step_flops` run on the int8 peak, the rest on the `dtype` peak."""
     memory = step_bytes / hw.bandwidth
-    compute = step_flops / hw.peak_flops(dtype)
+    compute = (step_flops - int8_flops) / hw.peak_flops(dtype) + int8_flops / hw.int8_peak(dtype)
     return Ceiling(tokens / max(memory, compute), "memory" if memory >= compute else "compute",
                    memory, compute)
 
@@ -150,7 +154,8 @@ def decode_ceiling(costs: ModelCosts, hw: Hardware, batch: int, context: int,
     The weights are read once for the whole batch; each sequence reads its own K/V.
     """
     step_bytes = costs.weight_bytes_per_token + batch * costs.kv_bytes_read(context)
-    return _ceiling(batch, step_bytes, batch * costs.flops_per_token(context), hw, dtype)
+    return _ceiling(batch, step_bytes, batch * costs.flops_per_token(context), hw, dtype,
+                    batch * 2 * costs.int8_params)
 
 
 def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str = "float32",
@@ -158,7 +163,8 @@ def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str
     """Prompt tokens/s of one prompt computed in a single pass (weights read once), after
     `depth` tokens of its sequence are already in the KV cache."""
     flops = costs.prefill_flops(depth + prompt_len) - costs.prefill_flops(depth)
-    return _ceiling(prompt_len, costs.weight_bytes_per_token, flops, hw, dtype)
+    return _ceiling(prompt_len, costs.weight_bytes_per_token, flops, hw, dtype,
+                    prompt_len * 2 * costs.int8_params)
 
 
 # ------------------------------------------------------------------------- CLI
@@ -285,6 +291,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     sliding = [w for w in costs.windows if w is not None]
     windows = (f" ({len(sliding)} of {costs.num_layers} layers stop growing at a {max(sliding)}-token window)"
                if sliding else "")
+    int8_scope = ""
+    if costs.int8_params:
+        int8_scope = (" (the int8 peak for the matmuls on 8-bit activations)" if hw.int8_ops
+                      else " (also for the matmuls on 8-bit activations: no int8 peak known)")
     scope = "" if probed else "; predictions only: the engine has not run there, weights costed as held here"
     out = [
         "minerva roofline",
@@ -293,7 +303,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
         (f"model:     {loaded.path} ({config.architecture}, {config.num_layers} layers, context "
          f"{config.max_position}); loaded in {loaded.load_seconds:.2f} s, peak RSS {load_rss:.0f} MB"),
         f"hardware:  {hw.describe()}",
-        f"           ceilings use the {args.dtype} peak{scope}",
+        f"           ceilings use the {args.dtype} peak{int8_scope}{scope}",
         (f"per token: {costs.weight_bytes_per_token / 1e6:,.1f} MB of weights read "
          f"({costs.bits_per_weight:.2f} bits x {costs.matmul_params / 1e6:,.1f} M matmul weights), "
          f"{2 * costs.matmul_params / 1e9:.3f} GFLOP + {attention / 1e3:,.1f} kFLOP per token of context"

@@ -80,6 +80,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T with x quantized to 8 bits per block (32; 256 for K-quants), integer dot products");
   m.def("quantize_activations", &quantize_activations, "x -> (int8 values, scale per block, scale * sum)",
         py::arg("x"), py::arg("block") = 32);
+  m.def("int8_peak_probe", &int8_peak_probe,
+        "(chunks, steps) -> multiply-adds done by the int8 dot-product instruction mix, on every thread");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");

@@ -7,7 +7,13 @@ on the same random prompts, and the report gives the medians, the ratio of the m
 every round's ratio.
 
     python benchmarks/interleaved_llamacpp.py FILE [--activations int8] [--rounds 5]
-        [--prompt 512] [--gen 32]
+        [--prompt 512] [--gen 32] [--roofline]
+
+With `--roofline` each round also probes the machine (`minerva.bench.hardware.probe`: read
+bandwidth, compute peaks) just before its tests, and each figure is given as the fraction of
+that round's roofline ceiling (`minerva roofline`'s cost model, the same bytes and FLOPs for
+both engines): the bandwidth this machine has drifts too, so a fraction is only meaningful
+against a probe taken at the same time.
 
 Needs llama-cpp-python (`pip install -e '.[bench]'`).
 """
@@ -23,8 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from minerva.bench.hardware import probe  # noqa: E402
 from minerva.bench.measure import load_minerva, minerva_decode, minerva_prefill, random_prompt  # noqa: E402
 from minerva.bench.peers import load_peer  # noqa: E402
+from minerva.bench.roofline import decode_ceiling, model_costs, prefill_ceiling  # noqa: E402
 from minerva.machine import machine  # noqa: E402
 
 
@@ -36,6 +44,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill test")
     p.add_argument("--gen", type=int, default=32, help="tokens of the decode test (after a 16-token prompt)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--roofline", action="store_true",
+                   help="probe the machine each round and give each figure's fraction of its ceiling")
     args = p.parse_args()
     threads = args.threads or machine().physical_cores
     opts = types.SimpleNamespace(model=args.model, dtype="auto", threads=threads, quantize=None,
@@ -47,13 +57,24 @@ def main() -> int:
     minerva_prefill(llm, random_prompt(rng, llm, 64))  # warm-up
     pp, tg = f"pp{args.prompt}", f"tg{args.gen}"
     res: dict[str, list[float]] = {f"{e} {t}": [] for t in (pp, tg) for e in ("minerva", "llama.cpp")}
+    fractions: dict[str, list[float]] = {k: [] for k in res}
+    costs = model_costs(llm.loaded, dtype=llm.dtype) if args.roofline else None
     for r in range(args.rounds):
         prompt, short = random_prompt(rng, llm, args.prompt), random_prompt(rng, llm, 16)
+        hw = probe(seconds=2.0, threads=threads) if args.roofline else None
         res[f"minerva {pp}"].append(minerva_prefill(llm, prompt))
         res[f"llama.cpp {pp}"].append(peer.prefill(prompt, 0))
         res[f"minerva {tg}"].append(minerva_decode(llm, [short], args.gen + 1)[0])
         res[f"llama.cpp {tg}"].append(peer.decode(short, args.gen))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)
+        line = f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items())
+        if hw is not None:
+            ceiling = {pp: prefill_ceiling(costs, hw, args.prompt, llm.dtype_name).tokens_per_second,
+                       tg: decode_ceiling(costs, hw, 1, 16 + args.gen // 2, llm.dtype_name).tokens_per_second}
+            for k, v in res.items():
+                fractions[k].append(v[-1] / ceiling[k.split()[1]])
+            line += (f"; probed {hw.bandwidth / 1e9:.1f} GB/s, {hw.int8_peak(llm.dtype_name) / 1e9:.0f} GOPS int8: "
+                     + ", ".join(f"{k} {100 * v[-1]:.0f}%" for k, v in fractions.items()))
+        print(line, flush=True)
     peer.close()
     print(f"\n{args.model}, {threads} threads, activations {args.activations}, {args.rounds} rounds (tokens/s)")
     for t in (pp, tg):
@@ -61,6 +82,9 @@ def main() -> int:
         ratios = " ".join(f"{a / b:.2f}" for a, b in zip(m, ll))
         print(f"{t:8s} minerva {statistics.median(m):7.1f}  llama.cpp {statistics.median(ll):7.1f}  "
               f"ratio of medians {statistics.median(m) / statistics.median(ll):.2f}  rounds: {ratios}")
+    if args.roofline:
+        print("fraction of each round's roofline ceiling (medians): "
+              + ", ".join(f"{k} {100 * statistics.median(v):.0f}%" for k, v in fractions.items()))
     return 0
 
 

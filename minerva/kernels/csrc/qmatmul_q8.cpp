@@ -133,6 +133,13 @@ template <> struct W8<Q8_0> {
 // a shuffle control that spreads i16 lane s of a 128-bit half over all its 8 lanes
 inline __m256i spread16(int s) { return _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * s + 1) + 2 * s)); }
 
+// Each byte's bit `from` (and the bits above it) moved to bit `to`: one 16-bit shift
+// serves both bytes of a lane, since bit to + 8 of the lane comes from bit from + 8.
+// The caller masks the bits it wants.
+inline __m256i bit_to(__m256i v, int from, int to) {
+  return from <= to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
+}
+
 // Q4_K / Q5_K super-block header: d, dmin and the 6-bit scales and mins of the 8 sub-blocks,
 // unpacked from their 12 bytes all at once
 struct KHeader {
@@ -175,11 +182,12 @@ template <> struct W8<Q5_K> {
   static constexpr int BIAS = 0;
   const uint8_t* b;
   KHeader h;
-  W8(const uint8_t* row, int64_t g) : b(row + g * 176), h(b) {}
+  __m256i qh;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 176), h(b), qh(load256(b + 16)) {}
   __m256i w(int s) const {
     const __m256i v = load256(b + 48 + 32 * (s >> 1));
-    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 16), s), _mm256_set1_epi8(1));
-    return _mm256_or_si256((s & 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
+    const __m256i hb = _mm256_and_si256(bit_to(qh, s, 4), _mm256_set1_epi8(0x10));
+    return _mm256_or_si256((s & 1) ? high4(v) : low4(v), hb);
   }
   __m256i sc(int s) const { return h.sc(s); }
   float d() const { return h.d; }
@@ -197,8 +205,8 @@ template <> struct W8<Q6_K> {
   __m256i w(int s) const {
     const int part = s >> 2, t = s & 3;
     const __m256i v = load256(b + 64 * part + 32 * (t & 1));
-    const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(load256(b + 128 + 32 * part), 2 * t), _mm256_set1_epi8(3));
-    return _mm256_or_si256((t >> 1) ? high4(v) : low4(v), _mm256_slli_epi16(hb, 4));
+    const __m256i hb = _mm256_and_si256(bit_to(load256(b + 128 + 32 * part), 2 * t, 4), _mm256_set1_epi8(0x30));
+    return _mm256_or_si256((t >> 1) ? high4(v) : low4(v), hb);
   }
   // scales 2s and 2s+1 (one i32 of sc16) spread over the low and the high 8 i16 lanes
   __m256i sc(int s) const {
@@ -417,17 +425,18 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
 
 // Rows of x are taken 4 at a time (the last tile shorter): tile_rows(m, rows) runs a tile
 // of `rows` rows of x from row m.
-template <typename F>
+template <int MR, typename F>
 inline void x_tiles(int64_t M, const F& tile_rows) {
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) tile_rows(m, std::integral_constant<int, 4>{});
-  switch (M - m) {
-    case 3: tile_rows(m, std::integral_constant<int, 3>{}); break;
-    case 2: tile_rows(m, std::integral_constant<int, 2>{}); break;
-    case 1: tile_rows(m, std::integral_constant<int, 1>{}); break;
-    default: break;
-  }
+  for (; m + MR <= M; m += MR) tile_rows(m, std::integral_constant<int, MR>{});
+  if constexpr (MR > 3) if (M - m == 3) tile_rows(m, std::integral_constant<int, 3>{});
+  if constexpr (MR > 2) if (M - m == 2) tile_rows(m, std::integral_constant<int, 2>{});
+  if constexpr (MR > 1) if (M - m == 1) tile_rows(m, std::integral_constant<int, 1>{});
 }
+
+// M > 1, K-quants and Q8_0: tiles of 4 rows of x against 2 weight rows (measured on AVX2,
+// one thread, M = 128: 1.1-1.8x the speed of 2x2, 2x1 or 1x1 tiles)
+constexpr int K_MR = 4, K_NB = 2;
 
 // For M > 1 the weight rows go in panels of 32 (a few tens of KB, kept in L1/L2) and each
 // tile of x (4 rows, one K-long row each) meets the whole panel while it sits in L1: x is
@@ -442,7 +451,7 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
     minerva::parallel_for(0, (N + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n0 = per * blk, n1 = std::min(N, n0 + per);
-        x_tiles(M, [&](int64_t m, auto rows) {
+        x_tiles<4>(M, [&](int64_t m, auto rows) {
           for (int64_t n = n0; n < n1; n += 8) {
             const int valid = static_cast<int>(std::min<int64_t>(8, N - n));
             tile8<QT, decltype(rows)::value>(a, m, W + n * rb, rb, valid, y + m * N + n, N);
@@ -465,9 +474,9 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
     minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n0 = PANEL * blk, n1 = std::min(N, n0 + PANEL);
-        x_tiles(M, [&](int64_t m, auto rows) {
+        x_tiles<K_MR>(M, [&](int64_t m, auto rows) {
           int64_t n = n0;
-          for (; n + 2 <= n1; n += 2) tile<QT, decltype(rows)::value, 2>(a, m, W + n * rb, rb, y + m * N + n, N);
+          for (; n + K_NB <= n1; n += K_NB) tile<QT, decltype(rows)::value, K_NB>(a, m, W + n * rb, rb, y + m * N + n, N);
           for (; n < n1; ++n) tile<QT, decltype(rows)::value, 1>(a, m, W + n * rb, rb, y + m * N + n, N);
         });
       }

@@ -86,8 +86,8 @@ def test_int8_matmul_matches_float64_reference(kernels, qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 37, 768  # rows not a multiple of the tiles: exercises the edges
     for raw in (realistic_blocks(qtype, rows, cols, rng), random_blocks(qtype, (rows, cols), rng)):
-        x = sample_x(11, cols, seed=int(qtype))
-        for m in (1, 11):  # the one-row path and the tiled one
+        x = sample_x(21, cols, seed=int(qtype))
+        for m in (1, 11, 21):  # the one-row path, the tiled one, and (K-quants) decoded panels
             y = kernels.qmatmul_q8(x[:m], torch.from_numpy(raw), int(qtype), rows, cols)
             assert y.dtype == torch.float32 and y.shape == (m, rows)
             ref, mag = reference(x[:m], raw, qtype, rows, cols)
@@ -115,9 +115,9 @@ def test_int8_is_closer_to_quantized_x_than_float_is(kernels, qtype):
 def test_a_row_does_not_depend_on_the_batch_or_threads(kernels, qtype):
     rng = np.random.default_rng(5)
     raw = torch.from_numpy(realistic_blocks(qtype, 42, 512, rng))
-    x = sample_x(13, 512, seed=2)
+    x = sample_x(40, 512, seed=2)  # 16 rows or more: K-quants decode their panels first
     full = kernels.qmatmul_q8(x, raw, int(qtype), 42, 512)
-    for lo, hi in [(0, 1), (5, 6), (2, 5), (1, 5), (3, 10), (12, 13), (0, 13)]:
+    for lo, hi in [(0, 1), (5, 6), (2, 5), (1, 5), (3, 10), (12, 13), (0, 13), (3, 19), (0, 16), (21, 40)]:
         assert torch.equal(kernels.qmatmul_q8(x[lo:hi], raw, int(qtype), 42, 512), full[lo:hi])
     threads = torch.get_num_threads()
     try:

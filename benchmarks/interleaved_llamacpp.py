@@ -33,6 +33,7 @@ from minerva.bench.hardware import probe  # noqa: E402
 from minerva.bench.measure import load_minerva, minerva_decode, minerva_prefill, random_prompt  # noqa: E402
 from minerva.bench.peers import load_peer  # noqa: E402
 from minerva.bench.roofline import decode_ceiling, model_costs, prefill_ceiling  # noqa: E402
+from minerva.errors import MinervaError  # noqa: E402
 from minerva.machine import machine  # noqa: E402
 
 
@@ -47,6 +48,9 @@ def main() -> int:
     p.add_argument("--roofline", action="store_true",
                    help="probe the machine each round and give each figure's fraction of its ceiling")
     args = p.parse_args()
+    for flag in ("rounds", "prompt", "gen"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     threads = args.threads or machine().physical_cores
     opts = types.SimpleNamespace(model=args.model, dtype="auto", threads=threads, quantize=None,
                                  activations=args.activations, kv_cache_memory=0.2,
@@ -89,4 +93,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MinervaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

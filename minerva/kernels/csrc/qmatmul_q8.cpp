@@ -423,7 +423,7 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
   }
 }
 
-// Rows of x are taken 4 at a time (the last tile shorter): tile_rows(m, rows) runs a tile
+// Rows of x are taken MR at a time (the last tile shorter): tile_rows(m, rows) runs a tile
 // of `rows` rows of x from row m.
 template <int MR, typename F>
 inline void x_tiles(int64_t M, const F& tile_rows) {
@@ -468,9 +468,7 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
           for (int64_t j = n; j < N; ++j) tile<QT, 1, 1>(a, 0, W + j * rb, rb, y + j, N);
       }
     });
-  } else {
-    // More rows: one weight row against tiles of 4 rows of x (measured on AVX2 against 2 or
-    // 4 weight rows per tile: 10-40% faster for M = 128)
+  } else {  // more rows: tiles of K_MR rows of x against K_NB weight rows, panel by panel
     minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n0 = PANEL * blk, n1 = std::min(N, n0 + PANEL);

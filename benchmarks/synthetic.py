@@ -23,10 +23,14 @@ What a file holds, and why it can stand in for the real one:
   output matrix is Q6_K in every quantized mix but Q8_0; Q4_K_M and Q5_K_M store `attn_v` and
   `ffn_down` as Q6_K in the first and last eighth of the layers and every third layer
   between; Q4_K_S stores the first four `attn_v` and the first eighth of `ffn_down` as Q5_K;
-  F16/BF16 are what the converter writes. `Q4_K` and `Q5_K`, and any type with `--pure`,
-  use one type for every matrix (`llama-quantize --pure`). Norms are F32 ones.
-- Values: each block is random bytes whose fp16 scale fields (and, for Q4_K/Q5_K, the
-  6-bit minimums) are then set so the dequantized weights have mean 0 and std 0.02, like
+  Q3_K_M stores `attn_output` as Q4_K, `attn_v` as Q5_K in layers 0-1 and Q4_K after, and
+  `ffn_down` as Q5_K in the first sixteenth and Q4_K after; Q3_K_L stores all three as Q5_K;
+  Q2_K stores `attn_output` and `ffn_down` as Q3_K and `attn_v` as Q4_K (Q3_K with fewer
+  than 4 query heads per KV head); F16/BF16 are what the converter writes. `Q3_K`, `Q4_K`
+  and `Q5_K`, and any type with `--pure`, use one type for every matrix (`llama-quantize
+  --pure`). Norms are F32 ones.
+- Values: each block is random bytes whose fp16 scale fields (and, for Q2_K/Q4_K/Q5_K, the
+  minimums) are then set so the dequantized weights have mean 0 and std 0.02, like
   trained weights: nothing is NaN or infinite and activations stay bounded. F16/BF16 values
   are normal(0, 0.02). The same arguments and `--seed` give the same bytes.
 - Tokenizer: the `tokenizer.*` metadata and chat template of a pulled model (SmolLM2-135M
@@ -114,21 +118,40 @@ def _more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def _k_m(role: str, i: int, n: int) -> QT | None:  # Q4_K_M and Q5_K_M
+def _k_m(role: str, i: int, n: int, gqa: int) -> QT | None:  # Q4_K_M and Q5_K_M
     return QT.Q6_K if role in ("attn_v", "ffn_down") and _more_bits(i, n) else None
 
 
-def _q4_k_s(role: str, i: int, n: int) -> QT | None:
+def _q4_k_s(role: str, i: int, n: int, gqa: int) -> QT | None:
     if role == "attn_v" and i < 4 or role == "ffn_down" and i < n // 8:
         return QT.Q5_K
     return None
+
+
+def _q2_k(role: str, i: int, n: int, gqa: int) -> QT | None:
+    if role == "attn_v":
+        return QT.Q4_K if gqa >= 4 else QT.Q3_K
+    return QT.Q3_K if role in ("ffn_down", "attn_output") else None
+
+
+def _q3_k_m(role: str, i: int, n: int, gqa: int) -> QT | None:
+    if role == "attn_v":
+        return QT.Q5_K if i < 2 else QT.Q4_K
+    if role == "ffn_down":
+        return QT.Q5_K if i < n // 16 else QT.Q4_K
+    return QT.Q4_K if role == "attn_output" else None
+
+
+def _q3_k_l(role: str, i: int, n: int, gqa: int) -> QT | None:
+    return QT.Q5_K if role in ("attn_v", "ffn_down", "attn_output") else None
 
 
 @dataclass(frozen=True)
 class FileType:
     base: QT  # the type of every matrix the rules below do not change
     ftype: FT | None  # general.file_type; None where llama.cpp has none (pure K types)
-    layer_rule: Callable[[str, int, int], QT | None] | None = None  # (role, layer, layers) -> type
+    # (role, layer, layers, query heads per KV head) -> type
+    layer_rule: Callable[[str, int, int, int], QT | None] | None = None
     pure: bool = False  # one type for every matrix, the output too
 
 
@@ -140,18 +163,23 @@ FILE_TYPES = {
     "Q4_1": FileType(QT.Q4_1, FT.MOSTLY_Q4_1),
     "Q5_0": FileType(QT.Q5_0, FT.MOSTLY_Q5_0),
     "Q5_1": FileType(QT.Q5_1, FT.MOSTLY_Q5_1),
+    "Q2_K": FileType(QT.Q2_K, FT.MOSTLY_Q2_K, _q2_k),
+    "Q3_K_S": FileType(QT.Q3_K, FT.MOSTLY_Q3_K_S),
+    "Q3_K_M": FileType(QT.Q3_K, FT.MOSTLY_Q3_K_M, _q3_k_m),
+    "Q3_K_L": FileType(QT.Q3_K, FT.MOSTLY_Q3_K_L, _q3_k_l),
     "Q4_K_S": FileType(QT.Q4_K, FT.MOSTLY_Q4_K_S, _q4_k_s),
     "Q4_K_M": FileType(QT.Q4_K, FT.MOSTLY_Q4_K_M, _k_m),
     "Q5_K_S": FileType(QT.Q5_K, FT.MOSTLY_Q5_K_S),
     "Q5_K_M": FileType(QT.Q5_K, FT.MOSTLY_Q5_K_M, _k_m),
     "Q6_K": FileType(QT.Q6_K, FT.MOSTLY_Q6_K),
+    "Q3_K": FileType(QT.Q3_K, None, pure=True),
     "Q4_K": FileType(QT.Q4_K, None, pure=True),
     "Q5_K": FileType(QT.Q5_K, None, pure=True),
 }
 FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
 
 
-def tensor_type(ft: FileType, role: str, layer: int, layers: int, pure: bool = False) -> QT:
+def tensor_type(ft: FileType, role: str, layer: int, layers: int, pure: bool = False, gqa: int = 1) -> QT:
     """The type llama-quantize (or, for F16/BF16, the converter) gives one tensor."""
     if role.endswith("norm"):
         return QT.F32
@@ -159,7 +187,7 @@ def tensor_type(ft: FileType, role: str, layer: int, layers: int, pure: bool = F
         return ft.base
     if role == "output":
         return QT.Q8_0 if ft.base == QT.Q8_0 else QT.Q6_K
-    return (ft.layer_rule and ft.layer_rule(role, layer, layers)) or ft.base
+    return (ft.layer_rule and ft.layer_rule(role, layer, layers, gqa)) or ft.base
 
 
 LAYER_TENSORS: dict[str, Callable[[Shape], tuple[int, ...]]] = {  # torch order: (rows, cols)
@@ -187,7 +215,7 @@ def plan(shape: Shape, type_name: str, pure: bool = False) -> list[TensorPlan]:
     ft = FILE_TYPES[type_name]
 
     def one(name: str, role: str, dims: tuple[int, ...], layer: int = 0) -> TensorPlan:
-        qtype = tensor_type(ft, role, layer, shape.layers, pure)
+        qtype = tensor_type(ft, role, layer, shape.layers, pure, shape.heads // shape.kv_heads)
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         if dims[-1] % block:
             raise MinervaError(f"{name}: rows of {dims[-1]} values do not split into {qtype.name} "
@@ -219,13 +247,14 @@ class Recipe:
     fp16 fields to set (byte offset, value as a multiple of d), whether d takes a random
     sign per block (Q4_0/Q5_0, whose codes run -8..7 and -16..15: as in llama.cpp's
     quantizer, where d = max / -8 has the sign of the block's largest value, so the mean
-    is 0), and for Q4_K/Q5_K whether each 6-bit minimum is made equal to its scale (with
+    is 0), and for Q4_K/Q5_K (their 12 bytes of 6-bit scales and mins) or Q2_K (16 bytes of a
+    4-bit scale and min) whether each minimum is made equal to its scale (with
     dmin = centre * d every sub-block is then d * scale * (q - centre): mean 0)."""
 
     unit_rms: float
     fields: tuple[tuple[int, float], ...]
     signed: bool = False
-    mins_follow_scales: bool = False
+    mins_follow_scales: str | None = None  # "k12" (Q4_K/Q5_K) or "q2k"
 
 
 RECIPES = {  # offsets and layouts as in gguf.quants and minerva/formats/quant.py
@@ -234,8 +263,11 @@ RECIPES = {  # offsets and layouts as in gguf.quants and minerva/formats/quant.p
     QT.Q5_0: Recipe(_rms_uniform(32, 16), ((0, 1.0),), signed=True),
     QT.Q5_1: Recipe(_rms_uniform(32, 15.5), ((0, 1.0), (2, -15.5))),
     QT.Q8_0: Recipe(_RMS_INT8, ((0, 1.0),)),
-    QT.Q4_K: Recipe(_RMS_SCALE6 * _rms_uniform(16, 7.5), ((0, 1.0), (2, 7.5)), mins_follow_scales=True),
-    QT.Q5_K: Recipe(_RMS_SCALE6 * _rms_uniform(32, 15.5), ((0, 1.0), (2, 15.5)), mins_follow_scales=True),
+    QT.Q2_K: Recipe(_rms_uniform(16, 0) * _rms_uniform(4, 1.5), ((80, 1.0), (82, 1.5)), mins_follow_scales="q2k"),
+    # random 6-bit scales (-32..31) times random 3-bit values (-4..3): mean 0.25 d, std 42 d
+    QT.Q3_K: Recipe(_rms_uniform(64, 32) * _rms_uniform(8, 4), ((108, 1.0),)),
+    QT.Q4_K: Recipe(_RMS_SCALE6 * _rms_uniform(16, 7.5), ((0, 1.0), (2, 7.5)), mins_follow_scales="k12"),
+    QT.Q5_K: Recipe(_RMS_SCALE6 * _rms_uniform(32, 15.5), ((0, 1.0), (2, 15.5)), mins_follow_scales="k12"),
     QT.Q6_K: Recipe(_RMS_INT8 * _rms_uniform(64, 32), ((208, 1.0),)),  # int8 scales stay random
 }
 
@@ -293,10 +325,13 @@ class RandomTensor:
             blocks[:, off:off + 2] = value
         if self.signed:
             blocks[:, 1] |= sign
-        if self.mins_follow_scales:  # 12 scale bytes at 4..15: 4 of scales, 4 of mins, 4 of both
+        if self.mins_follow_scales == "k12":  # 12 scale bytes at 4..15: 4 of scales, 4 of mins, 4 of both
             blocks[:, 8:12] = blocks[:, 4:8]
             low = blocks[:, 12:16] & 0x0F
             blocks[:, 12:16] = low | (low << 4)
+        elif self.mins_follow_scales == "q2k":  # 16 bytes at 0..15: scale low nibble, min high
+            low = blocks[:, 0:16] & 0x0F
+            blocks[:, 0:16] = low | (low << 4)
         return raw
 
 

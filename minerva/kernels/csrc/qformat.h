@@ -12,8 +12,8 @@
 namespace minerva {
 
 // GGML type ids (gguf.GGMLQuantizationType)
-enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-             BF16 = 30 };
+enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
+             Q5_K = 13, Q6_K = 14, BF16 = 30 };
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
@@ -32,6 +32,34 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
+// Q2_K / Q3_K: the 2 low bits of elements 32s + 16h .. 32s + 16h + 15 of a super-block, one per
+// byte (qs: its 64 bytes; elements 128n + 32j + l sit at bits 2j of byte 32n + l)
+inline __m128i k2_low_bits(const uint8_t* qs, int s, int h) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * (s >> 2) + 16 * h));
+  return _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(2 * (s & 3))), _mm_set1_epi8(3));
+}
+
+// Q3_K (110-byte block b): the same 16 elements as unsigned bytes value + 4 (0..7): the low
+// bits from qs (b + 32), the third from bit s of hmask (b) byte l, set when the value is >= 0
+inline __m128i q3k_biased(const uint8_t* b, int s, int h) {
+  const __m128i bit = _mm_set1_epi8(static_cast<char>(1 << s));
+  const __m128i hm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * h));
+  const __m128i high = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(hm, bit), bit), _mm_set1_epi8(4));
+  return _mm_or_si128(k2_low_bits(b + 32, s, h), high);
+}
+
+// Q3_K: its 16 6-bit scales (12 bytes at b + 96) as int8 values - 32, scale i in byte i
+inline __m128i q3k_scales(const uint8_t* b) {
+  uint32_t u[4];
+  std::memcpy(u, b + 96, 12);
+  const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303, high = u[2];
+  u[2] = ((u[0] >> 4) & low4) | (((high >> 4) & low2) << 4);
+  u[3] = ((u[1] >> 4) & low4) | (((high >> 6) & low2) << 4);
+  u[0] = (u[0] & low4) | ((high & low2) << 4);
+  u[1] = (u[1] & low4) | (((high >> 2) & low2) << 4);
+  return _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)), _mm_set1_epi8(32));
+}
+
 template <int QT> struct Layout;
 template <> struct Layout<F32> { static constexpr int block = 32, bytes = 128; };
 template <> struct Layout<F16> { static constexpr int block = 32, bytes = 64; };
@@ -41,6 +69,8 @@ template <> struct Layout<Q4_1> { static constexpr int block = 32, bytes = 20; }
 template <> struct Layout<Q5_0> { static constexpr int block = 32, bytes = 22; };
 template <> struct Layout<Q5_1> { static constexpr int block = 32, bytes = 24; };
 template <> struct Layout<Q8_0> { static constexpr int block = 32, bytes = 34; };
+template <> struct Layout<Q2_K> { static constexpr int block = 256, bytes = 84; };
+template <> struct Layout<Q3_K> { static constexpr int block = 256, bytes = 110; };
 template <> struct Layout<Q4_K> { static constexpr int block = 256, bytes = 144; };
 template <> struct Layout<Q5_K> { static constexpr int block = 256, bytes = 176; };
 template <> struct Layout<Q6_K> { static constexpr int block = 256, bytes = 210; };
@@ -54,6 +84,8 @@ auto with_format(int64_t qtype, F&& f) {
     case Q5_0: return f.template operator()<Q5_0>();
     case Q5_1: return f.template operator()<Q5_1>();
     case Q8_0: return f.template operator()<Q8_0>();
+    case Q2_K: return f.template operator()<Q2_K>();
+    case Q3_K: return f.template operator()<Q3_K>();
     case Q4_K: return f.template operator()<Q4_K>();
     case Q5_K: return f.template operator()<Q5_K>();
     case Q6_K: return f.template operator()<Q6_K>();

@@ -1,7 +1,7 @@
 // Packed GGML-quantized matmul for x86-64 CPUs with AVX-512 (F, BW, VL, BF16) and F16C.
 //
 // y[M, N] = x[M, K] @ W^T, where W [N, K] stays in its GGUF block layout (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), or is a plain F32, F16 or BF16 matrix read as
+// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), or is a plain F32, F16 or BF16 matrix read as
 // blocks of 32 (float checkpoints get the same batch-invariant kernels). A panel of weight rows is decoded into a small
 // scratch buffer (fp32 or bf16, the dtype of x) and reused for every row of x.
 //
@@ -104,6 +104,35 @@ inline void decode32<Q8_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1
   __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
   w0 = _mm512_mul_ps(cvt_i8(q0), d);
   w1 = _mm512_mul_ps(cvt_i8(q1), d);
+}
+
+// Q2_K: weight = (d * sc) * q - (dmin * mn), q 2-bit; scale (low nibble) and min (high
+// nibble) of each 16 weights in the block's first 16 bytes
+template <>
+inline void decode32<Q2_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + (g >> 3) * 84;
+  const int j = static_cast<int>(g & 7);
+  const float d = f16(b + 80), dmin = f16(b + 82);
+  for (int h = 0; h < 2; ++h) {
+    const int s = b[2 * j + h];
+    const __m512 dl = _mm512_set1_ps(d * static_cast<float>(s & 15));
+    const __m512 ml = _mm512_set1_ps(dmin * static_cast<float>(s >> 4));
+    (h ? w1 : w0) = _mm512_sub_ps(_mm512_mul_ps(dl, cvt_u8(k2_low_bits(b + 16, j, h))), ml);
+  }
+}
+
+// Q3_K: weight = (d * sc) * q, q 3-bit signed, a 6-bit signed scale per 16 weights
+template <>
+inline void decode32<Q3_K>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + (g >> 3) * 110;
+  const int j = static_cast<int>(g & 7);
+  alignas(16) int8_t sc[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(sc), q3k_scales(b));
+  const float d = f16(b + 108);
+  for (int h = 0; h < 2; ++h) {
+    const __m128i q = _mm_sub_epi8(q3k_biased(b, j, h), _mm_set1_epi8(4));
+    (h ? w1 : w0) = _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(sc[2 * j + h])), cvt_i8(q));
+  }
 }
 
 template <>

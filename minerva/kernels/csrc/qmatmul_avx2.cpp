@@ -2,7 +2,7 @@
 //
 // y[M, N] = x[M, K] @ W^T, the entry points of qmatmul.cpp (the AVX-512 build) for CPUs
 // without AVX-512: W [N, K] stays in its GGUF block layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q4_K, Q5_K, Q6_K) or is a plain F32, F16 or BF16 matrix read as blocks of 32.
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or is a plain F32, F16 or BF16 matrix read as blocks of 32.
 //
 // Exactness: weights are decoded to fp32 bit-identically to minerva/formats/quant.py (the
 // same float operations in the same order; build with -ffp-contract=off). Each output
@@ -148,6 +148,48 @@ template <int QT> struct Block {
   Group<QT> grp;
   Block(const uint8_t* row, int64_t g) : grp(row, g) {}
   void half(int, int h, __m256& w0, __m256& w1) const { grp.half(h, w0, w1); }
+};
+
+// Q2_K: weight = (d * sc) * q - (dmin * mn), q 2-bit, a 4-bit scale and min per 16 weights
+// (byte i of the 16 at b: scale in the low nibble, min in the high one)
+template <> struct Block<Q2_K> {
+  const uint8_t* qs;
+  float dl[16], ml[16];
+  Block(const uint8_t* row, int64_t g) {
+    const uint8_t* b = row + (g >> 3) * 84;
+    const __m128i s = load128(b);
+    const __m256 d = _mm256_set1_ps(f16(b + 80)), dmin = _mm256_set1_ps(f16(b + 82));
+    const __m128i sc = low_nibbles(s), mn = high_nibbles(s);
+    _mm256_storeu_ps(dl, _mm256_mul_ps(d, cvt_u8(sc)));
+    _mm256_storeu_ps(dl + 8, _mm256_mul_ps(d, cvt_u8(hi8(sc))));
+    _mm256_storeu_ps(ml, _mm256_mul_ps(dmin, cvt_u8(mn)));
+    _mm256_storeu_ps(ml + 8, _mm256_mul_ps(dmin, cvt_u8(hi8(mn))));
+    qs = b + 16;
+  }
+  void half(int s, int h, __m256& w0, __m256& w1) const {
+    const __m128i q = k2_low_bits(qs, s, h);
+    const __m256 d = _mm256_set1_ps(dl[2 * s + h]), m = _mm256_set1_ps(ml[2 * s + h]);
+    w0 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(q)), m);
+    w1 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(hi8(q))), m);
+  }
+};
+
+// Q3_K: weight = (d * sc) * q, q 3-bit signed (-4..3), a 6-bit signed scale per 16 weights
+template <> struct Block<Q3_K> {
+  const uint8_t* b;
+  float dl[16];
+  Block(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 110) {
+    const __m256 d = _mm256_set1_ps(f16(b + 108));
+    const __m128i scales = q3k_scales(b);
+    _mm256_storeu_ps(dl, _mm256_mul_ps(d, cvt_i8(scales)));
+    _mm256_storeu_ps(dl + 8, _mm256_mul_ps(d, cvt_i8(hi8(scales))));
+  }
+  void half(int s, int h, __m256& w0, __m256& w1) const {
+    const __m128i q = _mm_sub_epi8(q3k_biased(b, s, h), _mm_set1_epi8(4));
+    const __m256 d = _mm256_set1_ps(dl[2 * s + h]);
+    w0 = _mm256_mul_ps(d, cvt_i8(q));
+    w1 = _mm256_mul_ps(d, cvt_i8(hi8(q)));
+  }
 };
 
 // Q4_K / Q5_K: dl[j] = d * sc_j and ml[j] = dmin * mn_j for the 8 sub-blocks of the super-block

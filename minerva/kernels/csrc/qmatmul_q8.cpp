@@ -168,6 +168,8 @@ template <> struct W8<Q4_K> {
   const uint8_t* qs;
   KHeader h;
   W8(const uint8_t* row, int64_t g) : qs(row + g * 144 + 16), h(row + g * 144) {}
+  __m256i mins() const { return h.mins; }
+  float dmin() const { return h.dmin; }
   __m256i w(int s) const {
     const __m256i v = load256(qs + 32 * (s >> 1));
     return (s & 1) ? high4(v) : low4(v);
@@ -184,6 +186,8 @@ template <> struct W8<Q5_K> {
   KHeader h;
   __m256i qh;
   W8(const uint8_t* row, int64_t g) : b(row + g * 176), h(b), qh(load256(b + 16)) {}
+  __m256i mins() const { return h.mins; }
+  float dmin() const { return h.dmin; }
   __m256i w(int s) const {
     const __m256i v = load256(b + 48 + 32 * (s >> 1));
     const __m256i hb = _mm256_and_si256(bit_to(qh, s, 4), _mm256_set1_epi8(0x10));
@@ -191,6 +195,55 @@ template <> struct W8<Q5_K> {
   }
   __m256i sc(int s) const { return h.sc(s); }
   float d() const { return h.d; }
+};
+
+// The types with a scale per 16 weights (Q2_K, Q3_K, Q6_K) hold their 16 scales as i16 lanes
+// (sc16); sub-block s takes scales 2s and 2s+1 (one i32 of sc16) spread over the low and the
+// high 8 i16 lanes, against the pair sums of its elements 0..15 and 16..31.
+inline __m256i scale_pairs(__m256i sc16, int s) {
+  return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)),
+                             _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                              2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+}
+
+// Q2_K and Q3_K sub-block s: the 2-bit fields at bits 2 (s & 3) of qs bytes 32 (s >> 2) .. +31
+inline __m256i k2_low32(const uint8_t* qs, int s) {
+  return _mm256_and_si256(_mm256_srli_epi16(load256(qs + 32 * (s >> 2)), 2 * (s & 3)), _mm256_set1_epi8(3));
+}
+
+// Q2_K: weight = d * sc * q - dmin * mn, q 2-bit; byte i of the first 16 holds the scale (low
+// nibble) and min (high nibble) of elements 16i .. 16i + 15, so `mins` meets x's 16 sums of 16
+// lane by lane.
+template <> struct W8<Q2_K> {
+  static constexpr bool MINS = true;
+  static constexpr int BIAS = 0;
+  const uint8_t* b;
+  __m256i sc16, mn16;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 84) {
+    const __m256i s = _mm256_cvtepu8_epi16(load128(b));
+    sc16 = _mm256_and_si256(s, _mm256_set1_epi16(15));
+    mn16 = _mm256_srli_epi16(s, 4);
+  }
+  __m256i mins() const { return mn16; }
+  float dmin() const { return f16(b + 82); }
+  __m256i w(int s) const { return k2_low32(b + 16, s); }
+  __m256i sc(int s) const { return scale_pairs(sc16, s); }
+  float d() const { return f16(b + 80); }
+};
+
+// Q3_K: weight = d * sc * q, q 3-bit signed, entering as q + 4 (the third bit, bit s of hmask
+// byte l, set when q >= 0); a 6-bit signed scale per 16 weights.
+template <> struct W8<Q3_K> {
+  static constexpr bool MINS = false;
+  static constexpr int BIAS = 2;
+  const uint8_t* b;
+  __m256i sc16, hm;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 110), sc16(_mm256_cvtepi8_epi16(q3k_scales(b))), hm(load256(b)) {}
+  __m256i w(int s) const {
+    return _mm256_or_si256(k2_low32(b + 32, s), _mm256_and_si256(bit_to(hm, s, 2), _mm256_set1_epi8(4)));
+  }
+  __m256i sc(int s) const { return scale_pairs(sc16, s); }
+  float d() const { return f16(b + 108); }
 };
 
 // Q6_K: 4 low bits from ql, 2 high bits from qh, minus 32; an int8 scale per 16 weights. Sub-block
@@ -208,21 +261,15 @@ template <> struct W8<Q6_K> {
     const __m256i hb = _mm256_and_si256(bit_to(load256(b + 128 + 32 * part), 2 * t, 4), _mm256_set1_epi8(0x30));
     return _mm256_or_si256((t >> 1) ? high4(v) : low4(v), hb);
   }
-  // scales 2s and 2s+1 (one i32 of sc16) spread over the low and the high 8 i16 lanes
-  __m256i sc(int s) const {
-    return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)),
-                               _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
-  }
+  __m256i sc(int s) const { return scale_pairs(sc16, s); }
   float d() const { return f16(b + 208); }
 };
 
 template <int QT>
-constexpr bool is_k = QT == Q4_K || QT == Q5_K || QT == Q6_K;
+constexpr bool is_k = QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 
 template <int QT>
-constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || QT == Q4_K ||
-                        QT == Q5_K || QT == Q6_K;
+constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || is_k<QT>;
 
 // x quantized: per row, K int8 values in blocks of B (32 or 256) with one scale d, sum(q) and
 // d * sum(q) each; per 256-block also the 16 sums of 16 (the K-quants' mins and bias)
@@ -321,8 +368,8 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
           const int64_t r = m0 + i;
           const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
           for (int j = 0; j < nb; ++j)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].h.mins, sums)),
-                                        _mm256_set1_ps(-blocks[j].h.dmin * a.d[r * a.G + g]), acc[i][j]);
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].mins(), sums)),
+                                        _mm256_set1_ps(-blocks[j].dmin() * a.d[r * a.G + g]), acc[i][j]);
         }
       __m256i isum[mr][nb];
       for (int i = 0; i < mr; ++i)

@@ -80,7 +80,7 @@ def test_bad_arguments_raise(kernels):
     with pytest.raises(RuntimeError, match="bytes"):
         kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.Q4_1), 5, 32)
     with pytest.raises(RuntimeError, match="no packed kernel"):
-        kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.Q2_K), 4, 32)
+        kernels.qmatmul(torch.zeros(1, 32), raw, int(QT.IQ2_XXS), 4, 32)
 
 
 FLOAT_TYPES = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}

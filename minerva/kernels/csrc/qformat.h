@@ -48,16 +48,17 @@ inline __m128i q3k_biased(const uint8_t* b, int s, int h) {
   return _mm_or_si128(k2_low_bits(b + 32, s, h), high);
 }
 
-// Q3_K: its 16 6-bit scales (12 bytes at b + 96) as int8 values - 32, scale i in byte i
+// Q3_K: its 16 6-bit scales (12 bytes at b + 96) as int8 values - 32, scale i in byte i: the
+// low 4 bits of scale i are nibble i / 8 of byte i % 8, the high 2 bits are bits 2 (i / 4) of
+// byte 8 + i % 4 (in registers: a store and reload of the unpacked bytes would stall on
+// store forwarding)
 inline __m128i q3k_scales(const uint8_t* b) {
-  uint32_t u[4];
-  std::memcpy(u, b + 96, 12);
-  const uint32_t low4 = 0x0f0f0f0f, low2 = 0x03030303, high = u[2];
-  u[2] = ((u[0] >> 4) & low4) | (((high >> 4) & low2) << 4);
-  u[3] = ((u[1] >> 4) & low4) | (((high >> 6) & low2) << 4);
-  u[0] = (u[0] & low4) | ((high & low2) << 4);
-  u[1] = (u[1] & low4) | (((high >> 2) & low2) << 4);
-  return _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u)), _mm_set1_epi8(32));
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 96));
+  const __m128i low = _mm_and_si128(_mm_unpacklo_epi64(v, _mm_srli_epi16(v, 4)), _mm_set1_epi8(0x0F));
+  int32_t h;
+  std::memcpy(&h, b + 104, 4);
+  const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
 }
 
 template <int QT> struct Layout;

@@ -198,12 +198,16 @@ template <> struct W8<Q5_K> {
 };
 
 // The types with a scale per 16 weights (Q2_K, Q3_K, Q6_K) hold their 16 scales as i16 lanes
-// (sc16); sub-block s takes scales 2s and 2s+1 (one i32 of sc16) spread over the low and the
-// high 8 i16 lanes, against the pair sums of its elements 0..15 and 16..31.
+// (sc16); sub-block s takes scales 2s and 2s+1 spread over the low and the high 8 i16 lanes,
+// against the pair sums of its elements 0..15 and 16..31: the half of sc16 that holds them
+// copied to both 128-bit lanes (the same for s = 0..3 and for s = 4..7, so the compiler can
+// keep it), then one in-lane shuffle.
 inline __m256i scale_pairs(__m256i sc16, int s) {
-  return _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)),
-                             _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                              2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+  const __m256i half = s < 4 ? _mm256_permute4x64_epi64(sc16, 0x44) : _mm256_permute4x64_epi64(sc16, 0xEE);
+  const char t = static_cast<char>(4 * (s & 3)), u = static_cast<char>(t + 1), v = static_cast<char>(t + 2),
+             w = static_cast<char>(t + 3);
+  return _mm256_shuffle_epi8(half, _mm256_setr_epi8(t, u, t, u, t, u, t, u, t, u, t, u, t, u, t, u,
+                                                    v, w, v, w, v, w, v, w, v, w, v, w, v, w, v, w));
 }
 
 // Q2_K and Q3_K sub-block s: the 2-bit fields at bits 2 (s & 3) of qs bytes 32 (s >> 2) .. +31
@@ -374,17 +378,26 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
       __m256i isum[mr][nb];
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
+      if constexpr (mr == 1) {  // one row of x: a weight row's 8 sub-blocks in turn, few registers live
+        const int8_t* xg = a.q + m0 * a.K + 256 * g;
+        for (int j = 0; j < nb; ++j)
 #pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
-        __m256i w[nb], sc[nb];
-        for (int j = 0; j < nb; ++j) {
-          w[j] = blocks[j].w(s);
-          sc[j] = blocks[j].sc(s);
-        }
-        for (int i = 0; i < mr; ++i) {
-          const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
-          for (int j = 0; j < nb; ++j)
-            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+          for (int s = 0; s < 8; ++s)
+            isum[0][j] = _mm256_add_epi32(
+                isum[0][j], _mm256_madd_epi16(_mm256_maddubs_epi16(blocks[j].w(s), load256(xg + 32 * s)), blocks[j].sc(s)));
+      } else {
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; ++s) {
+          __m256i w[nb], sc[nb];
+          for (int j = 0; j < nb; ++j) {
+            w[j] = blocks[j].w(s);
+            sc[j] = blocks[j].sc(s);
+          }
+          for (int i = 0; i < mr; ++i) {
+            const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
+            for (int j = 0; j < nb; ++j)
+              isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+          }
         }
       }
       for (int i = 0; i < mr; ++i) {

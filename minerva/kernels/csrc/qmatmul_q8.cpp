@@ -378,26 +378,17 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
       __m256i isum[mr][nb];
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
-      if constexpr (mr == 1) {  // one row of x: a weight row's 8 sub-blocks in turn, few registers live
-        const int8_t* xg = a.q + m0 * a.K + 256 * g;
-        for (int j = 0; j < nb; ++j)
 #pragma GCC unroll 8
-          for (int s = 0; s < 8; ++s)
-            isum[0][j] = _mm256_add_epi32(
-                isum[0][j], _mm256_madd_epi16(_mm256_maddubs_epi16(blocks[j].w(s), load256(xg + 32 * s)), blocks[j].sc(s)));
-      } else {
-#pragma GCC unroll 8
-        for (int s = 0; s < 8; ++s) {
-          __m256i w[nb], sc[nb];
-          for (int j = 0; j < nb; ++j) {
-            w[j] = blocks[j].w(s);
-            sc[j] = blocks[j].sc(s);
-          }
-          for (int i = 0; i < mr; ++i) {
-            const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
-            for (int j = 0; j < nb; ++j)
-              isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
-          }
+      for (int s = 0; s < 8; ++s) {
+        __m256i w[nb], sc[nb];
+        for (int j = 0; j < nb; ++j) {
+          w[j] = blocks[j].w(s);
+          sc[j] = blocks[j].sc(s);
+        }
+        for (int i = 0; i < mr; ++i) {
+          const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
+          for (int j = 0; j < nb; ++j)
+            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
         }
       }
       for (int i = 0; i < mr; ++i) {
@@ -416,6 +407,36 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
   }
   for (int i = 0; i < mr; ++i)
     for (int j = 0; j < nb; ++j) y[i * ldy + j] = reduce_add(acc[i][j]);  // a fixed lane order
+}
+
+// The K-quants with one row of x (decode): nb weight rows, a super-block's rows one at a
+// time so that only one block's state is live (with all nb at once the registers spill).
+// Per output the same operations as `tile`, in the same order.
+template <int QT, int nb>
+void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
+  using B = W8<QT>;
+  __m256 acc[nb];
+  for (int j = 0; j < nb; ++j) acc[j] = _mm256_setzero_ps();
+  const int64_t ahead = PF_BLOCKS * nb * rb, step = (nb * rb + a.G - 1) / a.G;
+  for (int64_t g = 0; g < a.G; ++g) {
+    for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
+    const int8_t* xg = a.q + 256 * g;
+    const float dx = a.d[g];
+    const __m256i sums = load256(a.p + 16 * g);  // x's 16 sums of 16 (mins, bias)
+    for (int j = 0; j < nb; ++j) {
+      const B blk(row + j * rb, g);
+      if constexpr (B::MINS)
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blk.mins(), sums)),
+                                 _mm256_set1_ps(-blk.dmin() * dx), acc[j]);
+      __m256i isum = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s)
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(blk.w(s), load256(xg + 32 * s)), blk.sc(s)));
+      if constexpr (B::BIAS > 0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(blk.sc16, sums), B::BIAS));
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(blk.d() * dx), acc[j]);
+    }
+  }
+  for (int j = 0; j < nb; ++j) y[j] = reduce_add(acc[j]);  // a fixed lane order, as `tile`
 }
 
 // the f16 at byte `off` of 8 blocks, as 8 floats
@@ -523,9 +544,15 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
     minerva::parallel_for(0, (N + 3) / 4, 4, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = 4 * blk;
-        if (n + 4 <= N) tile<QT, 1, 4>(a, 0, W + n * rb, rb, y + n, N);
-        else
-          for (int64_t j = n; j < N; ++j) tile<QT, 1, 1>(a, 0, W + j * rb, rb, y + j, N);
+        if constexpr (QT == Q8_0) {
+          if (n + 4 <= N) tile<QT, 1, 4>(a, 0, W + n * rb, rb, y + n, N);
+          else
+            for (int64_t j = n; j < N; ++j) tile<QT, 1, 1>(a, 0, W + j * rb, rb, y + j, N);
+        } else {
+          if (n + 4 <= N) row1<QT, 4>(a, W + n * rb, rb, y + n);
+          else
+            for (int64_t j = n; j < N; ++j) row1<QT, 1>(a, W + j * rb, rb, y + j);
+        }
       }
     });
   } else {  // more rows: tiles of K_MR rows of x against K_NB weight rows, panel by panel

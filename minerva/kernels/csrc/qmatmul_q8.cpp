@@ -337,6 +337,11 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
+// An accumulator kept as one register add after another. Integer adds associate, and with
+// the sub-block loop unrolled GCC otherwise computes all of a tile's products first, spills
+// them to the stack and adds them up afterwards.
+inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+
 // The K-quants and Q8_0: mr rows of x (from row m0 of a) against nb weight rows, 8 float
 // lanes per output reduced in a fixed order at the end; y[i * ldy + j]
 template <int QT, int mr, int nb>
@@ -387,8 +392,10 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         }
         for (int i = 0; i < mr; ++i) {
           const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
-          for (int j = 0; j < nb; ++j)
+          for (int j = 0; j < nb; ++j) {
             isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+            keep_in_register(isum[i][j]);
+          }
         }
       }
       for (int i = 0; i < mr; ++i) {

@@ -146,13 +146,15 @@ struct KHeader {
   float d, dmin;
   __m256i sc16, mins;
   explicit KHeader(const uint8_t* b) : d(f16(b)), dmin(f16(b + 2)) {
-    uint32_t u[3];
-    std::memcpy(u, b + 4, 12);
+    uint32_t u0, u1, u2;  // three scalars, not an array: loaded straight into registers
+    std::memcpy(&u0, b + 4, 4);
+    std::memcpy(&u1, b + 8, 4);
+    std::memcpy(&u2, b + 12, 4);
     const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
     // the 8 scales and the 8 mins as bytes in a register (no round trip through memory)
-    const uint64_t s47 = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-    const uint64_t m47 = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-    const uint64_t sc = (s47 << 32) | (u[0] & low6), mn = (m47 << 32) | (u[1] & low6);
+    const uint64_t s47 = (u2 & low4) | (((u0 >> 6) & low2) << 4);
+    const uint64_t m47 = ((u2 >> 4) & low4) | (((u1 >> 6) & low2) << 4);
+    const uint64_t sc = (s47 << 32) | (u0 & low6), mn = (m47 << 32) | (u1 & low6);
     sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(sc))));
     const __m128i m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(mn)));
     mins = _mm256_set_m128i(_mm_unpackhi_epi16(m, m), _mm_unpacklo_epi16(m, m));

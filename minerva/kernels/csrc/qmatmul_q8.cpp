@@ -374,14 +374,18 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         }
       }
     } else {  // an exact i32 sum per super-block, then one float FMA
-      if constexpr (B::MINS)  // the offsets first, so the mins need no register during the sums
+      __m256 dx[mr];  // x's scales, and below the weights': products of broadcasts, lane by lane
+      for (int i = 0; i < mr; ++i) dx[i] = _mm256_set1_ps(a.d[(m0 + i) * a.G + g]);
+      if constexpr (B::MINS) {  // the offsets first, so the mins need no register during the sums
+        __m256 dmin[nb];
+        for (int j = 0; j < nb; ++j) dmin[j] = _mm256_set1_ps(-blocks[j].dmin());
         for (int i = 0; i < mr; ++i) {
-          const int64_t r = m0 + i;
-          const __m256i sums = load256(a.p + r * a.lp + 16 * g);  // x's 16 sums of 16
+          const __m256i sums = load256(a.p + (m0 + i) * a.lp + 16 * g);  // x's 16 sums of 16
           for (int j = 0; j < nb; ++j)
             acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].mins(), sums)),
-                                        _mm256_set1_ps(-blocks[j].dmin() * a.d[r * a.G + g]), acc[i][j]);
+                                        _mm256_mul_ps(dmin[j], dx[i]), acc[i][j]);
         }
+      }
       __m256i isum[mr][nb];
       for (int i = 0; i < mr; ++i)
         for (int j = 0; j < nb; ++j) isum[i][j] = _mm256_setzero_si256();
@@ -400,16 +404,17 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
           }
         }
       }
+      __m256 dw[nb];
+      for (int j = 0; j < nb; ++j) dw[j] = _mm256_set1_ps(blocks[j].d());
       for (int i = 0; i < mr; ++i) {
         const int64_t r = m0 + i;
-        const float dx = a.d[r * a.G + g];
         for (int j = 0; j < nb; ++j) {
           if constexpr (B::BIAS > 0) {  // the stored values are w + 2^BIAS; x's 16 sums of 16
             const __m256i sums = load256(a.p + r * a.lp + 16 * g);
             isum[i][j] =
                 _mm256_sub_epi32(isum[i][j], _mm256_slli_epi32(_mm256_madd_epi16(blocks[j].sc16, sums), B::BIAS));
           }
-          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(blocks[j].d() * dx), acc[i][j]);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_mul_ps(dw[j], dx[i]), acc[i][j]);
         }
       }
     }

@@ -141,6 +141,26 @@ template <> struct Group<BF16> {
   }
 };
 
+// K-quant pieces: 16 weights from their bytes q, d * q (q signed) or d * q - m (q unsigned);
+// and dl[i] = d * scale i for 16 int8 scales
+inline void scaled16(float d, __m128i q, __m256& w0, __m256& w1) {
+  const __m256 dv = _mm256_set1_ps(d);
+  w0 = _mm256_mul_ps(dv, cvt_i8(q));
+  w1 = _mm256_mul_ps(dv, cvt_i8(hi8(q)));
+}
+
+inline void offset16(float d, float m, __m128i q, __m256& w0, __m256& w1) {
+  const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+  w0 = _mm256_sub_ps(_mm256_mul_ps(dv, cvt_u8(q)), mv);
+  w1 = _mm256_sub_ps(_mm256_mul_ps(dv, cvt_u8(hi8(q))), mv);
+}
+
+inline void scales16(float d, __m128i scales, float* dl) {
+  const __m256 dv = _mm256_set1_ps(d);
+  _mm256_storeu_ps(dl, _mm256_mul_ps(dv, cvt_i8(scales)));
+  _mm256_storeu_ps(dl + 8, _mm256_mul_ps(dv, cvt_i8(hi8(scales))));
+}
+
 // K-quants: a 256-weight super-block of 8 sub-blocks; the constructor takes the super-block
 // (the group index g of its first sub-block), half(s, h, ...) decodes half h of sub-block s.
 // The other types have one group per block and take s = 0.
@@ -158,19 +178,12 @@ template <> struct Block<Q2_K> {
   Block(const uint8_t* row, int64_t g) {
     const uint8_t* b = row + (g >> 3) * 84;
     const __m128i s = load128(b);
-    const __m256 d = _mm256_set1_ps(f16(b + 80)), dmin = _mm256_set1_ps(f16(b + 82));
-    const __m128i sc = low_nibbles(s), mn = high_nibbles(s);
-    _mm256_storeu_ps(dl, _mm256_mul_ps(d, cvt_u8(sc)));
-    _mm256_storeu_ps(dl + 8, _mm256_mul_ps(d, cvt_u8(hi8(sc))));
-    _mm256_storeu_ps(ml, _mm256_mul_ps(dmin, cvt_u8(mn)));
-    _mm256_storeu_ps(ml + 8, _mm256_mul_ps(dmin, cvt_u8(hi8(mn))));
+    scales16(f16(b + 80), low_nibbles(s), dl);  // nibbles: the same as signed bytes
+    scales16(f16(b + 82), high_nibbles(s), ml);
     qs = b + 16;
   }
   void half(int s, int h, __m256& w0, __m256& w1) const {
-    const __m128i q = k2_low_bits(qs, s, h);
-    const __m256 d = _mm256_set1_ps(dl[2 * s + h]), m = _mm256_set1_ps(ml[2 * s + h]);
-    w0 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(q)), m);
-    w1 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(hi8(q))), m);
+    offset16(dl[2 * s + h], ml[2 * s + h], k2_low_bits(qs, s, h), w0, w1);
   }
 };
 
@@ -178,17 +191,9 @@ template <> struct Block<Q2_K> {
 template <> struct Block<Q3_K> {
   const uint8_t* b;
   float dl[16];
-  Block(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 110) {
-    const __m256 d = _mm256_set1_ps(f16(b + 108));
-    const __m128i scales = q3k_scales(b);
-    _mm256_storeu_ps(dl, _mm256_mul_ps(d, cvt_i8(scales)));
-    _mm256_storeu_ps(dl + 8, _mm256_mul_ps(d, cvt_i8(hi8(scales))));
-  }
+  Block(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 110) { scales16(f16(b + 108), q3k_scales(b), dl); }
   void half(int s, int h, __m256& w0, __m256& w1) const {
-    const __m128i q = _mm_sub_epi8(q3k_biased(b, s, h), _mm_set1_epi8(4));
-    const __m256 d = _mm256_set1_ps(dl[2 * s + h]);
-    w0 = _mm256_mul_ps(d, cvt_i8(q));
-    w1 = _mm256_mul_ps(d, cvt_i8(hi8(q)));
+    scaled16(dl[2 * s + h], _mm_sub_epi8(q3k_biased(b, s, h), _mm_set1_epi8(4)), w0, w1);
   }
 };
 
@@ -219,10 +224,7 @@ template <> struct Block<Q4_K> {
   }
   void half(int s, int h, __m256& w0, __m256& w1) const {
     __m128i q = load128(qs + 32 * (s >> 1) + 16 * h);
-    q = (s & 1) ? high_nibbles(q) : low_nibbles(q);
-    const __m256 d = _mm256_set1_ps(dl[s]), m = _mm256_set1_ps(ml[s]);
-    w0 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(q)), m);
-    w1 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(hi8(q))), m);
+    offset16(dl[s], ml[s], (s & 1) ? high_nibbles(q) : low_nibbles(q), w0, w1);
   }
 };
 
@@ -241,10 +243,7 @@ template <> struct Block<Q5_K> {
     q = (s & 1) ? high_nibbles(q) : low_nibbles(q);
     const __m128i bit = _mm_set1_epi8(static_cast<char>(1 << s));
     const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(load128(qh + 16 * h), bit), bit);
-    q = _mm_or_si128(q, _mm_and_si128(set, _mm_set1_epi8(16)));
-    const __m256 d = _mm256_set1_ps(dl[s]), m = _mm256_set1_ps(ml[s]);
-    w0 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(q)), m);
-    w1 = _mm256_sub_ps(_mm256_mul_ps(d, cvt_u8(hi8(q))), m);
+    offset16(dl[s], ml[s], _mm_or_si128(q, _mm_and_si128(set, _mm_set1_epi8(16))), w0, w1);
   }
 };
 
@@ -252,21 +251,13 @@ template <> struct Block<Q5_K> {
 template <> struct Block<Q6_K> {
   const uint8_t* b;
   float dl[16];
-  Block(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 210) {
-    const __m256 d = _mm256_set1_ps(f16(b + 208));
-    const __m128i scales = load128(b + 192);
-    _mm256_storeu_ps(dl, _mm256_mul_ps(d, cvt_i8(scales)));
-    _mm256_storeu_ps(dl + 8, _mm256_mul_ps(d, cvt_i8(hi8(scales))));
-  }
+  Block(const uint8_t* row, int64_t g) : b(row + (g >> 3) * 210) { scales16(f16(b + 208), load128(b + 192), dl); }
   void half(int s, int h, __m256& w0, __m256& w1) const {
     const int part = s >> 2, t = s & 3;
     __m128i q = load128(b + 64 * part + 32 * (t & 1) + 16 * h);
     q = (t >> 1) ? high_nibbles(q) : low_nibbles(q);
     const __m128i hb = _mm_and_si128(_mm_srli_epi16(load128(b + 128 + 32 * part + 16 * h), 2 * t), _mm_set1_epi8(3));
-    q = _mm_sub_epi8(_mm_or_si128(q, _mm_slli_epi16(hb, 4)), _mm_set1_epi8(32));
-    const __m256 d = _mm256_set1_ps(dl[2 * s + h]);
-    w0 = _mm256_mul_ps(d, cvt_i8(q));
-    w1 = _mm256_mul_ps(d, cvt_i8(hi8(q)));
+    scaled16(dl[2 * s + h], _mm_sub_epi8(_mm_or_si128(q, _mm_slli_epi16(hb, 4)), _mm_set1_epi8(32)), w0, w1);
   }
 };
 

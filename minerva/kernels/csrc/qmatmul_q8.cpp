@@ -3,15 +3,16 @@
 // y[M, N] = x̃[M, K] @ W^T where x̃ is x quantized per row in blocks, as llama.cpp quantizes
 // activations: d = max|x| / 127, q = round(x / d) (to nearest even), x̃ = d * q. Blocks of 32
 // (its Q8_0) meet the 32-weight block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); blocks of 256 (its
-// Q8_K) meet the K-quants' super-blocks (Q4_K, Q5_K, Q6_K), so a super-block's 8 sub-block dot
+// Q8_K) meet the K-quants' super-blocks (Q2_K .. Q6_K), so a super-block's 8 sub-block dot
 // products add up in i32 and need one float multiply-add. The weights stay in their GGUF
 // blocks and meet the activations in integer dot products, 32 weights at a time: `maddubs`
 // (u8 x i8 pairs to i16), `madd` (to i32, times the weight's integer sub-block scales where
-// it has them). A weight's offset (Q4_1/Q5_1 min, Q4_K/Q5_K dmin * min) meets x's block sums.
+// it has them). A weight's offset (Q4_1/Q5_1 min, Q2_K/Q4_K/Q5_K dmin * min) meets x's block
+// sums.
 //
-// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32) enter unsigned, and the
-// bias times x's sums leaves the i32 dot product (Q4_0/Q5_0: bias * sum(q) of the block;
-// Q6_K: 32 * sum(scale * x's sum of 16)). Q8_0's signed values use |w| as the unsigned
+// Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q3_K: q - 4, Q6_K: q - 32) enter
+// unsigned, and the bias times x's sums leaves the i32 dot product (Q4_0/Q5_0: bias * sum(q)
+// of the block; Q3_K/Q6_K: bias * sum(scale * x's sum of 16)). Q8_0's signed values use |w| as the unsigned
 // operand and q with w's sign as the signed one. No step saturates: a pair sums to at most
 // 2 * 127 * max(63, 128) = 32512, and a super-block's i32 sum to 256 * 128 * 63 * 127 < 2^31.
 //
@@ -21,7 +22,7 @@
 // and, for Q4_1/Q5_1, acc = fma(m, d_x * sum(q), acc). The others keep 8 lanes per output,
 // reduced in a fixed order at the end: Q8_0 per block acc = fma(d_w * d_x, dot, acc) (its
 // weights need no decoding, and gathering rows costs more than it saves); per K-quant
-// super-block, for Q4_K/Q5_K acc = fma(mins . x's sums, -dmin * d_x, acc), then an exact
+// super-block, for Q2_K/Q4_K/Q5_K acc = fma(mins . x's sums, -dmin * d_x, acc), then an exact
 // i32 sum and acc = fma(sum, d_w * d_x, acc). A row's result therefore never depends on the
 // batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.

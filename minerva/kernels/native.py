@@ -12,6 +12,7 @@ reason is logged once. Which kernel runs for what is decided in `minerva.kernels
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
 import logging
@@ -85,6 +86,28 @@ def _cache_dir(flags: set[str], build: str) -> Path:
     return base / "kernels" / h.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """One build at a time in `build`, under a lock the OS drops when its holder dies.
+
+    torch's extension builder serialises builds with a lock file it deletes when done; a
+    process killed mid-build (a timeout, Ctrl-C) leaves it behind, and every later load would
+    wait for it forever. Holding this lock means no live process is building here, so such a
+    file is stale and goes."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: torch's lock file alone
+        yield
+        return
+    with open(build / "minerva-build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None (see `unavailable_reason`)."""
     global _module, _tried, unavailable_reason, built
@@ -119,8 +142,10 @@ def load() -> ModuleType | None:
         for f in sources + HEADERS:
             if not (src / f.name).exists() or (src / f.name).read_bytes() != f.read_bytes():
                 shutil.copyfile(f, src / f.name)
-        _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in sources],
-                                     extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build), verbose=False)
+        with _build_lock(build):
+            _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in sources],
+                                         extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build),
+                                         verbose=False)
         built = which
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"

@@ -85,6 +85,18 @@ def test_prefill_flops_are_the_sum_over_the_prompts_positions(prompt_len):
     assert m.prefill_flops(prompt_len) == sum(m.flops_per_token(c) for c in range(1, prompt_len + 1))
 
 
+def test_a_prompt_needs_the_lm_heads_logits_once():
+    """Prefill computes logits for the last prompt token only: a 262k-vocabulary head (Gemma 3)
+    would otherwise make most of the FLOPs counted for a prompt ones that are never done."""
+    m = costs(windows=(None, 512, None, 512), head_params=20_000_000, int8_params=30_000_000,
+              head_int8_params=20_000_000)
+    body = costs(windows=(None, 512, None, 512), matmul_params=30_000_000)
+    for n in (1, 64, 700):
+        assert m.prefill_flops(n) == body.prefill_flops(n) + 2 * 20_000_000
+        assert m.prefill_int8_flops(n) == 2 * 10_000_000 * n + 2 * 20_000_000
+    assert m.prefill_flops(1) == m.flops_per_token(1)  # one prompt token: one decode step's work
+
+
 def test_prefill_ceiling():
     m = costs()
     long = prefill_ceiling(m, HW, 512)
@@ -151,6 +163,7 @@ def test_model_costs_of_smollm2_match_its_file(smollm2_llm):
     assert model_costs(smollm2_llm.loaded, "int8", "int8").kv_bytes_per_token == 2 * 30 * 3 * (64 + 4)
     assert model_costs(smollm2_llm.loaded, "bfloat16", "fp8").kv_bytes_per_token == 30 * 3 * (128 + 64 + 4)
     assert m.int8_params == 0  # float activations
+    assert m.head_params == tensors["token_embd.weight"].shape[0] * tensors["token_embd.weight"].shape[1]
 
 
 def test_model_costs_count_the_weights_on_8_bit_activations(smollm2_gguf):
@@ -161,7 +174,9 @@ def test_model_costs_count_the_weights_on_8_bit_activations(smollm2_gguf):
               if t.qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
                                  gguf.GGMLQuantizationType.BF16)]
     assert packed  # Q4_1 layers, Q8_0 embedding
-    assert model_costs(loaded).int8_params == sum(t.shape[0] * t.shape[1] for t in packed)
+    m = model_costs(loaded)
+    assert m.int8_params == sum(t.shape[0] * t.shape[1] for t in packed)
+    assert m.head_int8_params == m.head_params > 0  # the tied Q8_0 head takes 8-bit activations too
 
 
 # ---------------------------------------------------------------- hardware

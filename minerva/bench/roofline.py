@@ -57,6 +57,8 @@ class ModelCosts:
     windows: tuple[int | None, ...]  # per layer: the sliding window, or None for full attention
     max_context: int
     int8_params: int = 0  # of matmul_params, those whose products take 8-bit activations
+    head_params: int = 0  # of matmul_params, the LM head's: a prompt needs its logits for the last token only
+    head_int8_params: int = 0  # of head_params, those on 8-bit activations (all or none)
 
     @property
     def num_layers(self) -> int:
@@ -89,7 +91,12 @@ class ModelCosts:
                 keys += prompt_len * (prompt_len + 1) // 2
             else:
                 keys += w * (w + 1) // 2 + (prompt_len - w) * w
-        return 2 * self.matmul_params * prompt_len + 4 * self.num_heads * self.head_dim * keys
+        body = self.matmul_params - self.head_params
+        return 2 * body * prompt_len + 2 * self.head_params + 4 * self.num_heads * self.head_dim * keys
+
+    def prefill_int8_flops(self, prompt_len: int) -> float:
+        """Of `prefill_flops`, the matmul FLOPs on 8-bit activations."""
+        return 2 * (self.int8_params - self.head_int8_params) * prompt_len + 2 * self.head_int8_params
 
 
 def _compute_dtype(weights: list) -> torch.dtype:
@@ -114,6 +121,8 @@ def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dt
         raise MinervaError(f"'{loaded.path}' has no matmul weights to cost")
     kv = PagedKVCache.bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim,
                                       kv_cache_dtype_k, kv_cache_dtype_v, dtype or _compute_dtype(weights))
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    head_params = head.shape[0] * head.shape[1] if head is not None else 0
     return ModelCosts(
         weight_bytes_per_token=sum(w.compute_nbytes for w in weights),
         matmul_params=sum(w.shape[0] * w.shape[1] for w in weights),
@@ -123,6 +132,8 @@ def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dt
         windows=tuple(config.sliding_window if t == SLIDING else None for t in config.layer_types),
         max_context=config.max_position,
         int8_params=sum(w.shape[0] * w.shape[1] for w in weights if isinstance(w, PackedWeight) and w.int8),
+        head_params=head_params,
+        head_int8_params=head_params if isinstance(head, PackedWeight) and head.int8 else 0,
     )
 
 
@@ -164,7 +175,7 @@ def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str
     `depth` tokens of its sequence are already in the KV cache."""
     flops = costs.prefill_flops(depth + prompt_len) - costs.prefill_flops(depth)
     return _ceiling(prompt_len, costs.weight_bytes_per_token, flops, hw, dtype,
-                    prompt_len * 2 * costs.int8_params)
+                    costs.prefill_int8_flops(depth + prompt_len) - costs.prefill_int8_flops(depth))
 
 
 # ------------------------------------------------------------------------- CLI
@@ -345,7 +356,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
                    help="activation dtype; picks the fp32 or bf16 compute peak (default auto: what the "
                         "engine would pick here, bfloat16 for --hardware)")
-    p.add_argument("--activations", default="float", choices=["float", "int8"], help=ACTIVATIONS_HELP)
+    p.add_argument("--activations", default="auto", choices=["auto", "float", "int8"], help=ACTIVATIONS_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_FORMATS),
                    help="K and V cache precision (default auto: the activation dtype)")
     p.add_argument("--measure", action="store_true",

@@ -40,7 +40,7 @@ from minerva.machine import machine  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="a .gguf file (llama.cpp reads the same file)")
-    p.add_argument("--activations", choices=("float", "int8"), default="float")
+    p.add_argument("--activations", choices=("auto", "float", "int8"), default="auto")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens of the prefill test")
     p.add_argument("--gen", type=int, default=32, help="tokens of the decode test (after a 16-token prompt)")
@@ -80,7 +80,7 @@ def main() -> int:
                      + ", ".join(f"{k} {100 * v[-1]:.0f}%" for k, v in fractions.items()))
         print(line, flush=True)
     peer.close()
-    print(f"\n{args.model}, {threads} threads, activations {args.activations}, {args.rounds} rounds (tokens/s)")
+    print(f"\n{args.model}, {threads} threads, activations {llm.activations}, {args.rounds} rounds (tokens/s)")
     for t in (pp, tg):
         m, ll = res[f"minerva {t}"], res[f"llama.cpp {t}"]
         ratios = " ".join(f"{a / b:.2f}" for a, b in zip(m, ll))

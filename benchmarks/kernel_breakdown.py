@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--activations", default="float", choices=["float", "int8"])
+    ap.add_argument("--activations", default="auto", choices=["auto", "float", "int8"])
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, activations=args.activations)
     cpu = dispatch.backend("cpu")

@@ -53,7 +53,7 @@ def _load(model: str | None, args, engine: bool = True):
     c = llm.config
     stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
               if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
-    act = ", int8 activations" if args.activations == "int8" else ""
+    act = ", int8 activations" if llm.activations == "int8" else ""
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, {llm.dtype_name}{act}, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)

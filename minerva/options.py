@@ -14,9 +14,10 @@ from minerva.engine.sampler import SamplingParams
 from minerva.kernels.kv_quant import KV_FORMATS
 
 
-ACTIVATIONS_HELP = ("float: quantized weights meet the float activations (default); int8: activations are "
+ACTIVATIONS_HELP = ("float: quantized weights meet the float activations; int8: activations are "
                     "quantized to 8 bits per block of 32 (256 for K-quants) for integer dot products (faster on CPUs, "
-                    "slightly different results, as llama.cpp computes)")
+                    "slightly different results, as llama.cpp computes); auto (default): int8 on CPUs whose "
+                    "kernels compute in float32 (AVX2 without AVX-512), else float")
 
 
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
@@ -25,7 +26,7 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
                         "GPUs, else float32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    p.add_argument("--activations", default="float", choices=["float", "int8"],
+    p.add_argument("--activations", default="auto", choices=["auto", "float", "int8"],
                    help=ACTIVATIONS_HELP)
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize a SafeTensors model's weights at load, group-wise (weight-only)")

@@ -33,14 +33,15 @@ def gemma3_gguf():
 def smollm2_llm(smollm2_gguf):
     from minerva import LLM
 
-    return LLM(str(smollm2_gguf), device="cpu", dtype="float32")  # compared with transformers in fp32
+    # compared with transformers in fp32: float activations whatever `auto` picks here
+    return LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float")
 
 
 @pytest.fixture(scope="session")
 def gemma3_llm(gemma3_gguf):
     from minerva import LLM
 
-    return LLM(str(gemma3_gguf), device="cpu", dtype="float32")
+    return LLM(str(gemma3_gguf), device="cpu", dtype="float32", activations="float")
 
 
 @pytest.fixture(scope="session")

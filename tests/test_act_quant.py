@@ -184,8 +184,36 @@ def test_packed_weight_reference_path_rounds_x(monkeypatch):
 
 def test_load_model_rejects_an_unknown_mode(smollm2_gguf):
     from minerva.models.loader import load_model
-    with pytest.raises(MinervaError, match="--activations must be one of float, int8"):
+    with pytest.raises(MinervaError, match="--activations must be auto or one of float, int8"):
         load_model(smollm2_gguf, activations="int4")
+
+
+def test_auto_is_int8_where_the_kernels_compute_in_float32():
+    """`--activations auto` (the default) is int8 on the AVX2 build, whose float path
+    decodes every weight to float32, and float on the AVX-512 build, the reference path
+    and GPUs."""
+    from minerva.kernels import dispatch
+    from minerva.llm import resolve_activations
+    cpu = torch.device("cpu")
+    native.load()
+    expected = "int8" if native.built == "avx2" and dispatch.backend(cpu).unavailable_reason is None else "float"
+    assert resolve_activations("auto", cpu) == expected
+    assert resolve_activations("float", cpu) == "float" and resolve_activations("int8", cpu) == "int8"
+    with pytest.raises(MinervaError, match="--activations must be auto or one of"):
+        resolve_activations("fp8", cpu)
+
+
+@pytest.mark.slow
+def test_llm_default_activations_reach_every_quantized_weight(smollm2_gguf):
+    from minerva import LLM
+    from minerva.kernels import dispatch
+    from minerva.kernels.weights import PackedWeight
+    from minerva.models.layers import Linear
+    llm = LLM(str(smollm2_gguf), device="cpu", kv_cache_memory=1 << 20)
+    assert llm.activations == dispatch.default_activations(torch.device("cpu"))
+    packed = [m.weight for m in llm.loaded.model.modules()
+              if isinstance(m, Linear) and isinstance(m.weight, PackedWeight)]
+    assert packed and all(w.int8 == (llm.activations == "int8" and act_quant.applies(w.qtype)) for w in packed)
 
 
 @needs_kernels

@@ -25,9 +25,10 @@ def load_minerva(args) -> tuple[LLM, SystemInfo]:
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens, **speculative)
     args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline
+    args.activations = llm.activations
     info = SystemInfo("minerva", llm.loaded.load_seconds, peak_rss_mb(),
                       f"(peak; {rss_mb() - start_rss:.0f} MB for the model and KV pool, "
-                      f"dtype {args.dtype})")
+                      f"dtype {args.dtype}, {args.activations} activations)")
     return llm, info
 
 

@@ -31,7 +31,7 @@ K_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 def check_mode(mode: str) -> None:
     if mode not in MODES:
-        raise MinervaError(f"--activations must be one of {', '.join(MODES)}, got {mode!r}")
+        raise MinervaError(f"--activations must be auto or one of {', '.join(MODES)}, got {mode!r}")
 
 
 def applies(qtype) -> bool:

@@ -55,6 +55,11 @@ class KernelBackend:
             return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
         return "float32"
 
+    def default_activations(self, device: torch.device) -> str:
+        """What `--activations auto` stands for on this device: float, unless a backend's
+        int8 dot products are measured to be the fast choice."""
+        return "float"
+
     def step(self):
         """A context for one engine step (the CPU backend sets its threads here)."""
         return contextlib.nullcontext()

@@ -47,5 +47,9 @@ def default_dtype(device: torch.device) -> str:
     return backend(device).default_dtype(device)
 
 
+def default_activations(device: torch.device) -> str:
+    return backend(device).default_activations(device)
+
+
 def step(device: torch.device):
     return backend(device).step()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minerva.formats.quant import dequantize
-from minerva.kernels import act_quant, dispatch
+from minerva.kernels import act_quant, dispatch, repack
 
 FLOAT_QTYPES = {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16,
                 torch.bfloat16: gguf.GGMLQuantizationType.BF16}
@@ -85,15 +85,36 @@ class PackedWeight:
         self.packed = packed.contiguous() if self.kernel is not None else packed  # uint8 [rows, row bytes]
         self._dense: torch.Tensor | None = None
         self.int8 = False
+        self.regrouped = False  # the bytes are in `repack`'s layout (8 rows' blocks together)
 
-    def use_int8_activations(self) -> None:
+    def use_int8_activations(self, regroup: bool = True) -> None:
         """Multiply 8-bit activations from now on, if this is a quantized type (float
-        matrices keep float activations)."""
+        matrices keep float activations). With `regroup`, a Q4_0/Q4_1/Q5_0/Q5_1 matrix on
+        the CPU kernels is regrouped for them (`minerva.kernels.repack`: the same results,
+        fewer instructions); the loader leaves out a matrix that is also the embedding,
+        whose row lookups each step would have to undo it."""
         self.int8 = act_quant.applies(self.qtype)
+        if (self.int8 and regroup and not self.regrouped and self.kernel is not None
+                and self.qtype in repack.TYPES and self.packed.device.type == "cpu"):
+            self.packed = repack.regroup(self.packed, self.qtype, *self.shape)
+            self.qtype_id = int(self.qtype) | repack.REGROUPED
+            self.regrouped = True
+
+    def _ggml_rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows `ids` (all when None) in the GGML layout, undoing the regrouping."""
+        if not self.regrouped:
+            return self.packed if ids is None else self.packed[ids]
+        rows, cols = self.shape
+        if ids is None:
+            return repack.restore(self.packed, self.qtype, rows, cols)
+        groups = self.packed.reshape(-1, repack.GROUP, self.packed.shape[1])[ids // repack.GROUP]
+        n = groups.shape[0]
+        ggml = repack.restore(groups.reshape(n * repack.GROUP, -1), self.qtype, n * repack.GROUP, cols)
+        return ggml.reshape(n, repack.GROUP, -1)[torch.arange(n), ids % repack.GROUP]
 
     @property
     def nbytes(self) -> int:
-        """Bytes as stored in the file (packed)."""
+        """Bytes as stored in the file (packed; regrouped, up to 7 zero rows more)."""
         return self.packed.numel()
 
     @property
@@ -110,8 +131,9 @@ class PackedWeight:
             return
         rows, cols = self.shape
         out = torch.empty(rows, cols, dtype=self.dtype, device=self.packed.device)
+        packed = self._ggml_rows()
         for r in range(0, rows, rows_per_chunk):
-            slab = self.packed[r:r + rows_per_chunk]
+            slab = packed[r:r + rows_per_chunk]
             out[r:r + slab.shape[0]] = dequantize(slab, self.qtype, (slab.shape[0], cols))
         self._dense = out
 
@@ -131,7 +153,7 @@ class PackedWeight:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self._dense is not None:
             return self._dense[ids]
-        picked = self.packed[ids.reshape(-1)]
+        picked = self._ggml_rows(ids.reshape(-1))
         cols = self.shape[1]
         if self.kernel is not None:
             out = self.kernel.dequantize_rows(picked, int(self.qtype), cols).to(self.dtype)

@@ -439,9 +439,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     if activations == "int8":
+        embedding = getattr(model, "embed", None)  # a tied LM head keeps the layout its lookups read
         for m in model.modules():
             if isinstance(m, Linear) and isinstance(m.weight, PackedWeight):
-                m.weight.use_int8_activations()
+                m.weight.use_int8_activations(regroup=m.weight is not embedding)
     for layer in model.layers:
         layer.make_fused()
     freeze(model)

@@ -519,6 +519,84 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
   }
 }
 
+// Q4_0, Q4_1, Q5_0, Q5_1 regrouped at load (minerva/kernels/repack.py): a group of 8 weight
+// rows keeps their block g together, d[8] | m[8] | qh[8] | qs[128], qs chunk k of row j at
+// 32k + 4j. One 32-byte load gives chunk k of all 8 rows, one row per 32-bit lane, and
+// maddubs against x's 4 bytes broadcast to every lane sums each row in its own lane.
+constexpr int64_t REGROUPED = 0x100;
+
+template <int QT>
+struct X8 {
+  static constexpr bool OFFSET = W8<QT>::OFFSET, FIFTH = QT == Q5_0 || QT == Q5_1;
+  static constexpr int BIAS = W8<QT>::BIAS;
+  static constexpr int M_AT = 16, QH_AT = OFFSET ? 32 : 16, QS_AT = QH_AT + (FIFTH ? 32 : 0);
+  static constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
+  static_assert(QS_AT + 128 == BYTES, "the regrouped block holds the 8 GGML blocks' bytes");
+};
+
+// The same outputs as tile8 on the GGML layout, bit for bit: per block the same exact
+// integer dot product per row (here summed in i16 before one madd: a lane of maddubs is at
+// most 2 * 15 * 127 = 3810 for 4-bit values, so 8 of them fit; 5-bit values, at most 7874,
+// go 4 at a time), then the same float operations.
+template <int QT, int mr>
+void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
+  using X = X8<QT>;
+  __m256 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* b = grp + g * X::BYTES;
+    for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + 4 * X::BYTES + o);
+    const __m256 dw = _mm256_cvtph_ps(load128(b));
+    __m256 m = _mm256_setzero_ps();
+    if constexpr (X::OFFSET) m = _mm256_cvtph_ps(load128(b + X::M_AT));
+    __m256i lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = load256(b + X::QS_AT + 32 * k);
+      lo[k] = low4(v);
+      hi[k] = high4(v);
+    }
+    if constexpr (X::FIFTH) {
+      const __m256i qh = load256(b + X::QH_AT), bit4 = _mm256_set1_epi8(0x10);
+      for (int k = 0; k < 4; ++k) {
+        lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_srli_epi32(qh, k), bit4));
+        hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_slli_epi32(qh, 4 - k), bit4));
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const int8_t* xq = a.q + r * a.K + 32 * g;
+      auto pairs = [&](int k) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq + 4 * k, 4);
+        std::memcpy(&x1, xq + 16 + 4 * k, 4);
+        return _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(x0)),
+                                _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(x1)));
+      };
+      __m256i dot;
+      if constexpr (X::FIFTH) {
+        dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pairs(0), pairs(1)), ones16()),
+                               _mm256_madd_epi16(_mm256_add_epi16(pairs(2), pairs(3)), ones16()));
+      } else {
+        dot = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pairs(0), pairs(1)),
+                                                 _mm256_add_epi16(pairs(2), pairs(3))), ones16());
+      }
+      if constexpr (X::BIAS > 0)  // the stored values are w + 2^BIAS
+        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << X::BIAS));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc[i]);
+      if constexpr (X::OFFSET) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[r * a.G + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    if (valid == 8) {
+      _mm256_storeu_ps(y + i * ldy, acc[i]);
+    } else {
+      float out[8];
+      _mm256_storeu_ps(out, acc[i]);
+      std::copy(out, out + valid, y + i * ldy);
+    }
+  }
+}
+
 // Rows of x are taken MR at a time (the last tile shorter): tile_rows(m, rows) runs a tile
 // of `rows` rows of x from row m.
 template <int MR, typename F>
@@ -582,6 +660,24 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
       }
     });
   }
+}
+
+// The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
+// PANEL rows (4 groups) at a time against tiles of 4 rows of x, as `matmul`
+template <int QT>
+void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
+  const int64_t gb = 8 * row_bytes<QT>(a.K), per = M == 1 ? 1 : PANEL / 8, groups = (N + 7) / 8;
+  minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
+      x_tiles<4>(M, [&](int64_t m, auto rows) {
+        for (int64_t grp = g0; grp < g1; ++grp) {
+          const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
+          tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+        }
+      });
+    }
+  });
 }
 
 torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
@@ -655,6 +751,20 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
 }
 
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
+  if (qtype & REGROUPED) {
+    return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
+      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
+        check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
+        const Quantized a(widened(x, cols), 32);
+        auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
+        matmul_x8<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
+        return x.dtype() == torch::kBFloat16 ? y.to(torch::kBFloat16) : y;
+      } else {
+        TORCH_CHECK(false, "no regrouped layout for GGML type ", qtype & ~REGROUPED);
+        return x;
+      }
+    });
+  }
   return with_format(qtype, [&]<int QT>() -> torch::Tensor {
     if constexpr (!has_w8<QT>) {
       return qmatmul(x, packed, qtype, rows, cols);  // float matrices keep float activations

@@ -6,14 +6,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from minerva.kernels import native, repack
+from minerva.kernels import act_quant, native, repack
 from tests.helpers.quant_blocks import realistic_blocks
 from tests.test_act_quant import needs_kernels, sample_x
 
-TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]
+SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # blocks of 32: the GGML layout's bits exactly
+TYPES = SMALL + [QT.Q4_K]
+
+
+def block_size(qtype):
+    return sum(width for width, _ in repack.FIELDS[qtype])
+
+
+def block_weights(qtype):
+    return 256 if qtype == QT.Q4_K else 32
 
 
 @pytest.fixture(scope="module")
@@ -26,21 +35,23 @@ def kernels():
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [8, 13, 40])
 def test_regroup_round_trips_and_pads_to_groups_of_8(qtype, rows):
-    size = repack.TYPES[qtype][0]
+    size, cols = block_size(qtype), 3 * block_weights(qtype)
+    assert size == GGML_QUANT_SIZES[qtype][1]
     packed = torch.randint(0, 256, (rows, 3 * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
-    regrouped = repack.regroup(packed, qtype, rows, 96)
+    regrouped = repack.regroup(packed, qtype, rows, cols)
     assert regrouped.shape == (-(-rows // 8) * 8, 3 * size)
-    assert torch.equal(repack.restore(regrouped, qtype, rows, 96), packed)
-    assert not repack.restore(regrouped, qtype, regrouped.shape[0], 96)[rows:].any()  # padded with zero rows
+    assert torch.equal(repack.restore(regrouped, qtype, rows, cols), packed)
+    assert not repack.restore(regrouped, qtype, regrouped.shape[0], cols)[rows:].any()  # padded with zero rows
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", SMALL, ids=lambda t: t.name)
 def test_layout_of_a_group(qtype):
     """Block g of a group: the 8 rows' scales, then qs chunk k of row j at 32k + 4j; the fifth
     bit of weight 4k + b at bit 8b + 4 + k of the row's u32, of weight 16 + 4k + b at 8b + k."""
     rng = np.random.default_rng(0)
     raw = torch.from_numpy(realistic_blocks(qtype, 8, 64, rng))
-    size, offset, fifth = repack.TYPES[qtype]
+    size = block_size(qtype)
+    offset, fifth = qtype in (QT.Q4_1, QT.Q5_1), qtype in (QT.Q5_0, QT.Q5_1)
     out = repack.regroup(raw, qtype, 8, 64).reshape(2, 8 * size)  # blocks g = 0, 1 of the group
     qs_at = 2 + 2 * offset + 4 * fifth
     for g in range(2):
@@ -63,28 +74,55 @@ def test_layout_of_a_group(qtype):
                 assert torch.equal(b[at + 32 * k + 4 * j:at + 32 * k + 4 * j + 4], ggml[qs_at + 4 * k:qs_at + 4 * k + 4])
 
 
+def test_layout_of_a_q4_k_group():
+    """Per super-block: d[8], dmin[8], the scale bytes 0-3, 4-7 and 8-11 of the 8 rows, then
+    qs chunk q of row j at 128 + 32q + 4j."""
+    raw = torch.from_numpy(realistic_blocks(QT.Q4_K, 8, 256, np.random.default_rng(2)))
+    out = repack.regroup(raw, QT.Q4_K, 8, 256).reshape(-1)
+    for j in range(8):
+        row = raw[j]
+        assert torch.equal(out[2 * j:2 * j + 2], row[0:2]) and torch.equal(out[16 + 2 * j:18 + 2 * j], row[2:4])
+        for u in range(3):
+            assert torch.equal(out[32 + 32 * u + 4 * j:36 + 32 * u + 4 * j], row[4 + 4 * u:8 + 4 * u])
+        for q in range(32):
+            assert torch.equal(out[128 + 32 * q + 4 * j:132 + 32 * q + 4 * j], row[16 + 4 * q:20 + 4 * q])
+
+
+def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
+    qt = int(qtype) | (repack.REGROUPED if regrouped else 0)
+    return kernels.qmatmul_q8(x, packed, qt, rows, cols)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [40, 37])
-def test_regrouped_kernel_gives_the_ggml_layouts_bits(kernels, qtype, rows):
+def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
+    """Blocks of 32: bit for bit the GGML layout's kernel. Q4_K (each output's super-block sum
+    in one lane rather than eight): float64 x̃ @ W within float32 rounding. Every type: a row's
+    result does not depend on the batch or the threads."""
     rng = np.random.default_rng(3)
     raw = torch.from_numpy(realistic_blocks(qtype, rows, 512, rng))
     regrouped = repack.regroup(raw, qtype, rows, 512)
     x = sample_x(23, 512, seed=4)
+    full = run_kernel(kernels, qtype, x, regrouped, rows, 512, True)
+    if qtype in SMALL:
+        assert torch.equal(full, run_kernel(kernels, qtype, x, raw, rows, 512, False))
+    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(rows, 512)).double()
+    expected = act_quant.round_trip(x, act_quant.block_for(qtype)).double() @ dense.T
+    err = (full.double() - expected).abs().max() / expected.abs().max()
+    assert err < 1e-6
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
             kernels.set_num_threads(n)
             for lo, hi in [(0, 1), (5, 6), (2, 5), (0, 4), (3, 10), (0, 23)]:
-                want = kernels.qmatmul_q8(x[lo:hi], raw, int(qtype), rows, 512)
-                got = kernels.qmatmul_q8(x[lo:hi], regrouped, int(qtype) | repack.REGROUPED, rows, 512)
-                assert torch.equal(got, want), (n, lo, hi)
+                assert torch.equal(run_kernel(kernels, qtype, x[lo:hi], regrouped, rows, 512, True), full[lo:hi])
     finally:
         kernels.set_num_threads(0)
         torch.set_num_threads(threads)
     bf = x[:3].bfloat16()
-    assert torch.equal(kernels.qmatmul_q8(bf, regrouped, int(qtype) | repack.REGROUPED, rows, 512),
-                       kernels.qmatmul_q8(bf, raw, int(qtype), rows, 512))
+    assert torch.equal(run_kernel(kernels, qtype, bf, regrouped, rows, 512, True),
+                       run_kernel(kernels, qtype, bf.float(), regrouped, rows, 512, True).bfloat16())
 
 
 @needs_kernels
@@ -101,20 +139,22 @@ def test_regrouped_arguments_are_checked(kernels):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_packed_weight_regroups_and_still_looks_up_rows(kernels, qtype):
     from minerva.kernels.weights import PackedWeight
-    raw = torch.from_numpy(realistic_blocks(qtype, 21, 128, np.random.default_rng(6)))
-    plain = PackedWeight(raw, qtype, (21, 128), torch.float32)
-    plain.use_int8_activations(regroup=False)
-    w = PackedWeight(raw, qtype, (21, 128), torch.float32)
+    cols = 256 * (2 if qtype == QT.Q4_K else 1)
+    raw = torch.from_numpy(realistic_blocks(qtype, 21, cols, np.random.default_rng(6)))
+    w = PackedWeight(raw, qtype, (21, cols), torch.float32)
     w.use_int8_activations()
-    assert w.regrouped and not plain.regrouped and w.qtype_id == int(qtype) | repack.REGROUPED
-    x = sample_x(5, 128)
-    assert torch.equal(w.matmul(x), plain.matmul(x))
+    assert w.regrouped and w.qtype_id == int(qtype) | repack.REGROUPED
+    x = sample_x(5, cols)
+    assert torch.equal(w.matmul(x), run_kernel(kernels, qtype, x, repack.regroup(raw, qtype, 21, cols), 21, cols, True))
     ids = torch.tensor([[0, 20, 7], [8, 8, 15]])
-    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(21, 128))
+    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(21, cols))
     assert torch.equal(w.rows(ids), dense[ids])
     w.kernel = None  # the reference path dequantizes the GGML bytes back
     w.materialize()
     assert torch.equal(w._dense, dense)
+    plain = PackedWeight(raw, qtype, (21, cols), torch.float32)
+    plain.use_int8_activations(regroup=False)
+    assert plain.int8 and not plain.regrouped and plain.qtype_id == int(qtype)
 
 
 @needs_kernels

@@ -662,6 +662,98 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   }
 }
 
+// Q4_K regrouped: per super-block of a group, d[8] | dmin[8] | the 12 bytes of scales and
+// mins as three u32 per row, u0[8] | u1[8] | u2[8] | qs, chunk q (bytes 4q .. 4q + 3 of a row's
+// 128: sub-block 2 (q / 8) in the low nibbles, 2 (q / 8) + 1 in the high ones, elements
+// 4 (q % 8) .. + 3) of row j at 128 + 32q + 4j. The 8 rows' scales and mins unpack together,
+// one row per 32-bit lane, with KHeader's shifts and masks.
+struct X8K {
+  static constexpr int64_t BYTES = 8 * Layout<Q4_K>::bytes;
+  __m256i sc03, sc47, mn03, mn47;  // lane j: the 6-bit scales (mins) of sub-blocks 0..3, 4..7 of row j
+  explicit X8K(const uint8_t* b) {
+    const __m256i u0 = load256(b + 32), u1 = load256(b + 64), u2 = load256(b + 96);
+    const __m256i low6 = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
+    sc03 = _mm256_and_si256(u0, low6);
+    mn03 = _mm256_and_si256(u1, low6);
+    sc47 = _mm256_or_si256(_mm256_and_si256(u2, low4),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), low2), 4));
+    mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), low4),
+                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), low2), 4));
+  }
+  // lane j: byte s of row j's four (s = 0..3) as the i16 pair (v, v)
+  static __m256i pair(__m256i v, int s) {
+    const char z = static_cast<char>(0x80);
+    auto c = [&](int d) { return static_cast<char>(4 * d + s); };
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(c(0), z, c(0), z, c(1), z, c(1), z, c(2), z, c(2), z, c(3), z, c(3), z,
+                                                   c(0), z, c(0), z, c(1), z, c(1), z, c(2), z, c(2), z, c(3), z, c(3), z));
+  }
+  __m256i sc(int s) const { return pair(s < 4 ? sc03 : sc47, s & 3); }
+  __m256i mn(int s) const { return pair(s < 4 ? mn03 : mn47, s & 3); }
+};
+
+// mr rows of x against a group of 8 regrouped Q4_K rows, one row per lane. Per super-block
+// and output: the exact i32 sums of mins * x's sums and of sc * q * x, then
+// acc = fma(mins, -dmin * d_x, acc) and acc = fma(sum, d * d_x, acc) (a sub-block's 8 chunks
+// add up in i16 first: at most 8 * 2 * 15 * 127 = 30480).
+template <int mr>
+void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
+  __m256 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* b = grp + g * X8K::BYTES;
+    for (int64_t o = 0; o < X8K::BYTES; o += 64) prefetch(b + 2 * X8K::BYTES + o);
+    const X8K h(b);
+    const __m256 d = _mm256_cvtph_ps(load128(b)), dmin = _mm256_cvtph_ps(load128(b + 16));
+    for (int i = 0; i < mr; ++i) {  // the offsets: sum over s of mn_s * x's sums of 16 (two per sub-block)
+      const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
+      __m256i ms = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        int32_t pair;
+        std::memcpy(&pair, p + 2 * s, 4);
+        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(h.mn(s), _mm256_set1_epi32(pair)));
+      }
+      const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * a.G + g]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), dx),
+                               acc[i]);
+    }
+    __m256i isum[mr];
+    for (int i = 0; i < mr; ++i) isum[i] = _mm256_setzero_si256();
+    const uint8_t* qs = b + 128;
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s) {
+      __m256i t[mr];
+      for (int i = 0; i < mr; ++i) t[i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
+        const __m256i w = (s & 1) ? high4(v) : low4(v);
+        for (int i = 0; i < mr; ++i) {
+          int32_t xv;
+          std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
+          t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
+        }
+      }
+      const __m256i sc = h.sc(s);
+      for (int i = 0; i < mr; ++i) {
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(t[i], sc));
+        keep_in_register(isum[i]);
+      }
+    }
+    for (int i = 0; i < mr; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m0 + i) * a.G + g])),
+                               acc[i]);
+  }
+  for (int i = 0; i < mr; ++i) {
+    if (valid == 8) {
+      _mm256_storeu_ps(y + i * ldy, acc[i]);
+    } else {
+      float out[8];
+      _mm256_storeu_ps(out, acc[i]);
+      std::copy(out, out + valid, y + i * ldy);
+    }
+  }
+}
+
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
 // PANEL rows (4 groups) at a time against tiles of 4 rows of x, as `matmul`
 template <int QT>
@@ -673,7 +765,8 @@ void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
       x_tiles<4>(M, [&](int64_t m, auto rows) {
         for (int64_t grp = g0; grp < g1; ++grp) {
           const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
-          tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+          if constexpr (QT == Q4_K) tile_x8k<decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+          else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
         }
       });
     }
@@ -753,9 +846,9 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
   if (qtype & REGROUPED) {
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
-      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1) {
+      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
-        const Quantized a(widened(x, cols), 32);
+        const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
         auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
         matmul_x8<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
         return x.dtype() == torch::kBFloat16 ? y.to(torch::kBFloat16) : y;

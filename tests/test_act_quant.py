@@ -250,3 +250,13 @@ def test_model_with_int8_activations(smollm2_gguf):
         assert not torch.equal(logits, float_logits)
         assert (logits - float_logits).pow(2).mean().sqrt() < 0.05 * scale  # measured: 1.5%
         assert (logits.argmax(-1) == float_logits.argmax(-1)).float().mean() > 0.75  # measured: 0.84-0.87
+
+
+def test_every_command_defaults_to_auto():
+    """`minerva generate/serve/...`, `minerva bench ...` and `minerva roofline` all leave
+    the choice to `auto`."""
+    from minerva.cli import build_parser
+    cli = build_parser()
+    for argv in (["generate", "hi"], ["serve"], ["chat"], ["perplexity", "m", "f"], ["roofline"],
+                 ["bench", "latency"], ["bench", "throughput"], ["bench", "sweep"]):
+        assert cli.parse_args(argv).activations == "auto", argv

@@ -36,7 +36,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
                    help="activation dtype (default auto: bfloat16 where the CPU has AVX-512 BF16)")
     q.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize a SafeTensors model at load (group-wise, weight-only)")
-    q.add_argument("--activations", default="float", choices=["float", "int8"], help=ACTIVATIONS_HELP)
+    q.add_argument("--activations", default="auto", choices=["auto", "float", "int8"], help=ACTIVATIONS_HELP)
     q.add_argument("--kv-cache-memory", type=float, default=0.2)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--seed", type=int, default=0)

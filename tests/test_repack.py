@@ -14,7 +14,7 @@ from tests.helpers.quant_blocks import realistic_blocks
 from tests.test_act_quant import needs_kernels, sample_x
 
 SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # blocks of 32: the GGML layout's bits exactly
-TYPES = SMALL + [QT.Q4_K]
+TYPES = SMALL + [QT.Q4_K, QT.Q5_K]
 
 
 def block_size(qtype):
@@ -22,7 +22,7 @@ def block_size(qtype):
 
 
 def block_weights(qtype):
-    return 256 if qtype == QT.Q4_K else 32
+    return 32 if qtype in SMALL else 256
 
 
 @pytest.fixture(scope="module")
@@ -74,18 +74,25 @@ def test_layout_of_a_group(qtype):
                 assert torch.equal(b[at + 32 * k + 4 * j:at + 32 * k + 4 * j + 4], ggml[qs_at + 4 * k:qs_at + 4 * k + 4])
 
 
-def test_layout_of_a_q4_k_group():
-    """Per super-block: d[8], dmin[8], the scale bytes 0-3, 4-7 and 8-11 of the 8 rows, then
-    qs chunk q of row j at 128 + 32q + 4j."""
-    raw = torch.from_numpy(realistic_blocks(QT.Q4_K, 8, 256, np.random.default_rng(2)))
-    out = repack.regroup(raw, QT.Q4_K, 8, 256).reshape(-1)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K], ids=lambda t: t.name)
+def test_layout_of_a_k_quant_group(qtype):
+    """Per super-block: d[8], dmin[8], the scale bytes 0-3, 4-7 and 8-11 of the 8 rows, (Q5_K:
+    qh chunk c of row j at 128 + 32c + 4j,) then qs chunk q of row j at 32q + 4j from 128
+    (Q4_K) or 384 (Q5_K)."""
+    raw = torch.from_numpy(realistic_blocks(qtype, 8, 256, np.random.default_rng(2)))
+    out = repack.regroup(raw, qtype, 8, 256).reshape(-1)
+    qs_at = 128 if qtype == QT.Q4_K else 384
     for j in range(8):
         row = raw[j]
         assert torch.equal(out[2 * j:2 * j + 2], row[0:2]) and torch.equal(out[16 + 2 * j:18 + 2 * j], row[2:4])
         for u in range(3):
             assert torch.equal(out[32 + 32 * u + 4 * j:36 + 32 * u + 4 * j], row[4 + 4 * u:8 + 4 * u])
+        if qtype == QT.Q5_K:
+            for c in range(8):
+                assert torch.equal(out[128 + 32 * c + 4 * j:132 + 32 * c + 4 * j], row[16 + 4 * c:20 + 4 * c])
         for q in range(32):
-            assert torch.equal(out[128 + 32 * q + 4 * j:132 + 32 * q + 4 * j], row[16 + 4 * q:20 + 4 * q])
+            at = qs_at + 32 * q + 4 * j
+            assert torch.equal(out[at:at + 4], row[qs_at // 8 + 4 * q:qs_at // 8 + 4 * q + 4])
 
 
 def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
@@ -97,7 +104,7 @@ def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [40, 37])
 def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
-    """Blocks of 32: bit for bit the GGML layout's kernel. Q4_K (each output's super-block sum
+    """Blocks of 32: bit for bit the GGML layout's kernel. Q4_K, Q5_K (each output's super-block sum
     in one lane rather than eight): float64 x̃ @ W within float32 rounding. Every type: a row's
     result does not depend on the batch or the threads."""
     rng = np.random.default_rng(3)
@@ -139,7 +146,7 @@ def test_regrouped_arguments_are_checked(kernels):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_packed_weight_regroups_and_still_looks_up_rows(kernels, qtype):
     from minerva.kernels.weights import PackedWeight
-    cols = 256 * (2 if qtype == QT.Q4_K else 1)
+    cols = 256 * (1 if qtype in SMALL else 2)
     raw = torch.from_numpy(realistic_blocks(qtype, 21, cols, np.random.default_rng(6)))
     w = PackedWeight(raw, qtype, (21, cols), torch.float32)
     w.use_int8_activations()

@@ -1,12 +1,16 @@
 """Packed matrices regrouped for the int8 kernels: 8 rows' blocks side by side.
 
-Q4_0, Q4_1, Q5_0, Q5_1 and Q4_K matrices that multiply 8-bit activations (`--activations
-int8`) are regrouped once at load, as llama.cpp repacks Q4_0 and Q4_K for its CPU kernels:
-rows go in groups of 8 (the last group padded with zero rows), and a group's block g holds
-its 8 rows' block g together, in the same bytes as the 8 GGML blocks:
+Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K matrices that multiply 8-bit activations
+(`--activations int8`) are regrouped once at load, as llama.cpp repacks Q4_0 and Q4_K for its
+CPU kernels: rows go in groups of 8 (the last group padded with zero rows), and a group's
+block g holds its 8 rows' block g together, in the same bytes as the 8 GGML blocks:
 
     blocks of 32:  d[8] (f16) | m[8] (f16; Q4_1, Q5_1) | qh[8] (u32; Q5_0, Q5_1) | qs[128]
     Q4_K:          d[8] | dmin[8] | scales bytes 0-3 [8] | 4-7 [8] | 8-11 [8] | qs[1024]
+    Q5_K:          as Q4_K, with qh[256] before qs
+
+(Q6_K gains nothing from it: its blocks already decode a whole sub-block per load, with no
+scales to unpack, and a regrouped kernel measured the same speed.)
 
 qs chunk k (bytes 4k .. 4k + 3 of a row's qs) of row j sits at 32k + 4j, so one 32-byte load
 gives the same 4 bytes of all 8 rows, one row per 32-bit lane, and a dot product against 4
@@ -19,9 +23,9 @@ at bit 8b + k.
 
 The kernels (`X8`, `X8K` in csrc/qmatmul_q8.cpp) take the type id with `REGROUPED` set. For
 the blocks of 32 the integer dot products and the float operations per output are those of
-the GGML layout, so the results are bit-identical; Q4_K sums a super-block of an output in
-one lane instead of eight, so its float rounding differs (within float32 rounding of the
-exact product). `restore` gives the GGML bytes back (tests, and row lookups).
+the GGML layout, so the results are bit-identical; Q4_K and Q5_K sum a super-block of an
+output in one lane instead of eight, so their float rounding differs (within float32
+rounding of the exact product). `restore` gives the GGML bytes back (tests, and row lookups).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ FIELDS = {
     Q.Q5_1: [(2, "rows"), (2, "rows"), (4, "bits"), (16, "chunks")],
     # d, dmin, the 12 bytes of 6-bit scales and mins as three u32, qs
     Q.Q4_K: [(2, "rows"), (2, "rows"), (4, "rows"), (4, "rows"), (4, "rows"), (128, "chunks")],
+    # Q4_K's fields, then qh before qs
+    Q.Q5_K: [(2, "rows"), (2, "rows"), (4, "rows"), (4, "rows"), (4, "rows"), (32, "chunks"), (128, "chunks")],
 }
 TYPES = frozenset(FIELDS)
 
@@ -75,7 +81,7 @@ def rows_padded(rows: int) -> int:
 def _geometry(qtype, cols: int) -> tuple[list[tuple[int, str]], int, int]:
     fields = FIELDS[Q(qtype)]
     size = sum(w for w, _ in fields)
-    return fields, size, cols // (256 if Q(qtype) == Q.Q4_K else 32)
+    return fields, size, cols // (256 if Q(qtype) in (Q.Q4_K, Q.Q5_K) else 32)
 
 
 def regroup(packed: torch.Tensor, qtype, rows: int, cols: int) -> torch.Tensor:

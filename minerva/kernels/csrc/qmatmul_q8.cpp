@@ -668,7 +668,6 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
 // 4 (q % 8) .. + 3) of row j at 128 + 32q + 4j. The 8 rows' scales and mins unpack together,
 // one row per 32-bit lane, with KHeader's shifts and masks.
 struct X8K {
-  static constexpr int64_t BYTES = 8 * Layout<Q4_K>::bytes;
   __m256i sc03, sc47, mn03, mn47;  // lane j: the 6-bit scales (mins) of sub-blocks 0..3, 4..7 of row j
   explicit X8K(const uint8_t* b) {
     const __m256i u0 = load256(b + 32), u1 = load256(b + 64), u2 = load256(b + 96);
@@ -691,17 +690,22 @@ struct X8K {
   __m256i mn(int s) const { return pair(s < 4 ? mn03 : mn47, s & 3); }
 };
 
-// mr rows of x against a group of 8 regrouped Q4_K rows, one row per lane. Per super-block
-// and output: the exact i32 sums of mins * x's sums and of sc * q * x, then
-// acc = fma(mins, -dmin * d_x, acc) and acc = fma(sum, d * d_x, acc) (a sub-block's 8 chunks
-// add up in i16 first: at most 8 * 2 * 15 * 127 = 30480).
-template <int mr>
+// mr rows of x against a group of 8 regrouped Q4_K or Q5_K rows (Q5_K: qh chunk c, bytes
+// 4c .. 4c + 3 of its 32, at 128 + 32c + 4j, bit s the fifth bit of sub-block s; qs from 384),
+// one row per lane. Per super-block and output: the exact i32 sums of mins * x's sums and of
+// sc * q * x, then acc = fma(mins, -dmin * d_x, acc) and acc = fma(sum, d * d_x, acc). A
+// sub-block's chunks add up in i16 first, as many as fit: a maddubs lane is at most
+// 2 * 15 * 127 = 3810 for Q4_K (8 chunks), 2 * 31 * 127 = 7874 for Q5_K (4 chunks).
+template <int QT, int mr>
 void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
+  constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
+  constexpr bool FIFTH = QT == Q5_K;
+  constexpr int QS_AT = FIFTH ? 384 : 128, RUN = FIFTH ? 4 : 8;  // chunks summed in i16
   __m256 acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
-    const uint8_t* b = grp + g * X8K::BYTES;
-    for (int64_t o = 0; o < X8K::BYTES; o += 64) prefetch(b + 2 * X8K::BYTES + o);
+    const uint8_t* b = grp + g * BYTES;
+    for (int64_t o = 0; o < BYTES; o += 64) prefetch(b + 2 * BYTES + o);
     const X8K h(b);
     const __m256 d = _mm256_cvtph_ps(load128(b)), dmin = _mm256_cvtph_ps(load128(b + 16));
     for (int i = 0; i < mr; ++i) {  // the offsets: sum over s of mn_s * x's sums of 16 (two per sub-block)
@@ -719,24 +723,28 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
     }
     __m256i isum[mr];
     for (int i = 0; i < mr; ++i) isum[i] = _mm256_setzero_si256();
-    const uint8_t* qs = b + 128;
+    const uint8_t* qs = b + QS_AT;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
-      __m256i t[mr];
-      for (int i = 0; i < mr; ++i) t[i] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
-        const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
-        const __m256i w = (s & 1) ? high4(v) : low4(v);
-        for (int i = 0; i < mr; ++i) {
-          int32_t xv;
-          std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
-          t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
-        }
-      }
       const __m256i sc = h.sc(s);
-      for (int i = 0; i < mr; ++i) {
-        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(t[i], sc));
-        keep_in_register(isum[i]);
+      for (int c0 = 0; c0 < 8; c0 += RUN) {
+        __m256i t[mr];
+        for (int i = 0; i < mr; ++i) t[i] = _mm256_setzero_si256();
+        for (int c = c0; c < c0 + RUN; ++c) {
+          const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
+          __m256i w = (s & 1) ? high4(v) : low4(v);
+          if constexpr (FIFTH)
+            w = _mm256_or_si256(w, _mm256_and_si256(bit_to(load256(b + 128 + 32 * c), s, 4), _mm256_set1_epi8(0x10)));
+          for (int i = 0; i < mr; ++i) {
+            int32_t xv;
+            std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
+            t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
+          }
+        }
+        for (int i = 0; i < mr; ++i) {
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(t[i], sc));
+          keep_in_register(isum[i]);
+        }
       }
     }
     for (int i = 0; i < mr; ++i)
@@ -765,7 +773,8 @@ void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
       x_tiles<4>(M, [&](int64_t m, auto rows) {
         for (int64_t grp = g0; grp < g1; ++grp) {
           const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
-          if constexpr (QT == Q4_K) tile_x8k<decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+          if constexpr (QT == Q4_K || QT == Q5_K)
+            tile_x8k<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
           else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
         }
       });
@@ -846,7 +855,7 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
   if (qtype & REGROUPED) {
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
-      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K) {
+      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
         const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
         auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));

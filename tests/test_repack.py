@@ -9,9 +9,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
-from minerva.kernels import act_quant, native, repack
+from minerva.kernels import act_quant, repack
 from tests.helpers.quant_blocks import realistic_blocks
-from tests.test_act_quant import needs_kernels, sample_x
+from tests.test_act_quant import kernels, needs_kernels, sample_x  # noqa: F401 (kernels: a fixture)
 
 SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # blocks of 32: the GGML layout's bits exactly
 TYPES = SMALL + [QT.Q4_K, QT.Q5_K]
@@ -23,13 +23,6 @@ def block_size(qtype):
 
 def block_weights(qtype):
     return 32 if qtype in SMALL else 256
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    mod = native.load()
-    assert mod is not None, f"the CPU supports the kernels but they did not load: {native.unavailable_reason}"
-    return mod
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

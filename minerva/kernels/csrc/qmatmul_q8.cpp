@@ -473,6 +473,31 @@ inline __m256i sum_rows(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// mr rows of 8 outputs, one per lane, to y[i * ldy + j] (the first `valid` lanes)
+template <int mr>
+inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
+  for (int i = 0; i < mr; ++i) {
+    if (valid == 8) {
+      _mm256_storeu_ps(y + i * ldy, acc[i]);
+    } else {
+      float out[8];
+      _mm256_storeu_ps(out, acc[i]);
+      std::copy(out, out + valid, y + i * ldy);
+    }
+  }
+}
+
+// The float steps of a 32-weight block for row r of x, 8 weight rows in the lanes: `dot` the
+// exact integer dot products of the stored values, dw the weights' scales, m their offsets
+// (Q4_1/Q5_1): acc = fma(dot - 2^BIAS * sum(q), d_w * d_x, acc), then acc = fma(m, d_x * sum(q), acc)
+template <typename B>
+inline __m256 block_step(const Q8& a, int64_t r, int64_t g, __m256i dot, __m256 dw, __m256 m, __m256 acc) {
+  if constexpr (B::BIAS > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << B::BIAS));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc);
+  if constexpr (B::OFFSET) acc = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[r * a.G + g]), acc);
+  return acc;
+}
+
 // Q4_0, Q4_1, Q5_0, Q5_1: mr rows of x against 8 weight rows (the first `valid` of them
 // real; the others repeat the last and are dropped), one weight row per float lane. Per
 // block the 8 rows' exact integer dot products gather into one vector, and row j's output
@@ -501,22 +526,10 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
       const __m256i xv = load256(a.q + r * a.K + 32 * g);
       __m256i p[8];
       for (int j = 0; j < 8; ++j) p[j] = _mm256_maddubs_epi16(w[j], xv);
-      __m256i dot = sum_rows(p);
-      if constexpr (B::BIAS > 0)  // the stored values are w + 2^BIAS
-        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << B::BIAS));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc[i]);
-      if constexpr (B::OFFSET) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[r * a.G + g]), acc[i]);
+      acc[i] = block_step<B>(a, r, g, sum_rows(p), dw, m, acc[i]);
     }
   }
-  for (int i = 0; i < mr; ++i) {
-    if (valid == 8) {
-      _mm256_storeu_ps(y + i * ldy, acc[i]);
-    } else {
-      float out[8];
-      _mm256_storeu_ps(out, acc[i]);
-      std::copy(out, out + valid, y + i * ldy);
-    }
-  }
+  store_rows<mr>(acc, valid, y, ldy);
 }
 
 // Q4_0, Q4_1, Q5_0, Q5_1 regrouped at load (minerva/kernels/repack.py): a group of 8 weight
@@ -580,21 +593,10 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
         dot = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pairs(0), pairs(1)),
                                                  _mm256_add_epi16(pairs(2), pairs(3))), ones16());
       }
-      if constexpr (X::BIAS > 0)  // the stored values are w + 2^BIAS
-        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << X::BIAS));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc[i]);
-      if constexpr (X::OFFSET) acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[r * a.G + g]), acc[i]);
+      acc[i] = block_step<X>(a, r, g, dot, dw, m, acc[i]);
     }
   }
-  for (int i = 0; i < mr; ++i) {
-    if (valid == 8) {
-      _mm256_storeu_ps(y + i * ldy, acc[i]);
-    } else {
-      float out[8];
-      _mm256_storeu_ps(out, acc[i]);
-      std::copy(out, out + valid, y + i * ldy);
-    }
-  }
+  store_rows<mr>(acc, valid, y, ldy);
 }
 
 // Rows of x are taken MR at a time (the last tile shorter): tile_rows(m, rows) runs a tile
@@ -751,15 +753,7 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m0 + i) * a.G + g])),
                                acc[i]);
   }
-  for (int i = 0; i < mr; ++i) {
-    if (valid == 8) {
-      _mm256_storeu_ps(y + i * ldy, acc[i]);
-    } else {
-      float out[8];
-      _mm256_storeu_ps(out, acc[i]);
-      std::copy(out, out + valid, y + i * ldy);
-    }
-  }
+  store_rows<mr>(acc, valid, y, ldy);
 }
 
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1

@@ -213,6 +213,21 @@ def test_probe_returns_positive_finite_figures():
         assert native.load().int8_peak_probe(3, 1000) == 256 * 3 * 1000  # multiply-adds done
 
 
+def test_probe_takes_the_fp32_peak_for_bf16_where_the_kernels_widen_it(monkeypatch):
+    """The AVX2 build multiplies bf16 activations in float32: its bf16 ceiling is the fp32 one,
+    not torch's emulated bf16 matmul (about 1 GFLOPS there)."""
+    from minerva.bench import hardware
+    probed = []
+    monkeypatch.setattr(hardware, "_matmul_flops", lambda dtype, seconds: probed.append(dtype) or 1e11)
+    monkeypatch.setattr(hardware, "_bandwidth", lambda seconds: 1e10)
+    monkeypatch.setattr(native, "built", "avx2")
+    hw = probe(seconds=0.2)
+    assert probed == [torch.float32] and hw.bf16_flops == hw.fp32_flops == 1e11
+    monkeypatch.setattr(native, "built", "avx512")
+    probed.clear()
+    assert probe(seconds=0.2).bf16_flops == 1e11 and probed == [torch.float32, torch.bfloat16]
+
+
 def test_machine_describes_this_host():
     m = machine()
     assert m.physical_cores >= 1 and m.logical_cpus >= m.physical_cores

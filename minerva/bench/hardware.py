@@ -198,8 +198,10 @@ def probe(seconds: float = 3.0, threads: int | None = None) -> Hardware:
         used = torch.get_num_threads()
         bandwidth = _bandwidth(0.4 * seconds)
         fp32 = _matmul_flops(torch.float32, 0.25 * seconds)
-        bf16 = _matmul_flops(torch.bfloat16, 0.25 * seconds)
         int8 = _int8_ops(0.1 * seconds)
+        # The AVX2 build widens bf16 activations to float32 for its FMAs, so its bf16 peak is
+        # the fp32 one; torch's own bf16 matmul there is an emulation at about 1 GFLOPS.
+        bf16 = fp32 if native.built == "avx2" else _matmul_flops(torch.bfloat16, 0.25 * seconds)
     finally:
         torch.set_num_threads(before)
     return Hardware(f"{machine().cpu}, {used} thread{'s' if used != 1 else ''}", bandwidth, fp32, bf16,

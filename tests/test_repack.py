@@ -37,6 +37,19 @@ def test_regroup_round_trips_and_pads_to_groups_of_8(qtype, rows):
     assert not repack.restore(regrouped, qtype, regrouped.shape[0], cols)[rows:].any()  # padded with zero rows
 
 
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [8, 13, 40])
+def test_compiled_regroup_matches_the_torch_one_in_place(kernels, qtype, rows):
+    size, cols = block_size(qtype), 3 * block_weights(qtype)
+    packed = torch.randint(0, 256, (rows, 3 * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(rows))
+    expected = repack.regroup(packed, qtype, rows, cols)
+    work = packed.clone()
+    got = repack.regroup_in_place(work, qtype, rows, cols, kernels)
+    assert torch.equal(got, expected)
+    assert (got.data_ptr() == work.data_ptr()) == (rows % 8 == 0)  # no copy unless padding is needed
+
+
 @pytest.mark.parametrize("qtype", SMALL, ids=lambda t: t.name)
 def test_layout_of_a_group(qtype):
     """Block g of a group: the 8 rows' scales, then qs chunk k of row j at 32k + 4j; the fifth

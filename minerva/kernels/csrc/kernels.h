@@ -10,6 +10,7 @@ torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols)
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block);
 double int8_peak_probe(int64_t chunks, int64_t steps);
+void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
                               torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,

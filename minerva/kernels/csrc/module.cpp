@@ -82,6 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("block") = 32);
   m.def("int8_peak_probe", &int8_peak_probe,
         "(chunks, steps) -> multiply-adds done by the int8 dot-product instruction mix, on every thread");
+  m.def("regroup_", &regroup_, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");

@@ -179,6 +179,31 @@ def test_model_costs_count_the_weights_on_8_bit_activations(smollm2_gguf):
     assert m.head_int8_params == m.head_params > 0  # the tied Q8_0 head takes 8-bit activations too
 
 
+def test_moe_costs_count_the_experts_a_token_uses(tmp_path):
+    """Qwen3-MoE, 8 experts of which 2 per token, in 2 of its 3 layers (Q4_0 experts): against
+    the file's 3-D expert tensors. Decode reads a quarter of the experts at batch 1 and
+    nearly all of them for a long prompt; a token multiplies a quarter of their weights."""
+    from minerva.models.loader import load_model
+    from tests.helpers.tiny_gguf import write_gguf_from_hf
+    from tests.helpers.tiny_hf import save
+
+    path = tmp_path / "moe.gguf"
+    write_gguf_from_hf(path, save(tmp_path, "qwen3-moe"), gguf.GGMLQuantizationType.Q4_0)
+    exps = [t for name, t in GGUFFile(path).tensors.items() if "_exps" in name]
+    assert len(exps) == 2 * 3 and all(t.shape[0] == 8 for t in exps)
+    m = model_costs(load_model(path))
+    assert m.expert_params == sum(math.prod(t.shape) for t in exps)
+    assert m.expert_bytes == sum(t.raw().numel() for t in exps)
+    assert m.expert_share == 2 / 8
+    dense_bytes = m.weight_bytes_per_token - m.expert_bytes
+    assert m.weight_bytes_read(1) == pytest.approx(dense_bytes + m.expert_bytes / 4)
+    assert m.weight_bytes_read(2) == pytest.approx(dense_bytes + m.expert_bytes * (1 - 0.75**2))
+    assert m.weight_bytes_read(512) == pytest.approx(m.weight_bytes_per_token)
+    assert m.active_params == m.matmul_params - 0.75 * m.expert_params
+    ceiling = decode_ceiling(m, HW, batch=1, context=1)
+    assert ceiling.memory_seconds == pytest.approx((m.weight_bytes_read(1) + m.kv_bytes_read(1)) / HW.bandwidth)
+
+
 # ---------------------------------------------------------------- hardware
 
 def test_presets_and_hardware_from_args():

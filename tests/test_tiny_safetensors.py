@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from minerva.errors import MinervaError
 from minerva.models.loader import load_model
 from tests.helpers.paged import paged_logits
-from tests.helpers.tiny_gguf import write_llama_from_hf
+from tests.helpers.tiny_gguf import write_gguf_from_hf
 from tests.helpers.tiny_hf import CONFIGS, VOCAB, save
 
 
@@ -84,7 +84,8 @@ def test_gguf_conversion_matches_transformers(tmp_path, name):
     llama3 scaling as a rope_freqs tensor): Minerva's GGUF path against transformers."""
     hf_dir = save(tmp_path, name)
     ref_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    path = write_llama_from_hf(tmp_path / f"{name}.gguf", ref_model)
+    path = tmp_path / f"{name}.gguf"
+    write_gguf_from_hf(path, hf_dir)
     ids = torch.randint(0, VOCAB, (40,)).tolist()
     mine = paged_logits(load_model(path).model, ids, chunk=16)
     with torch.inference_mode():

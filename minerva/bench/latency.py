@@ -83,9 +83,9 @@ def _roofline(llm, args, plan, figures: list[Figure]) -> tuple[list[str], dict]:
                    else decode_ceiling(costs, hw, 1, max(depth, 1) + n // 2, args.dtype))
         rows.append(Row(name, ceiling, fig.mean))
     int8 = "; int8 for the matmuls on 8-bit activations" if costs.int8_params and hw.int8_ops else ""
-    lines = ["", f"roofline: {hw.describe()}; {costs.weight_bytes_per_token / 1e6:,.1f} MB of weights "
-                 f"read per pass ({args.dtype} ceilings{int8})", *ceiling_table(rows)]
-    return lines, {"hardware": asdict(hw), "weight_bytes_per_token": costs.weight_bytes_per_token,
+    lines = ["", f"roofline: {hw.describe()}; {costs.weight_bytes_read(1) / 1e6:,.1f} MB of weights "
+                 f"read per decode step ({args.dtype} ceilings{int8})", *ceiling_table(rows)]
+    return lines, {"hardware": asdict(hw), "weight_bytes_per_token": costs.weight_bytes_read(1),
                    "tests": [{"name": r.label, "ceiling_tokens_per_s": r.ceiling.tokens_per_second,
                               "bound": r.ceiling.bound, "fraction": r.measured / r.ceiling.tokens_per_second}
                              for r in rows]}

@@ -32,7 +32,7 @@ from minerva.options import ACTIVATIONS_HELP
 from minerva.llm import LLM, resolve_dtype
 from minerva.machine import machine, peak_rss_mb
 from minerva.models.config import SLIDING
-from minerva.models.layers import Linear
+from minerva.models.layers import Linear, MoE
 from minerva.models.loader import LoadedModel
 
 DTYPES = ("float32", "bfloat16")
@@ -59,6 +59,27 @@ class ModelCosts:
     int8_params: int = 0  # of matmul_params, those whose products take 8-bit activations
     head_params: int = 0  # of matmul_params, the LM head's: a prompt needs its logits for the last token only
     head_int8_params: int = 0  # of head_params, those on 8-bit activations (all or none)
+    # Mixture of experts: of the above, what the expert matrices hold, and the share of a
+    # layer's experts one token uses (top k / experts).
+    expert_bytes: int = 0
+    expert_params: int = 0
+    expert_int8_params: int = 0
+    expert_share: float = 1.0
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weight bytes one pass over `tokens` tokens reads: the dense weights, and each
+        expert that at least one token picks (expected share under uniform routing)."""
+        picked = 1 - (1 - self.expert_share) ** tokens
+        return self.weight_bytes_per_token - self.expert_bytes * (1 - picked)
+
+    @property
+    def active_params(self) -> float:
+        """Matmul weights one token multiplies: all but the experts it does not pick."""
+        return self.matmul_params - self.expert_params * (1 - self.expert_share)
+
+    @property
+    def active_int8_params(self) -> float:
+        return self.int8_params - self.expert_int8_params * (1 - self.expert_share)
 
     @property
     def num_layers(self) -> int:
@@ -77,7 +98,7 @@ class ModelCosts:
         return 4 * self.num_heads * self.head_dim * self.keys_seen(context)
 
     def flops_per_token(self, context: int) -> float:
-        return 2 * self.matmul_params + self.attention_flops(context)
+        return 2 * self.active_params + self.attention_flops(context)
 
     def kv_bytes_read(self, context: int) -> float:
         """K/V bytes one sequence reads to decode a token at `context` (windows included)."""
@@ -91,12 +112,12 @@ class ModelCosts:
                 keys += prompt_len * (prompt_len + 1) // 2
             else:
                 keys += w * (w + 1) // 2 + (prompt_len - w) * w
-        body = self.matmul_params - self.head_params
+        body = self.active_params - self.head_params
         return 2 * body * prompt_len + 2 * self.head_params + 4 * self.num_heads * self.head_dim * keys
 
     def prefill_int8_flops(self, prompt_len: int) -> float:
         """Of `prefill_flops`, the matmul FLOPs on 8-bit activations."""
-        return 2 * (self.int8_params - self.head_int8_params) * prompt_len + 2 * self.head_int8_params
+        return 2 * (self.active_int8_params - self.head_int8_params) * prompt_len + 2 * self.head_int8_params
 
 
 def _compute_dtype(weights: list) -> torch.dtype:
@@ -123,6 +144,9 @@ def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dt
                                       kv_cache_dtype_k, kv_cache_dtype_v, dtype or _compute_dtype(weights))
     head = getattr(getattr(model, "lm_head", None), "weight", None)
     head_params = head.shape[0] * head.shape[1] if head is not None else 0
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    experts = list({id(lin.weight): lin.weight for m in moes for lin in m.experts.modules()
+                    if isinstance(lin, Linear)}.values())
     return ModelCosts(
         weight_bytes_per_token=sum(w.compute_nbytes for w in weights),
         matmul_params=sum(w.shape[0] * w.shape[1] for w in weights),
@@ -134,6 +158,10 @@ def model_costs(loaded: LoadedModel, kv_cache_dtype_k: str = "auto", kv_cache_dt
         int8_params=sum(w.shape[0] * w.shape[1] for w in weights if isinstance(w, PackedWeight) and w.int8),
         head_params=head_params,
         head_int8_params=head_params if isinstance(head, PackedWeight) and head.int8 else 0,
+        expert_bytes=sum(w.compute_nbytes for w in experts),
+        expert_params=sum(w.shape[0] * w.shape[1] for w in experts),
+        expert_int8_params=sum(w.shape[0] * w.shape[1] for w in experts if isinstance(w, PackedWeight) and w.int8),
+        expert_share=moes[0].top_k / len(moes[0].experts) if moes else 1.0,
     )
 
 
@@ -164,9 +192,9 @@ def decode_ceiling(costs: ModelCosts, hw: Hardware, batch: int, context: int,
 
     The weights are read once for the whole batch; each sequence reads its own K/V.
     """
-    step_bytes = costs.weight_bytes_per_token + batch * costs.kv_bytes_read(context)
+    step_bytes = costs.weight_bytes_read(batch) + batch * costs.kv_bytes_read(context)
     return _ceiling(batch, step_bytes, batch * costs.flops_per_token(context), hw, dtype,
-                    batch * 2 * costs.int8_params)
+                    batch * 2 * costs.active_int8_params)
 
 
 def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str = "float32",
@@ -174,7 +202,7 @@ def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str
     """Prompt tokens/s of one prompt computed in a single pass (weights read once), after
     `depth` tokens of its sequence are already in the KV cache."""
     flops = costs.prefill_flops(depth + prompt_len) - costs.prefill_flops(depth)
-    return _ceiling(prompt_len, costs.weight_bytes_per_token, flops, hw, dtype,
+    return _ceiling(prompt_len, costs.weight_bytes_read(prompt_len), flops, hw, dtype,
                     costs.prefill_int8_flops(depth + prompt_len) - costs.prefill_int8_flops(depth))
 
 
@@ -306,6 +334,8 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     if costs.int8_params:
         int8_scope = (" (the int8 peak for the matmuls on 8-bit activations)" if hw.int8_ops
                       else " (also for the matmuls on 8-bit activations: no int8 peak known)")
+    moe = (f", of which a token uses {costs.active_params / 1e6:,.1f} M: {config.num_experts_per_tok} of "
+           f"{config.num_experts} experts" if costs.expert_params else "")
     scope = "" if probed else "; predictions only: the engine has not run there, weights costed as held here"
     out = [
         "minerva roofline",
@@ -315,9 +345,9 @@ def cmd_roofline(args: argparse.Namespace) -> int:
          f"{config.max_position}); loaded in {loaded.load_seconds:.2f} s, peak RSS {load_rss:.0f} MB"),
         f"hardware:  {hw.describe()}",
         f"           ceilings use the {args.dtype} peak{int8_scope}{scope}",
-        (f"per token: {costs.weight_bytes_per_token / 1e6:,.1f} MB of weights read "
-         f"({costs.bits_per_weight:.2f} bits x {costs.matmul_params / 1e6:,.1f} M matmul weights), "
-         f"{2 * costs.matmul_params / 1e9:.3f} GFLOP + {attention / 1e3:,.1f} kFLOP per token of context"
+        (f"per token: {costs.weight_bytes_read(1) / 1e6:,.1f} MB of weights read "
+         f"({costs.bits_per_weight:.2f} bits x {costs.matmul_params / 1e6:,.1f} M matmul weights{moe}), "
+         f"{2 * costs.active_params / 1e9:.3f} GFLOP + {attention / 1e3:,.1f} kFLOP per token of context"
          f"{windows}; "
          f"KV {costs.kv_bytes_per_token / 1e3:,.1f} KB per token of context "
          f"({args.dtype if kv == 'auto' else kv})"),

@@ -8,6 +8,11 @@ from typing import Any, Mapping
 from minerva.errors import MinervaError
 
 FULL, SLIDING = "full", "sliding"
+# How a mixture-of-experts router turns its logits into the chosen experts' weights:
+# SOFTMAX_TOPK: softmax over all experts, keep the top k (Mixtral, Qwen3-MoE; then
+# renormalised to sum to 1 when `moe_renormalize`); TOPK_SOFTMAX: the top k logits, softmax
+# over those k (GPT-OSS).
+SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
 
 # Upper bounds far above any released model (Llama 3.1 405B: 126 layers, hidden 16384,
 # 128 heads, feed-forward 53248; vocabularies up to ~262k; contexts up to 10M tokens). A
@@ -23,16 +28,22 @@ LIMITS: dict[str, tuple[int, str]] = {
     "vocab_size": (1 << 21, "vocabulary size"),
     "max_position": (1 << 24, "context length"),
     "sliding_window": (1 << 24, "sliding window"),
+    "num_experts": (4096, "expert count"),
+    "num_experts_per_tok": (4096, "experts-per-token count"),
+    "expert_intermediate_size": (1 << 20, "expert feed-forward size"),
 }
+
+MAY_BE_ZERO = {"num_experts", "num_experts_per_tok"}  # 0: a dense model
 
 
 def check_plausible(values: Mapping[str, Any], source: str, keys: Mapping[str, str]) -> None:
     """Refuse a size no real model comes near; `keys` gives the file's own name for each field."""
     for name, (limit, what) in LIMITS.items():
         value = values.get(name)
-        if value is not None and not (isinstance(value, int) and 0 < value <= limit):
+        low = 0 if name in MAY_BE_ZERO else 1
+        if value is not None and not (isinstance(value, int) and low <= value <= limit):
             raise MinervaError(f"{source}: {keys.get(name, name)} = {value!r} is not a plausible {what} "
-                               f"(1 to {limit}); the file is corrupt or not a model Minerva can run")
+                               f"({low} to {limit}); the file is corrupt or not a model Minerva can run")
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,13 @@ class ModelConfig:
     rope_local_theta: float | None = None  # base for sliding layers when it differs (Gemma 3)
     attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
     final_logit_softcap: float | None = None
+    # Mixture of experts (0 experts: every feed-forward is dense). A layer whose file has a
+    # router is a MoE layer; the others (Qwen3-MoE's `mlp_only_layers`) stay dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int | None = None  # None: intermediate_size
+    moe_routing: str = SOFTMAX_TOPK
+    moe_renormalize: bool = True
 
     def __post_init__(self):
         check_plausible(vars(self), "invalid model config", {})
@@ -82,11 +100,18 @@ class ModelConfig:
             "layer_types": len(self.layer_types) == self.num_layers
             and set(self.layer_types) <= {FULL, SLIDING},
             "sliding_window": SLIDING not in self.layer_types or (self.sliding_window or 0) > 0,
+            "num_experts_per_tok": (self.num_experts == 0 and self.num_experts_per_tok == 0)
+            or 0 < self.num_experts_per_tok <= self.num_experts,
+            "moe_routing": self.moe_routing in (SOFTMAX_TOPK, TOPK_SOFTMAX),
         }
         bad = [f"{k}={getattr(self, k)!r}" for k, ok in checks.items() if not ok]
         if bad:
             raise MinervaError(f"invalid model config: {', '.join(bad)} "
                                f"(heads={self.num_heads}, kv_heads={self.num_kv_heads})")
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.expert_intermediate_size or self.intermediate_size
 
     @property
     def softmax_scale(self) -> float:

@@ -16,7 +16,7 @@ from torch import nn
 
 from minerva.kernels import dispatch, ops
 from minerva.kernels.weights import PackedWeight, Weight, fuse
-from minerva.models.config import SLIDING, ModelConfig, RopeScaling
+from minerva.models.config import SLIDING, TOPK_SOFTMAX, ModelConfig, RopeScaling
 
 
 class AttentionBackend(Protocol):
@@ -180,10 +180,65 @@ class GatedMLP(Layer):
         return self.down(ops.act_mul(gate_up, self.activation))
 
 
+class MoE(Layer):
+    """Mixture of experts: a router picks `top_k` experts for each token, and the token's
+    output is its experts' outputs weighted by the router.
+
+    Tokens are grouped by expert, so each chosen expert runs one matmul per weight over all
+    of its tokens (a Python loop over the experts in use, never over tokens). Batch
+    invariance holds: an expert's kernels give each row the result it would get alone, and
+    a token sums its k outputs in its own rank order, whoever else chose the same experts.
+    """
+
+    def __init__(self, router: Linear, experts: list[GatedMLP], top_k: int, routing: str,
+                 renormalize: bool):
+        super().__init__()
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+        self.top_k, self.routing, self.renormalize = top_k, routing, renormalize
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 weights [T, k] and expert ids [T, k] of each token's chosen experts."""
+        logits = self.router(x).float()
+        if self.routing == TOPK_SOFTMAX:
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return top.softmax(dim=-1), ids
+        weights, ids = logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        weights = weights.to(x.dtype)
+        k = self.top_k
+        if x.shape[0] == 1:  # decode: the token's experts in rank order, nothing to group
+            out = None
+            for j, e in enumerate(ids[0].tolist()):
+                y = self.experts[e](x).mul_(weights[:, j:j + 1])
+                out = y if out is None else out.add_(y)
+            return out
+        flat = ids.reshape(-1)  # (token, rank) pairs, token-major
+        order = torch.argsort(flat, stable=True)  # grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        ys = x.new_empty(flat.shape[0], x.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                ys[pairs] = self.experts[e](x[pairs // k])
+                start += n
+        ys = ys.view(x.shape[0], k, -1)
+        out = ys[:, 0].mul(weights[:, :1])
+        for j in range(1, k):
+            out.add_(ys[:, j].mul(weights[:, j:j + 1]))
+        return out
+
+
 class DecoderLayer(Layer):
     """Pre-norm residual block; optional post-norms (Gemma) wrap each sublayer's output."""
 
-    def __init__(self, attn: Attention, mlp: GatedMLP, input_norm: RMSNorm, pre_mlp_norm: RMSNorm,
+    def __init__(self, attn: Attention, mlp: GatedMLP | MoE, input_norm: RMSNorm, pre_mlp_norm: RMSNorm,
                  post_attn_norm: RMSNorm | None = None, post_mlp_norm: RMSNorm | None = None):
         super().__init__()
         self.attn, self.mlp = attn, mlp
@@ -197,6 +252,8 @@ class DecoderLayer(Layer):
         kernel and the norms and head size suit the kernel's ops. It runs the same kernels
         in the same order as `forward`, which tests/test_native_layer.py checks bit for bit."""
         attn, mlp = self.attn, self.mlp
+        if not isinstance(mlp, GatedMLP):  # the layer kernel runs a dense feed-forward only
+            return
         qkv, gate_up = attn.qkv_proj.linears(), mlp.gate_up.linears()
         linears = [*qkv, attn.o_proj, *gate_up, mlp.down]
         norms = [n for n in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm,

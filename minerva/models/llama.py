@@ -1,11 +1,25 @@
-"""Llama family: Llama 2/3, Mistral, SmolLM2, TinyLlama."""
+"""Llama family: Llama 2/3, Mistral, SmolLM2, TinyLlama; Qwen3 (the same block with
+QK-norm); and their mixture-of-experts forms, Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
 from minerva.models.config import ModelConfig
-from minerva.models.layers import (Attention, CausalLM, DecoderLayer, GatedMLP, Linear, RMSNorm,
+from minerva.models.layers import (Attention, CausalLM, DecoderLayer, GatedMLP, Linear, MoE, RMSNorm,
                                    Rotary, rope_inv_freq)
 from minerva.models.weights import WeightSource
+
+FFN = ("gate_proj", "up_proj", "down_proj")
+
+
+def feed_forward(config: ModelConfig, w: WeightSource, prefix: str, activation: str) -> GatedMLP | MoE:
+    """The layer's feed-forward: a MoE where the file has a router for it, else dense."""
+    if not w.has(prefix + "router"):
+        return GatedMLP(*(Linear(w.weight(prefix + n)) for n in FFN), activation=activation)
+    gate, up, down = (w.experts(prefix + "experts." + n) for n in FFN)
+    experts = [GatedMLP(Linear(g), Linear(u), Linear(d), activation=activation)
+               for g, u, d in zip(gate, up, down)]
+    return MoE(Linear(w.weight(prefix + "router")), experts, config.num_experts_per_tok,
+               config.moe_routing, config.moe_renormalize)
 
 
 def build(config: ModelConfig, w: WeightSource) -> CausalLM:
@@ -15,14 +29,12 @@ def build(config: ModelConfig, w: WeightSource) -> CausalLM:
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
+        qk_norms = [RMSNorm(w.tensor(p + n), eps) if w.has(p + n) else None for n in ("q_norm", "k_norm")]
         attn = Attention(config, i, *(Linear(w.weight(p + n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                         rotary=rotary)
-        mlp = GatedMLP(*(Linear(w.weight(p + n)) for n in ("gate_proj", "up_proj", "down_proj")),
-                       activation="silu")
-        layers.append(DecoderLayer(attn, mlp, RMSNorm(w.tensor(p + "input_norm"), eps),
+                         rotary=rotary, q_norm=qk_norms[0], k_norm=qk_norms[1])
+        layers.append(DecoderLayer(attn, feed_forward(config, w, p, "silu"),
+                                   RMSNorm(w.tensor(p + "input_norm"), eps),
                                    RMSNorm(w.tensor(p + "pre_mlp_norm"), eps)))
     embed = w.weight("embed_tokens")
     head = embed if config.tie_word_embeddings else w.weight("lm_head")
     return CausalLM(config, embed, layers, RMSNorm(w.tensor("norm"), eps), Linear(head))
-
-

@@ -7,6 +7,7 @@ transforms a format needs (llama.cpp's Q/K row permutation, Gemma's +1 norms).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,8 @@ GGUF_LAYER = {
     "attn_output": "o_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm",
     "post_attention_norm": "post_attn_norm", "ffn_norm": "pre_mlp_norm",
     "post_ffw_norm": "post_mlp_norm", "ffn_gate": "gate_proj", "ffn_up": "up_proj",
-    "ffn_down": "down_proj",
+    "ffn_down": "down_proj", "ffn_gate_inp": "router", "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj", "ffn_down_exps": "experts.down_proj",
 }
 HF_GLOBAL = {"model.embed_tokens": "embed_tokens", "model.norm": "norm", "lm_head": "lm_head"}
 _HF_COMMON = {
@@ -44,16 +46,26 @@ _HF_COMMON = {
     "self_attn.v_proj": "v_proj", "self_attn.o_proj": "o_proj", "mlp.gate_proj": "gate_proj",
     "mlp.up_proj": "up_proj", "mlp.down_proj": "down_proj",
 }
+_HF_QK_NORM = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+# Experts stored one tensor each: `*` stands for the expert index in both names.
+_HF_QWEN_MOE = {"mlp.gate": "router", **{f"mlp.experts.*.{n}": f"experts.*.{n}"
+                                         for n in ("gate_proj", "up_proj", "down_proj")}}
 HF_LAYER = {
     "llama": {**_HF_COMMON, "post_attention_layernorm": "pre_mlp_norm"},
+    "qwen3": {**_HF_COMMON, **_HF_QK_NORM, **_HF_QWEN_MOE, "post_attention_layernorm": "pre_mlp_norm"},
+    "mixtral": {**_HF_COMMON, "post_attention_layernorm": "pre_mlp_norm", "block_sparse_moe.gate": "router",
+                "block_sparse_moe.experts.*.w1": "experts.*.gate_proj",
+                "block_sparse_moe.experts.*.w3": "experts.*.up_proj",
+                "block_sparse_moe.experts.*.w2": "experts.*.down_proj"},
     "gemma3": {**_HF_COMMON, "post_attention_layernorm": "post_attn_norm",
                "pre_feedforward_layernorm": "pre_mlp_norm",
-               "post_feedforward_layernorm": "post_mlp_norm",
-               "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"},
+               "post_feedforward_layernorm": "post_mlp_norm", **_HF_QK_NORM},
 }
 NORMS = {"norm", "input_norm", "pre_mlp_norm", "post_attn_norm", "post_mlp_norm", "q_norm", "k_norm"}
 
-# Shape each canonical tensor must have, from the config (torch order: out, in).
+# Shape each canonical tensor must have, from the config (torch order: out, in), by the
+# name's last part (`shape_key`): "experts.*" are 3-D, all experts of a layer in one tensor;
+# "expert.*" one expert's matrix.
 SHAPES: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
     "embed_tokens": lambda c: (c.vocab_size, c.hidden_size),
     "lm_head": lambda c: (c.vocab_size, c.hidden_size),
@@ -69,11 +81,26 @@ SHAPES: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
     **dict.fromkeys(["input_norm", "pre_mlp_norm", "post_attn_norm", "post_mlp_norm"],
                     lambda c: (c.hidden_size,)),
     **dict.fromkeys(["q_norm", "k_norm"], lambda c: (c.head_dim,)),
+    "router": lambda c: (c.num_experts, c.hidden_size),
+    "expert.gate_proj": lambda c: (c.expert_ffn_size, c.hidden_size),
+    "expert.up_proj": lambda c: (c.expert_ffn_size, c.hidden_size),
+    "expert.down_proj": lambda c: (c.hidden_size, c.expert_ffn_size),
 }
+SHAPES.update({f"experts.{n}": (lambda f: lambda c: (c.num_experts, *f(c)))(SHAPES[f"expert.{n}"])
+               for n in ("gate_proj", "up_proj", "down_proj")})
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
+
+
+def shape_key(name: str) -> str:
+    """`layers.3.experts.5.up_proj` -> `expert.up_proj`; `layers.3.experts.up_proj` ->
+    `experts.up_proj`; `layers.3.q_proj` -> `q_proj`."""
+    name = _EXPERT_INDEX.sub(".expert.", name)
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-2:-1] in (["expert"], ["experts"]) else parts[-1]
 
 
 def check_shape(name: str, file_name: str, shape: tuple[int, ...], config: ModelConfig, source: str) -> None:
-    expected = SHAPES[name.rsplit(".", 1)[-1]](config)
+    expected = SHAPES[shape_key(name)](config)
     if tuple(shape) != expected:
         raise MinervaError(f"{source}: tensor '{file_name}' has shape {tuple(shape)} but the model's "
                            f"config implies {expected}; the file is inconsistent or corrupt")
@@ -86,8 +113,12 @@ def canonical(name: str, global_table: dict, layer_table: dict, layer_prefix: st
         return global_table[base]
     if base.startswith(layer_prefix):
         index, _, rest = base[len(layer_prefix):].partition(".")
+        expert = _EXPERT_INDEX.search("." + rest + ".")
+        if expert:  # one expert's tensor: the table names it with `*` for the index
+            rest = _EXPERT_INDEX.sub(".experts.*.", "." + rest, count=1)[1:]
         if index.isdigit() and rest in layer_table:
-            return f"layers.{index}.{layer_table[rest]}"
+            ours = layer_table[rest]
+            return f"layers.{index}.{ours.replace('*', expert.group(1)) if expert else ours}"
     return None
 
 
@@ -149,6 +180,33 @@ def _hf_llama(cfg: dict) -> dict[str, Any]:
     return extra
 
 
+def _hf_layer_types(cfg: dict) -> dict[str, Any]:
+    """Sliding-window layers as config.json's `layer_types` lists them (Qwen3 when
+    `use_sliding_window` is set); none when it lists none."""
+    types = cfg.get("layer_types")
+    if not types or "sliding_attention" not in types:
+        return {}
+    return dict(layer_types=tuple(SLIDING if t == "sliding_attention" else FULL for t in types),
+                sliding_window=int(cfg["sliding_window"]))
+
+
+def _hf_qwen3(cfg: dict) -> dict[str, Any]:
+    extra = _hf_layer_types(cfg)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # the latter as transformers 5 saves it
+    if experts:  # Qwen3-MoE; layers in `mlp_only_layers` keep a dense MLP (the file has no router there)
+        extra.update(num_experts=_whole(experts),
+                     num_experts_per_tok=_whole(cfg["num_experts_per_tok"]),
+                     expert_intermediate_size=_whole(cfg["moe_intermediate_size"]),
+                     moe_renormalize=bool(cfg.get("norm_topk_prob", False)))
+    return extra
+
+
+def _hf_mixtral(cfg: dict) -> dict[str, Any]:
+    window, n = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    return dict(num_experts=_whole(cfg["num_local_experts"]), num_experts_per_tok=_whole(cfg["num_experts_per_tok"]),
+                **(dict(layer_types=(SLIDING,) * n, sliding_window=int(window)) if window else {}))
+
+
 def _hf_gemma3(cfg: dict) -> dict[str, Any]:
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types") or [
@@ -177,10 +235,15 @@ class Architecture:
 ARCHITECTURES = {
     "llama": Architecture(llama.build, _gguf_llama, _hf_llama, HF_LAYER["llama"], permute_qk=True),
     "mistral": Architecture(llama.build, _gguf_llama, _hf_llama, HF_LAYER["llama"], permute_qk=True),
+    # llama.cpp writes Mixtral as `llama` with expert tensors; `mixtral` is its HF model type
+    "mixtral": Architecture(llama.build, _gguf_llama, _hf_mixtral, HF_LAYER["mixtral"], permute_qk=True),
+    "qwen3": Architecture(llama.build, _gguf_llama, _hf_qwen3, HF_LAYER["qwen3"]),
+    "qwen3moe": Architecture(llama.build, _gguf_llama, _hf_qwen3, HF_LAYER["qwen3"]),
     "gemma3": Architecture(gemma3.build, _gguf_gemma3, _hf_gemma3, HF_LAYER["gemma3"],
                            norm_offset=1.0),
 }
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "gemma3_text": "gemma3"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "gemma3_text": "gemma3", "mixtral": "mixtral",
+                  "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
 
 
 def _architecture(name: str, source: str) -> Architecture:
@@ -230,9 +293,21 @@ class GGUFWeights:
 
     def weight(self, name: str) -> Weight:
         t, raw = self._get(name)
-        if t.qtype in _FLOAT_TYPES:
-            return float_weight(_float_view(raw, t).to(self.device), self.dtype)
-        return PackedWeight(raw.to(self.device), t.qtype, t.shape, self.dtype)
+        return self._weight(raw, t.qtype, t.shape)
+
+    def _weight(self, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> Weight:
+        if qtype in _FLOAT_TYPES:
+            return float_weight(raw.contiguous().view(_FLOAT_TYPES[qtype]).reshape(shape).to(self.device),
+                                self.dtype)
+        return PackedWeight(raw.to(self.device), qtype, shape, self.dtype)
+
+    def experts(self, name: str) -> list[Weight]:
+        """Slices of the layer's 3-D expert tensor: expert e's rows are a contiguous run of
+        the packed bytes, so each expert stays packed and nothing is copied."""
+        t, raw = self._get(name)
+        count, *shape = t.shape
+        per_expert = raw.reshape(count, shape[0], -1)
+        return [self._weight(per_expert[e], t.qtype, tuple(shape)) for e in range(count)]
 
     def tensor(self, name: str) -> torch.Tensor:
         t, raw = self._get(name)
@@ -284,6 +359,10 @@ class SafeTensorsWeights:
             return PackedWeight(packed.to(self.device), qtype, tuple(t.shape), self.dtype)
         return float_weight(t.to(self.device), self.dtype)
 
+    def experts(self, name: str) -> list[Weight]:
+        layer, _, part = name.partition(".experts.")
+        return [self.weight(f"{layer}.experts.{e}.{part}") for e in range(self.config.num_experts)]
+
     def tensor(self, name: str) -> torch.Tensor:
         t = self._get(name).float()
         if name.rsplit(".", 1)[-1] in NORMS:
@@ -308,9 +387,12 @@ class LoadedModel:
 GGUF_SIZE_KEYS = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
                   "num_layers": "block_count", "num_heads": "attention.head_count",
                   "num_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
-                  "max_position": "context_length", "sliding_window": "attention.sliding_window"}
+                  "max_position": "context_length", "sliding_window": "attention.sliding_window",
+                  "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+                  "expert_intermediate_size": "expert_feed_forward_length"}
 HF_SIZE_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings"}
+                "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings",
+                "num_experts": "num_experts or num_local_experts", "expert_intermediate_size": "moe_intermediate_size"}
 
 
 def _whole(value: Any) -> Any:
@@ -340,6 +422,11 @@ def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=_whole(f.get("attention.head_count_kv") or heads),
             max_position=_whole(f.get("context_length") or 4096),
+            # llama.cpp renormalises the chosen experts' weights for every architecture here
+            # (Mixtral, Qwen3-MoE): its converter drops Qwen3-MoE's norm_topk_prob
+            num_experts=_whole(f.get("expert_count") or 0),
+            num_experts_per_tok=_whole(f.get("expert_used_count") or 0),
+            expert_intermediate_size=_whole(f.get("expert_feed_forward_length")),
         )
         check_plausible(sizes, f"'{f.path}'", keys)  # before the layer count sizes anything
         sizes["head_dim"] = _whole(f.get("attention.key_length") or f.get("rope.dimension_count")

@@ -20,5 +20,9 @@ class WeightSource(Protocol):
     def weight(self, name: str) -> Weight:
         """A matrix for a Linear or an embedding, in whatever format it was stored."""
 
+    def experts(self, name: str) -> list[Weight]:
+        """One matrix per expert (`layers.3.experts.gate_proj`: expert e's gate projection is
+        item e), however the file stores them (one 3-D tensor, or a tensor per expert)."""
+
     def tensor(self, name: str) -> torch.Tensor:
         """A small float tensor (norm weights, rope factors) on the model's device."""

@@ -102,11 +102,36 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_from_hf(path: Path, model) -> Path:
-    """Convert a transformers Llama model to an F32 GGUF the way llama.cpp's converter does."""
-    cfg = model.config
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "llama")
+# transformers' layer tensor names -> llama.cpp's; `*` is an expert's index
+_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+                "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+                "block_sparse_moe.gate": "ffn_gate_inp"}
+_EXPERT_NAMES = {"mlp.experts.*.gate_proj": "ffn_gate_exps", "mlp.experts.*.up_proj": "ffn_up_exps",
+                 "mlp.experts.*.down_proj": "ffn_down_exps", "block_sparse_moe.experts.*.w1": "ffn_gate_exps",
+                 "block_sparse_moe.experts.*.w3": "ffn_up_exps", "block_sparse_moe.experts.*.w2": "ffn_down_exps"}
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+
+
+def write_gguf_from_hf(path: Path, hf_dir: Path, expert_type: gguf.GGMLQuantizationType | None = None
+                       ) -> dict[str, np.ndarray]:
+    """Convert a saved transformers checkpoint (Llama, Mixtral, Qwen3, Qwen3-MoE) to a GGUF
+    the way llama.cpp's converter does: Q/K rows permuted for the llama architecture,
+    llama3 scaling as a rope_freqs tensor, each layer's experts stacked into one 3-D tensor.
+
+    With `expert_type`, expert matrices are stored quantized by the `gguf` package; returns
+    their dequantized values under the checkpoint's names, for a reference model to load."""
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    sd = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        sd.update({k: v.astype(np.float32) for k, v in load_file(f).items()})
+    arch = _GGUF_ARCH[cfg.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -114,6 +139,16 @@ def write_llama_from_hf(path: Path, model) -> Path:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch != "llama":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     rs = getattr(cfg, "rope_parameters", None) or cfg.rope_scaling or {}
     w.add_rope_freq_base(rs.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
     assert _add_tokenizer(w) == cfg.vocab_size
@@ -123,17 +158,27 @@ def write_llama_from_hf(path: Path, model) -> Path:
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
         w.add_tensor("output.weight", sd["lm_head.weight"])
-    names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    dequantized = {}
     for i in range(cfg.num_hidden_layers):
-        for hf, ours in names.items():
-            t = sd[f"model.layers.{i}.{hf}.weight"]
-            if ours == "attn_q":
-                t = _permute(t, cfg.num_attention_heads)
-            elif ours == "attn_k":
-                t = _permute(t, cfg.num_key_value_heads)
+        layer = f"model.layers.{i}."
+        for hf, ours in _LAYER_NAMES.items():
+            t = sd.get(f"{layer}{hf}.weight")
+            if t is None:
+                continue
+            if arch == "llama" and ours in ("attn_q", "attn_k"):
+                t = _permute(t, cfg.num_attention_heads if ours == "attn_q" else cfg.num_key_value_heads)
             w.add_tensor(f"blk.{i}.{ours}.weight", np.ascontiguousarray(t))
+        for hf, ours in _EXPERT_NAMES.items():
+            names = [f"{layer}{hf.replace('*', str(e))}.weight" for e in range(experts or 0)]
+            if not names or names[0] not in sd:
+                continue
+            stacked = np.stack([sd[n] for n in names])
+            if expert_type is None:
+                w.add_tensor(f"blk.{i}.{ours}.weight", stacked)
+                continue
+            packed = gguf.quants.quantize(stacked, expert_type)
+            w.add_tensor(f"blk.{i}.{ours}.weight", packed, raw_shape=packed.shape, raw_dtype=expert_type)
+            values = gguf.quants.dequantize(packed, expert_type)
+            dequantized.update({n: values[e] for e, n in enumerate(names)})
     _finish(w)
-    return path
+    return dequantized

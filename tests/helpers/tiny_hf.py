@@ -7,7 +7,8 @@ import json
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                          Qwen3Config, Qwen3MoeConfig)
 
 VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge
 
@@ -25,6 +26,7 @@ def write_tokenizer(path):
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+MOE = dict(**COMMON, head_dim=16, moe_intermediate_size=32, initializer_range=0.1)
 CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama-untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0),
@@ -37,6 +39,17 @@ CONFIGS = {
     "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=16,
                                        sliding_window=8, query_pre_attn_scalar=16,
                                        layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True),
+    # Mixture of experts, with weights 5x the default scale so the routing shows in the
+    # logits. qwen3-moe: 8 experts, 2 a token; layer 1 keeps a dense MLP (mlp_only_layers).
+    "qwen3-moe": lambda: Qwen3MoeConfig(**MOE, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                        mlp_only_layers=[1], tie_word_embeddings=False),
+    "qwen3-moe-unnormalized": lambda: Qwen3MoeConfig(**MOE, num_experts=4, num_experts_per_tok=3,
+                                                     norm_topk_prob=False),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                     initializer_range=0.1, tie_word_embeddings=False),
+    "mixtral-full": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                          initializer_range=0.1, tie_word_embeddings=False),
 }
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) and Qwen3: GGUF files written the way
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, GPT-OSS) and Qwen3: GGUF files written the way
 llama.cpp's converter writes them, against transformers on the same weights; the MoE layer's
 batch invariance; and the engine's guarantees (batched = alone, prefix-cache hit = cold,
 speculative greedy = plain) on a MoE model."""
@@ -37,7 +37,8 @@ def reference_dir(hf_dir, replaced: dict, out):
 
 
 @pytest.mark.parametrize("name,expert_type", [("qwen3", None), ("qwen3-moe", None), ("qwen3-moe", Q.Q8_0),
-                                              ("qwen3-moe", Q.Q4_0), ("mixtral-full", Q.Q4_1)])
+                                              ("qwen3-moe", Q.Q4_0), ("mixtral-full", Q.Q4_1), ("gpt-oss", None),
+                                              ("gpt-oss", Q.MXFP4)])
 def test_gguf_matches_transformers(tmp_path, name, expert_type):
     """Experts stay packed in their 3-D GGUF tensors, one slice per expert; transformers runs
     the dequantized values."""
@@ -47,7 +48,7 @@ def test_gguf_matches_transformers(tmp_path, name, expert_type):
     assert bool(dequantized) == (expert_type is not None and name != "qwen3")
     loaded = load_model(path)
     moes = [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, MoE)]
-    assert len(moes) == {"qwen3": 0, "qwen3-moe": 2, "mixtral-full": 3}[name]  # qwen3-moe: layer 1 is dense
+    assert len(moes) == {"qwen3": 0, "qwen3-moe": 2, "mixtral-full": 3, "gpt-oss": 4}[name]  # qwen3-moe: layer 1 dense
     if expert_type is not None:
         assert all(lin.weight.qtype == expert_type for m in moes for e in m.experts for lin in e.gate_up.linears())
     ref_dir = reference_dir(hf_dir, dequantized, tmp_path / "reference")
@@ -95,9 +96,9 @@ def test_router_orders():
         assert torch.allclose(w[0], expected)
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    return save(tmp_path_factory.mktemp("moe"), "qwen3-moe")
+@pytest.fixture(scope="module", params=["qwen3-moe", "gpt-oss"])
+def moe_dir(request, tmp_path_factory):
+    return save(tmp_path_factory.mktemp("moe"), request.param)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])

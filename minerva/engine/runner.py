@@ -31,11 +31,11 @@ class PagedBackend:
     positions: torch.Tensor  # [T]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None, scale: float) -> torch.Tensor:
+               window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         self.cache.write(layer, k, v, self.slot_mapping)
         return paged_attention(q, self.cache, layer, query_start_loc=self.query_start_loc,
                                seq_lens=self.seq_lens, block_tables=self.block_tables,
-                               positions=self.positions, window=window, scale=scale)
+                               positions=self.positions, window=window, scale=scale, sinks=sinks)
 
     def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
         """What a fused decoder layer needs to store and attend over this step's K/V, or

@@ -118,23 +118,24 @@ EMPTY = torch.empty(0)
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc, seq_lens,
                     block_tables, positions: torch.Tensor, window: int | None, scale: float,
-                    impl: str = "auto") -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
     """Causal (optionally sliding-window) attention of q [T, H, D] over the paged cache.
 
     Request b's queries are q[query_start_loc[b]:query_start_loc[b+1]], its last
     n tokens: positions seq_lens[b]-n .. seq_lens[b]-1 (chunked prefill, decode
     and speculative verification all have this shape). query_start_loc and seq_lens
     are lists or int64 tensors; block_tables a list of int64 tensors or a padded
-    [B, max_blocks] tensor. impl: "auto" (the C++ kernel where it applies), "native"
+    [B, max_blocks] tensor. sinks [H] (GPT-OSS): a logit per head in every softmax's
+    denominator, with no value. impl: "auto" (the C++ kernel where it applies), "native"
     or "torch".
     """
-    kernel = attention_kernel(q.dtype, cache) if impl != "torch" else None
+    kernel = attention_kernel(q.dtype, cache) if impl != "torch" and sinks is None else None
     if kernel is None:
         if impl == "native":
             raise RuntimeError(f"no attention kernel for this case ({dispatch.backend(q.device).unavailable_reason})")
         return paged_attention_torch(q, cache, layer, query_start_loc=list(map(int, query_start_loc)),
                                      seq_lens=list(map(int, seq_lens)), block_tables=block_tables,
-                                     positions=positions, window=window, scale=scale)
+                                     positions=positions, window=window, scale=scale, sinks=sinks)
     ks, vs = cache.scales["k"], cache.scales["v"]
     return kernel.paged_attention(
         q, cache.data["k"][layer], cache.data["v"][layer],
@@ -145,7 +146,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
 
 def paged_attention_torch(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc: list[int],
                           seq_lens: list[int], block_tables, positions: torch.Tensor,
-                          window: int | None, scale: float) -> torch.Tensor:
+                          window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The plain-torch path of `paged_attention`: one request at a time, through
     scaled_dot_product_attention. The mask is built from `positions`; the batch layout
     is only used, on the host, to skip keys no query can reach (before the window of
@@ -167,8 +168,26 @@ def paged_attention_torch(q: torch.Tensor, cache: PagedKVCache, layer: int, *, q
             mask = diff >= 0
             if window is not None:
                 mask &= diff < window
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale, enable_gqa=gqa)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            o = _attention_with_sinks(q[s:e].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask,
+                                      scale, sinks)
         out[s:e] = o.transpose(0, 1)
     return out
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax([q.k * scale, sink]) without the sink's column, times v; q [H, n, D], k/v
+    [Hkv, S, D], mask [n, S] (True: attend) or None."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0).float(), v.repeat_interleave(group, dim=0).float()
+    scores = q.float() @ k.transpose(1, 2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ v).to(q.dtype)

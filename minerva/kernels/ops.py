@@ -65,8 +65,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl: str = "aut
     return rope_torch(x, cos, sin)
 
 
-def act_mul(gate_up: torch.Tensor, activation: str, impl: str = "auto") -> torch.Tensor:
-    """act(gate) * up for gate_up [T, 2I] holding gate then up."""
+def act_mul(gate_up: torch.Tensor, activation: str, impl: str = "auto",
+            limit: tuple[float, float] | None = None) -> torch.Tensor:
+    """act(gate) * up for gate_up [T, 2I] holding gate then up. "swiglu_limit" is GPT-OSS's,
+    with limit = (L, alpha): gate clamped above at L, up to ±L, and (up + 1) · gate · σ(alpha gate)."""
+    if activation == "swiglu_limit":
+        bound, alpha = limit
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=bound)
+        return (up.clamp(-bound, bound) + 1) * (gate * torch.sigmoid(gate * alpha))
     k = dispatch.op_kernel(gate_up) if impl == "auto" and gate_up.dim() == 2 and (gate_up.shape[-1] // 2) % 16 == 0 else None
     if k is not None:
         return k.act_mul(gate_up, ACT_IDS[activation])

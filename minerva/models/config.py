@@ -48,13 +48,19 @@ def check_plausible(values: Mapping[str, Any], source: str, keys: Mapping[str, s
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling: none, linear (position interpolation) or llama3."""
+    """Rotary frequency scaling: none, linear (position interpolation), llama3 or yarn."""
 
-    kind: str = "none"  # none | linear | llama3
+    kind: str = "none"  # none | linear | llama3 | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # yarn: the ramp between beta_fast and beta_slow rotations, unrounded unless `truncate`;
+    # cos and sin scaled by attention_factor (None: 0.1 ln(factor) + 1)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class ModelConfig:
     rope_local_theta: float | None = None  # base for sliding layers when it differs (Gemma 3)
     attn_scale: float | None = None  # softmax scale; None means head_dim ** -0.5
     final_logit_softcap: float | None = None
+    swiglu_limit: tuple[float, float] | None = None  # GPT-OSS's clamped SwiGLU: (limit, alpha)
     # Mixture of experts (0 experts: every feed-forward is dense). A layer whose file has a
     # router is a MoE layer; the others (Qwen3-MoE's `mlp_only_layers`) stay dense.
     num_experts: int = 0

@@ -21,9 +21,10 @@ from minerva.models.config import SLIDING, TOPK_SOFTMAX, ModelConfig, RopeScalin
 
 class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               window: int | None, scale: float) -> torch.Tensor:
+               window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store the new k/v [T, Hkv, D] of `layer` and return attention outputs [T, H, D]
-        of the queries q [T, H, D] over each sequence's keys (causal, windowed if given)."""
+        of the queries q [T, H, D] over each sequence's keys (causal, windowed if given;
+        `sinks` [H]: a logit per head that joins each softmax's denominator only)."""
 
     def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
         """What a fused decoder layer needs to store and attend over this step's K/V of
@@ -66,7 +67,7 @@ class Linear(Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight.matmul(x)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class Projections(Layer):
@@ -76,8 +77,11 @@ class Projections(Layer):
     def __init__(self, *linears: Linear):
         super().__init__()
         self.sizes = [lin.weight.shape[0] for lin in linears]
-        fused = fuse([lin.weight for lin in linears]) if all(lin.bias is None for lin in linears) else None
-        self.fused = Linear(fused) if fused is not None else None
+        fused = fuse([lin.weight for lin in linears])
+        some = next((lin.bias for lin in linears if lin.bias is not None), None)
+        bias = None if some is None else torch.cat([lin.bias if lin.bias is not None else some.new_zeros(n)
+                                                    for lin, n in zip(linears, self.sizes)])
+        self.fused = Linear(fused, bias) if fused is not None else None
         self.parts = nn.ModuleList(linears) if fused is None else None
 
     def linears(self) -> list[Linear]:
@@ -107,6 +111,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
         return inv_freq / freq_factors.float().to(inv_freq.device)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if scaling.kind == "llama3":
         low_wavelen = scaling.original_max_position / scaling.low_freq_factor
         high_wavelen = scaling.original_max_position / scaling.high_freq_factor
@@ -120,17 +126,47 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling,
     return inv_freq
 
 
-class Rotary(Layer):
-    """Rotary position embedding, half-split ("neox") layout."""
+def yarn_attention_factor(scaling: RopeScaling) -> float:
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
 
-    def __init__(self, inv_freq: torch.Tensor):
+
+def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    interpolated (divided by the factor), those turning more than beta_fast times kept,
+    with a linear ramp between."""
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return (head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+class Rotary(Layer):
+    """Rotary position embedding, half-split ("neox") layout; cos and sin scaled by
+    `attention_factor` (YaRN), which scales q.k by its square."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_factor: float = 1.0):
         super().__init__()
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # moves with model.to(device)
+        self.attention_factor = attention_factor
 
     def cos_sin(self, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         cos_sin = ctx.rope.get(id(self))
         if cos_sin is None:  # once per forward pass, shared by every layer using this rotary
-            cos_sin = ctx.rope[id(self)] = ops.rope_cos_sin(ctx.positions, self.inv_freq)
+            cos, sin = ops.rope_cos_sin(ctx.positions, self.inv_freq)
+            if self.attention_factor != 1.0:
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            cos_sin = ctx.rope[id(self)] = cos, sin
         return cos_sin
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, ctx: AttentionContext
@@ -142,7 +178,7 @@ class Rotary(Layer):
 class Attention(Layer):
     def __init__(self, config: ModelConfig, layer: int, q: Linear, k: Linear, v: Linear,
                  o: Linear, rotary: Rotary, q_norm: RMSNorm | None = None,
-                 k_norm: RMSNorm | None = None):
+                 k_norm: RMSNorm | None = None, sinks: torch.Tensor | None = None):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -152,6 +188,7 @@ class Attention(Layer):
         self.qkv_proj, self.o_proj = Projections(q, k, v), o
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rotary = rotary
+        self.sinks = sinks
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         T = x.shape[0]
@@ -162,22 +199,23 @@ class Attention(Layer):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, ctx)
-        out = ctx.backend.attend(self.layer, q, k, v, self.window, self.scale)
+        out = ctx.backend.attend(self.layer, q, k, v, self.window, self.scale, self.sinks)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
 class GatedMLP(Layer):
     """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU for Gemma."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear, activation: str):
+    def __init__(self, gate: Linear, up: Linear, down: Linear, activation: str,
+                 limit: tuple[float, float] | None = None):
         super().__init__()
         self.gate_up, self.down = Projections(gate, up), down
-        self.activation = activation
+        self.activation, self.limit = activation, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up.fused
         gate_up = fused(x) if fused is not None else torch.cat(self.gate_up(x), dim=-1)
-        return self.down(ops.act_mul(gate_up, self.activation))
+        return self.down(ops.act_mul(gate_up, self.activation, limit=self.limit))
 
 
 class MoE(Layer):
@@ -252,8 +290,8 @@ class DecoderLayer(Layer):
         kernel and the norms and head size suit the kernel's ops. It runs the same kernels
         in the same order as `forward`, which tests/test_native_layer.py checks bit for bit."""
         attn, mlp = self.attn, self.mlp
-        if not isinstance(mlp, GatedMLP):  # the layer kernel runs a dense feed-forward only
-            return
+        if not isinstance(mlp, GatedMLP) or attn.sinks is not None or mlp.activation not in ops.ACT_IDS:
+            return  # the layer kernel runs a dense feed-forward of its activations, without sinks
         qkv, gate_up = attn.qkv_proj.linears(), mlp.gate_up.linears()
         linears = [*qkv, attn.o_proj, *gate_up, mlp.down]
         norms = [n for n in (self.input_norm, self.pre_mlp_norm, self.post_attn_norm, self.post_mlp_norm,

@@ -13,13 +13,17 @@ FFN = ("gate_proj", "up_proj", "down_proj")
 
 def feed_forward(config: ModelConfig, w: WeightSource, prefix: str, activation: str) -> GatedMLP | MoE:
     """The layer's feed-forward: a MoE where the file has a router for it, else dense."""
+    limit = config.swiglu_limit
     if not w.has(prefix + "router"):
-        return GatedMLP(*(Linear(w.weight(prefix + n)) for n in FFN), activation=activation)
-    gate, up, down = (w.experts(prefix + "experts." + n) for n in FFN)
-    experts = [GatedMLP(Linear(g), Linear(u), Linear(d), activation=activation)
-               for g, u, d in zip(gate, up, down)]
-    return MoE(Linear(w.weight(prefix + "router")), experts, config.num_experts_per_tok,
-               config.moe_routing, config.moe_renormalize)
+        return GatedMLP(*(Linear(w.weight(prefix + n)) for n in FFN), activation=activation, limit=limit)
+    names = [prefix + "experts." + n for n in FFN]
+    weights = [w.experts(n) for n in names]
+    biases = [w.expert_biases(n) or [None] * len(ws) for n, ws in zip(names, weights)]
+    experts = [GatedMLP(*(Linear(ws[e], bs[e]) for ws, bs in zip(weights, biases)), activation=activation,
+                        limit=limit) for e in range(len(weights[0]))]
+    router = prefix + "router"
+    return MoE(Linear(w.weight(router), w.tensor(router + ".bias") if w.has(router + ".bias") else None), experts,
+               config.num_experts_per_tok, config.moe_routing, config.moe_renormalize)
 
 
 def build(config: ModelConfig, w: WeightSource) -> CausalLM:

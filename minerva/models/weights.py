@@ -24,5 +24,8 @@ class WeightSource(Protocol):
         """One matrix per expert (`layers.3.experts.gate_proj`: expert e's gate projection is
         item e), however the file stores them (one 3-D tensor, or a tensor per expert)."""
 
+    def expert_biases(self, name: str) -> list[torch.Tensor] | None:
+        """Each expert's bias for the matrices `experts(name)` gives, or None without biases."""
+
     def tensor(self, name: str) -> torch.Tensor:
         """A small float tensor (norm weights, rope factors) on the model's device."""

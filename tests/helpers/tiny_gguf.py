@@ -112,12 +112,34 @@ _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "s
 _EXPERT_NAMES = {"mlp.experts.*.gate_proj": "ffn_gate_exps", "mlp.experts.*.up_proj": "ffn_up_exps",
                  "mlp.experts.*.down_proj": "ffn_down_exps", "block_sparse_moe.experts.*.w1": "ffn_gate_exps",
                  "block_sparse_moe.experts.*.w3": "ffn_up_exps", "block_sparse_moe.experts.*.w2": "ffn_down_exps"}
-_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+
+
+_GPT_OSS_NAMES = {"self_attn.sinks": "attn_sinks", "post_attention_layernorm": "post_attention_norm",
+                  "mlp.router": "ffn_gate_inp"}
+
+
+def _gpt_oss_experts(sd: dict, layers: int) -> dict[str, np.ndarray]:
+    """GPT-OSS's experts (one input-major tensor per layer, gate and up interleaved) as
+    one matrix per expert under Qwen3-MoE's names, as llama.cpp's converter splits them;
+    its `sinks` tensors under the `.weight` name the other tensors have."""
+    out = {}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        gate_up, gate_up_bias = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.gate_up_proj_bias"]
+        down, down_bias = sd[p + "mlp.experts.down_proj"], sd[p + "mlp.experts.down_proj_bias"]
+        for e in range(gate_up.shape[0]):
+            q = f"{p}mlp.experts.{e}."
+            out[q + "gate_proj.weight"], out[q + "gate_proj.bias"] = gate_up[e][:, 0::2].T, gate_up_bias[e][0::2]
+            out[q + "up_proj.weight"], out[q + "up_proj.bias"] = gate_up[e][:, 1::2].T, gate_up_bias[e][1::2]
+            out[q + "down_proj.weight"], out[q + "down_proj.bias"] = down[e].T, down_bias[e]
+        out[p + "self_attn.sinks.weight"] = sd[p + "self_attn.sinks"]
+    return out
 
 
 def write_gguf_from_hf(path: Path, hf_dir: Path, expert_type: gguf.GGMLQuantizationType | None = None
                        ) -> dict[str, np.ndarray]:
-    """Convert a saved transformers checkpoint (Llama, Mixtral, Qwen3, Qwen3-MoE) to a GGUF
+    """Convert a saved transformers checkpoint (Llama, Mixtral, Qwen3, Qwen3-MoE, GPT-OSS) to a GGUF
     the way llama.cpp's converter does: Q/K rows permuted for the llama architecture,
     llama3 scaling as a rope_freqs tensor, each layer's experts stacked into one 3-D tensor.
 
@@ -143,6 +165,13 @@ def write_gguf_from_hf(path: Path, hf_dir: Path, expert_type: gguf.GGMLQuantizat
     if arch != "llama":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gpt-oss":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
+        sd.update(_gpt_oss_experts(sd, cfg.num_hidden_layers))
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:
         w.add_expert_count(experts)
@@ -159,20 +188,25 @@ def write_gguf_from_hf(path: Path, hf_dir: Path, expert_type: gguf.GGMLQuantizat
     if "lm_head.weight" in sd and not cfg.tie_word_embeddings:
         w.add_tensor("output.weight", sd["lm_head.weight"])
     dequantized = {}
+    layer_names = {**_LAYER_NAMES, **(_GPT_OSS_NAMES if arch == "gpt-oss" else {})}
     for i in range(cfg.num_hidden_layers):
         layer = f"model.layers.{i}."
-        for hf, ours in _LAYER_NAMES.items():
-            t = sd.get(f"{layer}{hf}.weight")
-            if t is None:
-                continue
-            if arch == "llama" and ours in ("attn_q", "attn_k"):
-                t = _permute(t, cfg.num_attention_heads if ours == "attn_q" else cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{ours}.weight", np.ascontiguousarray(t))
+        for hf, ours in layer_names.items():
+            for kind in ("weight", "bias"):
+                t = sd.get(f"{layer}{hf}.{kind}")
+                if t is None:
+                    continue
+                if arch == "llama" and ours in ("attn_q", "attn_k"):
+                    t = _permute(t, cfg.num_attention_heads if ours == "attn_q" else cfg.num_key_value_heads)
+                w.add_tensor(f"blk.{i}.{ours}.{kind}", np.ascontiguousarray(t))
         for hf, ours in _EXPERT_NAMES.items():
             names = [f"{layer}{hf.replace('*', str(e))}.weight" for e in range(experts or 0)]
             if not names or names[0] not in sd:
                 continue
             stacked = np.stack([sd[n] for n in names])
+            biases = [f"{layer}{hf.replace('*', str(e))}.bias" for e in range(experts)]
+            if biases[0] in sd:
+                w.add_tensor(f"blk.{i}.{ours}.bias", np.stack([sd[n] for n in biases]))
             if expert_type is None:
                 w.add_tensor(f"blk.{i}.{ours}.weight", stacked)
                 continue
@@ -181,4 +215,14 @@ def write_gguf_from_hf(path: Path, hf_dir: Path, expert_type: gguf.GGMLQuantizat
             values = gguf.quants.dequantize(packed, expert_type)
             dequantized.update({n: values[e] for e, n in enumerate(names)})
     _finish(w)
+    if arch == "gpt-oss" and dequantized:  # back to the checkpoint's own layout
+        fused = {}
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            gate, up, down = (np.stack([dequantized[f"{p}{e}.{n}.weight"] for e in range(experts)])
+                              for n in ("gate_proj", "up_proj", "down_proj"))
+            gate_up = np.empty((experts, gate.shape[2], 2 * gate.shape[1]), dtype=np.float32)
+            gate_up[:, :, 0::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+            fused[p + "gate_up_proj"], fused[p + "down_proj"] = gate_up, down.transpose(0, 2, 1).copy()
+        return fused
     return dequantized

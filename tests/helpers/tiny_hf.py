@@ -7,8 +7,8 @@ import json
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
+                          MixtralConfig, Qwen3Config, Qwen3MoeConfig)
 
 VOCAB = 257  # the tiny GGUF vocabulary: 256 byte symbols and one merge
 
@@ -48,6 +48,14 @@ CONFIGS = {
                                                      norm_topk_prob=False),
     "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                      initializer_range=0.1, tie_word_embeddings=False),
+    # GPT-OSS: 128-token windows shrunk to 8; YaRN over an original context of 32 so that
+    # the ramp falls inside the 8 frequencies of a 16-dim head
+    "gpt-oss": lambda: GptOssConfig(**{**MOE, "intermediate_size": 32, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+                                    rope_parameters={
+                                        "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "truncate": False, "original_max_position_embeddings": 32,
+                                        "rope_theta": 150000.0}),
     "mixtral-full": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                           initializer_range=0.1, tie_word_embeddings=False),
 }
@@ -62,6 +70,8 @@ def save(tmp_path, name, dtype=torch.float32, shard=None):
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.normal_(0.0, 0.5)
+            if n.endswith("experts.gate_up_proj") and name == "gpt-oss":
+                p.mul_(40.0)  # gate and up values past GPT-OSS's clamp at ±7
     model = model.to(dtype)
     path = tmp_path / name
     model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))

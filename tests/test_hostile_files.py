@@ -137,6 +137,11 @@ HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appen
     ("nested-100000", '"a": ' + "[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
     ("int-5000-digits", '"hidden_size": ' + "9" * 5000, ["cannot read"]),
     ("rope-list", {"rope_scaling": [1, 2]}, ["bad field"]),
+    ("yarn-without-factor", {"rope_scaling": {"rope_type": "yarn"}}, ["bad field"]),
+    ("experts-1e9", {"model_type": "mixtral", "num_local_experts": 10**9, "num_experts_per_tok": 2},
+     ["num_local_experts = 1000000000", "plausible expert count"]),
+    ("experts-per-token-past-experts", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 9,
+                                        "moe_intermediate_size": 32}, ["num_experts_per_tok=9"]),
     ("model-type-list", {"model_type": ["llama"]}, ["not supported"]),
 ]
 

@@ -66,8 +66,7 @@ class GGUFWeights:
 
     def _weight(self, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> Weight:
         if qtype in _FLOAT_TYPES:
-            return float_weight(raw.contiguous().view(_FLOAT_TYPES[qtype]).reshape(shape).to(self.device),
-                                self.dtype)
+            return float_weight(_float_view(raw, qtype, shape).to(self.device), self.dtype)
         return PackedWeight(raw.to(self.device), qtype, shape, self.dtype)
 
     def experts(self, name: str) -> list[Weight]:
@@ -86,7 +85,7 @@ class GGUFWeights:
         if t.qtype not in _FLOAT_TYPES:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' should be a float tensor, "
                                f"found {t.qtype.name}")
-        return _float_view(raw, t).float().to(self.device)
+        return _float_view(raw, t.qtype, t.shape).float().to(self.device)
 
 
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32,
@@ -94,8 +93,8 @@ _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32,
                 gguf.GGMLQuantizationType.BF16: torch.bfloat16}
 
 
-def _float_view(raw: torch.Tensor, t: GGUFTensor) -> torch.Tensor:
-    return raw.contiguous().view(_FLOAT_TYPES[t.qtype]).reshape(t.shape)
+def _float_view(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
+    return raw.contiguous().view(_FLOAT_TYPES[qtype]).reshape(shape)
 
 
 class SafeTensorsWeights:
@@ -219,7 +218,7 @@ def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
                                   or hidden // heads)
         extra = arch.gguf_config(f)
         check_plausible({**sizes, **extra}, f"'{f.path}'", keys)
-        return ModelConfig(**{
+        return _named_config(f"'{f.path}'", {
             "architecture": f.architecture,
             **sizes,
             "rms_norm_eps": float(f.require("attention.layer_norm_rms_epsilon")),
@@ -265,7 +264,15 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
         )
     except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as exc:
         raise MinervaError(f"{source} lacks or has a bad field ({type(exc).__name__}: {exc})") from None
-    return ModelConfig(**fields), arch
+    return _named_config(source, fields), arch
+
+
+def _named_config(source: str, fields: dict[str, Any]) -> ModelConfig:
+    """ModelConfig(**fields), its inconsistencies reported under the file they came from."""
+    try:
+        return ModelConfig(**fields)
+    except MinervaError as exc:
+        raise MinervaError(f"{source}: {exc}") from None
 
 
 def _prepare(model: CausalLM) -> tuple[int, int]:

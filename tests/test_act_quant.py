@@ -16,7 +16,8 @@ from minerva.kernels import act_quant, native
 from tests.helpers.paged import paged_logits
 from tests.helpers.quant_blocks import random_blocks, realistic_blocks
 
-PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+                QT.MXFP4]
 
 needs_kernels = pytest.mark.skipif(not native.capable(), reason="this CPU cannot run the packed kernels")
 

@@ -143,6 +143,8 @@ HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appen
     ("experts-per-token-past-experts", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 9,
                                         "moe_intermediate_size": 32}, ["num_experts_per_tok=9"]),
     ("model-type-list", {"model_type": ["llama"]}, ["not supported"]),
+    ("quantized-gptq", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     ["quantized with 'gptq'", "float checkpoint"]),
 ]
 
 

@@ -14,11 +14,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from minerva import LLM, SamplingParams
+from minerva.kernels import native
 from minerva.models.layers import MoE
 from minerva.models.loader import load_model
 from tests.helpers.paged import paged_logits
 from tests.helpers.tiny_gguf import write_gguf_from_hf
-from tests.helpers.tiny_hf import VOCAB, save
+from tests.helpers.tiny_hf import VOCAB, save, to_mxfp4
 from tests.test_engine import GREEDY, SAMPLED, make_llm, prompts, run_alone
 
 Q = gguf.GGMLQuantizationType
@@ -56,6 +57,21 @@ def test_gguf_matches_transformers(tmp_path, name, expert_type):
     mine = paged_logits(loaded.model, ids, chunk=16)
     with torch.inference_mode():
         ref = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max()
+
+
+def test_safetensors_mxfp4_experts_stay_packed_and_match_transformers(tmp_path):
+    """GPT-OSS's published layout (`*_blocks`, `*_scales`) loads into GGML's MXFP4 blocks; the
+    reference is transformers dequantizing the same checkpoint by its own reading of it."""
+    hf_dir = to_mxfp4(save(tmp_path, "gpt-oss"))
+    loaded = load_model(hf_dir, activations="float")
+    experts = [lin.weight for layer in loaded.model.layers for e in layer.mlp.experts
+               for lin in (*e.gate_up.linears(), e.down)]
+    assert all(w.qtype == Q.MXFP4 and (w.kernel is not None) == native.capable() for w in experts)
+    ids = torch.randint(0, VOCAB, (40,)).tolist()
+    mine = paged_logits(loaded.model, ids, chunk=16)
+    with torch.inference_mode():
+        ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
     assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max()
 
 

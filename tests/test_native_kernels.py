@@ -13,7 +13,8 @@ from gguf.quants import quantize as gguf_quantize
 from minerva.kernels import native
 from tests.helpers.quant_blocks import bits, random_blocks, realistic_blocks
 
-PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+PACKED_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+                QT.MXFP4]
 
 capable = native.capable()
 if not capable:
@@ -59,7 +60,7 @@ def test_matmul_matches_float64_reference(kernels, qtype, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q2_K, QT.Q3_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q2_K, QT.Q3_K, QT.Q6_K, QT.MXFP4], ids=lambda t: t.name)
 def test_a_row_does_not_depend_on_the_batch(kernels, qtype, dtype):
     rng = np.random.default_rng(3)
     raw = torch.from_numpy(realistic_blocks(qtype, 40, 512, rng))

@@ -269,3 +269,19 @@ def dequantize_rows(raw_rows: torch.Tensor, qtype: QT | int, cols: int) -> torch
     dequantize only those.
     """
     return dequantize(raw_rows, qtype, (*raw_rows.shape[:-1], cols))
+
+
+def mxfp4_from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as the published SafeTensors checkpoints store it (GPT-OSS's `*_blocks`
+    [..., groups, 16] and `*_scales` [..., groups], uint8) -> GGML MXFP4 rows [..., groups * 17].
+
+    Both hold 32 E2M1 values per block with one E8M0 exponent byte, and mean the same numbers:
+    the checkpoints put elements 2j and 2j + 1 in the low and high nibble of byte j and scale
+    by 2^(e - 127); GGML puts elements j and j + 16 there and scales its doubled values by
+    2^(e - 128). Only the nibbles move.
+    """
+    low, high = blocks & 0x0F, blocks >> 4
+    values = torch.stack([low, high], dim=-1).flatten(-2)  # element i of each block of 32
+    ggml = values[..., :16] | (values[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), ggml], dim=-1).flatten(-2)
+

@@ -78,13 +78,18 @@ class SafeTensorsDir:
     def tensor_names(self) -> list[str]:
         return list(self._where)
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor(self, name: str, packed: bool = False) -> torch.Tensor:
+        """The tensor `name`: a float one, or with `packed` a uint8 one (quantized blocks)."""
         try:
             t = self._where[name].get_tensor(name)
         except Exception as exc:
             raise MinervaError(f"'{self.path}': cannot read tensor '{name}' ({exc}); "
                                "the file may be truncated") from None
-        if t.dtype not in SUPPORTED_DTYPES:
+        if packed:
+            if t.dtype != torch.uint8:
+                raise MinervaError(f"'{self.path}': tensor '{name}' has dtype {t.dtype}; "
+                                   "packed blocks are uint8")
+        elif t.dtype not in SUPPORTED_DTYPES:
             raise MinervaError(f"'{self.path}': tensor '{name}' has dtype {t.dtype}; "
                                "supported are float32, float16 and bfloat16")
         return t

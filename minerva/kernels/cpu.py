@@ -12,7 +12,7 @@ from minerva.kernels.base import KernelBackend
 
 Q = gguf.GGMLQuantizationType
 # GGML types qmatmul.cpp multiplies straight from their blocks
-MATMUL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+MATMUL_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4,
                           Q.F32, Q.F16, Q.BF16})
 ACTIVATIONS = (torch.float32, torch.bfloat16)
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)

@@ -38,7 +38,10 @@ HF_GPT_OSS = {**_HF_COMMON, "post_attention_layernorm": "pre_mlp_norm", "self_at
               "mlp.router": "router",
               # experts in one tensor each, input-major, gate and up rows interleaved
               "mlp.experts.gate_up_proj": "experts.gate_up_t", "mlp.experts.gate_up_proj_bias": "experts.gate_up_bias",
-              "mlp.experts.down_proj": "experts.down_t", "mlp.experts.down_proj_bias": "experts.down_proj.bias"}
+              "mlp.experts.down_proj": "experts.down_t", "mlp.experts.down_proj_bias": "experts.down_proj.bias",
+              # the published checkpoints' MXFP4 experts: output-major rows of 32-value blocks
+              **{f"mlp.experts.{n}_proj_{part}": f"experts.{n}_{part}"
+                 for n in ("gate_up", "down") for part in ("blocks", "scales")}}
 # llama.cpp's GPT-OSS files name the pre-feed-forward norm `post_attention_norm`
 GGUF_GPT_OSS = {**GGUF_LAYER, "post_attention_norm": "pre_mlp_norm", "attn_sinks": "sinks"}
 _HF_QK_NORM = {"self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
@@ -81,6 +84,10 @@ SHAPES: dict[str, Callable[[ModelConfig], tuple[int, ...]]] = {
     "experts.gate_up_t": lambda c: (c.num_experts, c.hidden_size, 2 * c.expert_ffn_size),
     "experts.gate_up_bias": lambda c: (c.num_experts, 2 * c.expert_ffn_size),
     "experts.down_t": lambda c: (c.num_experts, c.expert_ffn_size, c.hidden_size),
+    "experts.gate_up_blocks": lambda c: (c.num_experts, 2 * c.expert_ffn_size, c.hidden_size // 32, 16),
+    "experts.gate_up_scales": lambda c: (c.num_experts, 2 * c.expert_ffn_size, c.hidden_size // 32),
+    "experts.down_blocks": lambda c: (c.num_experts, c.hidden_size, c.expert_ffn_size // 32, 16),
+    "experts.down_scales": lambda c: (c.num_experts, c.hidden_size, c.expert_ffn_size // 32),
     "expert.gate_proj": lambda c: (c.expert_ffn_size, c.hidden_size),
     "expert.up_proj": lambda c: (c.expert_ffn_size, c.hidden_size),
     "expert.down_proj": lambda c: (c.hidden_size, c.expert_ffn_size),

@@ -16,7 +16,7 @@ import torch
 
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile, GGUFTensor
-from minerva.formats.quant import QUANT_TYPES
+from minerva.formats.quant import QUANT_TYPES, mxfp4_from_blocks
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels import act_quant
@@ -115,10 +115,10 @@ class SafeTensorsWeights:
     def has(self, name: str) -> bool:
         return name in self.by_name
 
-    def _get(self, name: str) -> torch.Tensor:
+    def _get(self, name: str, packed: bool = False) -> torch.Tensor:
         if name not in self.by_name:
             raise MinervaError(f"'{self.d.path}' lacks the tensor for '{name}'; the checkpoint is incomplete")
-        t = self.d.tensor(self.by_name[name])
+        t = self.d.tensor(self.by_name[name], packed)
         check_shape(name, self.by_name[name], t.shape, self.config, f"'{self.d.path}'")
         return t
 
@@ -137,13 +137,27 @@ class SafeTensorsWeights:
         layer with gate and up rows interleaved."""
         layer, _, part = name.partition(".experts.")
         count = self.config.num_experts
-        fused = f"{layer}.experts.{'down_t' if part == 'down_proj' else 'gate_up_t'}"
+        stem = f"{layer}.experts.{'down' if part == 'down_proj' else 'gate_up'}"
+        if self.has(stem + "_blocks"):
+            return self._mxfp4_experts(stem, part)
+        fused = stem + "_t"
         if self.has(fused):
             t = self._get(fused)
             if part != "down_proj":
                 t = t[:, :, 0::2] if part == "gate_proj" else t[:, :, 1::2]
             return [self._weight(t[e].t().contiguous(), name) for e in range(count)]
         return [self.weight(f"{layer}.experts.{e}.{part}") for e in range(count)]
+
+    def _mxfp4_experts(self, stem: str, part: str) -> list[Weight]:
+        """GPT-OSS's MXFP4 experts (`*_blocks`, `*_scales`; gate and up rows interleaved),
+        rewritten into GGML's MXFP4 layout: they stay packed, as from a GGUF file."""
+        blocks, scales = self._get(stem + "_blocks", packed=True), self._get(stem + "_scales", packed=True)
+        if part != "down_proj":
+            rows = slice(0, None, 2) if part == "gate_proj" else slice(1, None, 2)
+            blocks, scales = blocks[:, rows], scales[:, rows]
+        shape = (blocks.shape[1], blocks.shape[2] * 32)
+        return [PackedWeight(mxfp4_from_blocks(blocks[e], scales[e]).to(self.device), gguf.GGMLQuantizationType.MXFP4,
+                             shape, self.dtype) for e in range(blocks.shape[0])]
 
     def expert_biases(self, name: str) -> list[torch.Tensor] | None:
         layer, _, part = name.partition(".experts.")
@@ -236,6 +250,11 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
     arch_name = HF_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else "?"
     source = f"'{path / 'config.json'}'"
     arch = find_architecture(arch_name, source)
+    quant = cfg.get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in (None, "mxfp4"):
+        raise MinervaError(f"{source}: the checkpoint is quantized with {method!r}, which Minerva cannot read; "
+                           "use its float checkpoint (--quantize int8/int4 packs it at load) or a GGUF file")
     try:
         heads = whole(cfg["num_attention_heads"])
         hidden = whole(cfg["hidden_size"])

@@ -31,6 +31,8 @@ def random_blocks(qtype, shape, rng, finite=True):
             raw = _finite_fp16_bits(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
         for off in FP16_FIELDS.get(qtype, []):
             raw[:, off:off + 2] = _finite_fp16_bits(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+        if qtype == QT.MXFP4:  # E8M0 scales 2^-128 .. 2^71: products and sums stay finite
+            raw[:, 0] = rng.integers(0, 200, size=n_blocks, dtype=np.uint8)
     return raw.reshape(*shape[:-1], shape[-1] // block_size * type_size)
 
 
@@ -42,7 +44,7 @@ def bits(x):
 
 def realistic_blocks(qtype, rows, cols, rng):
     """Packed weights with the value ranges of real checkpoints (scales ~1e-2)."""
-    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.MXFP4):
         return gguf_quantize(rng.standard_normal((rows, cols)).astype(np.float32) * 0.05, qtype)
     raw = random_blocks(qtype, (rows, cols), rng).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     for off in FP16_FIELDS[qtype]:

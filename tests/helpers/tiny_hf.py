@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import gguf
+import numpy as np
 import torch
+from gguf.quants import quantize
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
@@ -77,3 +81,27 @@ def save(tmp_path, name, dtype=torch.float32, shard=None):
     model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
     write_tokenizer(path)
     return path
+
+
+def to_mxfp4(path):
+    """Rewrite a saved GPT-OSS checkpoint's experts as the published checkpoints store them:
+    MXFP4 `*_blocks` [experts, out, in / 32, 16] and `*_scales` [experts, out, in / 32], values
+    quantized by the gguf package (elements 2j and 2j + 1 in the low and high nibble of byte j),
+    with the config's `quantization_config`; transformers dequantizes them when it loads."""
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).transpose(1, 2).float()  # input-major -> [experts, out, in]
+        experts, rows, cols = w.shape
+        q = quantize(w.reshape(-1, cols).numpy(), gguf.GGMLQuantizationType.MXFP4)
+        q = q.reshape(experts, rows, cols // 32, 17)
+        elements = np.concatenate([q[..., 1:] & 15, q[..., 1:] >> 4], axis=-1)  # GGML: j and j + 16
+        blocks = elements[..., 0::2] | (elements[..., 1::2] << 4)
+        tensors[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+        tensors[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(q[..., 0]))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+

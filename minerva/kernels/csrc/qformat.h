@@ -13,13 +13,25 @@ namespace minerva {
 
 // GGML type ids (gguf.GGMLQuantizationType)
 enum : int { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-             Q5_K = 13, Q6_K = 14, BF16 = 30 };
+             Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39 };
 
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
 }
+
+// MXFP4: the E8M0 block scale as GGML keeps it, halved (2^(e - 128)), since its table of
+// E2M1 values is doubled to integers: ±{0, 1, 2, 3, 4, 6, 8, 12}. Exact for every e.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// MXFP4 element values by nibble (bit 3: the sign), doubled as GGML stores them
+inline __m128i mxfp4_values() { return _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12); }
 
 // Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes
 inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
@@ -75,6 +87,7 @@ template <> struct Layout<Q3_K> { static constexpr int block = 256, bytes = 110;
 template <> struct Layout<Q4_K> { static constexpr int block = 256, bytes = 144; };
 template <> struct Layout<Q5_K> { static constexpr int block = 256, bytes = 176; };
 template <> struct Layout<Q6_K> { static constexpr int block = 256, bytes = 210; };
+template <> struct Layout<MXFP4> { static constexpr int block = 32, bytes = 17; };
 
 // Calls f.template operator()<QT>() for the GGML type `qtype`.
 template <typename F>
@@ -90,6 +103,7 @@ auto with_format(int64_t qtype, F&& f) {
     case Q4_K: return f.template operator()<Q4_K>();
     case Q5_K: return f.template operator()<Q5_K>();
     case Q6_K: return f.template operator()<Q6_K>();
+    case MXFP4: return f.template operator()<MXFP4>();
     case F32: return f.template operator()<F32>();
     case F16: return f.template operator()<F16>();
     case BF16: return f.template operator()<BF16>();

@@ -1,7 +1,7 @@
 // Packed GGML-quantized matmul for x86-64 CPUs with AVX-512 (F, BW, VL, BF16) and F16C.
 //
 // y[M, N] = x[M, K] @ W^T, where W [N, K] stays in its GGUF block layout (Q4_0, Q4_1,
-// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), or is a plain F32, F16 or BF16 matrix read as
+// Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4), or is a plain F32, F16 or BF16 matrix read as
 // blocks of 32 (float checkpoints get the same batch-invariant kernels). A panel of weight rows is decoded into a small
 // scratch buffer (fp32 or bf16, the dtype of x) and reused for every row of x.
 //
@@ -104,6 +104,17 @@ inline void decode32<Q8_0>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1
   __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
   w0 = _mm512_mul_ps(cvt_i8(q0), d);
   w1 = _mm512_mul_ps(cvt_i8(q1), d);
+}
+
+// MXFP4: weight = d * value[q], d = 2^(e - 128) from the block's E8M0 byte, value the doubled
+// E2M1 table; element j is the low nibble of byte j, element j + 16 its high nibble
+template <>
+inline void decode32<MXFP4>(const uint8_t* row, int64_t g, __m512& w0, __m512& w1) {
+  const uint8_t* b = row + g * 17;
+  const __m512 table = _mm512_mul_ps(_mm512_set1_ps(e8m0_half(b[0])), cvt_i8(mxfp4_values()));
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)));
+  w0 = _mm512_permutexvar_ps(idx, table);
+  w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);
 }
 
 // Q2_K: weight = (d * sc) * q - (dmin * mn), q 2-bit; scale (low nibble) and min (high

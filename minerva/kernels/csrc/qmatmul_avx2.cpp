@@ -2,7 +2,7 @@
 //
 // y[M, N] = x[M, K] @ W^T, the entry points of qmatmul.cpp (the AVX-512 build) for CPUs
 // without AVX-512: W [N, K] stays in its GGUF block layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) or is a plain F32, F16 or BF16 matrix read as blocks of 32.
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4) or is a plain F32, F16 or BF16 matrix read as blocks of 32.
 //
 // Exactness: weights are decoded to fp32 bit-identically to minerva/formats/quant.py (the
 // same float operations in the same order; build with -ffp-contract=off). Each output
@@ -109,6 +109,19 @@ template <> struct Group<Q8_0> {
     const __m128i q = load128(b + 2 + 16 * h);
     w0 = _mm256_mul_ps(cvt_i8(q), d);
     w1 = _mm256_mul_ps(cvt_i8(hi8(q)), d);
+  }
+};
+
+// MXFP4: d * value[q], d = 2^(e - 128) from the E8M0 byte, values looked up by nibble
+template <> struct Group<MXFP4> {
+  const uint8_t* b;
+  __m256 d;
+  Group(const uint8_t* row, int64_t g) : b(row + g * 17), d(_mm256_set1_ps(e8m0_half(b[0]))) {}
+  void half(int h, __m256& w0, __m256& w1) const {
+    const __m128i q = load128(b + 1);
+    const __m128i v = _mm_shuffle_epi8(mxfp4_values(), h ? high_nibbles(q) : low_nibbles(q));
+    w0 = _mm256_mul_ps(d, cvt_i8(v));
+    w1 = _mm256_mul_ps(d, cvt_i8(hi8(v)));
   }
 };
 

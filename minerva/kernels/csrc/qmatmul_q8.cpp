@@ -11,13 +11,14 @@
 // sums.
 //
 // Weights stored with a bias (Q4_0: q - 8, Q5_0: q - 16, Q3_K: q - 4, Q6_K: q - 32) enter
-// unsigned, and the bias times x's sums leaves the i32 dot product (Q4_0/Q5_0: bias * sum(q)
+// unsigned, as does MXFP4 (its table values, -12..12, plus 16), and the bias times x's sums
+// leaves the i32 dot product (Q4_0/Q5_0/MXFP4: bias * sum(q)
 // of the block; Q3_K/Q6_K: bias * sum(scale * x's sum of 16)). Q8_0's signed values use |w| as the unsigned
 // operand and q with w's sign as the signed one. No step saturates: a pair sums to at most
 // 2 * 127 * max(63, 128) = 32512, and a super-block's i32 sum to 256 * 128 * 63 * 127 < 2^31.
 //
 // Exactness: each output element is one fixed sequence of operations over K, and a row is
-// quantized on its own. Q4_0, Q4_1, Q5_0 and Q5_1 take 8 weight rows at a time, one per
+// quantized on its own. Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 take 8 weight rows at a time, one per
 // float lane: per block the exact integer dot product, then acc = fma(dot, d_w * d_x, acc)
 // and, for Q4_1/Q5_1, acc = fma(m, d_x * sum(q), acc). The others keep 8 lanes per output,
 // reduced in a fixed order at the end: Q8_0 per block acc = fma(d_w * d_x, dot, acc) (its
@@ -114,6 +115,19 @@ template <> struct W8<Q5_1> {
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
     return _mm256_or_si256(nibbles32(b + 8), bits32(qh));
+  }
+};
+
+// MXFP4: weight = d * value[q] (d the halved E8M0 scale, values the doubled E2M1 table,
+// -12..12), entering as value + 16 (4..28) from a lookup of each nibble
+template <> struct W8<MXFP4> {
+  static constexpr bool OFFSET = false;
+  static constexpr int BIAS = 4;
+  const uint8_t* b;
+  W8(const uint8_t* row, int64_t g) : b(row + g * 17) {}
+  __m256i w() const {
+    const __m256i biased = _mm256_broadcastsi128_si256(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16)));
+    return _mm256_shuffle_epi8(biased, nibbles32(b + 1));
   }
 };
 
@@ -277,7 +291,7 @@ template <int QT>
 constexpr bool is_k = QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || QT == Q6_K;
 
 template <int QT>
-constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || is_k<QT>;
+constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q8_0 || QT == MXFP4 || is_k<QT>;
 
 // x quantized: per row, K int8 values in blocks of B (32 or 256) with one scale d, sum(q) and
 // d * sum(q) each; per 256-block also the 16 sums of 16 (the K-quants' mins and bias)
@@ -463,6 +477,18 @@ inline __m256 f16x8(const std::array<W8<QT>, 8>& blocks, int off) {
   return _mm256_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7]));
 }
 
+// the scales of 8 blocks, as 8 floats: the f16 at byte 0, or MXFP4's E8M0 byte
+template <int QT>
+inline __m256 scales8(const std::array<W8<QT>, 8>& blocks) {
+  if constexpr (QT == MXFP4) {
+    float d[8];
+    for (int j = 0; j < 8; ++j) d[j] = e8m0_half(blocks[j].b[0]);
+    return _mm256_loadu_ps(d);
+  } else {
+    return f16x8<QT>(blocks, 0);
+  }
+}
+
 // lane j: the sum of the 32 products of row j's pair sums p[j] (16 i16 from maddubs, each at
 // most 2 * 31 * 127 = 7874; exact integers, so the order is free): two rows' pairs are added
 // once more in i16, then widened
@@ -499,7 +525,7 @@ inline __m256 block_step(const Q8& a, int64_t r, int64_t g, __m256i dot, __m256 
   return acc;
 }
 
-// Q4_0, Q4_1, Q5_0, Q5_1: mr rows of x against 8 weight rows (the first `valid` of them
+// Q4_0, Q4_1, Q5_0, Q5_1, MXFP4: mr rows of x against 8 weight rows (the first `valid` of them
 // real; the others repeat the last and are dropped), one weight row per float lane. Per
 // block the 8 rows' exact integer dot products gather into one vector, and row j's output
 // is acc_j = fma(dot_jg, d_wjg * d_xg, acc_j) (then acc_j = fma(m_jg, d_xg * sum(q_g), acc_j)
@@ -519,7 +545,7 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
                                      B(rows[4], g), B(rows[5], g), B(rows[6], g), B(rows[7], g)};
     __m256i w[8];
     for (int j = 0; j < 8; ++j) w[j] = blocks[j].w();
-    const __m256 dw = f16x8<QT>(blocks, 0);
+    const __m256 dw = scales8<QT>(blocks);
     __m256 m = _mm256_setzero_ps();  // the offsets, for Q4_1/Q5_1
     if constexpr (B::OFFSET) m = f16x8<QT>(blocks, 2);
     for (int i = 0; i < mr; ++i) {

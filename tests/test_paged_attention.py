@@ -29,8 +29,9 @@ IMPLS = ["torch", "auto"]
 MIXED_BATCH = [(37, 37), (50, 7), (1, 1), (64, 1), (20, 12), (33, 1), (96, 3)]
 
 
-def dense_attention(q, k, v, positions, window, scale):
-    """Float64 reference for one request: q [n, H, D] at `positions`, keys at 0..L-1."""
+def dense_attention(q, k, v, positions, window, scale, sinks=None):
+    """Float64 reference for one request: q [n, H, D] at `positions`, keys at 0..L-1; sinks [H]:
+    a logit per head appended to each row's scores, its probability then dropped."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -39,7 +40,12 @@ def dense_attention(q, k, v, positions, window, scale):
     if window is not None:
         visible &= diff < window
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -90,7 +96,7 @@ class Batch:
         bs = self.cache.block_size
         return self.tables[b][pos // bs] * bs + pos % bs
 
-    def paged(self, window, requests=None, block_tables=None, impl="auto"):
+    def paged(self, window, requests=None, block_tables=None, impl="auto", sinks=None):
         """Paged attention over `requests` (indices, default all), in that order."""
         requests = range(len(self.specs)) if requests is None else requests
         qsl, q, pos = [0], [], []
@@ -102,13 +108,14 @@ class Batch:
         tables = [self.tables[b] for b in requests] if block_tables is None else block_tables
         return paged_attention(torch.cat(q), self.cache, self.layer, query_start_loc=qsl,
                                seq_lens=[self.specs[b][0] for b in requests], block_tables=tables,
-                               positions=torch.cat(pos), window=window, scale=SCALE, impl=impl)
+                               positions=torch.cat(pos), window=window, scale=SCALE, impl=impl, sinks=sinks)
 
-    def reference(self, window):
+    def reference(self, window, sinks=None):
         out = []
         for b in range(len(self.specs)):
             s, e = self.query_start_loc[b], self.query_start_loc[b + 1]
-            out.append(dense_attention(self.q[s:e], self.k[b], self.v[b], self.positions[s:e], window, SCALE))
+            out.append(dense_attention(self.q[s:e], self.k[b], self.v[b], self.positions[s:e], window, SCALE,
+                                       sinks))
         return torch.cat(out)
 
 
@@ -121,6 +128,32 @@ def test_float32_pool_matches_dense_reference(block_size, window, device, impl):
     out = batch.paged(window, impl=impl)
     assert out.shape == (batch.q.shape[0], H, D) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), batch.reference(window), atol=1e-5, rtol=0)
+
+
+# GPT-OSS's sinks: per head, one far above every score (it takes most of the probability
+# and sets the softmax max), one far below (no effect), and ordinary ones
+SINKS = torch.tensor([8.0, -30.0, 0.0, 1.5, -1.0, 0.3, 4.0, -2.5])
+# the same mixed batch with two rows of two parts (more than 1024 keys), merged with the sink
+SINK_BATCH = MIXED_BATCH + [(1100, 2), (1030, 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16"])
+def test_sinks_match_dense_reference(fmt, window, impl):
+    batch = Batch(SINK_BATCH, 16, fmt, fmt)
+    out = batch.paged(window, impl=impl, sinks=SINKS)
+    ref = batch.reference(window, SINKS)
+    if fmt != "float32":  # the reference on the values the pool holds
+        batch.k = [k.bfloat16().float() for k in batch.k]
+        batch.v = [v.bfloat16().float() for v in batch.v]
+        ref = batch.reference(window, SINKS)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    plain = batch.paged(window, impl=impl)
+    assert (out - plain).abs().max() > 0.1  # the sinks changed the result
+    for b in (0, len(SINK_BATCH) - 1):  # batch invariant with sinks too
+        s, e = batch.query_start_loc[b], batch.query_start_loc[b + 1]
+        assert torch.equal(batch.paged(window, requests=[b], impl=impl, sinks=SINKS), out[s:e])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -129,7 +129,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
     denominator, with no value. impl: "auto" (the C++ kernel where it applies), "native"
     or "torch".
     """
-    kernel = attention_kernel(q.dtype, cache) if impl != "torch" and sinks is None else None
+    kernel = attention_kernel(q.dtype, cache) if impl != "torch" else None
     if kernel is None:
         if impl == "native":
             raise RuntimeError(f"no attention kernel for this case ({dispatch.backend(q.device).unavailable_reason})")
@@ -141,7 +141,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
         q, cache.data["k"][layer], cache.data["v"][layer],
         EMPTY if ks is None else ks[layer], EMPTY if vs is None else vs[layer],
         as_table_tensor(block_tables, q.device), torch.as_tensor(seq_lens, dtype=torch.int64),
-        torch.as_tensor(query_start_loc, dtype=torch.int64), positions, window or 0, scale)
+        torch.as_tensor(query_start_loc, dtype=torch.int64), positions, window or 0, scale,
+        EMPTY if sinks is None else sinks.float().contiguous())
 
 
 def paged_attention_torch(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc: list[int],

@@ -10,7 +10,7 @@ method returns has the entry points the callers use, named as in
   with 8-bit activations `qmatmul_q8(x, packed, qtype, rows, cols)`
 - ops: `rms_norm`, `add_rms_norm`, `rope_`, `act_mul`
 - attention: `paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens,
-  query_start_loc, positions, window, scale)`, `kv_write(x, pool, scales, slots)`
+  query_start_loc, positions, window, scale, sinks)`, `kv_write(x, pool, scales, slots)`
 - layer: `Packed(bytes, qtype, rows, cols, int8)` and `DecoderLayer(...)`, a whole decoder layer
   as one call (see `minerva.models.layers.DecoderLayer.make_fused`)
 

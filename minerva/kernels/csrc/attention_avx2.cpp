@@ -159,11 +159,13 @@ struct Scratch {
 };
 
 // One (query row, KV head) item: the G query heads of the group against keys lo..hi-1.
-// (ml null: out = the normalized result; else out holds the unnormalized sum and ml the
-// softmax max and sum of each head, for attention_parts.h to merge)
+// (ml null: out = the normalized result, the group's sink logits, when given, in the
+// softmax; else out holds the unnormalized sum and ml the softmax max and sum of each head,
+// for attention_parts.h to merge, and the sinks join there)
 template <typename QT, typename KT, typename VT, typename OT>
 void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t hi,
-                 int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, Scratch& w, float* ml) {
+                 int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, const float* sink, Scratch& w,
+                 float* ml) {
   const int64_t S = hi - lo, S8 = (S + 7) / 8 * 8;
   const int64_t C = std::max<int64_t>(8, kChunkFloats / D / 8 * 8);  // keys per chunk
   const int64_t kbytes = D * sizeof(KT), vbytes = D * sizeof(VT);
@@ -217,7 +219,8 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
     float* s = sc + g * S8;
     __m256 mx = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < S8; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-    const float mval = reduce_max(mx);
+    // a whole row with a sink: the sink's logit joins the max (and the sum, below)
+    const float mval = sink && !ml ? std::max(reduce_max(mx), sink[g]) : reduce_max(mx);
     const __m256 m = _mm256_set1_ps(mval);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = 0; j < S8; j += 8) {  // padding lanes hold -inf: exp gives 0
@@ -232,7 +235,7 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
       ml[G + g] = reduce_add(sum);
       inv_sum[g] = 1.0f;
     } else {
-      inv_sum[g] = 1.0f / reduce_add(sum);
+      inv_sum[g] = 1.0f / (reduce_add(sum) + (sink ? std::exp(sink[g] - mval) : 0.0f));
     }
   }
   // acc = sum_j p_j v_j, a chunk at a time, in passes over it of 16 lanes of D and up to 4
@@ -266,8 +269,9 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
 template <typename QT, typename KT, typename VT>
 void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables, int64_t table_stride,
             const int64_t* seq_lens, const int64_t* qsl, const int64_t* positions, int64_t B, int64_t T,
-            int64_t H, int64_t Hkv, int64_t D, int64_t block_size, int64_t window, float scale) {
-  const int64_t G = H / Hkv;
+            int64_t H, int64_t Hkv, int64_t D, int64_t block_size, const Softmax& sm) {
+  const int64_t G = H / Hkv, window = sm.window;
+  const float scale = sm.scale;
   TORCH_CHECK(G <= 64, "at most 64 query heads per KV head");
   std::vector<int64_t> req(T), lo(T), hi(T);
   int64_t work = 0;
@@ -280,12 +284,13 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
     }
   // small steps (a decode of a short context) are cheaper on one thread than to fork
   minerva::attend_in_parts<Scratch>(
-      T, H, Hkv, D, lo.data(), hi.data(), work < (1 << 14), out,
+      T, H, Hkv, D, lo.data(), hi.data(), work < (1 << 14), sm.sinks, out,
       [&](Scratch& w, int64_t t, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial, float* ml) {
         const QT* qt = q + (t * H + hk * G) * D;
         const int64_t* table = tables + req[t] * table_stride;
-        if (o) attend_item<QT, KT, VT>(qt, o, K, V, table, plo, phi, G, D, block_size, hk, scale, w, nullptr);
-        else attend_item<QT, KT, VT>(qt, partial, K, V, table, plo, phi, G, D, block_size, hk, scale, w, ml);
+        const float* sink = sm.sinks ? sm.sinks + hk * G : nullptr;
+        if (o) attend_item<QT, KT, VT>(qt, o, K, V, table, plo, phi, G, D, block_size, hk, scale, sink, w, nullptr);
+        else attend_item<QT, KT, VT>(qt, partial, K, V, table, plo, phi, G, D, block_size, hk, scale, sink, w, ml);
       });
 }
 
@@ -303,11 +308,11 @@ Pool pool_of(const torch::Tensor& data, const torch::Tensor& scale) {
 template <typename QT, typename KT>
 void dispatch_v(const torch::Tensor& v, const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* tables,
                 int64_t ts, const int64_t* sl, const int64_t* qsl, const int64_t* pos, int64_t B, int64_t T,
-                int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t window, float scale) {
+                int64_t H, int64_t Hkv, int64_t D, int64_t bs, const Softmax& sm) {
   switch (v.scalar_type()) {
-    case torch::kFloat32: attend<QT, KT, float>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
-    case torch::kBFloat16: attend<QT, KT, at::BFloat16>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
-    case torch::kInt8: attend<QT, KT, int8_t>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, scale); break;
+    case torch::kFloat32: attend<QT, KT, float>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, sm); break;
+    case torch::kBFloat16: attend<QT, KT, at::BFloat16>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, sm); break;
+    case torch::kInt8: attend<QT, KT, int8_t>(q, out, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, sm); break;
     default: TORCH_CHECK(false, "unsupported V cache dtype ", v.scalar_type());
   }
 }
@@ -316,11 +321,11 @@ void dispatch_v(const torch::Tensor& v, const QT* q, QT* out, const Pool& K, con
 
 // q [T, H, D]; k/v pools [blocks, block_size, Hkv, D] (+ float32 scales [blocks, block_size,
 // Hkv] for int8, else empty tensors); block_tables [B, max_blocks] int64; seq_lens [B];
-// query_start_loc [B + 1]; positions [T]; window <= 0 for none.
+// query_start_loc [B + 1]; positions [T]; window <= 0 for none; sinks [H] float32, or empty.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
                               torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
-                              double scale) {
+                              double scale, torch::Tensor sinks) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q must be [T, H, D] and k/v [blocks, block_size, Hkv, D]");
   q = q.contiguous();
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(2), bs = k.size(1);
@@ -337,13 +342,19 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   const int64_t ts = block_tables.size(1);
   const int64_t *sl = seq_lens.data_ptr<int64_t>(), *qsl = query_start_loc.data_ptr<int64_t>(),
                 *pos = positions.data_ptr<int64_t>();
-  const float sc = static_cast<float>(scale);
+  const float* sink = nullptr;
+  if (sinks.defined() && sinks.numel() > 0) {
+    TORCH_CHECK(sinks.dtype() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == H,
+                "sinks must be a contiguous float32 tensor of one logit per query head");
+    sink = sinks.data_ptr<float>();
+  }
+  const Softmax sm{window, static_cast<float>(scale), sink};
   auto run = [&](auto* qp, auto* op) {
     using QT = std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>;
     switch (k.scalar_type()) {
-      case torch::kFloat32: dispatch_v<QT, float>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
-      case torch::kBFloat16: dispatch_v<QT, at::BFloat16>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
-      case torch::kInt8: dispatch_v<QT, int8_t>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, window, sc); break;
+      case torch::kFloat32: dispatch_v<QT, float>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, sm); break;
+      case torch::kBFloat16: dispatch_v<QT, at::BFloat16>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, sm); break;
+      case torch::kInt8: dispatch_v<QT, int8_t>(v, qp, op, K, V, tables, ts, sl, qsl, pos, B, T, H, Hkv, D, bs, sm); break;
       default: TORCH_CHECK(false, "unsupported K cache dtype ", k.scalar_type());
     }
   };

@@ -9,6 +9,10 @@
 // the threads, so a row's result stays batch invariant; a row of one part is computed and
 // stored as before, with no merge.
 //
+// With attention sinks (GPT-OSS: one learned logit per query head that joins every softmax's
+// denominator and carries no value), a one-part row takes its softmax max over the scores
+// and the sink; a row of several parts adds the sink when the parts merge.
+//
 // Partial results are held for a wave of rows at a time (at most kWaveFloats floats), so a
 // long prefill chunk does not need them all at once.
 
@@ -26,20 +30,28 @@
 
 namespace minerva {
 
+// What shapes every row's softmax: the sliding window (<= 0: none), the score scale, and
+// the sinks [H] (null: none)
+struct Softmax {
+  int64_t window;
+  float scale;
+  const float* sinks;
+};
+
 constexpr int64_t kPartKeys = 1024;
 constexpr int64_t kWaveFloats = int64_t(1) << 22;  // 16 MiB of partial results
 
 inline int64_t parts_of(int64_t lo, int64_t hi) { return std::max<int64_t>(1, (hi - lo + kPartKeys - 1) / kPartKeys); }
 
 // out[g, :] from the np partial results of one (row, KV head), `stride` floats apart, each
-// acc [G, D] then m [G] then l [G]
+// acc [G, D] then m [G] then l [G]; sink: the group's G sink logits, or null
 template <typename QT>
-void merge_parts(const float* s, int64_t stride, int64_t np, int64_t G, int64_t D, QT* out) {
+void merge_parts(const float* s, int64_t stride, int64_t np, int64_t G, int64_t D, const float* sink, QT* out) {
   std::vector<float> w(np);
   for (int64_t g = 0; g < G; ++g) {
-    float M = -INFINITY;
+    float M = sink ? sink[g] : -INFINITY;
     for (int64_t p = 0; p < np; ++p) M = std::max(M, s[p * stride + G * D + g]);
-    float L = 0.0f;
+    float L = sink ? std::exp(sink[g] - M) : 0.0f;
     for (int64_t p = 0; p < np; ++p) {
       w[p] = std::exp(s[p * stride + G * D + g] - M);
       L += w[p] * s[p * stride + G * D + G + g];
@@ -60,7 +72,7 @@ void merge_parts(const float* s, int64_t stride, int64_t np, int64_t G, int64_t 
 // one_thread: the whole step is too small to be worth forking.
 template <typename Scratch, typename QT, typename Item>
 void attend_in_parts(int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t* lo, const int64_t* hi,
-                     bool one_thread, QT* out, const Item& item) {
+                     bool one_thread, const float* sinks, QT* out, const Item& item) {
   const int64_t G = H / Hkv, slot = G * D + 2 * G;
   std::vector<float> partial;
   // a row's first partial slot in its wave (part p, KV head hk: + p Hkv + hk), -1 for one part
@@ -105,7 +117,7 @@ void attend_in_parts(int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t
       for (int64_t i = i0; i < i1; ++i) {
         const auto [t, hk, unused] = items[i];
         merge_parts(partial.data() + (first[t - t0] + hk) * slot, Hkv * slot, parts_of(lo[t], hi[t]), G, D,
-                    out + (t * H + hk * G) * D);
+                    sinks ? sinks + hk * G : nullptr, out + (t * H + hk * G) * D);
       }
     });
   }

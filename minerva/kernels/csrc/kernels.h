@@ -15,7 +15,7 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
                               torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
-                              double scale);
+                              double scale, torch::Tensor sinks);
 void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots);
 // ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);

@@ -63,7 +63,8 @@ struct DecoderLayer {
     rope_(k, cos, sin);
     kv_write(k, k_pool, k_scale, slots);
     kv_write(v, v_pool, v_scale, slots);
-    auto attn = paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens, qsl, positions, window, scale);
+    auto attn = paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens, qsl, positions, window, scale,
+                                torch::Tensor());
     auto a = o(attn.view({T, qd}));
     if (post_attn_norm) a = rms_norm(a, *post_attn_norm, eps);
     auto m = down(act_mul(gate_up(add_rms_norm(h, a, pre_mlp_norm, eps)), act));

@@ -1,4 +1,4 @@
-"""Q4_0/Q4_1/Q5_0/Q5_1 regrouped for the int8 kernels (`minerva.kernels.repack`): the layout
+"""Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 (and Q4_K/Q5_K) regrouped for the int8 kernels (`minerva.kernels.repack`): the layout
 round-trips, and the kernels on it give the GGML layout's results bit for bit."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from minerva.kernels import act_quant, repack
 from tests.helpers.quant_blocks import realistic_blocks
 from tests.test_act_quant import kernels, needs_kernels, sample_x  # noqa: F401 (kernels: a fixture)
 
-SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1]  # blocks of 32: the GGML layout's bits exactly
+SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4]  # blocks of 32: the GGML layout's bits exactly
 TYPES = SMALL + [QT.Q4_K, QT.Q5_K]
 
 
@@ -52,22 +52,24 @@ def test_compiled_regroup_matches_the_torch_one_in_place(kernels, qtype, rows):
 
 @pytest.mark.parametrize("qtype", SMALL, ids=lambda t: t.name)
 def test_layout_of_a_group(qtype):
-    """Block g of a group: the 8 rows' scales, then qs chunk k of row j at 32k + 4j; the fifth
-    bit of weight 4k + b at bit 8b + 4 + k of the row's u32, of weight 16 + 4k + b at 8b + k."""
+    """Block g of a group: the 8 rows' scales (f16, or MXFP4's exponent byte), then qs chunk k
+    of row j at 32k + 4j; the fifth bit of weight 4k + b at bit 8b + 4 + k of the row's u32, of
+    weight 16 + 4k + b at 8b + k."""
     rng = np.random.default_rng(0)
     raw = torch.from_numpy(realistic_blocks(qtype, 8, 64, rng))
     size = block_size(qtype)
     offset, fifth = qtype in (QT.Q4_1, QT.Q5_1), qtype in (QT.Q5_0, QT.Q5_1)
     out = repack.regroup(raw, qtype, 8, 64).reshape(2, 8 * size)  # blocks g = 0, 1 of the group
-    qs_at = 2 + 2 * offset + 4 * fifth
+    sw = 1 if qtype == QT.MXFP4 else 2  # bytes of a scale
+    qs_at = sw + 2 * offset + 4 * fifth
     for g in range(2):
         b = out[g]
         for j in range(8):
             ggml = raw[j, g * size:(g + 1) * size]
-            assert torch.equal(b[2 * j:2 * j + 2], ggml[0:2])  # d
+            assert torch.equal(b[sw * j:sw * j + sw], ggml[0:sw])  # d
             if offset:
                 assert torch.equal(b[16 + 2 * j:18 + 2 * j], ggml[2:4])  # m
-            at = 16 * (1 + offset)
+            at = 8 * sw * (1 + offset)
             if fifth:
                 qh = int.from_bytes(bytes(ggml[qs_at - 4:qs_at].tolist()), "little")
                 word = int.from_bytes(bytes(b[at + 4 * j:at + 4 * j + 4].tolist()), "little")

@@ -1,11 +1,12 @@
 """Packed matrices regrouped for the int8 kernels: 8 rows' blocks side by side.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K matrices that multiply 8-bit activations
+Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K and Q5_K matrices that multiply 8-bit activations
 (`--activations int8`) are regrouped once at load, as llama.cpp repacks Q4_0 and Q4_K for its
 CPU kernels: rows go in groups of 8 (the last group padded with zero rows), and a group's
 block g holds its 8 rows' block g together, in the same bytes as the 8 GGML blocks:
 
     blocks of 32:  d[8] (f16) | m[8] (f16; Q4_1, Q5_1) | qh[8] (u32; Q5_0, Q5_1) | qs[128]
+    MXFP4:         e[8] (E8M0) | qs[128]
     Q4_K:          d[8] | dmin[8] | scales bytes 0-3 [8] | 4-7 [8] | 8-11 [8] | qs[1024]
     Q5_K:          as Q4_K, with qh[256] before qs
 
@@ -42,6 +43,7 @@ GROUP = 8
 FIELDS = {
     Q.Q4_0: [(2, "rows"), (16, "chunks")],
     Q.Q4_1: [(2, "rows"), (2, "rows"), (16, "chunks")],
+    Q.MXFP4: [(1, "rows"), (16, "chunks")],  # the E8M0 exponent, then the nibbles
     Q.Q5_0: [(2, "rows"), (4, "bits"), (16, "chunks")],
     Q.Q5_1: [(2, "rows"), (2, "rows"), (4, "bits"), (16, "chunks")],
     # d, dmin, the 12 bytes of 6-bit scales and mins as three u32, qs

@@ -559,25 +559,45 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
   store_rows<mr>(acc, valid, y, ldy);
 }
 
-// Q4_0, Q4_1, Q5_0, Q5_1 regrouped at load (minerva/kernels/repack.py): a group of 8 weight
+// Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 regrouped at load (minerva/kernels/repack.py): a group of 8 weight
 // rows keeps their block g together, d[8] | m[8] | qh[8] | qs[128], qs chunk k of row j at
 // 32k + 4j. One 32-byte load gives chunk k of all 8 rows, one row per 32-bit lane, and
 // maddubs against x's 4 bytes broadcast to every lane sums each row in its own lane.
 constexpr int64_t REGROUPED = 0x100;
 
+// MXFP4 regrouped: e[8] | qs[128], its nibbles looked up into values + 16 as W8<MXFP4> does.
 template <int QT>
 struct X8 {
-  static constexpr bool OFFSET = W8<QT>::OFFSET, FIFTH = QT == Q5_0 || QT == Q5_1;
+  static constexpr bool OFFSET = W8<QT>::OFFSET, FIFTH = QT == Q5_0 || QT == Q5_1, LOOKUP = QT == MXFP4;
+  static constexpr bool WIDE = FIFTH || LOOKUP;  // values past 4 bits: maddubs lanes up to 2 * 31 * 127
   static constexpr int BIAS = W8<QT>::BIAS;
-  static constexpr int M_AT = 16, QH_AT = OFFSET ? 32 : 16, QS_AT = QH_AT + (FIFTH ? 32 : 0);
+  static constexpr int M_AT = 16, QH_AT = OFFSET ? 32 : 16, QS_AT = LOOKUP ? 8 : QH_AT + (FIFTH ? 32 : 0);
   static constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
   static_assert(QS_AT + 128 == BYTES, "the regrouped block holds the 8 GGML blocks' bytes");
+  // the 8 rows' scales: 8 f16, or 8 E8M0 bytes as e8m0_half computes them
+  static __m256 scales(const uint8_t* b) {
+    if constexpr (LOOKUP) {
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+    } else {
+      return _mm256_cvtph_ps(load128(b));
+    }
+  }
+  // a chunk's 32 low or high nibbles as the values the dot products take
+  static __m256i values(__m256i nibbles) {
+    if constexpr (LOOKUP)
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16))), nibbles);
+    else
+      return nibbles;
+  }
 };
 
 // The same outputs as tile8 on the GGML layout, bit for bit: per block the same exact
 // integer dot product per row (here summed in i16 before one madd: a lane of maddubs is at
 // most 2 * 15 * 127 = 3810 for 4-bit values, so 8 of them fit; 5-bit values, at most 7874,
-// go 4 at a time), then the same float operations.
+// and MXFP4's values + 16, at most 7112, go 4 at a time), then the same float operations.
 template <int QT, int mr>
 void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
   using X = X8<QT>;
@@ -586,14 +606,14 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * X::BYTES;
     for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + 4 * X::BYTES + o);
-    const __m256 dw = _mm256_cvtph_ps(load128(b));
+    const __m256 dw = X::scales(b);
     __m256 m = _mm256_setzero_ps();
     if constexpr (X::OFFSET) m = _mm256_cvtph_ps(load128(b + X::M_AT));
     __m256i lo[4], hi[4];
     for (int k = 0; k < 4; ++k) {
       const __m256i v = load256(b + X::QS_AT + 32 * k);
-      lo[k] = low4(v);
-      hi[k] = high4(v);
+      lo[k] = X::values(low4(v));
+      hi[k] = X::values(high4(v));
     }
     if constexpr (X::FIFTH) {
       const __m256i qh = load256(b + X::QH_AT), bit4 = _mm256_set1_epi8(0x10);
@@ -613,7 +633,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
                                 _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(x1)));
       };
       __m256i dot;
-      if constexpr (X::FIFTH) {
+      if constexpr (X::WIDE) {
         dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pairs(0), pairs(1)), ones16()),
                                _mm256_madd_epi16(_mm256_add_epi16(pairs(2), pairs(3)), ones16()));
       } else {
@@ -917,7 +937,7 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
   if (qtype & REGROUPED) {
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
-      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) {
+      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q4_K || QT == Q5_K) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
         const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
         auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));

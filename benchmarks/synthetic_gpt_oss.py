@@ -25,7 +25,7 @@ What the file holds, and why it can stand in for `ggml-org/gpt-oss-20b-GGUF`
 - Values: Q8_0 blocks as benchmarks/synthetic.py makes them (std 0.02). MXFP4 blocks are
   random nibbles with the exponent byte 120 (scale 2^-7: std 0.023, mean 0). The router is
   normal(0, 0.02), so tokens spread over the experts much as a trained router spreads them
-  over a batch. Biases and sinks are 0, norms 1.
+  over a batch; the biases are normal(0, 0.02) too, the sinks normal(0, 1), the norms 1.
 - Tokenizer: SmolLM2's, padded with unused tokens to 201088 (synthetic.py's `fit_vocabulary`).
   Harmony's special tokens are absent: the file measures speed, not chat.
 """
@@ -56,10 +56,10 @@ VOCAB, CONTEXT, ROPE_THETA, WINDOW = 201088, 131072, 150000.0, 128
 MXFP4_EXPONENT = 120  # block scale 2^(120 - 127) on E2M1 values of RMS 2.93: std 0.023
 
 
-def plan(layers: int = LAYERS, experts: int = EXPERTS) -> list[TensorPlan]:
+def plan(layers: int = LAYERS, experts: int = EXPERTS, vocab: int = VOCAB) -> list[TensorPlan]:
     """Every tensor of the file, in llama.cpp's order, with its shape (torch order) and type."""
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    out = [TensorPlan("token_embd.weight", (VOCAB, HIDDEN), QT.Q8_0)]
+    out = [TensorPlan("token_embd.weight", (vocab, HIDDEN), QT.Q8_0)]
     for i in range(layers):
         p = f"blk.{i}."
         out += [TensorPlan(p + "attn_norm.weight", (HIDDEN,), QT.F32)]
@@ -74,7 +74,7 @@ def plan(layers: int = LAYERS, experts: int = EXPERTS) -> list[TensorPlan]:
                                  ("ffn_down_exps", HIDDEN, EXPERT_FFN)):
             out += [TensorPlan(p + name + ".weight", (experts, rows, cols), QT.MXFP4),
                     TensorPlan(p + name + ".bias", (experts, rows), QT.F32)]
-    out += [TensorPlan("output_norm.weight", (HIDDEN,), QT.F32), TensorPlan("output.weight", (VOCAB, HIDDEN), QT.Q8_0)]
+    out += [TensorPlan("output_norm.weight", (HIDDEN,), QT.F32), TensorPlan("output.weight", (vocab, HIDDEN), QT.Q8_0)]
     return out
 
 
@@ -102,19 +102,19 @@ class RandomMXFP4:
 def _f32(t: TensorPlan, rng: np.random.Generator) -> np.ndarray:
     if t.name.endswith("norm.weight"):
         return np.ones(t.shape, dtype=np.float32)
-    if t.name.endswith("ffn_gate_inp.weight"):
-        return rng.normal(0.0, WEIGHT_STD, t.shape).astype(np.float32)
-    return np.zeros(t.shape, dtype=np.float32)  # biases and sinks
+    if t.name.endswith("attn_sinks.weight"):  # a logit per head, beside scores of about that size
+        return rng.normal(0.0, 1.0, t.shape).astype(np.float32)
+    return rng.normal(0.0, WEIGHT_STD, t.shape).astype(np.float32)  # the router and the biases
 
 
-def _metadata(w: gguf.GGUFWriter, layers: int, experts: int, seed: int, source: Path) -> None:
+def _metadata(w: gguf.GGUFWriter, layers: int, experts: int, vocab: int, seed: int, source: Path) -> None:
     w.add_type("model")
     w.add_name("GPT-OSS-20B shape, random weights")
     w.add_description(f"synthetic: random weights in GPT-OSS-20B's tensor shapes, written by Minerva's "
                       f"benchmarks/synthetic_gpt_oss.py (seed {seed}); tokenizer from {source.name}")
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_MXFP4_MOE))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_vocab_size(VOCAB)
+    w.add_vocab_size(vocab)
     w.add_context_length(CONTEXT)
     w.add_embedding_length(HIDDEN)
     w.add_block_count(layers)
@@ -134,18 +134,18 @@ def _metadata(w: gguf.GGUFWriter, layers: int, experts: int, seed: int, source: 
     w.add_expert_feed_forward_length(EXPERT_FFN)
 
 
-def write(path: Path, layers: int = LAYERS, experts: int = EXPERTS, seed: int = 0,
+def write(path: Path, layers: int = LAYERS, experts: int = EXPERTS, seed: int = 0, vocab: int = VOCAB,
           tokenizer: Path | None = None, progress: bool = False) -> list[TensorPlan]:
     """Write the file (under a temporary name, renamed when complete); return its tensors."""
     if layers < 1 or experts < EXPERTS_USED:
         raise MinervaError(f"--layers must be at least 1 and --experts at least {EXPERTS_USED}")
-    tensors = plan(layers, experts)
+    tensors = plan(layers, experts, vocab)
     source = resolve(tokenizer or "smollm2-135m")
-    tok = fit_vocabulary(GGUFFile(source).metadata, VOCAB)
+    tok = fit_vocabulary(GGUFFile(source).metadata, vocab)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     w = gguf.GGUFWriter(partial, ARCH)
-    _metadata(w, layers, experts, seed, source)
+    _metadata(w, layers, experts, vocab, seed, source)
     for key, value in tok.items():
         if key in TOKENIZER_WRITERS:
             getattr(w, TOKENIZER_WRITERS[key])(value)
@@ -176,17 +176,19 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="\n".join(__doc__.splitlines()[2:5]))
     p.add_argument("--layers", type=int, default=LAYERS, help=f"layers (default {LAYERS}, the real count)")
     p.add_argument("--experts", type=int, default=EXPERTS, help=f"experts per layer (default {EXPERTS})")
+    p.add_argument("--vocab", type=int, default=VOCAB, help="vocabulary (default the real one; less for tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=None, help="model to copy the tokenizer from (default smollm2-135m)")
     p.add_argument("-o", "--output", type=Path, default=None, help="file to write")
     args = p.parse_args(argv)
     suffix = "".join([f"-{args.layers}layers" if args.layers != LAYERS else "",
                       f"-{args.experts}experts" if args.experts != EXPERTS else "",
+                      f"-vocab{args.vocab}" if args.vocab != VOCAB else "",
                       f"-seed{args.seed}" if args.seed else ""])
     path = args.output or store_root().parent / "synthetic" / f"gpt-oss-20b-MXFP4{suffix}.gguf"
     start = time.perf_counter()
     try:
-        tensors = write(path, args.layers, args.experts, args.seed, args.tokenizer, sys.stderr.isatty())
+        tensors = write(path, args.layers, args.experts, args.seed, args.vocab, args.tokenizer, sys.stderr.isatty())
     except (MinervaError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     size = path.stat().st_size
     print(f"wrote {path}")
     print(f"GPT-OSS-20B shape: {args.layers} layers, hidden {HIDDEN}, {args.experts} experts of {EXPERT_FFN} "
-          f"({EXPERTS_USED} per token), {HEADS} heads / {KV_HEADS} KV heads, vocabulary {VOCAB}")
+          f"({EXPERTS_USED} per token), {HEADS} heads / {KV_HEADS} KV heads, vocabulary {args.vocab}")
     print(f"size {size:,} bytes ({size / 1e9:.2f} GB) in {secs:.1f} s ({size / 1e6 / secs:,.0f} MB/s)")
     print("\n".join(breakdown(tensors)))
     return 0

@@ -234,6 +234,32 @@ class MoE(Layer):
         self.router = router
         self.experts = nn.ModuleList(experts)
         self.top_k, self.routing, self.renormalize = top_k, routing, renormalize
+        self.fused = None  # the expert loop as one kernel call (see make_fused), when possible
+
+    def make_fused(self) -> None:
+        """Run the loop over the chosen experts as one call of the backend's kernel (on CPU
+        `Experts` in minerva/kernels/csrc/module.cpp) when every expert matmul has a packed
+        kernel: the same kernels and ops in the same order as `forward`, so the same bits
+        (tests/test_moe.py), without tens of Python ops per expert."""
+        lins = [lin for e in self.experts for lin in (*e.gate_up.linears(), e.down)]
+        ws = [lin.weight for lin in lins]
+        first = self.experts[0]
+        act = first.activation
+        if (not all(isinstance(w, PackedWeight) and w.kernel is not None for w in ws) or len({w.dtype for w in ws}) != 1
+                or not (act == "swiglu_limit" or act in ops.ACT_IDS and first.down.weight.shape[1] % 16 == 0)):
+            return
+        kernel = dispatch.layer_kernel(ws[0].packed.device, ws[0].dtype)
+        if kernel is None:
+            return
+
+        def linear(lin: Linear):
+            w = lin.weight
+            return kernel.Linear(kernel.Packed(w.packed, w.qtype_id, *w.shape, w.int8), lin.bias)
+
+        limit, alpha = first.limit or (0.0, 0.0)
+        self.fused = kernel.Experts([kernel.Expert([linear(lin) for lin in e.gate_up.linears()], linear(e.down))
+                                     for e in self.experts], ops.ACT_IDS.get(act, -1), limit, alpha)
+        self.fused_dtype = ws[0].dtype
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 weights [T, k] and expert ids [T, k] of each token's chosen experts."""
@@ -249,6 +275,8 @@ class MoE(Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         weights = weights.to(x.dtype)
+        if self.fused is not None and x.dtype == self.fused_dtype:
+            return self.fused.forward(x, ids, weights)
         k = self.top_k
         if x.shape[0] == 1:  # decode: the token's experts in rank order, nothing to group
             out = None
@@ -290,6 +318,8 @@ class DecoderLayer(Layer):
         kernel and the norms and head size suit the kernel's ops. It runs the same kernels
         in the same order as `forward`, which tests/test_native_layer.py checks bit for bit."""
         attn, mlp = self.attn, self.mlp
+        if isinstance(mlp, MoE):
+            mlp.make_fused()
         if not isinstance(mlp, GatedMLP) or attn.sinks is not None or mlp.activation not in ops.ACT_IDS:
             return  # the layer kernel runs a dense feed-forward of its activations, without sinks
         qkv, gate_up = attn.qkv_proj.linears(), mlp.gate_up.linears()

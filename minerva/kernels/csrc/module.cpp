@@ -1,4 +1,5 @@
-// The Python module: every kernel, and a whole decoder layer as one call.
+// The Python module: every kernel, a whole decoder layer as one call, and a mixture of
+// experts' expert loop as one call.
 //
 // DecoderLayer runs the same kernels, in the same order, as minerva/models/layers.py's
 // DecoderLayer.forward on its native path, so both give the same bits; it only saves the
@@ -73,6 +74,83 @@ struct DecoderLayer {
   }
 };
 
+// A linear layer with an optional bias added in place (minerva/models/layers.py Linear)
+struct Linear {
+  Packed w;
+  std::optional<torch::Tensor> bias;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    auto y = w(x);
+    return bias ? y.add_(*bias) : y;
+  }
+};
+
+// One expert: gate and up (one fused matmul, or one each, outputs side by side), the
+// activation, down.
+struct Expert {
+  std::vector<Linear> gate_up;
+  Linear down;
+};
+
+// The experts of a mixture-of-experts feed-forward after routing: minerva/models/layers.py's
+// MoE.forward and GatedMLP.forward with the same kernels and ATen ops in the same order, so
+// the same bits; it saves the Python of the loop over the chosen experts (tens of ops each).
+struct Experts {
+  std::vector<Expert> experts;
+  int64_t act;           // an ops.ACT_IDS id, or -1: GPT-OSS's clamped SwiGLU with (limit, alpha)
+  double limit, alpha;
+
+  torch::Tensor run(const Expert& e, const torch::Tensor& x) const {
+    torch::Tensor gu;
+    if (e.gate_up.size() == 1) {
+      gu = e.gate_up[0](x);
+    } else {
+      std::vector<torch::Tensor> outs;
+      for (const auto& lin : e.gate_up) outs.push_back(lin(x));
+      gu = torch::cat(outs, -1);
+    }
+    torch::Tensor a;
+    if (act >= 0) {
+      a = act_mul(gu, act);
+    } else {  // ops.act_mul's "swiglu_limit"
+      const int64_t I = gu.size(1) / 2;
+      auto gate = gu.narrow(1, 0, I).clamp_max(limit);
+      a = (gu.narrow(1, I, I).clamp(-limit, limit) + 1) * (gate * torch::sigmoid(gate * alpha));
+    }
+    return e.down(a);
+  }
+
+  // x [T, hidden]; ids [T, k] int64 and w [T, k] (x's dtype): each token's experts and weights
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& w) const {
+    const int64_t T = x.size(0), k = ids.size(1), E = static_cast<int64_t>(experts.size());
+    if (T == 1) {  // the token's experts in rank order
+      const auto chosen = ids.contiguous();
+      const int64_t* id = chosen.data_ptr<int64_t>();
+      torch::Tensor out;
+      for (int64_t j = 0; j < k; ++j) {
+        TORCH_CHECK(id[j] >= 0 && id[j] < E, "expert id out of range");
+        auto y = run(experts[id[j]], x).mul_(w.narrow(1, j, 1));
+        out = j == 0 ? y : out.add_(y);
+      }
+      return out;
+    }
+    const auto flat = ids.reshape(-1);
+    const auto order = torch::argsort(flat, /*stable=*/true);
+    const auto counts = torch::bincount(flat, {}, E).contiguous();
+    TORCH_CHECK(counts.size(0) == E, "expert id out of range");
+    const int64_t* n = counts.data_ptr<int64_t>();
+    auto ys = torch::empty({T * k, x.size(1)}, x.options());
+    for (int64_t e = 0, start = 0; e < E; start += n[e], ++e) {
+      if (n[e] == 0) continue;
+      const auto pairs = order.narrow(0, start, n[e]);
+      ys.index_put_({pairs}, run(experts[e], x.index({torch::floor_divide(pairs, k)})));
+    }
+    const auto y3 = ys.view({T, k, -1});
+    auto out = y3.select(1, 0).mul(w.narrow(1, 0, 1));
+    for (int64_t j = 1; j < k; ++j) out.add_(y3.select(1, j).mul(w.narrow(1, j, 1)));
+    return out;
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -107,4 +185,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             q_norm, k_norm, eps, heads, kv_heads, head_dim, window, act, scale};
       }))
       .def("forward", &DecoderLayer::forward);
+  py::class_<Linear>(m, "Linear").def(py::init<Packed, std::optional<torch::Tensor>>());
+  py::class_<Expert>(m, "Expert").def(py::init<std::vector<Linear>, Linear>());
+  py::class_<Experts>(m, "Experts")
+      .def(py::init<std::vector<Expert>, int64_t, double, double>())
+      .def("forward", &Experts::forward);
 }

@@ -1,5 +1,5 @@
-"""Reasoning models end to end: `/v1/chat/completions` (whole and streamed) and `LLM.chat`
-split a reply into reasoning_content and content.
+"""Reasoning models end to end: `/v1/chat/completions` (whole and streamed), `LLM.chat` and
+`minerva chat` split a reply into reasoning_content and content.
 
 The models are tiny GGUFs with a harmony or a think-tag chat template whose sampler is
 replaced by a recorded reply (tests/helpers/scripted.py): the engine, the detokenizer (special
@@ -7,12 +7,14 @@ tokens kept or not), the stop tokens, the parser and the response building all r
 
 from __future__ import annotations
 
+import io
 import json
+import re
 
 import httpx
 import pytest
 
-from minerva import LLM, SamplingParams
+from minerva import LLM, SamplingParams, cli
 from tests.helpers.scripted import scripted, write_harmony_model, write_think_model
 from tests.helpers.server import running_server
 
@@ -191,3 +193,36 @@ def test_think_disabled_by_template_kwargs(think, script):
     script.say(llm.tokenizer, f"{ANSWER}<|im_end|>")
     message = chat(url, max_tokens=200, chat_template_kwargs={"enable_thinking": False}).json()["choices"][0]
     assert message["message"] == {"role": "assistant", "content": ANSWER, "reasoning_content": None}
+
+
+# ------------------------------------------------------------------ minerva chat
+
+
+@pytest.mark.parametrize("color", [True, False])
+def test_cli_chat_dims_the_reasoning(harmony_llm, script, monkeypatch, capsys, color):
+    """On a terminal (here: FORCE_COLOR) the reasoning is dimmed before the answer; elsewhere it
+    goes to stderr and stdout holds the answers alone."""
+    path = harmony_llm.path
+    script.say(harmony_llm.tokenizer, HARMONY_REPLY)
+    monkeypatch.setenv("FORCE_COLOR" if color else "NO_COLOR", "1")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert cli.main(["chat", str(path), "-n", "200", "--dtype", "float32", "--kv-cache-memory", "4e6",
+                     "--reasoning-effort", "high"]) == 0
+    out, err = capsys.readouterr()
+    if color:
+        dimmed = re.findall(re.escape(cli.DIM) + "(.*?)" + re.escape(cli.UNDIM), out, re.S)
+        assert "".join(dimmed) == REASONING  # all of it dimmed, and nothing else
+        assert out.replace(cli.DIM, "").replace(cli.UNDIM, "") == f"> {REASONING}\n\n{ANSWER}\n> "
+    else:
+        assert out == f"> {ANSWER}\n> " and REASONING in err and cli.DIM not in out + err
+
+
+def test_cli_generate_splits_unless_raw(harmony_llm, script, monkeypatch, capsys):
+    script.say(harmony_llm.tokenizer, HARMONY_REPLY)
+    monkeypatch.setenv("NO_COLOR", "1")
+    args = ["generate", str(harmony_llm.path), "Hi", "-n", "200", "--dtype", "float32", "--kv-cache-memory", "4e6"]
+    assert cli.main(args) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{ANSWER}\n" and f"{REASONING}\n" in err and "finish=stop" in err
+    assert cli.main(args + ["--raw"]) == 0  # no chat template: the text as decoded, nothing split
+    assert capsys.readouterr().out == harmony_llm.tokenizer.decode(script.tokens[:-1]) + "\n"

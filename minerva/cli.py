@@ -15,6 +15,7 @@ from minerva import bench
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
+from minerva.formats.reasoning import ReasoningParser
 from minerva.kernels import dispatch
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb
@@ -31,6 +32,7 @@ from minerva.serve.server import serve
 from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+DIM, UNDIM = "\x1b[2m", "\x1b[0m"  # ANSI: faint text, and back to normal
 
 
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
@@ -64,18 +66,53 @@ def _load(model: str | None, args, engine: bool = True):
     return llm
 
 
-def _stream_one(llm, prompt, params) -> None:
+def _color() -> bool:
+    """Whether to style the output: on a terminal, unless NO_COLOR is set; anywhere with FORCE_COLOR."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return bool(os.environ.get("FORCE_COLOR")) or sys.stdout.isatty()
+
+
+class ReplyWriter:
+    """Writes a reply as it streams. A reasoning model's reasoning comes first, dimmed on a
+    terminal; elsewhere it goes to stderr, so that stdout carries only answers. The answer
+    follows as it is; `answer` collects it."""
+
+    def __init__(self, parser: ReasoningParser | None):
+        self.parser, self.color = parser, _color()
+        self.thinking = False  # reasoning written, and no answer after it yet
+        self.answer: list[str] = []
+
+    def write(self, text: str, end: bool = False) -> None:
+        thought, answer = self.parser.feed(text, end) if self.parser else ("", text)
+        if thought:  # each piece undimmed at once: a Ctrl-C leaves the terminal as it was
+            self._reasoning(DIM + thought + UNDIM if self.color else thought)
+            self.thinking = True
+        if self.thinking and (answer or end):
+            self._reasoning("\n\n" if self.color else "\n")
+            self.thinking = False
+        sys.stdout.write(answer)
+        sys.stdout.flush()
+        self.answer.append(answer)
+
+    def _reasoning(self, text: str) -> None:
+        out = sys.stdout if self.color else sys.stderr
+        out.write(text)
+        out.flush()
+
+
+def _stream_one(llm, prompt, params, parser: ReasoningParser | None = None) -> None:
     start = time.perf_counter()
     first = None
     n = 0
     finish = None
+    writer = ReplyWriter(parser)
     for delta in llm.stream(prompt, params):
         if first is None:
             first = time.perf_counter()
         n += len(delta.token_ids)
         finish = delta.finish_reason or finish
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
+        writer.write(delta.text, end=delta.finish_reason is not None)
     end = time.perf_counter()
     sys.stdout.write("\n")
     decode = f", {max(n - 1, 0) / (end - first):.1f} tokens/s decode" if first and n > 1 and end > first else ""
@@ -110,18 +147,26 @@ def cmd_generate(args) -> int:
     prompt = prompt if prompt is not None else DEFAULT_PROMPT
     params = sampling(args)
     llm = _load(model, args)
-    if not args.raw:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt = llm.apply_chat_template(messages + [{"role": "user", "content": prompt}])
-    _stream_one(llm, prompt, params)
+    if args.raw:
+        _stream_one(llm, prompt, params)
+        return 0
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    prompt = llm.apply_chat_template(messages + [{"role": "user", "content": prompt}],
+                                     **_template_variables(args))
+    _stream_one(llm, prompt, llm.chat_params(params), llm.reasoning.parser(prompt) if llm.reasoning else None)
     return 0
+
+
+def _template_variables(args) -> dict:
+    return {"reasoning_effort": args.reasoning_effort} if args.reasoning_effort else {}
 
 
 def cmd_chat(args) -> int:
     if len(args.model) > 1:
         raise MinervaError("chat takes at most one MODEL argument")
-    params = sampling(args)
+    params = sampling(args)  # checked before the model loads
     llm = _load(args.model[0] if args.model else None, args)
+    params = llm.chat_params(params)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     print("chat: type a message; /reset clears the history; Ctrl-D leaves", file=sys.stderr)
@@ -140,13 +185,11 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = llm.apply_chat_template(system + history)
-        reply = []
+        prompt = llm.apply_chat_template(system + history, **_template_variables(args))
+        writer = ReplyWriter(llm.reasoning.parser(prompt) if llm.reasoning else None)
         try:
             for delta in llm.stream(prompt, params):
-                reply.append(delta.text)
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
+                writer.write(delta.text, end=delta.finish_reason is not None)
         except MinervaError as exc:  # e.g. the history outgrew the context: keep the session
             history.pop()
             print(f"\nerror: {exc} (use /reset)", file=sys.stderr)
@@ -154,7 +197,8 @@ def cmd_chat(args) -> int:
         except KeyboardInterrupt:  # Ctrl-C stops this reply, not the session
             print("\n[interrupted]", file=sys.stderr)
         sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply)})
+        # The answer only: templates leave earlier turns' reasoning out of the prompt anyway.
+        history.append({"role": "assistant", "content": "".join(writer.answer)})
 
 
 def cmd_serve(args) -> int:
@@ -206,6 +250,12 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def _add_reasoning_effort(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None,
+                   help="how much a reasoning model thinks first (GPT-OSS's template reads it; "
+                        "default: the template's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -224,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT")
     p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
+    _add_reasoning_effort(p)
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=cmd_generate)
@@ -231,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat with the model's template")
     p.add_argument("model", nargs="*", metavar="MODEL")
     p.add_argument("--system", default=None)
+    _add_reasoning_effort(p)
     add_model_options(p)
     add_sampling_options(p)
     p.set_defaults(func=cmd_chat)

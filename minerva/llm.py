@@ -13,6 +13,7 @@ from minerva.engine.request import CompletionOutput, Request, RequestOutput, Str
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
+from minerva.formats.reasoning import reasoning_for, split_text
 from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
 from minerva.models.loader import LoadedModel, load_model
@@ -105,6 +106,7 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
+        self.reasoning = reasoning_for(self.tokenizer)  # how its replies split into reasoning and answer
         draft = engine_config.draft_model
         if draft is not None:
             draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype,
@@ -114,10 +116,17 @@ class LLM:
 
     # ------------------------------------------------------------ prompts
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """The prompt of a conversation; `variables` (e.g. reasoning_effort) go to the template too."""
         return render_chat(self.chat_template, messages, bos_token=self._token(self.tokenizer.bos_token_id),
                            eos_token=self._token(self.tokenizer.eos_token_id),
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, **variables)
+
+    def chat_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` for a chat reply: special tokens kept where the model's reasoning parser reads them."""
+        if self.reasoning is None or self.reasoning.skip_special_tokens:
+            return params
+        return dataclasses.replace(params, skip_special_tokens=False)
 
     def _token(self, token_id: int | None) -> str:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
@@ -207,5 +216,13 @@ class LLM:
         for _, _, delta in self.stream_many([prompt], params):
             yield delta
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        return self.generate(self.apply_chat_template(messages), params)[0]
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, **variables) -> RequestOutput:
+        """A reply to `messages`; for a model that reasons first, each completion's `text` is the
+        answer and its `reasoning` the reasoning."""
+        prompt = self.apply_chat_template(messages, **variables)
+        out = self.generate(prompt, self.chat_params(params or SamplingParams()))[0]
+        if self.reasoning is None:
+            return out
+        split = [split_text(self.reasoning, prompt, c.text) for c in out.outputs]
+        return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=content, reasoning=reasoning)
+                                                 for c, (reasoning, content) in zip(out.outputs, split)])

@@ -225,6 +225,38 @@ def test_chat_stream_chunks_are_openai_shaped():
     assert usage.choices == [] and usage.usage.total_tokens == 4
 
 
+def test_reasoning_replies_carry_reasoning_content():
+    """A model with a reasoning parser: messages and deltas carry reasoning_content beside content,
+    still valid for the openai client (which keeps the field as an extra) and the server's schema."""
+    reply = Reply(True, False, HEAD, token_text, reasoning=True)
+    body = reply.response([reply.choice(0, "Hi!", "stop", [], reasoning="They greet me."),
+                           reply.choice(1, "Hi!", "stop", [])], convert.usage(3, 2), None)
+    got = ChatCompletion.model_validate(body)
+    assert got.choices[0].message.content == "Hi!"
+    assert got.choices[0].message.model_extra["reasoning_content"] == "They greet me."
+    assert body["choices"][1]["message"]["reasoning_content"] is None  # no reasoning: null, not ""
+    assert P.ChatCompletionResponse.model_validate(body).choices[0].message.reasoning_content == "They greet me."
+    deltas = [reply.delta(0, "", None, [], reasoning="They"), reply.delta(0, "Hi", None, [], reasoning=" greet."),
+              reply.delta(0, "!", None, []), reply.delta(0, "", "stop", [])]
+    assert [d["delta"] for d in deltas] == [{"reasoning_content": "They"},
+                                            {"reasoning_content": " greet.", "content": "Hi"},
+                                            {"content": "!"}, {}]
+    for d in deltas:
+        ChatCompletionChunk.model_validate(parse_event(reply.chunk([d])))
+    assert "reasoning_content" not in chat_reply().choice(0, "Hi!", "stop", [])["message"]  # other models
+
+
+def test_template_variables():
+    body = P.ChatCompletionRequest(messages=CHAT, reasoning_effort="high",
+                                   chat_template_kwargs={"enable_thinking": False, "reasoning_effort": "low"})
+    assert convert.template_variables(body) == {"enable_thinking": False, "reasoning_effort": "high"}
+    assert convert.template_variables(P.ChatCompletionRequest(messages=CHAT)) == {}
+    for name in ("messages", "bos_token", "add_generation_prompt"):
+        with pytest.raises(APIError, match=name) as e:
+            convert.template_variables(P.ChatCompletionRequest(messages=CHAT, chat_template_kwargs={name: 1}))
+        assert e.value.status == 400 and e.value.param == "chat_template_kwargs"
+
+
 def test_completion_stream_chunks_are_openai_shaped():
     reply = text_reply()
     assert reply.opening(["", ""]) == []  # nothing to echo: no opening chunk

@@ -37,7 +37,7 @@ class OutputProcessor:
 
     def __init__(self, request_id: str, tokenizer: Tokenizer, params: SamplingParams):
         self.request_id = request_id
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids |= set(tokenizer.eos_token_ids)

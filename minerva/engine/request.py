@@ -91,6 +91,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # one per token when asked for
+    reasoning: str | None = None  # what `LLM.chat` split off as reasoning (text is then the answer)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     speculative_tokens: int | None = None  # guesses per step: None = the engine's setting, 0 = off
+    # Leave special tokens out of the text; a chat reply whose reasoning parser reads markers
+    # that are special tokens (harmony's) keeps them (see minerva/formats/reasoning.py).
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,6 +67,7 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "token ids >= 0"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "true or false"),
             ("speculative_tokens", self.speculative_tokens is None or (
                 isinstance(self.speculative_tokens, int) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE),
              f"an integer in [0, {MAX_SPECULATIVE}]"),

@@ -29,8 +29,12 @@ from minerva.errors import MinervaError
 from minerva.formats.chat_budget import DEFAULT_LIMITS, TemplateLimitError, TemplateLimits, limited
 from minerva.formats.chat_limits import LimitedSandbox, limited_filter
 
-__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "TemplateLimitError", "TemplateLimits",
-           "chat_template_for", "render_chat", "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "RESERVED_VARIABLES", "TemplateLimitError",
+           "TemplateLimits", "chat_template_for", "render_chat", "validate_messages"]
+
+# Names `render_chat` sets itself or takes as its own arguments: not for extra template variables.
+RESERVED_VARIABLES = frozenset({"template", "messages", "bos_token", "eos_token", "add_generation_prompt",
+                                "limits"})
 
 # The official Gemma 3 template (google/gemma-3-*-it): the system message is
 # put in front of the first user turn, and the assistant's role is "model".

@@ -111,6 +111,7 @@ class Tokenizer:
                 token_id = backend.token_to_id(name)
                 if token_id is not None:
                     eos_ids.add(token_id)
+        eos_ids = _harmony_ends(backend, eos_ids)
         self._eos_ids = frozenset(i for i in eos_ids if 0 <= i < self._vocab_size)
 
     # -- construction ------------------------------------------------------
@@ -161,6 +162,16 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding with `skip_special_tokens` leaves this token out."""
+        if self._pieces is not None:  # decoded from the GGUF byte table, as `decode` does
+            return 0 <= token_id < len(self._special) and self._special[token_id]
+        return token_id in self._special_ids
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
@@ -217,6 +228,18 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self._vocab_size}, bos={self._bos}, eos={sorted(self._eos_ids)}, "
             f"add_bos={self.add_bos}, architecture={self.architecture!r})"
         )
+
+
+def _harmony_ends(backend: tokenizers.Tokenizer, eos_ids: set[int]) -> set[int]:
+    """The ends of generation of a harmony vocabulary (GPT-OSS), where `<|end|>` closes every
+    message, the reasoning ones included, and the reply goes on after it: only `<|return|>`
+    (the answer is done) and `<|call|>` (a tool is called) end a generation. As llama.cpp
+    does, a vocabulary that has both of those is taken for a harmony one, whatever its files
+    name as EOS or end of turn."""
+    end, ret, call = (backend.token_to_id(t) for t in ("<|end|>", "<|return|>", "<|call|>"))
+    if ret is None or call is None:
+        return eos_ids
+    return (eos_ids | {ret, call}) - {end}
 
 
 def check_unicode(text: str) -> None:

@@ -27,6 +27,7 @@ from minerva.engine.request import Request
 from minerva.engine.sampler import TokenLogprob
 from minerva.errors import MinervaError
 from minerva.formats.chat import TemplateLimitError
+from minerva.formats.reasoning import ReasoningParser
 from minerva.serve import convert
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine, EngineDead, Group, QueueFull
@@ -240,10 +241,15 @@ class OpenAIRoutes:
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         self.check_model(body.model)
         convert.check_supported(body)
-        ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt), "messages")
+        variables = convert.template_variables(body)
+        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, variables)
+        ids = await self.encode(prompt, "messages")
         requests = self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
-                                 "messages")
-        return await self.answer(raw, requests, body, True, body.logprobs, len(ids), [""] * len(requests))
+                                 "messages", chat=True)
+        fmt = self.llm.reasoning  # a model that reasons first: each choice split by a parser of its own
+        parsers = [fmt.parser(prompt) for _ in requests] if fmt is not None else None
+        return await self.answer(raw, requests, body, True, body.logprobs, len(ids), [""] * len(requests),
+                                 parsers)
 
     async def completions(self, body: P.CompletionRequest, raw: HTTPRequest) -> Response:
         self.check_model(body.model)
@@ -291,12 +297,13 @@ class OpenAIRoutes:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}' "
                                 f"(see /v1/models)", "model")
 
-    async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool) -> str:
+    async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
+                          variables: dict | None = None) -> str:
         """The conversation rendered by the model's chat template, on a worker thread: a template
         is code from the model file, and its time is bounded by the renderer, not the event loop."""
         try:
             return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
-                                           add_generation_prompt=add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt, **(variables or {}))
         except TemplateLimitError as exc:  # the model file's template ran away, not the request
             log.error("%s", exc)
             raise APIError(500, f"{exc}; the model's chat template is broken or hostile: fix it, or "
@@ -320,12 +327,13 @@ class OpenAIRoutes:
             raise APIError(400, str(exc), param) from None
 
     def requests(self, prompts: list[list[int]], body: P._Sampling, max_tokens: int | None,
-                 logprobs: int | None, param: str) -> list[Request]:
+                 logprobs: int | None, param: str, chat: bool = False) -> list[Request]:
         """Engine requests for every prompt (n each), checked by the API's rules and the engine's."""
         requests = []
         for ids in prompts:
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
-            requests += self.llm.make_requests(ids, convert.sampling_params(body, limit, logprobs))
+            params = convert.sampling_params(body, limit, logprobs)
+            requests += self.llm.make_requests(ids, self.llm.chat_params(params) if chat else params)
         if len(requests) > self.config.max_waiting:  # could never be queued: not a matter of retrying
             raise APIError(400, f"this request asks for {len(requests)} completions (prompts x n), more than "
                                 f"the server queues at once (--max-waiting {self.config.max_waiting}); "
@@ -350,20 +358,24 @@ class OpenAIRoutes:
     # -------------------------------------------------------------- answers
 
     async def answer(self, raw: HTTPRequest, requests: list[Request], body: P._Sampling, chat: bool,
-                     want_logprobs: bool, prompt_tokens: int, prefixes: list[str]) -> Response:
-        """Submit, then answer with one JSON body or an SSE stream."""
+                     want_logprobs: bool, prompt_tokens: int, prefixes: list[str],
+                     parsers: list[ReasoningParser] | None = None) -> Response:
+        """Submit, then answer with one JSON body or an SSE stream; `parsers` (one per request)
+        split each reply into reasoning and content."""
         group = self.submit(requests)
         watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
-        reply = Reply.new(chat, want_logprobs, self.config.served_model_name, self.token_text)
+        reply = Reply.new(chat, want_logprobs, self.config.served_model_name, self.token_text,
+                          reasoning=parsers is not None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream(group, watch, reply, include_usage, prompt_tokens, prefixes),
+            return StreamingResponse(self.stream(group, watch, reply, include_usage, prompt_tokens, prefixes,
+                                                 parsers),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes))
+        return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes, parsers))
 
     async def collect(self, group: Group, watch: asyncio.Future, reply: Reply, prompt_tokens: int,
-                      prefixes: list[str]) -> dict:
+                      prefixes: list[str], parsers: list[ReasoningParser] | None) -> dict:
         """The whole response, once every request of the group has finished."""
         texts = [[p] for p in prefixes]
         logprobs: list[list[TokenLogprob]] = [[] for _ in prefixes]
@@ -385,13 +397,16 @@ class OpenAIRoutes:
             watch.cancel()
             if not done:
                 self.engine.abort(group)
-        choices = [reply.choice(i, "".join(parts), finish[i], logprobs[i], len(prefixes[i]))
-                   for i, parts in enumerate(texts)]
+        choices = []
+        for i, parts in enumerate(texts):
+            thought, text = parsers[i].feed("".join(parts), end=True) if parsers else ("", "".join(parts))
+            choices.append(reply.choice(i, text, finish[i], logprobs[i], len(prefixes[i]), thought))
         return reply.response(choices, convert.usage(prompt_tokens, completion_tokens),
                               convert.group_timings(group.tracked, prompt_tokens, completion_tokens))
 
     async def stream(self, group: Group, watch: asyncio.Future, reply: Reply, include_usage: bool,
-                     prompt_tokens: int, prefixes: list[str]) -> AsyncIterator[str]:
+                     prompt_tokens: int, prefixes: list[str],
+                     parsers: list[ReasoningParser] | None) -> AsyncIterator[str]:
         completion_tokens = 0
         offsets = [len(p) for p in prefixes]
         done = False
@@ -401,9 +416,14 @@ class OpenAIRoutes:
                 yield reply.chunk(opening)
             async for t, d in self.engine.stream(group):
                 completion_tokens += len(d.token_ids)
-                if d.text or d.token_ids or d.finish_reason:
-                    yield reply.chunk([reply.delta(t.index, d.text, d.finish_reason, d.logprobs, offsets[t.index])])
-                    offsets[t.index] += len(d.text)
+                thought, text, news = "", d.text, d.text or d.token_ids
+                if parsers:  # a chunk only for new text: marker tokens alone say nothing
+                    thought, text = parsers[t.index].feed(d.text, end=d.finish_reason is not None)
+                    news = thought or text or d.logprobs
+                if news or d.finish_reason:
+                    yield reply.chunk([reply.delta(t.index, text, d.finish_reason, d.logprobs, offsets[t.index],
+                                                   thought)])
+                    offsets[t.index] += len(text)
             if include_usage:
                 yield reply.chunk([], usage=convert.usage(prompt_tokens, completion_tokens),
                                   timings=convert.group_timings(group.tracked, prompt_tokens, completion_tokens))

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.errors import MinervaError
+from minerva.formats.chat import RESERVED_VARIABLES
 from minerva.serve import protocol as P
 
 DONE = "data: [DONE]\n\n"
@@ -43,6 +44,19 @@ def error_body(status: int, message: str, param: str | None = None,
 def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them (content parts joined into one text)."""
     return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+def template_variables(body: P.ChatCompletionRequest) -> dict:
+    """The chat template's extra variables: `chat_template_kwargs`, and `reasoning_effort` over them."""
+    variables = dict(body.chat_template_kwargs or {})
+    clash = sorted(RESERVED_VARIABLES & set(variables))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set '{clash[0]}': the server sets it itself "
+                            f"(send messages and add_generation_prompt as fields of their own)",
+                       "chat_template_kwargs")
+    if body.reasoning_effort is not None:
+        variables["reasoning_effort"] = body.reasoning_effort
+    return variables
 
 
 def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
@@ -181,13 +195,15 @@ class Reply:
     want_logprobs: bool
     head: dict
     token_text: Callable[[int], str]
+    reasoning: bool = False  # chat messages carry reasoning_content (the model's replies are split)
 
     @classmethod
-    def new(cls, chat: bool, want_logprobs: bool, model: str, token_text: Callable[[int], str]) -> "Reply":
+    def new(cls, chat: bool, want_logprobs: bool, model: str, token_text: Callable[[int], str],
+            reasoning: bool = False) -> "Reply":
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}
-        return cls(chat, want_logprobs, head, token_text)
+        return cls(chat, want_logprobs, head, token_text, reasoning)
 
     def logprobs(self, items: Sequence[TokenLogprob], offset: int) -> dict | None:
         if not self.want_logprobs:
@@ -197,12 +213,14 @@ class Reply:
         return completion_logprobs(items, offset, self.token_text)
 
     def choice(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-               offset: int = 0) -> dict:
-        """One choice of a whole response."""
+               offset: int = 0, reasoning: str | None = None) -> dict:
+        """One choice of a whole response (`text` the answer, `reasoning` what came before it)."""
         lp = self.logprobs(items, offset)
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                    "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if self.reasoning:
+                message["reasoning_content"] = reasoning or None
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     def response(self, choices: list[dict], usage: dict, timings: dict | None) -> dict:
@@ -210,12 +228,15 @@ class Reply:
                 "choices": choices, "usage": usage, "timings": timings}
 
     def delta(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-              offset: int = 0) -> dict:
-        """One choice of a stream chunk (a chat delta carries no content once it has finished)."""
+              offset: int = 0, reasoning: str = "") -> dict:
+        """One choice of a stream chunk (a chat delta carries no content once it has finished;
+        with reasoning, only the fields that have new text)."""
         lp = self.logprobs(items, offset)
         if self.chat:
-            return {"index": index, "delta": {"content": text} if text or not finish else {}, "logprobs": lp,
-                    "finish_reason": finish}
+            delta = {"content": text} if text or not finish else {}
+            if self.reasoning and reasoning:
+                delta = {"reasoning_content": reasoning, **({"content": text} if text else {})}
+            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     def opening(self, prefixes: list[str]) -> list[dict]:

@@ -109,6 +109,11 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="How much a reasoning model thinks first: passed to the chat template as "
+                          "`reasoning_effort` (GPT-OSS's template reads it); omitted: the template's default.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="More variables for the chat template, e.g. {\"enable_thinking\": false} for Qwen3.")
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -202,6 +207,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = Field(
+        None, description="What a reasoning model thought before its answer (absent for other models).")
 
 
 class ChatChoice(BaseModel):

@@ -437,6 +437,12 @@ def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool
         else:
             data = RandomTensor(t.qtype, t.shape, s, tables)
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.qtype)  # type: ignore[arg-type]
+    finish(w, partial, path, progress)
+    return tensors
+
+
+def finish(w: gguf.GGUFWriter, partial: Path, path: Path, progress: bool) -> None:
+    """Write what `w` holds to `partial` and rename it to `path`; on failure remove it."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -447,7 +453,14 @@ def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool
         w.close()
         partial.unlink(missing_ok=True)
         raise
-    return tensors
+
+
+def report(path: Path, secs: float, shape_line: str, tensors: list[TensorPlan]) -> None:
+    size = path.stat().st_size
+    print(f"wrote {path}")
+    print(shape_line)
+    print(f"size {size:,} bytes ({size / 1e9:.2f} GB) in {secs:.1f} s ({size / 1e6 / secs:,.0f} MB/s)")
+    print("\n".join(breakdown(tensors)))
 
 
 def breakdown(tensors: list[TensorPlan]) -> list[str]:
@@ -489,13 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     except (MinervaError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    secs = time.perf_counter() - start
-    size = path.stat().st_size
-    print(f"wrote {path}")
-    print(f"{shape.title} shape: {shape.layers} layers, hidden {shape.hidden}, feed-forward {shape.ffn}, "
-          f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab}, context {shape.context}")
-    print(f"size {size:,} bytes ({size / 1e9:.2f} GB) in {secs:.1f} s ({size / 1e6 / secs:,.0f} MB/s)")
-    print("\n".join(breakdown(tensors)))
+    report(path, time.perf_counter() - start,
+           f"{shape.title} shape: {shape.layers} layers, hidden {shape.hidden}, feed-forward {shape.ffn}, "
+           f"{shape.heads} heads / {shape.kv_heads} KV heads, vocabulary {shape.vocab}, context {shape.context}",
+           tensors)
     return 0
 
 

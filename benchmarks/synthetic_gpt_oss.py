@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.synthetic import (CHUNK_BYTES, TOKENIZER_WRITERS, WEIGHT_STD, RandomTensor,  # noqa: E402
-                                  TensorPlan, breakdown, fit_vocabulary)
+                                  TensorPlan, finish, fit_vocabulary, report)
 from minerva.errors import MinervaError  # noqa: E402
 from minerva.formats.gguf import GGUFFile  # noqa: E402
 from minerva.store import resolve, store_root  # noqa: E402
@@ -157,16 +157,7 @@ def write(path: Path, layers: int = LAYERS, experts: int = EXPERTS, seed: int = 
             continue
         data = RandomMXFP4(t.shape, s) if t.qtype == QT.MXFP4 else RandomTensor(t.qtype, t.shape, s, {})
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.qtype)  # type: ignore[arg-type]
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file(progress=progress)
-        w.close()
-        partial.replace(path)
-    except BaseException:
-        w.close()
-        partial.unlink(missing_ok=True)
-        raise
+    finish(w, partial, path, progress)
     return tensors
 
 
@@ -192,13 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     except (MinervaError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    secs = time.perf_counter() - start
-    size = path.stat().st_size
-    print(f"wrote {path}")
-    print(f"GPT-OSS-20B shape: {args.layers} layers, hidden {HIDDEN}, {args.experts} experts of {EXPERT_FFN} "
-          f"({EXPERTS_USED} per token), {HEADS} heads / {KV_HEADS} KV heads, vocabulary {args.vocab}")
-    print(f"size {size:,} bytes ({size / 1e9:.2f} GB) in {secs:.1f} s ({size / 1e6 / secs:,.0f} MB/s)")
-    print("\n".join(breakdown(tensors)))
+    report(path, time.perf_counter() - start,
+           f"GPT-OSS-20B shape: {args.layers} layers, hidden {HIDDEN}, {args.experts} experts of {EXPERT_FFN} "
+           f"({EXPERTS_USED} per token), {HEADS} heads / {KV_HEADS} KV heads, vocabulary {args.vocab}", tensors)
     return 0
 
 

@@ -238,13 +238,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
   const int64_t ts = block_tables.size(1);
   const int64_t *sl = seq_lens.data_ptr<int64_t>(), *qsl = query_start_loc.data_ptr<int64_t>(),
                 *pos = positions.data_ptr<int64_t>();
-  const float* sink = nullptr;
-  if (sinks.defined() && sinks.numel() > 0) {
-    TORCH_CHECK(sinks.dtype() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == H,
-                "sinks must be a contiguous float32 tensor of one logit per query head");
-    sink = sinks.data_ptr<float>();
-  }
-  const Softmax sm{window, static_cast<float>(scale), sink};
+  const Softmax sm{window, static_cast<float>(scale), minerva::sink_logits(sinks, H)};
   auto run = [&](auto* qp, auto* op) {
     using QT = std::remove_cv_t<std::remove_pointer_t<decltype(qp)>>;
     switch (k.scalar_type()) {

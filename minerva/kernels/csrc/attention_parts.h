@@ -38,6 +38,14 @@ struct Softmax {
   const float* sinks;
 };
 
+// The sink logits of paged_attention's `sinks` argument: null when empty, else its data
+inline const float* sink_logits(const torch::Tensor& sinks, int64_t H) {
+  if (!sinks.defined() || sinks.numel() == 0) return nullptr;
+  TORCH_CHECK(sinks.dtype() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == H,
+              "sinks must be a contiguous float32 tensor of one logit per query head");
+  return sinks.data_ptr<float>();
+}
+
 constexpr int64_t kPartKeys = 1024;
 constexpr int64_t kWaveFloats = int64_t(1) << 22;  // 16 MiB of partial results
 

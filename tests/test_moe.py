@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from minerva import LLM, SamplingParams
+from minerva.errors import MinervaError
 from minerva.kernels import native
 from minerva.models.layers import MoE
 from minerva.models.loader import load_model
@@ -73,6 +74,17 @@ def test_safetensors_mxfp4_experts_stay_packed_and_match_transformers(tmp_path):
     with torch.inference_mode():
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
     assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (mine - ref).abs().max()
+
+
+def test_mxfp4_blocks_of_the_wrong_dtype_are_refused(tmp_path):
+    """A `*_blocks` tensor that is not uint8 (a float tensor under that name) is refused by name."""
+    hf_dir = to_mxfp4(save(tmp_path, "gpt-oss"))
+    tensors = load_file(hf_dir / "model.safetensors")
+    name = "model.layers.0.mlp.experts.down_proj_blocks"
+    tensors[name] = tensors[name].float()
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MinervaError, match=f"'{name}' has dtype torch.float32; packed blocks are uint8"):
+        load_model(hf_dir)
 
 
 @pytest.mark.parametrize("expert_type", [None, Q.Q4_0])

@@ -284,4 +284,3 @@ def mxfp4_from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     values = torch.stack([low, high], dim=-1).flatten(-2)  # element i of each block of 32
     ggml = values[..., :16] | (values[..., 16:] << 4)
     return torch.cat([scales.unsqueeze(-1), ggml], dim=-1).flatten(-2)
-

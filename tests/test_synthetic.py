@@ -289,13 +289,14 @@ def test_gpt_oss_plan_is_the_published_files():
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_gpt_oss_logits_match_llama_cpps(tmp_path, activations):
     """Two GPT-OSS layers (one sliding, one full; random sinks and biases, MXFP4 experts) through
-    llama.cpp and Minerva, past the 128-token window. Per position the logits differ by 1.6%
-    at the start, growing to 3-6% by position 160 (the dense mixes stay at 1.3%; the growth
-    stays with the sinks and biases removed, so it is in the rope or attention, and Minerva
-    matches transformers to 1e-4 there: tests/test_moe.py), but for a few positions where a
-    router's 4th and 5th logits nearly tie (measured margins below 0.03, against a median of
-    0.25) and the two engines' roundings pick different experts (measured 6 of 160, 15-40%
-    off). A block read with the wrong layout is off by about 100%."""
+    llama.cpp and Minerva, past the 128-token window. Per position the logits differ by 2%
+    at the start, growing to 3-4% by position 160. The growth is this random model's
+    sensitivity, not a difference between the engines: Minerva with int8 activations differs
+    from Minerva with float activations by the same 2% -> 3.3% (medians over 20 positions),
+    with an f32 KV cache in llama.cpp it is unchanged, and Minerva matches transformers to
+    1e-4 on the same layers (tests/test_moe.py). A few positions are further off (measured 6
+    of 160, 15-40%): there a router's 4th and 5th logits nearly tie (margins below 0.03,
+    against a median of 0.25) and the two engines' roundings pick different experts. A block read with the wrong layout is off by about 100%."""
     from llama_cpp import Llama
 
     from minerva.models.loader import load_model

@@ -1,5 +1,6 @@
-"""Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 (and Q4_K/Q5_K) regrouped for the int8 kernels (`minerva.kernels.repack`): the layout
-round-trips, and the kernels on it give the GGML layout's results bit for bit."""
+"""Q4_0/Q4_1/Q5_0/Q5_1/MXFP4 (and Q8_0, Q4_K, Q5_K) regrouped for the int8 kernels (`minerva.kernels.repack`):
+the layout round-trips, and the kernels on it give the GGML layout's results bit for bit (Q8_0, Q4_K, Q5_K:
+within float32 rounding of the exact products)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tests.helpers.quant_blocks import realistic_blocks
 from tests.test_act_quant import kernels, needs_kernels, sample_x  # noqa: F401 (kernels: a fixture)
 
 SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4]  # blocks of 32: the GGML layout's bits exactly
-TYPES = SMALL + [QT.Q4_K, QT.Q5_K]
+BLOCKS_OF_32 = SMALL + [QT.Q8_0]
+TYPES = BLOCKS_OF_32 + [QT.Q4_K, QT.Q5_K]
 
 
 def block_size(qtype):
@@ -22,7 +24,7 @@ def block_size(qtype):
 
 
 def block_weights(qtype):
-    return 32 if qtype in SMALL else 256
+    return 32 if qtype in BLOCKS_OF_32 else 256
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -50,10 +52,10 @@ def test_compiled_regroup_matches_the_torch_one_in_place(kernels, qtype, rows):
     assert (got.data_ptr() == work.data_ptr()) == (rows % 8 == 0)  # no copy unless padding is needed
 
 
-@pytest.mark.parametrize("qtype", SMALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
 def test_layout_of_a_group(qtype):
     """Block g of a group: the 8 rows' scales (f16, or MXFP4's exponent byte), then qs chunk k
-    of row j at 32k + 4j; the fifth bit of weight 4k + b at bit 8b + 4 + k of the row's u32, of
+    (k < 4, Q8_0: k < 8) of row j at 32k + 4j; the fifth bit of weight 4k + b at bit 8b + 4 + k of the row's u32, of
     weight 16 + 4k + b at 8b + k."""
     rng = np.random.default_rng(0)
     raw = torch.from_numpy(realistic_blocks(qtype, 8, 64, rng))
@@ -78,7 +80,7 @@ def test_layout_of_a_group(qtype):
                         assert (word >> (8 * bb + 4 + k)) & 1 == (qh >> (4 * k + bb)) & 1
                         assert (word >> (8 * bb + k)) & 1 == (qh >> (16 + 4 * k + bb)) & 1
                 at += 32
-            for k in range(4):
+            for k in range(8 if qtype == QT.Q8_0 else 4):
                 assert torch.equal(b[at + 32 * k + 4 * j:at + 32 * k + 4 * j + 4], ggml[qs_at + 4 * k:qs_at + 4 * k + 4])
 
 
@@ -112,9 +114,9 @@ def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [40, 37])
 def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
-    """Blocks of 32: bit for bit the GGML layout's kernel. Q4_K, Q5_K (each output's super-block sum
-    in one lane rather than eight): float64 x̃ @ W within float32 rounding. Every type: a row's
-    result does not depend on the batch or the threads."""
+    """Q4_0 .. MXFP4: bit for bit the GGML layout's kernel. Q8_0, Q4_K, Q5_K (each output's block
+    or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
+    Every type: a row's result does not depend on the batch or the threads."""
     rng = np.random.default_rng(3)
     raw = torch.from_numpy(realistic_blocks(qtype, rows, 512, rng))
     regrouped = repack.regroup(raw, qtype, rows, 512)
@@ -147,14 +149,38 @@ def test_regrouped_arguments_are_checked(kernels):
     with pytest.raises(RuntimeError, match="bytes, expected"):  # 13 rows, not padded to 16
         kernels.qmatmul_q8(x, raw, int(QT.Q4_0) | repack.REGROUPED, 13, 64)
     with pytest.raises(RuntimeError, match="no regrouped layout"):
-        kernels.qmatmul_q8(x, raw, int(QT.Q8_0) | repack.REGROUPED, 13, 64)
+        kernels.qmatmul_q8(x, raw, int(QT.Q6_K) | repack.REGROUPED, 13, 64)
+
+
+@needs_kernels
+def test_regrouped_q8_0_at_the_extremes(kernels):
+    """Q8_0's stored -128 (|w| = 128, the largest unsigned operand) and 127 against x at ±127 in
+    every position: each chunk's pairs reach 2 * 128 * 127 = 32512 and must neither saturate
+    nor overflow when summed. Scale 1 and x = ±127 (quantized with scale 1) make every product
+    and sum an exact integer in float32."""
+    rows, cols = 16, 256
+    rng = np.random.default_rng(5)
+    q = rng.choice(np.array([-128, 127, -127, 0], dtype=np.int8), size=(rows, cols), p=[0.45, 0.45, 0.05, 0.05])
+    q[0] = -128
+    blocks = np.zeros((rows, cols // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    blocks[..., 2:] = q.view(np.uint8).reshape(rows, cols // 32, 32)
+    raw = torch.from_numpy(blocks.reshape(rows, -1))
+    x = torch.from_numpy(rng.choice(np.array([-127.0, 127.0], dtype=np.float32), size=(3, cols)))
+    x[0] = -127.0
+    expected = x.double() @ torch.from_numpy(q.astype(np.float64)).T
+    got = run_kernel(kernels, QT.Q8_0, x, repack.regroup(raw, QT.Q8_0, rows, cols), rows, cols, True)
+    assert got[0, 0].item() == 256 * 128 * 127  # -127 * -128 over the whole row
+    assert torch.equal(got.double(), expected)
+    assert torch.equal(run_kernel(kernels, QT.Q8_0, x[:1], repack.regroup(raw, QT.Q8_0, rows, cols), rows, cols, True),
+                       got[:1])  # one row of x: the decode kernel, two groups at a time
 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_packed_weight_regroups_and_still_looks_up_rows(kernels, qtype):
     from minerva.kernels.weights import PackedWeight
-    cols = 256 * (1 if qtype in SMALL else 2)
+    cols = 256 * (1 if qtype in BLOCKS_OF_32 else 2)
     raw = torch.from_numpy(realistic_blocks(qtype, 21, cols, np.random.default_rng(6)))
     w = PackedWeight(raw, qtype, (21, cols), torch.float32)
     w.use_int8_activations()

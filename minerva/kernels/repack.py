@@ -1,12 +1,13 @@
 """Packed matrices regrouped for the int8 kernels: 8 rows' blocks side by side.
 
-Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K and Q5_K matrices that multiply 8-bit activations
+Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q8_0, Q4_K and Q5_K matrices that multiply 8-bit activations
 (`--activations int8`) are regrouped once at load, as llama.cpp repacks Q4_0 and Q4_K for its
 CPU kernels: rows go in groups of 8 (the last group padded with zero rows), and a group's
 block g holds its 8 rows' block g together, in the same bytes as the 8 GGML blocks:
 
     blocks of 32:  d[8] (f16) | m[8] (f16; Q4_1, Q5_1) | qh[8] (u32; Q5_0, Q5_1) | qs[128]
     MXFP4:         e[8] (E8M0) | qs[128]
+    Q8_0:          d[8] | qs[256] (signed bytes)
     Q4_K:          d[8] | dmin[8] | scales bytes 0-3 [8] | 4-7 [8] | 8-11 [8] | qs[1024]
     Q5_K:          as Q4_K, with qh[256] before qs
 
@@ -18,15 +19,17 @@ gives the same 4 bytes of all 8 rows, one row per 32-bit lane, and a dot product
 bytes of x broadcast to every lane sums each row in its own lane: no horizontal sums, and
 the 8 scales are one load (Q4_K's 6-bit scales and mins unpack for 8 rows at once). For the
 blocks of 32, chunk k's low nibbles are weights 4k .. 4k + 3 and its high ones 16 + 4k ..
-16 + 4k + 3; a row's fifth bits are moved within its u32 so that for chunk k a shift puts
+16 + 4k + 3 (Q8_0's chunk k is weights 4k .. 4k + 3, k = 0..7); a row's fifth bits are moved within its u32 so that for chunk k a shift puts
 them at bit 4 of each byte: weight 4k + b (b = 0..3) at bit 8b + 4 + k, weight 16 + 4k + b
 at bit 8b + k.
 
 The kernels (`X8`, `X8K` in csrc/qmatmul_q8.cpp) take the type id with `REGROUPED` set. For
-the blocks of 32 the integer dot products and the float operations per output are those of
-the GGML layout, so the results are bit-identical; Q4_K and Q5_K sum a super-block of an
-output in one lane instead of eight, so their float rounding differs (within float32
-rounding of the exact product). `restore` gives the GGML bytes back (tests, and row lookups).
+Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 the integer dot products and the float operations per output
+are those of the GGML layout, so the results are bit-identical; Q8_0, Q4_K and Q5_K sum a block
+(super-block) of an output in one lane instead of eight, so their float rounding differs
+(within float32 rounding of the exact product). Q8_0 gains the most: the GGML layout's kernel
+spends a float conversion and two multiplies on every 32 products of each output, this one on
+every 32 products of 8 outputs. `restore` gives the GGML bytes back (tests, and row lookups).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ FIELDS = {
     Q.Q4_0: [(2, "rows"), (16, "chunks")],
     Q.Q4_1: [(2, "rows"), (2, "rows"), (16, "chunks")],
     Q.MXFP4: [(1, "rows"), (16, "chunks")],  # the E8M0 exponent, then the nibbles
+    Q.Q8_0: [(2, "rows"), (32, "chunks")],
     Q.Q5_0: [(2, "rows"), (4, "bits"), (16, "chunks")],
     Q.Q5_1: [(2, "rows"), (2, "rows"), (4, "bits"), (16, "chunks")],
     # d, dmin, the 12 bytes of 6-bit scales and mins as three u32, qs

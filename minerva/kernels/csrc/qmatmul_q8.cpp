@@ -566,14 +566,15 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
 constexpr int64_t REGROUPED = 0x100;
 
 // MXFP4 regrouped: e[8] | qs[128], its nibbles looked up into values + 16 as W8<MXFP4> does.
+// Q8_0 regrouped: d[8] | qs[256], its signed bytes whole (chunks k = 0..7).
 template <int QT>
 struct X8 {
   static constexpr bool OFFSET = W8<QT>::OFFSET, FIFTH = QT == Q5_0 || QT == Q5_1, LOOKUP = QT == MXFP4;
   static constexpr bool WIDE = FIFTH || LOOKUP;  // values past 4 bits: maddubs lanes up to 2 * 31 * 127
   static constexpr int BIAS = W8<QT>::BIAS;
   static constexpr int M_AT = 16, QH_AT = OFFSET ? 32 : 16, QS_AT = LOOKUP ? 8 : QH_AT + (FIFTH ? 32 : 0);
-  static constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
-  static_assert(QS_AT + 128 == BYTES, "the regrouped block holds the 8 GGML blocks' bytes");
+  static constexpr int64_t BYTES = 8 * Layout<QT>::bytes, QS_BYTES = QT == Q8_0 ? 256 : 128;
+  static_assert(QS_AT + QS_BYTES == BYTES, "the regrouped block holds the 8 GGML blocks' bytes");
   // the 8 rows' scales: 8 f16, or 8 E8M0 bytes as e8m0_half computes them
   static __m256 scales(const uint8_t* b) {
     if constexpr (LOOKUP) {
@@ -598,6 +599,11 @@ struct X8 {
 // integer dot product per row (here summed in i16 before one madd: a lane of maddubs is at
 // most 2 * 15 * 127 = 3810 for 4-bit values, so 8 of them fit; 5-bit values, at most 7874,
 // and MXFP4's values + 16, at most 7112, go 4 at a time), then the same float operations.
+//
+// Q8_0 (its own float rounding, not the GGML layout's: a block's exact i32 dot product per
+// row in one lane, then one FMA, where the GGML layout keeps 8 partial lanes per output):
+// per chunk |w| against x's 4 bytes given w's signs, each chunk's pairs (up to 2 * 128 * 127)
+// widened to i32 on their own.
 template <int QT, int mr>
 void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
   using X = X8<QT>;
@@ -607,6 +613,21 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
     const uint8_t* b = grp + g * X::BYTES;
     for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + 4 * X::BYTES + o);
     const __m256 dw = X::scales(b);
+    if constexpr (QT == Q8_0) {
+      __m256i dot[mr];
+      for (int i = 0; i < mr; ++i) dot[i] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        const __m256i w = load256(b + X::QS_AT + 32 * k), wa = _mm256_abs_epi8(w);
+        for (int i = 0; i < mr; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
+          const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(p, ones16()));
+        }
+      }
+      for (int i = 0; i < mr; ++i) acc[i] = block_step<X>(a, m0 + i, g, dot[i], dw, _mm256_setzero_ps(), acc[i]);
+      continue;
+    }
     __m256 m = _mm256_setzero_ps();
     if constexpr (X::OFFSET) m = _mm256_cvtph_ps(load128(b + X::M_AT));
     __m256i lo[4], hi[4];
@@ -644,6 +665,33 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
     }
   }
   store_rows<mr>(acc, valid, y, ldy);
+}
+
+// Q8_0 regrouped, one row of x (decode): two groups (16 weight rows) at a time, sharing x's
+// loads; per output the same operations as tile_x8<Q8_0, 1>
+void q8_0_row_x16(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
+  using X = X8<Q8_0>;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t *b0 = grp + g * X::BYTES, *b1 = b0 + gb;
+    for (int64_t o = 0; o < X::BYTES; o += 64) {
+      prefetch(b0 + 4 * X::BYTES + o);
+      prefetch(b1 + 4 * X::BYTES + o);
+    }
+    __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      int32_t x4;
+      std::memcpy(&x4, a.q + 32 * g + 4 * k, 4);
+      const __m256i xb = _mm256_set1_epi32(x4);
+      const __m256i w0 = load256(b0 + X::QS_AT + 32 * k), w1 = load256(b1 + X::QS_AT + 32 * k);
+      dot0 = _mm256_add_epi32(dot0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0)), ones16()));
+      dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1)), ones16()));
+    }
+    acc0 = block_step<X>(a, 0, g, dot0, X::scales(b0), _mm256_setzero_ps(), acc0);
+    acc1 = block_step<X>(a, 0, g, dot1, X::scales(b1), _mm256_setzero_ps(), acc1);
+  }
+  _mm256_storeu_ps(y, acc0);
+  _mm256_storeu_ps(y + 8, acc1);
 }
 
 // Rows of x are taken MR at a time (the last tile shorter): tile_rows(m, rows) runs a tile
@@ -807,10 +855,17 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
 // PANEL rows (4 groups) at a time against tiles of 4 rows of x, as `matmul`
 template <int QT>
 void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
-  const int64_t gb = 8 * row_bytes<QT>(a.K), per = M == 1 ? 1 : PANEL / 8, groups = (N + 7) / 8;
+  const int64_t gb = 8 * row_bytes<QT>(a.K), groups = (N + 7) / 8;
+  const int64_t per = M > 1 ? PANEL / 8 : QT == Q8_0 ? 2 : 1;
   minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
+      if constexpr (QT == Q8_0) {
+        if (M == 1 && g1 - g0 == 2 && N >= 8 * g1) {
+          q8_0_row_x16(a, W + g0 * gb, gb, y + 8 * g0);
+          continue;
+        }
+      }
       x_tiles<4>(M, [&](int64_t m, auto rows) {
         for (int64_t grp = g0; grp < g1; ++grp) {
           const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
@@ -937,7 +992,8 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
   if (qtype & REGROUPED) {
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
-      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q4_K || QT == Q5_K) {
+      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 || QT == Q4_K ||
+                    QT == Q5_K) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
         const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
         auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));

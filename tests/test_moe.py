@@ -112,16 +112,21 @@ def test_moe_layer_is_batch_invariant(tmp_path, expert_type, activations):
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_fused_experts_give_the_python_loops_bits(tmp_path, name, expert_type, activations):
     """The expert loop as one kernel call (csrc/module.cpp `Experts`) against the Python loop it
-    replaces: the same bits, one token (decode) or 37 (grouped by expert)."""
+    replaces: the same bits, one token (decode), 3 alike (the other experts without tokens) or 37
+    (grouped by expert). With 8-bit activations and regrouped experts (Q4_0, MXFP4) the
+    kernel runs every expert's matmuls in one parallel loop (`grouped`)."""
     path = tmp_path / "m.gguf"
     write_gguf_from_hf(path, save(tmp_path, name), expert_type)
     moe = load_model(path, activations=activations).model.layers[0].mlp
     assert moe.fused is not None
+    assert moe.fused.grouped == (activations == "int8" and expert_type is not None)
     x = torch.randn(37, 64)
+    alike = x[5:6].repeat(3, 1)
     with torch.inference_mode():
-        fused = [moe(x), moe(x[5:6])]
+        assert len(set(moe.route(alike)[1].flatten().tolist())) < len(moe.experts)
+        fused = [moe(x), moe(x[5:6]), moe(alike)]
         moe.fused = None
-        loop = [moe(x), moe(x[5:6])]
+        loop = [moe(x), moe(x[5:6]), moe(alike)]
     assert all(torch.equal(a, b) for a, b in zip(fused, loop))
 
 

@@ -220,3 +220,31 @@ def test_model_logits_are_the_same_regrouped_or_not(smollm2_gguf, monkeypatch):
     plain = load_model(smollm2_gguf, activations="int8").model
     assert not any(getattr(m.weight, "regrouped", False) for m in plain.modules() if isinstance(m, Linear))
     assert torch.equal(got, paged_logits(plain, ids, chunk=16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [QT.MXFP4, QT.Q8_0, QT.Q4_K], ids=lambda t: t.name)
+def test_grouped_matmul_is_each_matrix_alone(kernels, qtype):
+    """`grouped_qmatmul_q8` (a mixture of experts' matmuls in one parallel loop): each matrix's
+    rows get the bits of that matrix's own qmatmul_q8 plus its bias; a matrix without rows is
+    skipped; bad row ranges and sizes are refused."""
+    rows, cols = 37, 512
+    rng = np.random.default_rng(9)
+    mats = [repack.regroup(torch.from_numpy(realistic_blocks(qtype, rows, cols, rng)), qtype, rows, cols)
+            for _ in range(4)]
+    bias = [torch.randn(rows), torch.Tensor(), torch.randn(rows), torch.Tensor()]
+    starts = [0, 5, 5, 6, 12]  # matrix 1 has no rows, matrix 2 one
+    x = sample_x(12, cols, seed=2)
+    qt = int(qtype) | repack.REGROUPED
+    got = kernels.grouped_qmatmul_q8(x, mats, starts, bias, qt, rows, cols)
+    for e in range(4):
+        lo, hi = starts[e], starts[e + 1]
+        if hi > lo:
+            alone = kernels.qmatmul_q8(x[lo:hi], mats[e], qt, rows, cols)
+            assert torch.equal(got[lo:hi], alone.add_(bias[e]) if bias[e].numel() else alone)
+    with pytest.raises(RuntimeError, match="starts must run"):
+        kernels.grouped_qmatmul_q8(x, mats, [0, 5, 5, 6, 11], bias, qt, rows, cols)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        kernels.grouped_qmatmul_q8(x, mats, starts, bias, qt, rows + 8, cols)
+    with pytest.raises(RuntimeError, match="a bias must be"):
+        kernels.grouped_qmatmul_q8(x, mats, starts, [torch.randn(3)] * 4, qt, rows, cols)

@@ -8,6 +8,11 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t qtype, int6
 torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols);
 // qmatmul_q8.cpp
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
+// several regrouped matrices of one type and shape, each against its own rows of x (x's rows
+// for matrix e at starts[e] .. starts[e + 1]; bias[e] may be undefined or empty), in one parallel loop
+torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                                 const std::vector<int64_t>& starts, const std::vector<torch::Tensor>& bias,
+                                 int64_t qtype, int64_t rows, int64_t cols);
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block);
 double int8_peak_probe(int64_t chunks, int64_t steps);
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);

@@ -5,6 +5,7 @@
 // DecoderLayer.forward on its native path, so both give the same bits; it only saves the
 // Python between them (a decode step of a small model is mostly that).
 
+#include <algorithm>
 #include <optional>
 #include <vector>
 
@@ -94,10 +95,49 @@ struct Expert {
 // The experts of a mixture-of-experts feed-forward after routing: minerva/models/layers.py's
 // MoE.forward and GatedMLP.forward with the same kernels and ATen ops in the same order, so
 // the same bits; it saves the Python of the loop over the chosen experts (tens of ops each).
+//
+// With 8-bit activations and every expert's gate/up (one matrix) and down regrouped in one
+// type, a batch's experts run grouped: x's rows gathered by expert, every chosen expert's
+// gate/up in one parallel loop (grouped_qmatmul_q8), the activation over all rows at once,
+// then every down in one more: the same kernels and element-wise ops per row, so the same
+// bits, with two joins of the threads per layer instead of two per expert.
 struct Experts {
   std::vector<Expert> experts;
   int64_t act;           // an ops.ACT_IDS id, or -1: GPT-OSS's clamped SwiGLU with (limit, alpha)
   double limit, alpha;
+  bool grouped = false;  // see above; set by the constructor
+  std::vector<torch::Tensor> gate_up_w, down_w, gate_up_b, down_b;
+
+  Experts(std::vector<Expert> experts_, int64_t act_, double limit_, double alpha_)
+      : experts(std::move(experts_)), act(act_), limit(limit_), alpha(alpha_) {
+    const auto regrouped = [](const Packed& p) { return p.int8 && (p.qtype & REGROUPED_BIT); };
+    grouped = !experts.empty();
+    for (const auto& e : experts) {
+      grouped = grouped && e.gate_up.size() == 1 && regrouped(e.gate_up[0].w) && regrouped(e.down.w) &&
+                same(e.gate_up[0].w, experts[0].gate_up[0].w) && same(e.down.w, experts[0].down.w);
+      if (!grouped) break;
+      gate_up_w.push_back(e.gate_up[0].w.bytes);
+      down_w.push_back(e.down.w.bytes);
+      gate_up_b.push_back(e.gate_up[0].bias ? e.gate_up[0].bias->contiguous() : torch::Tensor());
+      down_b.push_back(e.down.bias ? e.down.bias->contiguous() : torch::Tensor());
+    }
+    grouped = grouped && std::all_of(gate_up_b.begin(), gate_up_b.end(), float_or_none) &&
+              std::all_of(down_b.begin(), down_b.end(), float_or_none);
+  }
+
+  static constexpr int64_t REGROUPED_BIT = 0x100;  // minerva/kernels/repack.py's REGROUPED
+  static bool same(const Packed& a, const Packed& b) {
+    return a.qtype == b.qtype && a.rows == b.rows && a.cols == b.cols;
+  }
+  static bool float_or_none(const torch::Tensor& b) { return !b.defined() || b.dtype() == torch::kFloat32; }
+
+  torch::Tensor activation(const torch::Tensor& gu) const {
+    if (act >= 0) return act_mul(gu, act);
+    // ops.act_mul's "swiglu_limit"
+    const int64_t I = gu.size(1) / 2;
+    auto gate = gu.narrow(1, 0, I).clamp_max(limit);
+    return (gu.narrow(1, I, I).clamp(-limit, limit) + 1) * (gate * torch::sigmoid(gate * alpha));
+  }
 
   torch::Tensor run(const Expert& e, const torch::Tensor& x) const {
     torch::Tensor gu;
@@ -108,15 +148,7 @@ struct Experts {
       for (const auto& lin : e.gate_up) outs.push_back(lin(x));
       gu = torch::cat(outs, -1);
     }
-    torch::Tensor a;
-    if (act >= 0) {
-      a = act_mul(gu, act);
-    } else {  // ops.act_mul's "swiglu_limit"
-      const int64_t I = gu.size(1) / 2;
-      auto gate = gu.narrow(1, 0, I).clamp_max(limit);
-      a = (gu.narrow(1, I, I).clamp(-limit, limit) + 1) * (gate * torch::sigmoid(gate * alpha));
-    }
-    return e.down(a);
+    return e.down(activation(gu));
   }
 
   // x [T, hidden]; ids [T, k] int64 and w [T, k] (x's dtype): each token's experts and weights
@@ -139,10 +171,20 @@ struct Experts {
     TORCH_CHECK(counts.size(0) == E, "expert id out of range");
     const int64_t* n = counts.data_ptr<int64_t>();
     auto ys = torch::empty({T * k, x.size(1)}, x.options());
-    for (int64_t e = 0, start = 0; e < E; start += n[e], ++e) {
-      if (n[e] == 0) continue;
-      const auto pairs = order.narrow(0, start, n[e]);
-      ys.index_put_({pairs}, run(experts[e], x.index({torch::floor_divide(pairs, k)})));
+    if (grouped && x.dtype() == torch::kFloat32) {
+      std::vector<int64_t> starts(E + 1, 0);
+      for (int64_t e = 0; e < E; ++e) starts[e + 1] = starts[e] + n[e];
+      const auto xs = x.index({torch::floor_divide(order, k)});
+      const auto& gu0 = experts[0].gate_up[0].w;
+      const auto& dn0 = experts[0].down.w;
+      const auto gu = grouped_qmatmul_q8(xs, gate_up_w, starts, gate_up_b, gu0.qtype, gu0.rows, gu0.cols);
+      ys.index_put_({order}, grouped_qmatmul_q8(activation(gu), down_w, starts, down_b, dn0.qtype, dn0.rows, dn0.cols));
+    } else {
+      for (int64_t e = 0, start = 0; e < E; start += n[e], ++e) {
+        if (n[e] == 0) continue;
+        const auto pairs = order.narrow(0, start, n[e]);
+        ys.index_put_({pairs}, run(experts[e], x.index({torch::floor_divide(pairs, k)})));
+      }
     }
     const auto y3 = ys.view({T, k, -1});
     auto out = y3.select(1, 0).mul(w.narrow(1, 0, 1));
@@ -157,6 +199,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
   m.def("qmatmul_q8", &qmatmul_q8,
         "x @ W^T with x quantized to 8 bits per block (32; 256 for K-quants), integer dot products");
+  m.def("grouped_qmatmul_q8", &grouped_qmatmul_q8,
+        "regrouped matrices of one type and shape, each against its own rows of x, in one parallel loop");
   m.def("quantize_activations", &quantize_activations, "x -> (int8 values, scale per block, scale * sum)",
         py::arg("x"), py::arg("block") = 32);
   m.def("int8_peak_probe", &int8_peak_probe,
@@ -189,5 +233,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Expert>(m, "Expert").def(py::init<std::vector<Linear>, Linear>());
   py::class_<Experts>(m, "Experts")
       .def(py::init<std::vector<Expert>, int64_t, double, double>())
+      .def_readonly("grouped", &Experts::grouped)
       .def("forward", &Experts::forward);
 }

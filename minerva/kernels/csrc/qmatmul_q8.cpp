@@ -853,28 +853,32 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
 
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
 // PANEL rows (4 groups) at a time against tiles of 4 rows of x, as `matmul`
+// groups of 8 weight rows per work item
+template <int QT>
+constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 2 : 1; }
+
+// one work item: groups g0 .. g1 against all M rows of x
+template <int QT>
+void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t g0, int64_t g1) {
+  const int64_t gb = 8 * row_bytes<QT>(a.K);
+  if constexpr (QT == Q8_0) {
+    if (M == 1 && g1 - g0 == 2 && N >= 8 * g1) return q8_0_row_x16(a, W + g0 * gb, gb, y + 8 * g0);
+  }
+  x_tiles<4>(M, [&](int64_t m, auto rows) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
+      if constexpr (QT == Q4_K || QT == Q5_K)
+        tile_x8k<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+      else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+    }
+  });
+}
+
 template <int QT>
 void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
-  const int64_t gb = 8 * row_bytes<QT>(a.K), groups = (N + 7) / 8;
-  const int64_t per = M > 1 ? PANEL / 8 : QT == Q8_0 ? 2 : 1;
+  const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M);
   minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
-      if constexpr (QT == Q8_0) {
-        if (M == 1 && g1 - g0 == 2 && N >= 8 * g1) {
-          q8_0_row_x16(a, W + g0 * gb, gb, y + 8 * g0);
-          continue;
-        }
-      }
-      x_tiles<4>(M, [&](int64_t m, auto rows) {
-        for (int64_t grp = g0; grp < g1; ++grp) {
-          const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
-          if constexpr (QT == Q4_K || QT == Q5_K)
-            tile_x8k<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
-          else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
-        }
-      });
-    }
+    for (int64_t blk = b0; blk < b1; ++blk) x8_groups<QT>(a, M, W, N, y, per * blk, std::min(groups, per * (blk + 1)));
   });
 }
 
@@ -987,6 +991,64 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
     }
   });
   return sink.load() == 42 ? 0.0 : 256.0 * static_cast<double>(chunks) * static_cast<double>(steps);
+}
+
+torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
+                                 const std::vector<int64_t>& starts, const std::vector<torch::Tensor>& bias,
+                                 int64_t qtype, int64_t rows, int64_t cols) {
+  const int64_t E = static_cast<int64_t>(w.size());
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == cols, "x must be float32 [R, ", cols, "]");
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == E + 1 && static_cast<int64_t>(bias.size()) == E &&
+                  starts[0] == 0 && starts[E] == x.size(0),
+              "grouped_qmatmul_q8: starts must run from 0 to x's rows, one bias per matrix");
+  TORCH_CHECK(qtype & REGROUPED, "grouped_qmatmul_q8 takes regrouped matrices");
+  return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
+    if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 || QT == Q4_K ||
+                  QT == Q5_K) {
+      const Quantized a(x.contiguous(), is_k<QT> ? 256 : 32);
+      const Q8 all = a.view();
+      auto y = torch::empty({x.size(0), rows}, torch::dtype(torch::kFloat32));
+      float* yp = y.data_ptr<float>();
+      const int64_t groups = (rows + 7) / 8;
+      std::vector<std::pair<int64_t, int64_t>> items;  // (matrix, block of groups)
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t M = starts[e + 1] - starts[e], per = x8_per<QT>(M);
+        TORCH_CHECK(M >= 0, "grouped_qmatmul_q8: starts must not decrease");
+        if (M > 0) {
+          check_args<QT>(w[e], 8 * groups, cols);
+          TORCH_CHECK(!bias[e].defined() || bias[e].numel() == 0 ||
+                          (bias[e].dtype() == torch::kFloat32 && bias[e].is_contiguous() && bias[e].numel() == rows),
+                      "grouped_qmatmul_q8: a bias must be float32 [", rows, "]");
+          for (int64_t blk = 0; blk * per < groups; ++blk) items.emplace_back(e, blk);
+        }
+      }
+      std::vector<const uint8_t*> wp(E, nullptr);
+      std::vector<const float*> bp(E, nullptr);
+      for (int64_t e = 0; e < E; ++e) {
+        if (starts[e + 1] == starts[e]) continue;
+        wp[e] = w[e].data_ptr<uint8_t>();
+        if (bias[e].defined() && bias[e].numel() > 0) bp[e] = bias[e].data_ptr<float>();
+      }
+      minerva::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const auto [e, blk] = items[i];
+          const int64_t r0 = starts[e], M = starts[e + 1] - r0, per = x8_per<QT>(M);
+          const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
+          const Q8 part{all.q + r0 * all.K, all.p + r0 * all.lp, all.d + r0 * all.G, all.s + r0 * all.G,
+                        all.n + r0 * all.G, all.K, all.G, all.lp};
+          float* out = yp + r0 * rows;
+          x8_groups<QT>(part, M, wp[e], rows, out, g0, g1);
+          if (bp[e] != nullptr)  // as Linear's y.add_(bias): one float add per output
+            for (int64_t r = 0; r < M; ++r)
+              for (int64_t c = 8 * g0; c < std::min(rows, 8 * g1); ++c) out[r * rows + c] += bp[e][c];
+        }
+      });
+      return y;
+    } else {
+      TORCH_CHECK(false, "no regrouped layout for GGML type ", qtype & ~REGROUPED);
+      return torch::Tensor();
+    }
+  });
 }
 
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {

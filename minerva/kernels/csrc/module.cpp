@@ -154,7 +154,8 @@ struct Experts {
   // x [T, hidden]; ids [T, k] int64 and w [T, k] (x's dtype): each token's experts and weights
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& w) const {
     const int64_t T = x.size(0), k = ids.size(1), E = static_cast<int64_t>(experts.size());
-    if (T == 1) {  // the token's experts in rank order
+    const bool group = grouped && x.dtype() == torch::kFloat32;
+    if (T == 1 && !group) {  // the token's experts in rank order
       const auto chosen = ids.contiguous();
       const int64_t* id = chosen.data_ptr<int64_t>();
       torch::Tensor out;
@@ -171,7 +172,7 @@ struct Experts {
     TORCH_CHECK(counts.size(0) == E, "expert id out of range");
     const int64_t* n = counts.data_ptr<int64_t>();
     auto ys = torch::empty({T * k, x.size(1)}, x.options());
-    if (grouped && x.dtype() == torch::kFloat32) {
+    if (group) {  // (for one token too: its experts in one loop; the same sums in rank order below)
       std::vector<int64_t> starts(E + 1, 0);
       for (int64_t e = 0; e < E; ++e) starts[e + 1] = starts[e] + n[e];
       const auto xs = x.index({torch::floor_divide(order, k)});

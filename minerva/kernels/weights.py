@@ -89,10 +89,11 @@ class PackedWeight:
 
     def use_int8_activations(self, regroup: bool = True) -> None:
         """Multiply 8-bit activations from now on, if this is a quantized type (float
-        matrices keep float activations). With `regroup`, a Q4_0/Q4_1/Q5_0/Q5_1 matrix on
-        the CPU kernels is regrouped for them (`minerva.kernels.repack`: the same results,
-        fewer instructions); the loader leaves out a matrix that is also the embedding,
-        whose row lookups each step would have to undo it."""
+        matrices keep float activations). With `regroup`, a matrix of one of `repack.TYPES`
+        on the CPU kernels is regrouped for them (`minerva.kernels.repack`: fewer
+        instructions; the same results for the 4- and 5-bit blocks of 32, float rounding
+        aside for Q8_0/Q4_K/Q5_K); the loader leaves out a matrix that is also the
+        embedding, whose row lookups each step would have to undo it."""
         self.int8 = act_quant.applies(self.qtype)
         if (self.int8 and regroup and not self.regrouped and self.kernel is not None
                 and self.qtype in repack.TYPES and self.packed.device.type == "cpu"):

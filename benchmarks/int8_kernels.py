@@ -46,6 +46,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: torch's setting)")
     args = ap.parse_args()
+    try:
+        ms = [int(v) for v in args.m.split(",")]
+    except ValueError:
+        ap.error(f"--m takes row counts separated by commas, got '{args.m}'")
+    block = gguf.GGML_QUANT_SIZES[Q[args.type]][0]
+    if min(ms) < 1 or args.rows < 1 or args.cols < 1 or args.cols % block:
+        ap.error(f"--m and --rows must be positive and --cols a multiple of {args.type}'s block of {block}")
     kernels = native.load()
     if kernels is None:
         raise SystemExit("this CPU cannot run the packed kernels (AVX2 or AVX-512 needed)")
@@ -56,7 +63,7 @@ def main() -> int:
     ggml = random_matrix(qtype, args.rows, args.cols, np.random.default_rng(0))
     regrouped = repack.regroup_in_place(ggml.clone(), qtype, args.rows, args.cols, kernels)
     print(f"{args.type} {args.rows} x {args.cols} ({ggml.numel() / 1e6:.1f} MB), {torch.get_num_threads()} threads")
-    for m in [int(v) for v in args.m.split(",")]:
+    for m in ms:
         x = torch.randn(m, args.cols)
         line = [f"M={m:3d}"]
         for name, packed, qt in [("gguf layout", ggml, int(qtype)), ("regrouped", regrouped, int(qtype) | repack.REGROUPED)]:

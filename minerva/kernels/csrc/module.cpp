@@ -110,7 +110,7 @@ struct Experts {
 
   Experts(std::vector<Expert> experts_, int64_t act_, double limit_, double alpha_)
       : experts(std::move(experts_)), act(act_), limit(limit_), alpha(alpha_) {
-    const auto regrouped = [](const Packed& p) { return p.int8 && (p.qtype & REGROUPED_BIT); };
+    const auto regrouped = [](const Packed& p) { return p.int8 && (p.qtype & REGROUPED); };
     grouped = !experts.empty();
     for (const auto& e : experts) {
       grouped = grouped && e.gate_up.size() == 1 && regrouped(e.gate_up[0].w) && regrouped(e.down.w) &&
@@ -125,7 +125,6 @@ struct Experts {
               std::all_of(down_b.begin(), down_b.end(), float_or_none);
   }
 
-  static constexpr int64_t REGROUPED_BIT = 0x100;  // minerva/kernels/repack.py's REGROUPED
   static bool same(const Packed& a, const Packed& b) {
     return a.qtype == b.qtype && a.rows == b.rows && a.cols == b.cols;
   }

@@ -563,7 +563,10 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
 // rows keeps their block g together, d[8] | m[8] | qh[8] | qs[128], qs chunk k of row j at
 // 32k + 4j. One 32-byte load gives chunk k of all 8 rows, one row per 32-bit lane, and
 // maddubs against x's 4 bytes broadcast to every lane sums each row in its own lane.
-constexpr int64_t REGROUPED = 0x100;
+// the types with a regrouped layout (minerva/kernels/repack.py's TYPES)
+template <int QT>
+constexpr bool has_x8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 ||
+                        QT == Q4_K || QT == Q5_K;
 
 // MXFP4 regrouped: e[8] | qs[128], its nibbles looked up into values + 16 as W8<MXFP4> does.
 // Q8_0 regrouped: d[8] | qs[256], its signed bytes whole (chunks k = 0..7).
@@ -1003,8 +1006,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
               "grouped_qmatmul_q8: starts must run from 0 to x's rows, one bias per matrix");
   TORCH_CHECK(qtype & REGROUPED, "grouped_qmatmul_q8 takes regrouped matrices");
   return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
-    if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 || QT == Q4_K ||
-                  QT == Q5_K) {
+    if constexpr (has_x8<QT>) {
       const Quantized a(x.contiguous(), is_k<QT> ? 256 : 32);
       const Q8 all = a.view();
       auto y = torch::empty({x.size(0), rows}, torch::dtype(torch::kFloat32));
@@ -1063,8 +1065,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols) {
   if (qtype & REGROUPED) {
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
-      if constexpr (QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 || QT == Q4_K ||
-                    QT == Q5_K) {
+      if constexpr (has_x8<QT>) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
         const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
         auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));

@@ -28,7 +28,8 @@
 // batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.
 //
-// Written with AVX2 intrinsics, which both builds' CPUs have.
+// Written with AVX2 intrinsics, which both builds' CPUs have, and AVX-512 VNNI's dot products
+// (dot4, dot2) where the CPU has them: the same exact integer sums either way.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -72,6 +73,27 @@ inline __m256i bits32(uint32_t bits) {
 }
 
 inline __m256i ones16() { return _mm256_set1_epi16(1); }
+
+// dot4: acc plus, per i32 lane, the sum of its 4 products of unsigned bytes u and signed bytes
+// s; dot2: acc plus, per i32 lane, the sum of its 2 products of i16. One AVX-512 VNNI (or AVX
+// VNNI) instruction where the CPU has it (the build is -march=native), else maddubs, madd
+// and add, with the same exact sums: no pair of products reaches i16's limit here (see the
+// top), and i32 adds associate.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool VNNI = true;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+#elif defined(__AVXVNNI__)
+constexpr bool VNNI = true;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#else
+constexpr bool VNNI = false;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones16()));
+}
+inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+#endif
 
 // One 32-weight block of a packed row: w() gives its 32 values as bytes (signed for Q8_0,
 // else unsigned), with the f16 scale d at b[0] and, when OFFSET, the f16 offset m at b[2]:
@@ -329,8 +351,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, fl
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
       const __m256i b = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + B * g + 32 * c), b);
-      const __m256i sum16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), b);
-      const __m256i sum32 = _mm256_madd_epi16(sum16, ones16());
+      const __m256i sum32 = dot4(_mm256_setzero_si256(), _mm256_set1_epi8(1), b);
       total = _mm256_add_epi32(total, sum32);
       if constexpr (B == 256) {  // the two sums of 16: lanes 0..3 and 4..7 of sum32 (each 4 elements)
         const __m128i h16 = _mm_hadd_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
@@ -385,7 +406,7 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         const __m256i xv = load256(a.q + r * a.K + 32 * g);
         const __m256 dx = _mm256_set1_ps(a.d[r * a.G + g]);
         for (int j = 0; j < nb; ++j) {
-          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa[j], _mm256_sign_epi8(xv, w[j])), ones16());
+          const __m256i p = dot4(_mm256_setzero_si256(), wa[j], _mm256_sign_epi8(xv, w[j]));
           acc[i][j] = _mm256_fmadd_ps(_mm256_mul_ps(dw[j], dx), _mm256_cvtepi32_ps(p), acc[i][j]);
         }
       }
@@ -398,7 +419,7 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         for (int i = 0; i < mr; ++i) {
           const __m256i sums = load256(a.p + (m0 + i) * a.lp + 16 * g);  // x's 16 sums of 16
           for (int j = 0; j < nb; ++j)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(blocks[j].mins(), sums)),
+            acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2(_mm256_setzero_si256(), blocks[j].mins(), sums)),
                                         _mm256_mul_ps(dmin[j], dx[i]), acc[i][j]);
         }
       }
@@ -415,7 +436,7 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
         for (int i = 0; i < mr; ++i) {
           const __m256i xv = load256(a.q + (m0 + i) * a.K + 256 * g + 32 * s);
           for (int j = 0; j < nb; ++j) {
-            isum[i][j] = _mm256_add_epi32(isum[i][j], _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], xv), sc[j]));
+            isum[i][j] = dot2(isum[i][j], _mm256_maddubs_epi16(w[j], xv), sc[j]);
             keep_in_register(isum[i][j]);
           }
         }
@@ -461,7 +482,7 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
       __m256i isum = _mm256_setzero_si256();
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s)
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(blk.w(s), load256(xg + 32 * s)), blk.sc(s)));
+        isum = dot2(isum, _mm256_maddubs_epi16(blk.w(s), load256(xg + 32 * s)), blk.sc(s));
       if constexpr (B::BIAS > 0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(blk.sc16, sums), B::BIAS));
       acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(blk.d() * dx), acc[j]);
     }
@@ -617,18 +638,18 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
     for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + 4 * X::BYTES + o);
     const __m256 dw = X::scales(b);
     if constexpr (QT == Q8_0) {
-      __m256i dot[mr];
-      for (int i = 0; i < mr; ++i) dot[i] = _mm256_setzero_si256();
+      __m256i dot[2][mr];  // the even and the odd chunks: two dependency chains per row
+      for (int i = 0; i < mr; ++i) dot[0][i] = dot[1][i] = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k) {
         const __m256i w = load256(b + X::QS_AT + 32 * k), wa = _mm256_abs_epi8(w);
         for (int i = 0; i < mr; ++i) {
           int32_t x4;
           std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
-          const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
-          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(p, ones16()));
+          dot[k & 1][i] = dot4(dot[k & 1][i], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
         }
       }
-      for (int i = 0; i < mr; ++i) acc[i] = block_step<X>(a, m0 + i, g, dot[i], dw, _mm256_setzero_ps(), acc[i]);
+      for (int i = 0; i < mr; ++i)
+        acc[i] = block_step<X>(a, m0 + i, g, _mm256_add_epi32(dot[0][i], dot[1][i]), dw, _mm256_setzero_ps(), acc[i]);
       continue;
     }
     __m256 m = _mm256_setzero_ps();
@@ -657,7 +678,17 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
                                 _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(x1)));
       };
       __m256i dot;
-      if constexpr (X::WIDE) {
+      if constexpr (VNNI) {  // low and high nibbles in two chains, widened as they go
+        __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+        for (int k = 0; k < 4; ++k) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xq + 4 * k, 4);
+          std::memcpy(&x1, xq + 16 + 4 * k, 4);
+          d0 = dot4(d0, lo[k], _mm256_set1_epi32(x0));
+          d1 = dot4(d1, hi[k], _mm256_set1_epi32(x1));
+        }
+        dot = _mm256_add_epi32(d0, d1);
+      } else if constexpr (X::WIDE) {
         dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pairs(0), pairs(1)), ones16()),
                                _mm256_madd_epi16(_mm256_add_epi16(pairs(2), pairs(3)), ones16()));
       } else {
@@ -668,6 +699,59 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
     }
   }
   store_rows<mr>(acc, valid, y, ldy);
+}
+
+// The 4-bit types (and Q5_0/Q5_1, MXFP4) with VNNI: two groups (16 weight rows) at a time, so
+// each broadcast of x's 4 bytes meets two groups' chunks; per output the same operations as
+// tile_x8, in the same order. gb: bytes between the groups; valid1: real rows of the second.
+template <int QT, int mr>
+void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid1, float* y, int64_t ldy) {
+  using X = X8<QT>;
+  __m256 acc[2][mr];
+  for (int i = 0; i < mr; ++i) acc[0][i] = acc[1][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i lo[2][4], hi[2][4];
+    __m256 dw[2], m[2];
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* b = grp + h * gb + g * X::BYTES;
+      for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + 4 * X::BYTES + o);
+      dw[h] = X::scales(b);
+      m[h] = _mm256_setzero_ps();
+      if constexpr (X::OFFSET) m[h] = _mm256_cvtph_ps(load128(b + X::M_AT));
+      for (int k = 0; k < 4; ++k) {
+        const __m256i v = load256(b + X::QS_AT + 32 * k);
+        lo[h][k] = X::values(low4(v));
+        hi[h][k] = X::values(high4(v));
+      }
+      if constexpr (X::FIFTH) {
+        const __m256i qh = load256(b + X::QH_AT), bit4 = _mm256_set1_epi8(0x10);
+        for (int k = 0; k < 4; ++k) {
+          lo[h][k] = _mm256_or_si256(lo[h][k], _mm256_and_si256(_mm256_srli_epi32(qh, k), bit4));
+          hi[h][k] = _mm256_or_si256(hi[h][k], _mm256_and_si256(_mm256_slli_epi32(qh, 4 - k), bit4));
+        }
+      }
+    }
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      const int8_t* xq = a.q + r * a.K + 32 * g;
+      __m256i d[2][2];
+      for (int h = 0; h < 2; ++h) d[h][0] = d[h][1] = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k) {
+        int32_t x0, x1;
+        std::memcpy(&x0, xq + 4 * k, 4);
+        std::memcpy(&x1, xq + 16 + 4 * k, 4);
+        const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+        for (int h = 0; h < 2; ++h) {
+          d[h][0] = dot4(d[h][0], lo[h][k], b0);
+          d[h][1] = dot4(d[h][1], hi[h][k], b1);
+        }
+      }
+      for (int h = 0; h < 2; ++h)
+        acc[h][i] = block_step<X>(a, r, g, _mm256_add_epi32(d[h][0], d[h][1]), dw[h], m[h], acc[h][i]);
+    }
+  }
+  store_rows<mr>(acc[0], 8, y, ldy);
+  store_rows<mr>(acc[1], valid1, y + 8, ldy);
 }
 
 // Q8_0 regrouped, one row of x (decode): two groups (16 weight rows) at a time, sharing x's
@@ -681,17 +765,17 @@ void q8_0_row_x16(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
       prefetch(b0 + 4 * X::BYTES + o);
       prefetch(b1 + 4 * X::BYTES + o);
     }
-    __m256i dot0 = _mm256_setzero_si256(), dot1 = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k) {
+    __m256i dot0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, dot1[2] = {dot0[0], dot0[0]};
+    for (int k = 0; k < 8; ++k) {  // the even and the odd chunks in two chains per group
       int32_t x4;
       std::memcpy(&x4, a.q + 32 * g + 4 * k, 4);
       const __m256i xb = _mm256_set1_epi32(x4);
       const __m256i w0 = load256(b0 + X::QS_AT + 32 * k), w1 = load256(b1 + X::QS_AT + 32 * k);
-      dot0 = _mm256_add_epi32(dot0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0)), ones16()));
-      dot1 = _mm256_add_epi32(dot1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1)), ones16()));
+      dot0[k & 1] = dot4(dot0[k & 1], _mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0));
+      dot1[k & 1] = dot4(dot1[k & 1], _mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
     }
-    acc0 = block_step<X>(a, 0, g, dot0, X::scales(b0), _mm256_setzero_ps(), acc0);
-    acc1 = block_step<X>(a, 0, g, dot1, X::scales(b1), _mm256_setzero_ps(), acc1);
+    acc0 = block_step<X>(a, 0, g, _mm256_add_epi32(dot0[0], dot0[1]), X::scales(b0), _mm256_setzero_ps(), acc0);
+    acc1 = block_step<X>(a, 0, g, _mm256_add_epi32(dot1[0], dot1[1]), X::scales(b1), _mm256_setzero_ps(), acc1);
   }
   _mm256_storeu_ps(y, acc0);
   _mm256_storeu_ps(y + 8, acc1);
@@ -787,6 +871,10 @@ struct X8K {
                                                    c(0), z, c(0), z, c(1), z, c(1), z, c(2), z, c(2), z, c(3), z, c(3), z));
   }
   __m256i sc(int s) const { return pair(s < 4 ? sc03 : sc47, s & 3); }
+  // lane j: sub-block s's scale of row j as an i32
+  __m256i sc32(int s) const {
+    return _mm256_and_si256(_mm256_srli_epi32(s < 4 ? sc03 : sc47, 8 * (s & 3)), _mm256_set1_epi32(0xff));
+  }
   __m256i mn(int s) const { return pair(s < 4 ? mn03 : mn47, s & 3); }
 };
 
@@ -795,7 +883,8 @@ struct X8K {
 // one row per lane. Per super-block and output: the exact i32 sums of mins * x's sums and of
 // sc * q * x, then acc = fma(mins, -dmin * d_x, acc) and acc = fma(sum, d * d_x, acc). A
 // sub-block's chunks add up in i16 first, as many as fit: a maddubs lane is at most
-// 2 * 15 * 127 = 3810 for Q4_K (8 chunks), 2 * 31 * 127 = 7874 for Q5_K (4 chunks).
+// 2 * 15 * 127 = 3810 for Q4_K (8 chunks), 2 * 31 * 127 = 7874 for Q5_K (4 chunks); with
+// VNNI they add up in i32 (dot4), and a sub-block's sum is multiplied by its scale in i32.
 template <int QT, int mr>
 void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
   constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
@@ -815,7 +904,7 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
       for (int s = 0; s < 8; ++s) {
         int32_t pair;
         std::memcpy(&pair, p + 2 * s, 4);
-        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(h.mn(s), _mm256_set1_epi32(pair)));
+        ms = dot2(ms, h.mn(s), _mm256_set1_epi32(pair));
       }
       const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * a.G + g]);
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), dx),
@@ -826,6 +915,27 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
     const uint8_t* qs = b + QS_AT;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
+      if constexpr (VNNI) {  // a sub-block's exact i32 sums (two chains per row), times its scales
+        __m256i t[2][mr];
+        for (int i = 0; i < mr; ++i) t[0][i] = t[1][i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
+          __m256i w = (s & 1) ? high4(v) : low4(v);
+          if constexpr (FIFTH)
+            w = _mm256_or_si256(w, _mm256_and_si256(bit_to(load256(b + 128 + 32 * c), s, 4), _mm256_set1_epi8(0x10)));
+          for (int i = 0; i < mr; ++i) {
+            int32_t xv;
+            std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
+            t[c & 1][i] = dot4(t[c & 1][i], w, _mm256_set1_epi32(xv));
+          }
+        }
+        const __m256i sc = h.sc32(s);
+        for (int i = 0; i < mr; ++i) {
+          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(_mm256_add_epi32(t[0][i], t[1][i]), sc));
+          keep_in_register(isum[i]);
+        }
+        continue;
+      }
       const __m256i sc = h.sc(s);
       for (int c0 = 0; c0 < 8; c0 += RUN) {
         __m256i t[mr];
@@ -870,6 +980,14 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
   x_tiles<4>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
+      if constexpr (VNNI && QT != Q8_0 && !is_k<QT>) {
+        if (grp + 1 < g1) {
+          const int valid1 = static_cast<int>(std::min<int64_t>(8, N - 8 * (grp + 1)));
+          tile_x8_pair<QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid1, y + m * N + 8 * grp, N);
+          ++grp;
+          continue;
+        }
+      }
       if constexpr (QT == Q4_K || QT == Q5_K)
         tile_x8k<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
@@ -973,8 +1091,8 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
 }
 
 // The int8 compute peak of the instruction mix above: `chunks` chunks (spread over the
-// threads) of `steps` steps, each 8 independent maddubs -> madd -> add triples on registers,
-// 32 multiply-adds a triple. Returns the multiply-adds done (the sums feed the result, so
+// threads) of `steps` steps, each 8 independent dot4 on registers (one VNNI instruction, or a
+// maddubs -> madd -> add triple), 32 multiply-adds each. Returns the multiply-adds done (the sums feed the result, so
 // nothing is optimised away; the value itself means nothing).
 double int8_peak_probe(int64_t chunks, int64_t steps) {
   std::atomic<int64_t> sink{0};
@@ -982,11 +1100,14 @@ double int8_peak_probe(int64_t chunks, int64_t steps) {
     for (int64_t c = c0; c < c1; ++c) {
       __m256i acc[8];
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_set1_epi32(i);
-      __m256i w = _mm256_set1_epi8(static_cast<char>(3 + c)), x = _mm256_set1_epi8(5);
+      __m256i w = _mm256_set1_epi8(static_cast<char>(3 + c)), x[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_set1_epi8(static_cast<char>(5 + i));
       for (int64_t n = 0; n < steps; ++n) {
-        for (int i = 0; i < 8; ++i)
-          acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones16()));
-        asm volatile("" : "+x"(w), "+x"(x));  // a new w and x each step, as far as the compiler knows
+        for (int i = 0; i < 8; ++i) acc[i] = dot4(acc[i], w, x[i]);
+        // a new w and x each step, as far as the compiler knows; 8 different x, so no two
+        // products are the same expression (one shared maddubs would be counted 8 times)
+        asm volatile("" : "+x"(w), "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]));
+        asm volatile("" : "+x"(x[4]), "+x"(x[5]), "+x"(x[6]), "+x"(x[7]));
       }
       int64_t total = 0;
       for (int i = 0; i < 8; ++i) total += _mm256_extract_epi32(acc[i], 0);

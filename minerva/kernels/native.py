@@ -5,7 +5,9 @@ AVX-512 (F, BW, VL, BF16) and F16C, one for CPUs with AVX2, FMA and F16C (most l
 and many servers); `isa()` picks the first the CPU can run. The build happens once per machine (about a minute on two cores) and is cached under
 `$MINERVA_HOME/kernels` (else `~/.cache/minerva/kernels`), keyed by the source, the
 compiler flags, the torch version and the CPU's features, so a changed source or a
-different CPU gets its own build. On a CPU with neither, or when the build fails, `load()`
+different CPU gets its own build. `MINERVA_ISA=avx2` runs the AVX2 build on a CPU with
+AVX-512, compiled without AVX-512 and VNNI (what an AVX2 laptop runs, so tests here cover
+it); `MINERVA_ISA=avx512` insists on the AVX-512 build. On a CPU with neither, or when the build fails, `load()`
 returns None and the callers fall back to the plain-torch reference path; the
 reason is logged once. Which kernel runs for what is decided in `minerva.kernels.dispatch`.
 """
@@ -45,6 +47,8 @@ NEEDED_CPU_FLAGS = {
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"},
     "avx2": {"avx2", "fma", "f16c"},
 }
+# a build chosen below the CPU's best (MINERVA_ISA) is compiled as for a CPU without these
+NARROWER_CFLAGS = {"avx2": ["-mno-avx512f", "-mno-avxvnni"]}
 
 _module: ModuleType | None = None
 _tried = False
@@ -71,6 +75,23 @@ def isa(flags: set[str] | None = None) -> str | None:
     return next((name for name, needed in NEEDED_CPU_FLAGS.items() if needed <= flags), None)
 
 
+def chosen_isa(flags: set[str]) -> tuple[str | None, str | None]:
+    """The build to load and, when there is none, why: `isa`, or the one MINERVA_ISA names."""
+    best = isa(flags)
+    wanted = os.environ.get("MINERVA_ISA", "").strip().lower()
+    if not wanted:
+        return best, None
+    if wanted not in NEEDED_CPU_FLAGS:
+        return None, f"MINERVA_ISA={wanted!r} is not one of {', '.join(NEEDED_CPU_FLAGS)}"
+    if best is None or list(NEEDED_CPU_FLAGS).index(wanted) < list(NEEDED_CPU_FLAGS).index(best):
+        return None, f"MINERVA_ISA={wanted} needs {', '.join(sorted(NEEDED_CPU_FLAGS[wanted] - flags))}"
+    return wanted, None
+
+
+def _cflags(which: str, flags: set[str]) -> list[str]:
+    return CFLAGS + (NARROWER_CFLAGS.get(which, []) if which != isa(flags) else [])
+
+
 def capable() -> bool:
     """Whether this CPU can run one of the builds (tests use it to skip)."""
     return isa() is not None
@@ -80,7 +101,8 @@ def _cache_dir(flags: set[str], build: str) -> Path:
     h = hashlib.sha256()
     for src in SOURCES[build] + HEADERS:
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy", build]).encode())
+    h.update(" ".join(_cflags(build, flags) + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy",
+                                                                        build]).encode())
     home = os.environ.get("MINERVA_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
     return base / "kernels" / h.hexdigest()[:16]
@@ -118,11 +140,11 @@ def load() -> ModuleType | None:
         unavailable_reason = "disabled by MINERVA_NO_NATIVE"
         return None
     flags = cpu_flags()
-    which = isa(flags)
+    which, refused = chosen_isa(flags)
     if which is None:
         missing = NEEDED_CPU_FLAGS["avx2"] - flags
-        unavailable_reason = (f"this CPU lacks {', '.join(sorted(missing))}" if missing and platform.machine()
-                              in ("x86_64", "AMD64") else "not an x86-64 CPU")
+        unavailable_reason = refused or (f"this CPU lacks {', '.join(sorted(missing))}" if missing and platform.machine()
+                                         in ("x86_64", "AMD64") else "not an x86-64 CPU")
         log.info("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)
         return None
     sources = SOURCES[which]
@@ -144,7 +166,8 @@ def load() -> ModuleType | None:
                 shutil.copyfile(f, src / f.name)
         with _build_lock(build):
             _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in sources],
-                                         extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build),
+                                         extra_cflags=_cflags(which, flags), extra_ldflags=LDFLAGS,
+                                         build_directory=str(build),
                                          verbose=False)
         built = which
     except Exception as e:  # a missing compiler or headers: run without the kernels

@@ -189,15 +189,14 @@ def test_load_model_rejects_an_unknown_mode(smollm2_gguf):
         load_model(smollm2_gguf, activations="int4")
 
 
-def test_auto_is_int8_where_the_kernels_compute_in_float32():
-    """`--activations auto` (the default) is int8 on the AVX2 build, whose float path
-    decodes every weight to float32, and float on the AVX-512 build, the reference path
-    and GPUs."""
+def test_auto_is_int8_where_the_cpu_kernels_run():
+    """`--activations auto` (the default) is int8 where the C++ kernels run (both builds),
+    and float on the reference path and GPUs."""
     from minerva.kernels import dispatch
     from minerva.llm import resolve_activations
     cpu = torch.device("cpu")
     native.load()
-    expected = "int8" if native.built == "avx2" and dispatch.backend(cpu).unavailable_reason is None else "float"
+    expected = "int8" if native.built is not None and dispatch.backend(cpu).unavailable_reason is None else "float"
     assert resolve_activations("auto", cpu) == expected
     assert resolve_activations("float", cpu) == "float" and resolve_activations("int8", cpu) == "int8"
     with pytest.raises(MinervaError, match="--activations must be auto or one of"):

@@ -110,17 +110,20 @@ def test_moe_layer_is_batch_invariant(tmp_path, expert_type, activations):
 @pytest.mark.skipif(not native.capable(), reason="this CPU cannot run the packed kernels")
 @pytest.mark.parametrize("name,expert_type", [("qwen3-moe", Q.Q4_0), ("gpt-oss", Q.MXFP4), ("gpt-oss", None)])
 @pytest.mark.parametrize("activations", ["float", "int8"])
-def test_fused_experts_give_the_python_loops_bits(tmp_path, name, expert_type, activations):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fused_experts_give_the_python_loops_bits(tmp_path, name, expert_type, activations, dtype):
     """The expert loop as one kernel call (csrc/module.cpp `Experts`) against the Python loop it
     replaces: the same bits, one token (decode), 3 alike (the other experts without tokens) or 37
-    (grouped by expert). With 8-bit activations and regrouped experts (Q4_0, MXFP4) the
-    kernel runs every expert's matmuls in one parallel loop (`grouped`)."""
+    (grouped by expert), in float32 and bfloat16. With 8-bit activations and regrouped experts
+    (Q4_0, MXFP4) the kernel runs every expert's matmuls in one parallel loop (`grouped`;
+    for bf16, each output rounded to bf16 before its bf16 bias is added, as Linear does)."""
     path = tmp_path / "m.gguf"
     write_gguf_from_hf(path, save(tmp_path, name), expert_type)
-    moe = load_model(path, activations=activations).model.layers[0].mlp
+    moe = load_model(path, dtype=dtype, activations=activations).model.layers[0].mlp
     assert moe.fused is not None
     assert moe.fused.grouped == (activations == "int8" and expert_type is not None)
-    x = torch.randn(37, 64)
+    x = torch.randn(37, 64, dtype=dtype)
+    assert moe.fused.groups(x) == moe.fused.grouped
     alike = x[5:6].repeat(3, 1)
     with torch.inference_mode():
         assert len(set(moe.route(alike)[1].flatten().tolist())) < len(moe.experts)

@@ -107,6 +107,7 @@ struct Experts {
   double limit, alpha;
   bool grouped = false;  // see above; set by the constructor
   std::vector<torch::Tensor> gate_up_w, down_w, gate_up_b, down_b;
+  torch::Tensor gate_up_bs, down_bs;  // the biases stacked [experts, rows], when there are any
 
   Experts(std::vector<Expert> experts_, int64_t act_, double limit_, double alpha_)
       : experts(std::move(experts_)), act(act_), limit(limit_), alpha(alpha_) {
@@ -121,14 +122,42 @@ struct Experts {
       gate_up_b.push_back(e.gate_up[0].bias ? e.gate_up[0].bias->contiguous() : torch::Tensor());
       down_b.push_back(e.down.bias ? e.down.bias->contiguous() : torch::Tensor());
     }
-    grouped = grouped && std::all_of(gate_up_b.begin(), gate_up_b.end(), float_or_none) &&
-              std::all_of(down_b.begin(), down_b.end(), float_or_none);
+    // the biases: none, or every expert's, in one dtype
+    const auto one_kind = [](const std::vector<torch::Tensor>& b) {
+      return std::all_of(b.begin(), b.end(), [&](const torch::Tensor& t) {
+        return t.defined() ? b[0].defined() && t.dtype() == b[0].dtype() : !b[0].defined();
+      });
+    };
+    grouped = grouped && one_kind(gate_up_b) && one_kind(down_b);
+    if (grouped && gate_up_b[0].defined()) gate_up_bs = torch::stack(gate_up_b);
+    if (grouped && down_b[0].defined()) down_bs = torch::stack(down_b);
   }
 
   static bool same(const Packed& a, const Packed& b) {
     return a.qtype == b.qtype && a.rows == b.rows && a.cols == b.cols;
   }
-  static bool float_or_none(const torch::Tensor& b) { return !b.defined() || b.dtype() == torch::kFloat32; }
+  static bool dtype_or_none(const torch::Tensor& b, torch::ScalarType t) { return !b.defined() || b.scalar_type() == t; }
+
+  // whether x's dtype takes the grouped path: float32 with float32 biases (added in the
+  // kernel), or bfloat16 (outputs rounded to bf16, then the biases added in place, as Linear does)
+  bool groups(const torch::Tensor& x) const {
+    if (!grouped) return false;
+    if (x.scalar_type() == torch::kBFloat16) return true;
+    return x.scalar_type() == torch::kFloat32 && dtype_or_none(gate_up_bs, torch::kFloat32) &&
+           dtype_or_none(down_bs, torch::kFloat32);
+  }
+
+  // every chosen expert's matrices of one kind (gate/up or down) against their rows of xs
+  // (sorted by expert; `sorted_ids` the expert of each row), as Linear runs each: for bf16 x
+  // the float32 outputs rounded to bf16 and the bf16 bias added after
+  torch::Tensor grouped_linear(const torch::Tensor& xs, const std::vector<torch::Tensor>& w,
+                               const std::vector<int64_t>& starts, const std::vector<torch::Tensor>& b,
+                               const torch::Tensor& bs, const torch::Tensor& sorted_ids, const Packed& p) const {
+    if (xs.scalar_type() == torch::kFloat32) return grouped_qmatmul_q8(xs, w, starts, b, p.qtype, p.rows, p.cols);
+    const std::vector<torch::Tensor> none(w.size());
+    auto y = grouped_qmatmul_q8(xs.to(torch::kFloat32), w, starts, none, p.qtype, p.rows, p.cols).to(xs.scalar_type());
+    return bs.defined() ? y.add_(bs.index({sorted_ids})) : y;
+  }
 
   torch::Tensor activation(const torch::Tensor& gu) const {
     if (act >= 0) return act_mul(gu, act);
@@ -153,7 +182,7 @@ struct Experts {
   // x [T, hidden]; ids [T, k] int64 and w [T, k] (x's dtype): each token's experts and weights
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& ids, const torch::Tensor& w) const {
     const int64_t T = x.size(0), k = ids.size(1), E = static_cast<int64_t>(experts.size());
-    const bool group = grouped && x.dtype() == torch::kFloat32;
+    const bool group = groups(x);
     if (T == 1 && !group) {  // the token's experts in rank order
       const auto chosen = ids.contiguous();
       const int64_t* id = chosen.data_ptr<int64_t>();
@@ -175,10 +204,9 @@ struct Experts {
       std::vector<int64_t> starts(E + 1, 0);
       for (int64_t e = 0; e < E; ++e) starts[e + 1] = starts[e] + n[e];
       const auto xs = x.index({torch::floor_divide(order, k)});
-      const auto& gu0 = experts[0].gate_up[0].w;
-      const auto& dn0 = experts[0].down.w;
-      const auto gu = grouped_qmatmul_q8(xs, gate_up_w, starts, gate_up_b, gu0.qtype, gu0.rows, gu0.cols);
-      ys.index_put_({order}, grouped_qmatmul_q8(activation(gu), down_w, starts, down_b, dn0.qtype, dn0.rows, dn0.cols));
+      const auto sorted_ids = flat.index({order});
+      const auto gu = grouped_linear(xs, gate_up_w, starts, gate_up_b, gate_up_bs, sorted_ids, experts[0].gate_up[0].w);
+      ys.index_put_({order}, grouped_linear(activation(gu), down_w, starts, down_b, down_bs, sorted_ids, experts[0].down.w));
     } else {
       for (int64_t e = 0, start = 0; e < E; start += n[e], ++e) {
         if (n[e] == 0) continue;
@@ -234,5 +262,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Experts>(m, "Experts")
       .def(py::init<std::vector<Expert>, int64_t, double, double>())
       .def_readonly("grouped", &Experts::grouped)
+      .def("groups", &Experts::groups, "whether x (its dtype) takes the grouped path")
       .def("forward", &Experts::forward);
 }

@@ -867,19 +867,24 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
     const uint8_t* qs = b + QS_AT;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
+      auto chunk = [&](int c) {  // sub-block s's chunk c of the 8 rows: their unsigned values
+        const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
+        const __m256i w = (s & 1) ? high4(v) : low4(v);
+        if constexpr (FIFTH)
+          return _mm256_or_si256(w, _mm256_and_si256(bit_to(load256(b + 128 + 32 * c), s, 4), _mm256_set1_epi8(0x10)));
+        return w;
+      };
+      auto x4 = [&](int i, int c) {  // x's 4 bytes against chunk c, in every lane
+        int32_t xv;
+        std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
+        return _mm256_set1_epi32(xv);
+      };
       if constexpr (VNNI) {  // a sub-block's exact i32 sums (two chains per row), times its scales
         __m256i t[2][mr];
         for (int i = 0; i < mr; ++i) t[0][i] = t[1][i] = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
-          const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
-          __m256i w = (s & 1) ? high4(v) : low4(v);
-          if constexpr (FIFTH)
-            w = _mm256_or_si256(w, _mm256_and_si256(bit_to(load256(b + 128 + 32 * c), s, 4), _mm256_set1_epi8(0x10)));
-          for (int i = 0; i < mr; ++i) {
-            int32_t xv;
-            std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
-            t[c & 1][i] = dot4(t[c & 1][i], w, _mm256_set1_epi32(xv));
-          }
+          const __m256i w = chunk(c);
+          for (int i = 0; i < mr; ++i) t[c & 1][i] = dot4(t[c & 1][i], w, x4(i, c));
         }
         const __m256i sc = h.sc32(s);
         for (int i = 0; i < mr; ++i) {
@@ -893,15 +898,8 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
         __m256i t[mr];
         for (int i = 0; i < mr; ++i) t[i] = _mm256_setzero_si256();
         for (int c = c0; c < c0 + RUN; ++c) {
-          const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
-          __m256i w = (s & 1) ? high4(v) : low4(v);
-          if constexpr (FIFTH)
-            w = _mm256_or_si256(w, _mm256_and_si256(bit_to(load256(b + 128 + 32 * c), s, 4), _mm256_set1_epi8(0x10)));
-          for (int i = 0; i < mr; ++i) {
-            int32_t xv;
-            std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
-            t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(xv)));
-          }
+          const __m256i w = chunk(c);
+          for (int i = 0; i < mr; ++i) t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c)));
         }
         for (int i = 0; i < mr; ++i) {
           isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(t[i], sc));

@@ -149,7 +149,7 @@ struct Experts {
 
   // every chosen expert's matrices of one kind (gate/up or down) against their rows of xs
   // (sorted by expert; `sorted_ids` the expert of each row), as Linear runs each: for bf16 x
-  // the float32 outputs rounded to bf16 and the bf16 bias added after
+  // the float32 outputs rounded to bf16, then the bias (bf16 or float32) added in place
   torch::Tensor grouped_linear(const torch::Tensor& xs, const std::vector<torch::Tensor>& w,
                                const std::vector<int64_t>& starts, const std::vector<torch::Tensor>& b,
                                const torch::Tensor& bs, const torch::Tensor& sorted_ids, const Packed& p) const {

@@ -112,11 +112,12 @@ def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [40, 37])
+@pytest.mark.parametrize("rows", [40, 37, 48, 56])
 def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
     """Q4_0 .. MXFP4: bit for bit the GGML layout's kernel. Q8_0, Q4_K, Q5_K (each output's block
     or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
-    Every type: a row's result does not depend on the batch or the threads."""
+    Every type: a row's result does not depend on the batch or the threads (Q8_0's one-row
+    path takes 2, 3 or 4 groups of 8 rows at a time: 48 and 56 rows end on 2 and 3)."""
     rng = np.random.default_rng(3)
     raw = torch.from_numpy(realistic_blocks(qtype, rows, 512, rng))
     regrouped = repack.regroup(raw, qtype, rows, 512)

@@ -707,31 +707,35 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
   store_rows<mr>(acc, valid, y, ldy);
 }
 
-// Q8_0 regrouped, one row of x (decode): two groups (16 weight rows) at a time, sharing x's
-// loads; per output the same operations as tile_x8<Q8_0, 1>
-void q8_0_row_x16(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
+// Q8_0 regrouped, one row of x (decode): NG groups (8 NG weight rows) at a time, sharing x's
+// loads; per output the same operations as tile_x8<Q8_0, 1>. No software prefetch: four
+// groups are four streams the hardware prefetcher follows. (One thread, 65536 x 2880, from
+// memory: 8.7-9.8 ms with four groups and none, 11.7-18.4 ms with two groups and 40 blocks
+// ahead, as tile_x8 does, 9.8-10.4 ms for the GGML layout's rows; `benchmarks/int8_kernels.py
+// --type Q8_0 --rows 65536 --cols 2880 --m 1 --threads 1`.)
+template <int NG>
+void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
   using X = X8<Q8_0>;
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  __m256 acc[NG];
+  for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
-    const uint8_t *b0 = grp + g * X::BYTES, *b1 = b0 + gb;
-    for (int64_t o = 0; o < X::BYTES; o += 64) {
-      prefetch(b0 + X8_AHEAD * X::BYTES + o);
-      prefetch(b1 + X8_AHEAD * X::BYTES + o);
-    }
-    __m256i dot0[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, dot1[2] = {dot0[0], dot0[0]};
+    const uint8_t* b[NG];
+    for (int n = 0; n < NG; ++n) b[n] = grp + n * gb + g * X::BYTES;
+    __m256i dot[NG][2];
+    for (int n = 0; n < NG; ++n) dot[n][0] = dot[n][1] = _mm256_setzero_si256();
     for (int k = 0; k < 8; ++k) {  // the even and the odd chunks in two chains per group
       int32_t x4;
       std::memcpy(&x4, a.q + 32 * g + 4 * k, 4);
       const __m256i xb = _mm256_set1_epi32(x4);
-      const __m256i w0 = load256(b0 + X::QS_AT + 32 * k), w1 = load256(b1 + X::QS_AT + 32 * k);
-      dot0[k & 1] = dot4(dot0[k & 1], _mm256_abs_epi8(w0), _mm256_sign_epi8(xb, w0));
-      dot1[k & 1] = dot4(dot1[k & 1], _mm256_abs_epi8(w1), _mm256_sign_epi8(xb, w1));
+      for (int n = 0; n < NG; ++n) {
+        const __m256i w = load256(b[n] + X::QS_AT + 32 * k);
+        dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+      }
     }
-    acc0 = block_step<X>(a, 0, g, _mm256_add_epi32(dot0[0], dot0[1]), X::scales(b0), _mm256_setzero_ps(), acc0);
-    acc1 = block_step<X>(a, 0, g, _mm256_add_epi32(dot1[0], dot1[1]), X::scales(b1), _mm256_setzero_ps(), acc1);
+    for (int n = 0; n < NG; ++n)
+      acc[n] = block_step<X>(a, 0, g, _mm256_add_epi32(dot[n][0], dot[n][1]), X::scales(b[n]), _mm256_setzero_ps(), acc[n]);
   }
-  _mm256_storeu_ps(y, acc0);
-  _mm256_storeu_ps(y + 8, acc1);
+  for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
 }
 
 // Rows of x are taken MR at a time (the last tile shorter): tile_rows(m, rows) runs a tile
@@ -919,14 +923,18 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
 // PANEL rows (4 groups) at a time against tiles of 4 rows of x, as `matmul`
 // groups of 8 weight rows per work item
 template <int QT>
-constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 2 : 1; }
+constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : 1; }
 
 // one work item: groups g0 .. g1 against all M rows of x
 template <int QT>
 void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t g0, int64_t g1) {
   const int64_t gb = 8 * row_bytes<QT>(a.K);
   if constexpr (QT == Q8_0) {
-    if (M == 1 && g1 - g0 == 2 && N >= 8 * g1) return q8_0_row_x16(a, W + g0 * gb, gb, y + 8 * g0);
+    if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
+      if (g1 - g0 == 4) return q8_0_rows<4>(a, W + g0 * gb, gb, y + 8 * g0);
+      if (g1 - g0 == 3) return q8_0_rows<3>(a, W + g0 * gb, gb, y + 8 * g0);
+      if (g1 - g0 == 2) return q8_0_rows<2>(a, W + g0 * gb, gb, y + 8 * g0);
+    }
   }
   x_tiles<4>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {

@@ -56,12 +56,14 @@ def test_rope_on_a_strided_view(heads, dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_limit"])
 def test_act_mul(activation, dtype):
     gu = (torch.randn(9, 2 * 1536, generator=G) * 4).to(dtype)
     gu[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 8.0])  # tails of exp
-    ours = ops.act_mul(gu, activation)
-    ref = ops.act_mul(gu, activation, impl="torch")
+    gu[1, 1536:1544] = torch.tensor([-100.0, -7.5, -7.0, -6.9, 6.9, 7.0, 7.5, 100.0])  # up around GPT-OSS's limit
+    limit = (7.0, 1.702) if activation == "swiglu_limit" else None
+    ours = ops.act_mul(gu, activation, limit=limit)
+    ref = ops.act_mul(gu, activation, impl="torch", limit=limit)
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
 
 

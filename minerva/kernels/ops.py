@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from minerva.kernels import dispatch
 
 ACT_IDS = {"silu": 0, "gelu_tanh": 1}
+SWIGLU_LIMIT_ID = 2  # the native act_mul's id for "swiglu_limit", which also takes (limit, alpha)
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -69,12 +70,14 @@ def act_mul(gate_up: torch.Tensor, activation: str, impl: str = "auto",
             limit: tuple[float, float] | None = None) -> torch.Tensor:
     """act(gate) * up for gate_up [T, 2I] holding gate then up. "swiglu_limit" is GPT-OSS's,
     with limit = (L, alpha): gate clamped above at L, up to ±L, and (up + 1) · gate · σ(alpha gate)."""
+    k = dispatch.op_kernel(gate_up) if impl == "auto" and gate_up.dim() == 2 and (gate_up.shape[-1] // 2) % 16 == 0 else None
     if activation == "swiglu_limit":
         bound, alpha = limit
+        if k is not None:  # computed in float32, rounded once
+            return k.act_mul(gate_up, SWIGLU_LIMIT_ID, bound, alpha)
         gate, up = gate_up.chunk(2, dim=-1)
         gate = gate.clamp(max=bound)
         return (up.clamp(-bound, bound) + 1) * (gate * torch.sigmoid(gate * alpha))
-    k = dispatch.op_kernel(gate_up) if impl == "auto" and gate_up.dim() == 2 and (gate_up.shape[-1] // 2) % 16 == 0 else None
     if k is not None:
         return k.act_mul(gate_up, ACT_IDS[activation])
     gate, up = gate_up.chunk(2, dim=-1)

@@ -246,7 +246,7 @@ class MoE(Layer):
         first = self.experts[0]
         act = first.activation
         if (not all(isinstance(w, PackedWeight) and w.kernel is not None for w in ws) or len({w.dtype for w in ws}) != 1
-                or not (act == "swiglu_limit" or act in ops.ACT_IDS and first.down.weight.shape[1] % 16 == 0)):
+                or not ((act == "swiglu_limit" or act in ops.ACT_IDS) and first.down.weight.shape[1] % 16 == 0)):
             return
         kernel = dispatch.layer_kernel(ws[0].packed.device, ws[0].dtype)
         if kernel is None:

@@ -27,4 +27,4 @@ void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor act_mul(torch::Tensor gu, int64_t act);
+torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit = 0.0, double alpha = 0.0);

@@ -147,24 +147,113 @@ struct Experts {
            dtype_or_none(down_bs, torch::kFloat32);
   }
 
-  // every chosen expert's matrices of one kind (gate/up or down) against their rows of xs
-  // (sorted by expert; `sorted_ids` the expert of each row), as Linear runs each: for bf16 x
-  // the float32 outputs rounded to bf16, then the bias (bf16 or float32) added in place
-  torch::Tensor grouped_linear(const torch::Tensor& xs, const std::vector<torch::Tensor>& w,
-                               const std::vector<int64_t>& starts, const std::vector<torch::Tensor>& b,
-                               const torch::Tensor& bs, const torch::Tensor& sorted_ids, const Packed& p) const {
-    if (xs.scalar_type() == torch::kFloat32) return grouped_qmatmul_q8(xs, w, starts, b, p.qtype, p.rows, p.cols);
-    const std::vector<torch::Tensor> none(w.size());
-    auto y = grouped_qmatmul_q8(xs.to(torch::kFloat32), w, starts, none, p.qtype, p.rows, p.cols).to(xs.scalar_type());
-    return bs.defined() ? y.add_(bs.index({sorted_ids})) : y;
+  // y [R, n] float32, one kernel output row per (token, rank) pair sorted by expert: for bf16
+  // x each row rounded to bf16 and its expert's bias (row `expert[r]` of bs, when there are
+  // biases) added and rounded again, as Linear's y.to(bf16).add_(bias) does; float32 x got its
+  // biases in the kernel
+  static torch::Tensor as_linear(const torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& bs,
+                                 const std::vector<int64_t>& expert) {
+    if (x.scalar_type() == torch::kFloat32) return y;
+    const int64_t R = y.size(0), n = y.size(1);
+    auto out = torch::empty({R, n}, x.options());
+    const float* yp = y.data_ptr<float>();
+    auto* op = out.data_ptr<at::BFloat16>();
+    const auto add = [&](const auto* b) {
+      minerva::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float* yr = yp + r * n;
+          at::BFloat16* o = op + r * n;
+          if (!b) {
+            for (int64_t i = 0; i < n; ++i) o[i] = at::BFloat16(yr[i]);
+          } else {
+            const auto* br = b + expert[r] * n;
+            for (int64_t i = 0; i < n; ++i)
+              o[i] = at::BFloat16(static_cast<float>(at::BFloat16(yr[i])) + static_cast<float>(br[i]));
+          }
+        }
+      });
+    };
+    if (!bs.defined()) add(static_cast<const float*>(nullptr));
+    else if (bs.scalar_type() == torch::kFloat32) add(bs.data_ptr<float>());
+    else if (bs.scalar_type() == torch::kBFloat16) add(bs.data_ptr<at::BFloat16>());
+    else TORCH_CHECK(false, "expert biases must be float32 or bfloat16");
+    return out;
   }
 
   torch::Tensor activation(const torch::Tensor& gu) const {
-    if (act >= 0) return act_mul(gu, act);
-    // ops.act_mul's "swiglu_limit"
-    const int64_t I = gu.size(1) / 2;
-    auto gate = gu.narrow(1, 0, I).clamp_max(limit);
-    return (gu.narrow(1, I, I).clamp(-limit, limit) + 1) * (gate * torch::sigmoid(gate * alpha));
+    return act >= 0 ? act_mul(gu, act) : act_mul(gu, 2, limit, alpha);  // 2: ops.act_mul's "swiglu_limit"
+  }
+
+  // The grouped path: the (token, rank) pairs sorted by expert (stably, as argsort), x's rows
+  // gathered in that order, every chosen expert's gate/up in one kernel call, the activation
+  // over all rows, every down in one more, then each token's k outputs weighted and summed in
+  // rank order with ATen's rounding: out = y0·w0, then out += yj·wj, each product and sum
+  // rounded to x's dtype. The element-wise steps are loops here, not ATen ops.
+  torch::Tensor forward_grouped(const torch::Tensor& x_, const torch::Tensor& ids_, const torch::Tensor& w_) const {
+    const auto x = x_.contiguous(), ids = ids_.contiguous(), w = w_.contiguous();
+    const int64_t T = x.size(0), k = ids.size(1), E = static_cast<int64_t>(experts.size()), H = x.size(1), R = T * k;
+    TORCH_CHECK(ids.scalar_type() == torch::kLong && w.scalar_type() == x.scalar_type() && w.size(0) == T &&
+                    w.size(1) == k, "Experts: ids must be int64 [T, k] and weights [T, k] in x's dtype");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    std::vector<int64_t> starts(E + 1, 0), order(R), sorted_at(R), expert(R);
+    for (int64_t i = 0; i < R; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < E, "expert id out of range");
+      ++starts[id[i] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) starts[e + 1] += starts[e];
+    {
+      std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t r = next[id[i]]++;
+        order[r] = i, sorted_at[i] = r, expert[r] = id[i];
+      }
+    }
+    const bool bf16 = x.scalar_type() == torch::kBFloat16;
+    auto xs = torch::empty({R, H}, torch::dtype(torch::kFloat32));
+    float* xsp = xs.data_ptr<float>();
+    minerva::parallel_for(0, R, 8, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = order[r] / k;
+        if (bf16) {
+          const auto* src = x.data_ptr<at::BFloat16>() + t * H;
+          for (int64_t i = 0; i < H; ++i) xsp[r * H + i] = static_cast<float>(src[i]);
+        } else {
+          std::copy_n(x.data_ptr<float>() + t * H, H, xsp + r * H);
+        }
+      }
+    });
+    const std::vector<torch::Tensor> none(E);
+    const auto& gp = experts[0].gate_up[0].w;
+    const auto& dp = experts[0].down.w;
+    auto gu = as_linear(grouped_qmatmul_q8(xs, gate_up_w, starts, bf16 ? none : gate_up_b, gp.qtype, gp.rows, gp.cols),
+                        x, gate_up_bs, expert);
+    auto a = activation(gu);
+    if (bf16) a = a.to(torch::kFloat32);  // exact
+    const auto y = as_linear(grouped_qmatmul_q8(a, down_w, starts, bf16 ? none : down_b, dp.qtype, dp.rows, dp.cols),
+                             x, down_bs, expert);
+    auto out = torch::empty({T, H}, x.options());
+    const auto sum = [&](auto* tag) {
+      using D = std::remove_pointer_t<decltype(tag)>;
+      const D* yp = y.data_ptr<D>();
+      const D* wp = w.data_ptr<D>();
+      D* op = out.data_ptr<D>();
+      minerva::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          D* o = op + t * H;
+          for (int64_t j = 0; j < k; ++j) {
+            const D* yr = yp + sorted_at[t * k + j] * H;
+            const float wj = static_cast<float>(wp[t * k + j]);
+            for (int64_t i = 0; i < H; ++i) {
+              const D p = D(static_cast<float>(yr[i]) * wj);
+              o[i] = j == 0 ? p : D(static_cast<float>(o[i]) + static_cast<float>(p));
+            }
+          }
+        }
+      });
+    };
+    if (bf16) sum(static_cast<at::BFloat16*>(nullptr));
+    else sum(static_cast<float*>(nullptr));
+    return out;
   }
 
   torch::Tensor run(const Expert& e, const torch::Tensor& x) const {
@@ -194,25 +283,17 @@ struct Experts {
       }
       return out;
     }
+    if (group) return forward_grouped(x, ids, w);  // (for one token too: its experts in one loop)
     const auto flat = ids.reshape(-1);
     const auto order = torch::argsort(flat, /*stable=*/true);
     const auto counts = torch::bincount(flat, {}, E).contiguous();
     TORCH_CHECK(counts.size(0) == E, "expert id out of range");
     const int64_t* n = counts.data_ptr<int64_t>();
     auto ys = torch::empty({T * k, x.size(1)}, x.options());
-    if (group) {  // (for one token too: its experts in one loop; the same sums in rank order below)
-      std::vector<int64_t> starts(E + 1, 0);
-      for (int64_t e = 0; e < E; ++e) starts[e + 1] = starts[e] + n[e];
-      const auto xs = x.index({torch::floor_divide(order, k)});
-      const auto sorted_ids = flat.index({order});
-      const auto gu = grouped_linear(xs, gate_up_w, starts, gate_up_b, gate_up_bs, sorted_ids, experts[0].gate_up[0].w);
-      ys.index_put_({order}, grouped_linear(activation(gu), down_w, starts, down_b, down_bs, sorted_ids, experts[0].down.w));
-    } else {
-      for (int64_t e = 0, start = 0; e < E; start += n[e], ++e) {
-        if (n[e] == 0) continue;
-        const auto pairs = order.narrow(0, start, n[e]);
-        ys.index_put_({pairs}, run(experts[e], x.index({torch::floor_divide(pairs, k)})));
-      }
+    for (int64_t e = 0, start = 0; e < E; start += n[e], ++e) {
+      if (n[e] == 0) continue;
+      const auto pairs = order.narrow(0, start, n[e]);
+      ys.index_put_({pairs}, run(experts[e], x.index({torch::floor_divide(pairs, k)})));
     }
     const auto y3 = ys.view({T, k, -1});
     auto out = y3.select(1, 0).mul(w.narrow(1, 0, 1));
@@ -242,7 +323,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "h += a; RMSNorm(h)");
   m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");
-  m.def("act_mul", &act_mul, "act(gate) * up");
+  m.def("act_mul", &act_mul, "act(gate) * up", py::arg("gu"), py::arg("act"), py::arg("limit") = 0.0,
+        py::arg("alpha") = 0.0);
   py::class_<Packed>(m, "Packed")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, bool>(), py::arg("bytes"), py::arg("qtype"),
            py::arg("rows"), py::arg("cols"), py::arg("int8") = false);

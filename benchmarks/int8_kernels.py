@@ -23,6 +23,11 @@ Q = gguf.GGMLQuantizationType
 
 
 def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
+    if qtype in (Q.Q4_K, Q.Q5_K):  # gguf cannot quantize these: random blocks as synthetic.py writes them
+        from synthetic import RandomTensor  # (this script's folder is on the path)
+        t = RandomTensor(qtype, (rows, cols), np.random.SeedSequence(0), {})
+        raw = rng.integers(0, 256, t.nbytes, dtype=np.uint8)
+        return torch.from_numpy(t._shape(raw).reshape(rows, -1).copy())
     x = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
     return torch.from_numpy(gguf.quants.quantize(x, qtype).reshape(rows, -1).copy())
 

@@ -711,7 +711,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // loads; per output the same operations as tile_x8<Q8_0, 1>. No software prefetch: four
 // groups are four streams the hardware prefetcher follows. (One thread, 65536 x 2880, from
 // memory: 8.7-9.8 ms with four groups and none, 11.7-18.4 ms with two groups and 40 blocks
-// ahead, as tile_x8 does, 9.8-10.4 ms for the GGML layout's rows; `benchmarks/int8_kernels.py
+// ahead, as tile_x8 does, 9.8-12.8 ms (median 10.0) for the GGML layout's rows; `benchmarks/int8_kernels.py
 // --type Q8_0 --rows 65536 --cols 2880 --m 1 --threads 1`.)
 template <int NG>
 void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {

@@ -67,6 +67,12 @@ def test_act_mul(activation, dtype):
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.skipif(not native.capable(), reason="this CPU cannot run the packed kernels")
+def test_act_mul_rejects_an_unknown_activation_id():
+    with pytest.raises(RuntimeError, match="unknown activation 7"):
+        native.load().act_mul(torch.zeros(2, 64), 7)
+
+
 def test_rows_do_not_depend_on_the_batch():
     x = torch.randn(11, 640, generator=G)
     w = torch.randn(640, generator=G)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from minerva.kernels import dispatch
 
 ACT_IDS = {"silu": 0, "gelu_tanh": 1}
-SWIGLU_LIMIT_ID = 2  # the native act_mul's id for "swiglu_limit", which also takes (limit, alpha)
+SWIGLU_LIMIT_ID = 2  # csrc/kernels.h ACT_SWIGLU_LIMIT: the native act_mul for "swiglu_limit", with (limit, alpha)
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),

@@ -181,7 +181,7 @@ struct Experts {
   }
 
   torch::Tensor activation(const torch::Tensor& gu) const {
-    return act >= 0 ? act_mul(gu, act) : act_mul(gu, 2, limit, alpha);  // 2: ops.act_mul's "swiglu_limit"
+    return act >= 0 ? act_mul(gu, act) : act_mul(gu, ACT_SWIGLU_LIMIT, limit, alpha);
   }
 
   // The grouped path: the (token, rank) pairs sorted by expert (stably, as argsort), x's rows

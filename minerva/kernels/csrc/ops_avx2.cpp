@@ -98,7 +98,7 @@ torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit, double alpha)
   gu = gu.contiguous();
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
-  TORCH_CHECK(act >= 0 && act <= 2, "act_mul: unknown activation ", act);
+  TORCH_CHECK(act >= 0 && act <= ACT_SWIGLU_LIMIT, "act_mul: unknown activation ", act);
   auto out = torch::empty({T, I}, gu.options());
   by_dtype(gu, [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;

@@ -35,9 +35,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -327,6 +327,14 @@ struct Q8 {
   int64_t lp;        // i16 sums per row
 };
 
+// the sum of the 8 i32 lanes
+inline int32_t sum_lanes(__m256i v) {
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return _mm_cvtsi128_si32(t);
+}
+
 template <int B>
 inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s, int32_t* n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -361,11 +369,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, fl
         sums[16 * g + 2 * c + 1] = static_cast<int16_t>(_mm_extract_epi32(h8, 1));
       }
     }
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
     d[g] = dg;
-    n[g] = _mm_cvtsi128_si32(t);
+    n[g] = sum_lanes(total);
     s[g] = dg * static_cast<float>(n[g]);
   }
 }
@@ -381,14 +386,6 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // the sub-block loop unrolled GCC otherwise computes all of a tile's products first, spills
 // them to the stack and adds them up afterwards.
 inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
-
-// the sum of the 8 i32 lanes
-inline int32_t sum_lanes(__m256i v) {
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-  return _mm_cvtsi128_si32(t);
-}
 
 // The K-quants and Q8_0: mr rows of x (from row m0 of a) against nb weight rows, 8 float
 // lanes per output reduced in a fixed order at the end; y[i * ldy + j]. Q6_K instead sums a
@@ -491,7 +488,6 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
 // acc = fma(sum, d * d_x, acc) per super-block: the operations of tile_x8q6, which serves
 // more rows of x.
 constexpr int64_t ROW1_NB = 2;
-
 
 template <int QT, int nb>
 void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
@@ -844,12 +840,11 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
     minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n0 = PANEL * blk, n1 = std::min(N, n0 + PANEL);
-        auto run = [&](int64_t m, auto rows) {
+        x_tiles<K_MR>(M, [&](int64_t m, auto rows) {
           int64_t n = n0;
           for (; n + K_NB <= n1; n += K_NB) tile<QT, decltype(rows)::value, K_NB>(a, m, W + n * rb, rb, y + m * N + n, N);
           for (; n < n1; ++n) tile<QT, decltype(rows)::value, 1>(a, m, W + n * rb, rb, y + m * N + n, N);
-        };
-        x_tiles<K_MR>(M, run);
+        });
       }
     });
   }
@@ -980,7 +975,7 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
   store_rows<mr>(acc, valid, y, ldy);
 }
 
-// Q6_K with more than one row of x: each work item regroups its panel of weight rows (by
+// Q6_K with Q6_PANELS_FROM or more rows of x: each work item regroups its panel of weight rows (by
 // regroup_q6, into a buffer of its own) so that 8 rows' blocks sit side by side, as Q4_K's
 // are at load, and the kernel below takes one weight row per lane. (The matrix itself stays
 // in the GGML layout: at one row of x, regrouped Q6_K read from memory was 1.3-1.5x slower
@@ -1073,8 +1068,8 @@ void tile_x8q6(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y,
 }
 
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
-// PANEL rows (4 groups) at a time against tiles of x8_mr rows of x, as `matmul`;
-// groups of 8 weight rows per work item
+// PANEL rows (4 groups) at a time against tiles of x8_mr rows of x, as `matmul`.
+// Groups of 8 weight rows per work item:
 template <int QT>
 constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : 1; }
 
@@ -1132,7 +1127,7 @@ inline void regroup_q6(const uint8_t* const rows[8], int64_t G, uint8_t* out) {
   }
 }
 
-// Q6_K, M > 1: panels of PANEL weight rows, each regrouped into the work item's buffer (a
+// Q6_K, M >= Q6_PANELS_FROM: panels of PANEL weight rows, each regrouped into the work item's buffer (a
 // last group of fewer than 8 rows repeats its last row; those outputs are dropped), then
 // tiles of x8_mr rows of x against its groups
 void matmul_q6_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
@@ -1168,15 +1163,14 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       if (g1 - g0 == 2) return q8_0_rows<2>(a, W + g0 * gb, gb, y + 8 * g0);
     }
   }
-  auto run = [&](int64_t m, auto rows) {
+  x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
       if constexpr (QT == Q4_K || QT == Q5_K)
         tile_x8k<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
     }
-  };
-  x_tiles<x8_mr<QT>>(M, run);
+  });
 }
 
 template <int QT>

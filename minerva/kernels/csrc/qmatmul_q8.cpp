@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,7 +56,16 @@ using namespace minerva;
 inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i low4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
-inline __m256i high4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+
+// Each byte's n bits from bit `from` moved to bit `to`, its other bits cleared: a 16-bit
+// shift (which serves both bytes of a lane: bit to + 8 of the lane comes from bit from + 8)
+// and a mask. (GFNI's one affine transform per byte instead measured no faster on the
+// AVX-512 machine: the prefill kernels are bound by loads and dot products, not these steps.)
+inline __m256i move_bits(__m256i v, int from, int to, int n) {
+  const __m256i shifted = from <= to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(static_cast<char>(((1 << n) - 1) << to)));
+}
+inline __m256i high4(__m256i v) { return move_bits(v, 4, 0, 4); }
 
 // 16 bytes of nibbles as 32 bytes: the low nibbles (elements 0..15), then the high ones (16..31)
 // (the bytes loaded into both halves, the upper half shifted right by 4)
@@ -172,13 +182,6 @@ template <> struct W8<Q8_0> {
 // a shuffle control that spreads i16 lane s of a 128-bit half over all its 8 lanes
 inline __m256i spread16(int s) { return _mm256_set1_epi16(static_cast<int16_t>(0x0100 * (2 * s + 1) + 2 * s)); }
 
-// Each byte's bit `from` (and the bits above it) moved to bit `to`: one 16-bit shift
-// serves both bytes of a lane, since bit to + 8 of the lane comes from bit from + 8.
-// The caller masks the bits it wants.
-inline __m256i bit_to(__m256i v, int from, int to) {
-  return from <= to ? _mm256_slli_epi16(v, to - from) : _mm256_srli_epi16(v, from - to);
-}
-
 // Q4_K / Q5_K super-block header: d, dmin and the 6-bit scales and mins of the 8 sub-blocks,
 // unpacked from their 12 bytes all at once
 struct KHeader {
@@ -231,7 +234,7 @@ template <> struct W8<Q5_K> {
   float dmin() const { return h.dmin; }
   __m256i w(int s) const {
     const __m256i v = load256(b + 48 + 32 * (s >> 1));
-    const __m256i hb = _mm256_and_si256(bit_to(qh, s, 4), _mm256_set1_epi8(0x10));
+    const __m256i hb = move_bits(qh, s, 4, 1);
     return _mm256_or_si256((s & 1) ? high4(v) : low4(v), hb);
   }
   __m256i sc(int s) const { return h.sc(s); }
@@ -253,7 +256,8 @@ inline __m256i scale_pairs(__m256i sc16, int s) {
 
 // Q2_K and Q3_K sub-block s: the 2-bit fields at bits 2 (s & 3) of qs bytes 32 (s >> 2) .. +31
 inline __m256i k2_low32(const uint8_t* qs, int s) {
-  return _mm256_and_si256(_mm256_srli_epi16(load256(qs + 32 * (s >> 2)), 2 * (s & 3)), _mm256_set1_epi8(3));
+  const __m256i v = load256(qs + 32 * (s >> 2));
+  return (s & 3) ? move_bits(v, 2 * (s & 3), 0, 2) : _mm256_and_si256(v, _mm256_set1_epi8(3));
 }
 
 // Q2_K: weight = d * sc * q - dmin * mn, q 2-bit; byte i of the first 16 holds the scale (low
@@ -285,7 +289,7 @@ template <> struct W8<Q3_K> {
   __m256i sc16, hm;
   W8(const uint8_t* row, int64_t g) : b(row + g * 110), sc16(_mm256_cvtepi8_epi16(q3k_scales(b))), hm(load256(b)) {}
   __m256i w(int s) const {
-    return _mm256_or_si256(k2_low32(b + 32, s), _mm256_and_si256(bit_to(hm, s, 2), _mm256_set1_epi8(4)));
+    return _mm256_or_si256(k2_low32(b + 32, s), move_bits(hm, s, 2, 1));
   }
   __m256i sc(int s) const { return scale_pairs(sc16, s); }
   float d() const { return f16(b + 108); }
@@ -303,7 +307,7 @@ template <> struct W8<Q6_K> {
   __m256i w(int s) const {
     const int part = s >> 2, t = s & 3;
     const __m256i v = load256(b + 64 * part + 32 * (t & 1));
-    const __m256i hb = _mm256_and_si256(bit_to(load256(b + 128 + 32 * part), 2 * t, 4), _mm256_set1_epi8(0x30));
+    const __m256i hb = move_bits(load256(b + 128 + 32 * part), 2 * t, 4, 2);
     return _mm256_or_si256((t >> 1) ? high4(v) : low4(v), hb);
   }
   __m256i sc(int s) const { return scale_pairs(sc16, s); }
@@ -385,12 +389,13 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // An accumulator kept as one register add after another. Integer adds associate, and with
 // the sub-block loop unrolled GCC otherwise computes all of a tile's products first, spills
 // them to the stack and adds them up afterwards.
-inline void keep_in_register(__m256i& v) { asm volatile("" : "+x"(v)); }
+template <class T>
+inline void keep_in_register(T& v) { asm volatile("" : "+v"(v)); }
 
 // The K-quants and Q8_0: mr rows of x (from row m0 of a) against nb weight rows, 8 float
 // lanes per output reduced in a fixed order at the end; y[i * ldy + j]. Q6_K instead sums a
 // super-block's lanes in i32 and takes one scalar FMA per super-block, as `row1` and
-// tile_x8q6 do.
+// tile_xq6 do.
 template <int QT, int mr, int nb>
 void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
   using B = W8<QT>;
@@ -485,7 +490,7 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
 // (the layout before; 6.9 with 8 rows), medians of 30 sweeps in one process, interleaved.
 //
 // Q6_K instead sums a super-block's 8 lanes in i32 (exact) and takes one scalar
-// acc = fma(sum, d * d_x, acc) per super-block: the operations of tile_x8q6, which serves
+// acc = fma(sum, d * d_x, acc) per super-block: the operations of tile_xq6, which serves
 // more rows of x.
 constexpr int64_t ROW1_NB = 2;
 
@@ -850,52 +855,134 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   }
 }
 
+// The regrouped K-quant kernels below run on one group of 8 weight rows per 256-bit register
+// (V8), or with AVX-512 VNNI on two groups side by side per 512-bit register (V16: lanes 0..7
+// the first group's rows, 8..15 those of the group gb bytes on), so that one broadcast of x's
+// 4 bytes feeds 16 weight rows. With one group per register they take one load of x per dot
+// product, and loads bounded them: fewer decoding steps (GFNI) made them no faster, sharing
+// each broadcast over two groups did. AVX-512 machine (Zen 4, whose 512-bit operations take
+// two 256-bit passes), 5632 x 2048, 2 threads, 512 rows of x, medians of 5 alternating runs:
+// Q4_K 282 GMAC/s against 247 with V8, Q5_K 240 against 195, Q6_K 224 against 204 (the
+// panels' regrouping included); 4, 6, 8 or 10 rows of x per tile within the noise of each
+// other. The same operations per output either way, so the same results.
+struct V8 {
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p, int64_t) { return load256(p); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static I i32(int32_t v) { return _mm256_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I shl16(I a, int n) { return _mm256_slli_epi16(a, n); }
+  static I shr16(I a, int n) { return _mm256_srli_epi16(a, n); }
+  static I sar16(I a, int n) { return _mm256_srai_epi16(a, n); }
+  static I shl32(I a, int n) { return _mm256_slli_epi32(a, n); }
+  static I shr32(I a, int n) { return _mm256_srli_epi32(a, n); }
+  static I sar32(I a, int n) { return _mm256_srai_epi32(a, n); }
+  static I dot4(I acc, I u, I s) { return ::dot4(acc, u, s); }
+  static I dot2(I acc, I a, I b) { return ::dot2(acc, a, b); }
+  static I shuffle(I v, __m128i ctl) { return _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(ctl)); }
+  static F halves(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(load128(p)); }  // the rows' f16 at p
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F f32(float v) { return _mm256_set1_ps(v); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* y, F v, int valid) { store_rows<1>(&v, valid, y, 0); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MINERVA_V16 1
+struct V16 {
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p, int64_t gb) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p)), load256(p + gb), 1);
+  }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I bytes(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+  static I i32(int32_t v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I shl16(I a, int n) { return _mm512_slli_epi16(a, n); }
+  static I shr16(I a, int n) { return _mm512_srli_epi16(a, n); }
+  static I sar16(I a, int n) { return _mm512_srai_epi16(a, n); }
+  static I shl32(I a, int n) { return _mm512_slli_epi32(a, n); }
+  static I shr32(I a, int n) { return _mm512_srli_epi32(a, n); }
+  static I sar32(I a, int n) { return _mm512_srai_epi32(a, n); }
+  static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dot2(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
+  static I shuffle(I v, __m128i ctl) { return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(ctl)); }
+  static F halves(const uint8_t* p, int64_t gb) { return _mm512_cvtph_ps(_mm256_set_m128i(load128(p + gb), load128(p))); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F f32(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* y, F v, int valid) { _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << valid) - 1), v); }
+};
+inline __m512i move_bits(__m512i v, int from, int to, int n) {
+  const __m512i shifted = from <= to ? _mm512_slli_epi16(v, to - from) : _mm512_srli_epi16(v, from - to);
+  return _mm512_and_si512(shifted, _mm512_set1_epi8(static_cast<char>(((1 << n) - 1) << to)));
+}
+constexpr int V16_MR = 8;  // rows of x per tile with V16
+#endif
+
 // Q4_K regrouped: per super-block of a group, d[8] | dmin[8] | the 12 bytes of scales and
 // mins as three u32 per row, u0[8] | u1[8] | u2[8] | qs, chunk q (bytes 4q .. 4q + 3 of a row's
 // 128: sub-block 2 (q / 8) in the low nibbles, 2 (q / 8) + 1 in the high ones, elements
 // 4 (q % 8) .. + 3) of row j at 128 + 32q + 4j. The 8 rows' scales and mins unpack together,
 // one row per 32-bit lane, with KHeader's shifts and masks.
-struct X8K {
-  __m256i sc03, sc47, mn03, mn47;  // lane j: the 6-bit scales (mins) of sub-blocks 0..3, 4..7 of row j
-  explicit X8K(const uint8_t* b) {
-    const __m256i u0 = load256(b + 32), u1 = load256(b + 64), u2 = load256(b + 96);
-    const __m256i low6 = _mm256_set1_epi8(0x3f), low4 = _mm256_set1_epi8(0x0f), low2 = _mm256_set1_epi8(0x03);
-    sc03 = _mm256_and_si256(u0, low6);
-    mn03 = _mm256_and_si256(u1, low6);
-    sc47 = _mm256_or_si256(_mm256_and_si256(u2, low4),
-                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), low2), 4));
-    mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), low4),
-                           _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), low2), 4));
+template <class V>
+struct XK {
+  using I = typename V::I;
+  I sc03, sc47, mn03, mn47;  // lane j: the 6-bit scales (mins) of sub-blocks 0..3, 4..7 of row j
+  XK(const uint8_t* b, int64_t gb) {
+    const I u0 = V::load(b + 32, gb), u1 = V::load(b + 64, gb), u2 = V::load(b + 96, gb);
+    const I low6 = V::bytes(0x3f), low4 = V::bytes(0x0f), low2 = V::bytes(0x03);
+    sc03 = V::and_(u0, low6);
+    mn03 = V::and_(u1, low6);
+    sc47 = V::or_(V::and_(u2, low4), V::shl32(V::and_(V::shr32(u0, 6), low2), 4));
+    mn47 = V::or_(V::and_(V::shr32(u2, 4), low4), V::shl32(V::and_(V::shr32(u1, 6), low2), 4));
   }
   // lane j: byte s of row j's four (s = 0..3) as the i16 pair (v, v)
-  static __m256i pair(__m256i v, int s) {
+  static I pair(I v, int s) {
     const char z = static_cast<char>(0x80);
     auto c = [&](int d) { return static_cast<char>(4 * d + s); };
-    return _mm256_shuffle_epi8(v, _mm256_setr_epi8(c(0), z, c(0), z, c(1), z, c(1), z, c(2), z, c(2), z, c(3), z, c(3), z,
-                                                   c(0), z, c(0), z, c(1), z, c(1), z, c(2), z, c(2), z, c(3), z, c(3), z));
+    return V::shuffle(v, _mm_setr_epi8(c(0), z, c(0), z, c(1), z, c(1), z, c(2), z, c(2), z, c(3), z, c(3), z));
   }
-  __m256i sc(int s) const { return pair(s < 4 ? sc03 : sc47, s & 3); }
+  I sc(int s) const { return pair(s < 4 ? sc03 : sc47, s & 3); }
   // lane j: sub-block s's scale of row j as an i32
-  __m256i sc32(int s) const {
-    return _mm256_and_si256(_mm256_srli_epi32(s < 4 ? sc03 : sc47, 8 * (s & 3)), _mm256_set1_epi32(0xff));
-  }
-  __m256i mn(int s) const { return pair(s < 4 ? mn03 : mn47, s & 3); }
+  I sc32(int s) const { return V::and_(V::shr32(s < 4 ? sc03 : sc47, 8 * (s & 3)), V::i32(0xff)); }
+  I mn(int s) const { return pair(s < 4 ? mn03 : mn47, s & 3); }
 };
 
 // mr rows of x against a group of 8 regrouped Q4_K or Q5_K rows (Q5_K: qh chunk c, bytes
 // 4c .. 4c + 3 of its 32, at 128 + 32c + 4j, bit s the fifth bit of sub-block s; qs from 384),
-// one row per lane. Per super-block and output: the exact i32 sums of mins * x's sums and of
-// sc * q * x, then acc = fma(mins, -dmin * d_x, acc) and acc = fma(sum, d * d_x, acc). A
-// sub-block's chunks add up in i16 first, as many as fit: a maddubs lane is at most
-// 2 * 15 * 127 = 3810 for Q4_K (8 chunks), 2 * 31 * 127 = 7874 for Q5_K (4 chunks); with
-// VNNI they add up in i32 (dot4), and a sub-block's sum is multiplied by its scale in i32.
-template <int QT, int mr>
-void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
+// one row per lane (V16: and the group gb bytes on). Per super-block and output: the exact i32
+// sums of mins * x's sums and of sc * q * x, then acc = fma(mins, -dmin * d_x, acc) and
+// acc = fma(sum, d * d_x, acc). A sub-block's chunks add up in i16 first, as many as fit: a
+// maddubs lane is at most 2 * 15 * 127 = 3810 for Q4_K (8 chunks), 2 * 31 * 127 = 7874 for
+// Q5_K (4 chunks); with VNNI they add up in i32 (dot4), and a sub-block's sum is multiplied by
+// its scale in i32.
+template <class V, int QT, int mr>
+void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy) {
+  using I = typename V::I;
+  using F = typename V::F;
   constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
-  constexpr bool FIFTH = QT == Q5_K;
+  constexpr bool FIFTH = QT == Q5_K, TWO = !std::is_same_v<V, V8>;
   constexpr int QS_AT = FIFTH ? 384 : 128, RUN = FIFTH ? 4 : 8;  // chunks summed in i16
-  __m256 acc[mr];
-  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  F acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     // One row of x streams the group alone: the hardware prefetcher keeps up, and software
@@ -903,76 +990,74 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
     // regrouped / GGML layout 1.03-1.11 without, 1.25-1.33 with 2 blocks ahead; 4 to 32
     // blocks ahead, to L1 or L2, no better than none).
     if constexpr (mr > 1)
-      for (int64_t o = 0; o < BYTES; o += 64) prefetch(b + 2 * BYTES + o);
-    const X8K h(b);
-    const __m256 d = _mm256_cvtph_ps(load128(b)), dmin = _mm256_cvtph_ps(load128(b + 16));
+      for (int64_t o = 0; o < BYTES; o += 64) {
+        prefetch(b + 2 * BYTES + o);
+        if constexpr (TWO) prefetch(b + gb + 2 * BYTES + o);
+      }
+    const XK<V> h(b, gb);
+    const F d = V::halves(b, gb), ndmin = V::sub(V::zerof(), V::halves(b + 16, gb));
     for (int i = 0; i < mr; ++i) {  // the offsets: sum over s of mn_s * x's sums of 16 (two per sub-block)
       const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
-      __m256i ms = _mm256_setzero_si256();
+      I ms = V::zero();
 #pragma GCC unroll 8
       for (int s = 0; s < 8; ++s) {
         int32_t pair;
         std::memcpy(&pair, p + 2 * s, 4);
-        ms = dot2(ms, h.mn(s), _mm256_set1_epi32(pair));
+        ms = V::dot2(ms, h.mn(s), V::i32(pair));
       }
-      const __m256 dx = _mm256_set1_ps(a.d[(m0 + i) * a.G + g]);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dmin), dx),
-                               acc[i]);
+      acc[i] = V::fmadd(V::cvt(ms), V::mul(ndmin, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
     }
-    __m256i isum[mr];
-    for (int i = 0; i < mr; ++i) isum[i] = _mm256_setzero_si256();
-    const uint8_t* qs = b + QS_AT;
+    I isum[mr];
+    for (int i = 0; i < mr; ++i) isum[i] = V::zero();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
-      auto chunk = [&](int c) {  // sub-block s's chunk c of the 8 rows: their unsigned values
-        const __m256i v = load256(qs + 32 * (8 * (s >> 1) + c));
-        const __m256i w = (s & 1) ? high4(v) : low4(v);
-        if constexpr (FIFTH)
-          return _mm256_or_si256(w, _mm256_and_si256(bit_to(load256(b + 128 + 32 * c), s, 4), _mm256_set1_epi8(0x10)));
+      auto chunk = [&](int c) {  // sub-block s's chunk c of the rows: their unsigned values
+        const I v = V::load(b + QS_AT + 32 * (8 * (s >> 1) + c), gb);
+        const I w = (s & 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F));
+        if constexpr (FIFTH) return V::or_(w, move_bits(V::load(b + 128 + 32 * c, gb), s, 4, 1));
         return w;
       };
       auto x4 = [&](int i, int c) {  // x's 4 bytes against chunk c, in every lane
         int32_t xv;
         std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
-        return _mm256_set1_epi32(xv);
+        return V::i32(xv);
       };
-      if constexpr (VNNI) {  // a sub-block's exact i32 sums, times its scales: two chains per
-        // row of x up to 4 rows, one for 6 or 8 (enough chains; two would not fit the registers)
-        constexpr int CH = mr >= 6 ? 1 : 2;
-        __m256i t[CH][mr];
+      if constexpr (!VNNI && !TWO) {  // maddubs: a sub-block's chunks in i16 runs, then madd by the scales
+        const I sc = h.sc(s);
+        for (int c0 = 0; c0 < 8; c0 += RUN) {
+          I t[mr];
+          for (int i = 0; i < mr; ++i) t[i] = V::zero();
+          for (int c = c0; c < c0 + RUN; ++c) {
+            const I w = chunk(c);
+            for (int i = 0; i < mr; ++i) t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c)));
+          }
+          for (int i = 0; i < mr; ++i) {
+            isum[i] = V::add(isum[i], _mm256_madd_epi16(t[i], sc));
+            keep_in_register(isum[i]);
+          }
+        }
+      } else {  // a sub-block's exact i32 sums, times its scales: two chains per row of x up to
+        // 4 rows of one group, one for more (enough chains; two would not fit the registers)
+        constexpr int CH = mr >= 6 || TWO ? 1 : 2;
+        I t[CH][mr];
         for (int i = 0; i < mr; ++i)
-          for (int k = 0; k < CH; ++k) t[k][i] = _mm256_setzero_si256();
+          for (int k = 0; k < CH; ++k) t[k][i] = V::zero();
+#pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) {
-          const __m256i w = chunk(c);
-          for (int i = 0; i < mr; ++i) t[c % CH][i] = dot4(t[c % CH][i], w, x4(i, c));
+          const I w = chunk(c);
+          for (int i = 0; i < mr; ++i) t[c % CH][i] = V::dot4(t[c % CH][i], w, x4(i, c));
         }
-        const __m256i sc = h.sc32(s);
+        const I sc = h.sc32(s);
         for (int i = 0; i < mr; ++i) {
-          const __m256i tt = CH == 2 ? _mm256_add_epi32(t[0][i], t[CH - 1][i]) : t[0][i];
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(tt, sc));
-          keep_in_register(isum[i]);
-        }
-        continue;
-      }
-      const __m256i sc = h.sc(s);
-      for (int c0 = 0; c0 < 8; c0 += RUN) {
-        __m256i t[mr];
-        for (int i = 0; i < mr; ++i) t[i] = _mm256_setzero_si256();
-        for (int c = c0; c < c0 + RUN; ++c) {
-          const __m256i w = chunk(c);
-          for (int i = 0; i < mr; ++i) t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c)));
-        }
-        for (int i = 0; i < mr; ++i) {
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(t[i], sc));
+          isum[i] = V::add(isum[i], V::mullo(CH == 2 ? V::add(t[0][i], t[CH - 1][i]) : t[0][i], sc));
           keep_in_register(isum[i]);
         }
       }
     }
     for (int i = 0; i < mr; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m0 + i) * a.G + g])),
-                               acc[i]);
+      acc[i] = V::fmadd(V::cvt(isum[i]), V::mul(d, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
   }
-  store_rows<mr>(acc, valid, y, ldy);
+  for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
 }
 
 // Q6_K with Q6_PANELS_FROM or more rows of x: each work item regroups its panel of weight rows (by
@@ -987,27 +1072,29 @@ void tile_x8k(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, 
 // 16 part + 8 (t & 1) + c and bits 2t, 2t + 1 of qh chunk 8 part + c; its chunks 0..3 take
 // scale 2s, 4..7 scale 2s + 1.
 //
-// mr rows of x against the 8 rows. Per super-block and output the exact i32 sum of
-// sc_j * (the stored values' dot product with x over the 16 elements of scale j) minus
-// 32 * sum_j sc_j * (x's sum over them) (the stored values are q + 32), then
+// mr rows of x against the 8 rows (V16: and the group gb bytes on). Per super-block and output
+// the exact i32 sum of sc_j * (the stored values' dot product with x over the 16 elements of
+// scale j) minus 32 * sum_j sc_j * (x's sum over them) (the stored values are q + 32), then
 // acc = fma(sum, d * d_x, acc): the operations of `row1` for Q6_K, so a row's result is the
 // same at one row of x and at many. The 4 chunks of a scale add up in i32 (dot4) before one
 // multiply by the scale. No step overflows: a scale's dot product is at most 16 * 63 * 127,
 // times |sc| <= 128, 16 of them: < 2^28.
-template <int mr>
-void tile_x8q6(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
+template <class V, int mr>
+void tile_xq6(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy) {
+  using I = typename V::I;
+  using F = typename V::F;
   constexpr int64_t BYTES = 8 * Layout<Q6_K>::bytes, QH_AT = 1024, SC_AT = 1536, D_AT = 1664;
-  __m256 acc[mr];
-  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  F acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     // lane j of scales chunk k: row j's scales 4k .. 4k + 3, as bytes (loaded where used:
     // kept in registers they crowd out the sums)
-    auto scales = [&](int k) { return load256(b + SC_AT + 32 * k); };
-    __m256i isum[mr];
-    for (int i = 0; i < mr; ++i) isum[i] = _mm256_setzero_si256();
-    // two dot product chains per row of x up to 4 rows, one for more (enough chains)
-    constexpr int CH = mr >= 6 ? 1 : 2;
+    auto scales = [&](int k) { return V::load(b + SC_AT + 32 * k, gb); };
+    I isum[mr];
+    for (int i = 0; i < mr; ++i) isum[i] = V::zero();
+    // two dot product chains per row of x up to 4 rows of one group, one for more (enough chains)
+    constexpr int CH = mr >= 6 || !std::is_same_v<V, V8> ? 1 : 2;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int part = s >> 2, t = s & 3;
@@ -1016,24 +1103,23 @@ void tile_x8q6(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y,
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
-        __m256i dot[CH][mr];
+        I dot[CH][mr];
         for (int i = 0; i < mr; ++i)
-          for (int k = 0; k < CH; ++k) dot[k][i] = _mm256_setzero_si256();
+          for (int k = 0; k < CH; ++k) dot[k][i] = V::zero();
 #pragma GCC unroll 4
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
-          const __m256i v = load256(ql + 32 * c);
-          const __m256i hb = _mm256_and_si256(bit_to(load256(qh + 32 * c), 2 * t, 4), _mm256_set1_epi8(0x30));
-          const __m256i w = _mm256_or_si256((t >> 1) ? high4(v) : low4(v), hb);
+          const I v = V::load(ql + 32 * c, gb);
+          const I hb = move_bits(V::load(qh + 32 * c, gb), 2 * t, 4, 2);
+          const I w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
           for (int i = 0; i < mr; ++i) {
             int32_t xv;
             std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
-            dot[c % CH][i] = dot4(dot[c % CH][i], w, _mm256_set1_epi32(xv));
+            dot[c % CH][i] = V::dot4(dot[c % CH][i], w, V::i32(xv));
           }
         }
-        const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(scales(j >> 2), 24 - 8 * byte), 24);
+        const I sc = V::sar32(V::shl32(scales(j >> 2), 24 - 8 * byte), 24);
         for (int i = 0; i < mr; ++i) {
-          const __m256i d = CH == 2 ? _mm256_add_epi32(dot[0][i], dot[CH - 1][i]) : dot[0][i];
-          isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(d, sc));
+          isum[i] = V::add(isum[i], V::mullo(CH == 2 ? V::add(dot[0][i], dot[CH - 1][i]) : dot[0][i], sc));
           keep_in_register(isum[i]);
         }
       }
@@ -1042,29 +1128,25 @@ void tile_x8q6(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y,
     // (bytes 0, 1 or 2, 3 of a scales chunk, moved to the high byte of each i16 and shifted
     // down with their sign) against x's sums of 16; isum -= 32 * bias. (Taken after the
     // sums, so the block's bytes are read in ascending order.)
-    __m256i bias[mr];
-    for (int i = 0; i < mr; ++i) bias[i] = _mm256_setzero_si256();
+    I bias[mr];
+    for (int i = 0; i < mr; ++i) bias[i] = V::zero();
 #pragma GCC unroll 8
     for (int m = 0; m < 8; ++m) {
       const char z = static_cast<char>(0x80), lo = static_cast<char>(2 * (m & 1)), hi = static_cast<char>(lo + 1);
-      const __m256i sp = _mm256_srai_epi16(
-          _mm256_shuffle_epi8(scales(m >> 1), _mm256_setr_epi8(z, lo, z, hi, z, lo + 4, z, hi + 4, z, lo + 8, z, hi + 8, z,
-                                                               lo + 12, z, hi + 12, z, lo, z, hi, z, lo + 4, z, hi + 4, z,
-                                                               lo + 8, z, hi + 8, z, lo + 12, z, hi + 12)),
-          8);
+      const I sp = V::sar16(V::shuffle(scales(m >> 1), _mm_setr_epi8(z, lo, z, hi, z, lo + 4, z, hi + 4, z, lo + 8, z,
+                                                                      hi + 8, z, lo + 12, z, hi + 12)),
+                            8);
       for (int i = 0; i < mr; ++i) {
         int32_t pair;
         std::memcpy(&pair, a.p + (m0 + i) * a.lp + 16 * g + 2 * m, 4);
-        bias[i] = dot2(bias[i], sp, _mm256_set1_epi32(pair));
+        bias[i] = V::dot2(bias[i], sp, V::i32(pair));
       }
     }
-    for (int i = 0; i < mr; ++i) isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(bias[i], 5));
-    const __m256 d = _mm256_cvtph_ps(load128(b + D_AT));
-    for (int i = 0; i < mr; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m0 + i) * a.G + g])),
-                               acc[i]);
+    for (int i = 0; i < mr; ++i) isum[i] = V::sub(isum[i], V::shl32(bias[i], 5));
+    const F d = V::halves(b + D_AT, gb);
+    for (int i = 0; i < mr; ++i) acc[i] = V::fmadd(V::cvt(isum[i]), V::mul(d, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
   }
-  store_rows<mr>(acc, valid, y, ldy);
+  for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
 }
 
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
@@ -1074,7 +1156,8 @@ template <int QT>
 constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : 1; }
 
 // rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K and 6 for
-// Q5_K (one dot product chain per row of x). AVX-512 machine, 5632 x 2048, 512 rows of x, 2
+// Q5_K (one dot product chain per row of x); with VNNI too, V16 tiles of V16_MR take
+// over for more than one row of x. AVX-512 machine, 5632 x 2048, 512 rows of x, 2
 // threads, alternating runs: Q4_K 248-258 GMAC/s with 8 against 232-235 with 4 (242-245 with
 // 6); Q5_K 194-205 with 6 against 173-174 with 4 and 178-182 with 8; Q6_K 200-207 with 8
 // against 179-183 with 4 (the GGML layout's `tile`: 136-143).
@@ -1105,7 +1188,7 @@ inline void transpose8x8(__m256i r[8]) {
   }
 }
 
-// Q6_K rows rows[0..7] (GGML blocks) to tile_x8q6's layout, G super-blocks, at `out`
+// Q6_K rows rows[0..7] (GGML blocks) to tile_xq6's layout, G super-blocks, at `out`
 inline void regroup_q6(const uint8_t* const rows[8], int64_t G, uint8_t* out) {
   for (int64_t g = 0; g < G; ++g) {
     uint8_t* o = out + g * 8 * Layout<Q6_K>::bytes;
@@ -1129,7 +1212,7 @@ inline void regroup_q6(const uint8_t* const rows[8], int64_t G, uint8_t* out) {
 
 // Q6_K, M >= Q6_PANELS_FROM: panels of PANEL weight rows, each regrouped into the work item's buffer (a
 // last group of fewer than 8 rows repeats its last row; those outputs are dropped), then
-// tiles of x8_mr rows of x against its groups
+// tiles of x8_mr rows of x against its groups (with V16, pairs of them)
 void matmul_q6_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<Q6_K>(a.K);
   minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
@@ -1141,13 +1224,24 @@ void matmul_q6_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float
         for (int j = 0; j < 8; ++j) rows[j] = W + std::min(n0 + 8 * grp + j, N - 1) * rb;
         regroup_q6(rows, a.G, panel.data() + grp * 8 * rb);
       }
+#if defined(MINERVA_V16)
+      x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
+        constexpr int r = decltype(tile_rows)::value;
+        int64_t grp = 0;
+        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
+        for (; grp + 2 <= groups; grp += 2)
+          tile_xq6<V16, r>(a, m, panel.data() + grp * 8 * rb, 8 * rb, valid(16), y + m * N + n0 + 8 * grp, N);
+        if (grp < groups) tile_xq6<V8, r>(a, m, panel.data() + grp * 8 * rb, 8 * rb, valid(8), y + m * N + n0 + 8 * grp, N);
+      });
+#else
       x_tiles<x8_mr<Q6_K>>(M, [&](int64_t m, auto tile_rows) {
         for (int64_t grp = 0; grp < groups; ++grp) {
           const int64_t n = n0 + 8 * grp;
-          tile_x8q6<decltype(tile_rows)::value>(a, m, panel.data() + grp * 8 * rb,
+          tile_xq6<V8, decltype(tile_rows)::value>(a, m, panel.data() + grp * 8 * rb, 8 * rb,
                                                 static_cast<int>(std::min<int64_t>(8, N - n)), y + m * N + n, N);
         }
       });
+#endif
     }
   });
 }
@@ -1163,11 +1257,24 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       if (g1 - g0 == 2) return q8_0_rows<2>(a, W + g0 * gb, gb, y + 8 * g0);
     }
   }
+#if defined(MINERVA_V16)
+  if constexpr (QT == Q4_K || QT == Q5_K)
+    if (M > 1) {
+      x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
+        constexpr int r = decltype(rows)::value;
+        int64_t grp = g0;
+        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+        for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * N + 8 * grp, N);
+        if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * N + 8 * grp, N);
+      });
+      return;
+    }
+#endif
   x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
       if constexpr (QT == Q4_K || QT == Q5_K)
-        tile_x8k<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
+        tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * N + 8 * grp, N);
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
     }
   });

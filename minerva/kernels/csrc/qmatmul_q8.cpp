@@ -24,8 +24,9 @@
 // reduced in a fixed order at the end: Q8_0 per block acc = fma(d_w * d_x, dot, acc) (its
 // weights need no decoding, and gathering rows costs more than it saves); per K-quant
 // super-block, for Q2_K/Q4_K/Q5_K acc = fma(mins . x's sums, -dmin * d_x, acc), then an exact
-// i32 sum and acc = fma(sum, d_w * d_x, acc). A row's result therefore never depends on the
-// batch, the tiling or the threads.
+// i32 sum and acc = fma(sum, d_w * d_x, acc); Q3_K and Q6_K add a super-block's lanes up
+// into one exact i32 and take one scalar acc = fma(sum, d_w * d_x, acc). A row's result
+// therefore never depends on the batch, the tiling or the threads.
 // The plain-torch counterpart is minerva/kernels/act_quant.py.
 //
 // Written with AVX2 intrinsics, which both builds' CPUs have, and AVX-512 VNNI's dot products
@@ -339,6 +340,14 @@ inline int32_t sum_lanes(__m256i v) {
   return _mm_cvtsi128_si32(t);
 }
 
+// the sums of the 8 i32 lanes of u and of v, in lanes 0 and 1 (the same exact sums as
+// sum_lanes, in fewer steps than two of it)
+inline __m128i sum_lanes2(__m256i u, __m256i v) {
+  const __m256i t = _mm256_hadd_epi32(u, v);  // each half: u, u, v, v (that half's pairs)
+  const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  return _mm_hadd_epi32(h, h);
+}
+
 template <int B>
 inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s, int32_t* n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -393,13 +402,13 @@ template <class T>
 inline void keep_in_register(T& v) { asm volatile("" : "+v"(v)); }
 
 // The K-quants and Q8_0: mr rows of x (from row m0 of a) against nb weight rows, 8 float
-// lanes per output reduced in a fixed order at the end; y[i * ldy + j]. Q6_K instead sums a
-// super-block's lanes in i32 and takes one scalar FMA per super-block, as `row1` and
-// tile_xq6 do.
+// lanes per output reduced in a fixed order at the end; y[i * ldy + j]. Q3_K and Q6_K instead
+// sum a super-block's lanes in i32 and take one scalar FMA per super-block, as `row1` and
+// tile_panel do.
 template <int QT, int mr, int nb>
 void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int64_t ldy) {
   using B = W8<QT>;
-  constexpr bool ONE_SUM = QT == Q6_K;
+  constexpr bool ONE_SUM = QT == Q3_K || QT == Q6_K;
   __m256 acc[mr][nb];
   float one[mr][nb];  // ONE_SUM
   for (int i = 0; i < mr; ++i)
@@ -489,15 +498,15 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
 // and one tile ahead, against 5.83 with 4 rows a tile and 5.9-6.0 with 4 rows two tiles ahead
 // (the layout before; 6.9 with 8 rows), medians of 30 sweeps in one process, interleaved.
 //
-// Q6_K instead sums a super-block's 8 lanes in i32 (exact) and takes one scalar
-// acc = fma(sum, d * d_x, acc) per super-block: the operations of tile_xq6, which serves
+// Q3_K and Q6_K instead sum a super-block's 8 lanes in i32 (exact) and take one scalar
+// acc = fma(sum, d * d_x, acc) per super-block: the operations of tile_panel, which serves
 // more rows of x.
 constexpr int64_t ROW1_NB = 2;
 
 template <int QT, int nb>
 void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
   using B = W8<QT>;
-  constexpr bool ONE_SUM = QT == Q6_K;
+  constexpr bool ONE_SUM = QT == Q3_K || QT == Q6_K;
   __m256 acc[nb];
   float one[nb];  // ONE_SUM
   for (int j = 0; j < nb; ++j) {
@@ -510,6 +519,8 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
     const int8_t* xg = a.q + 256 * g;
     const float dx = a.d[g];
     const __m256i sums = load256(a.p + 16 * g);  // x's 16 sums of 16 (mins, bias)
+    __m256i isums[nb];  // ONE_SUM
+    float scale[nb];
     for (int j = 0; j < nb; ++j) {
       const B blk(row + j * rb, g);
       if constexpr (B::MINS)
@@ -520,8 +531,21 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
       for (int s = 0; s < 8; ++s)
         isum = dot2(isum, _mm256_maddubs_epi16(blk.w(s), load256(xg + 32 * s)), blk.sc(s));
       if constexpr (B::BIAS > 0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(blk.sc16, sums), B::BIAS));
-      if constexpr (ONE_SUM) one[j] = std::fma(static_cast<float>(sum_lanes(isum)), blk.d() * dx, one[j]);
-      else acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(blk.d() * dx), acc[j]);
+      if constexpr (ONE_SUM) {
+        isums[j] = isum;
+        scale[j] = blk.d() * dx;
+      } else {
+        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(blk.d() * dx), acc[j]);
+      }
+    }
+    if constexpr (ONE_SUM) {
+      if constexpr (nb == 2) {  // the two rows' lanes added up together
+        const __m128i both = sum_lanes2(isums[0], isums[1]);
+        one[0] = std::fma(static_cast<float>(_mm_cvtsi128_si32(both)), scale[0], one[0]);
+        one[1] = std::fma(static_cast<float>(_mm_extract_epi32(both, 1)), scale[1], one[1]);
+      } else {
+        for (int j = 0; j < nb; ++j) one[j] = std::fma(static_cast<float>(sum_lanes(isums[j])), scale[j], one[j]);
+      }
     }
   }
   for (int j = 0; j < nb; ++j) y[j] = ONE_SUM ? one[j] : reduce_add(acc[j]);  // a fixed lane order, as `tile`
@@ -800,18 +824,19 @@ constexpr int K_MR = 4, K_NB = 2;
 // read from L2/L3 once per panel rather than once per weight row.
 constexpr int64_t PANEL = 32;
 
-void matmul_q6_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y);
-// Q6_K takes regrouped panels from this many rows of x, `tile` below it. AVX-512 machine,
+template <int QT>
+void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y);
+// Q3_K and Q6_K take regrouped panels from this many rows of x, `tile` below it. AVX-512 machine, Q6_K,
 // 5632 x 2048, 2 threads, two runs: 2 rows 0.22-0.45 ms with `tile` against 0.39 with panels,
 // 4 rows 0.36 against 0.48, 8 rows 0.73 against 0.67-0.69, 16 rows 1.42 against 1.09-1.43,
 // 32 rows 2.8 against 1.9.
-constexpr int64_t Q6_PANELS_FROM = 8;
+constexpr int64_t PANELS_FROM = 8;
 
 template <int QT>
 void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   const int64_t rb = row_bytes<QT>(a.K);
-  if constexpr (QT == Q6_K)
-    if (M >= Q6_PANELS_FROM) return matmul_q6_panels(a, M, W, N, y);
+  if constexpr (QT == Q3_K || QT == Q6_K)
+    if (M >= PANELS_FROM) return matmul_panels<QT>(a, M, W, N, y);
   if constexpr (!is_k<QT> && QT != Q8_0) {  // 8 weight rows against tiles of 4 rows of x
     const int64_t per = M == 1 ? 8 : PANEL;
     minerva::parallel_for(0, (N + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
@@ -1060,37 +1085,52 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid,
   for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
 }
 
-// Q6_K with Q6_PANELS_FROM or more rows of x: each work item regroups its panel of weight rows (by
-// regroup_q6, into a buffer of its own) so that 8 rows' blocks sit side by side, as Q4_K's
-// are at load, and the kernel below takes one weight row per lane. (The matrix itself stays
-// in the GGML layout: at one row of x, regrouped Q6_K read from memory was 1.3-1.5x slower
-// than `row1` on the GGML layout, AVX-512 machine, 65536 x 2048, 1 and 2 threads.)
-// Per super-block of a group: ql[1024] | qh[512] | scales[128] | d[8] (f16): ql chunk q
-// (bytes 4q .. 4q + 3 of a row's 128) of row j at 32q + 4j, qh chunk q at 1024 + 32q + 4j,
-// scales 4k .. 4k + 3 of row j at 1536 + 32k + 4j. Sub-block s = 4 part + t (as W8<Q6_K>)
-// takes, for its chunk c (elements 4c .. 4c + 3), the nibble t >> 1 of ql chunk
-// 16 part + 8 (t & 1) + c and bits 2t, 2t + 1 of qh chunk 8 part + c; its chunks 0..3 take
-// scale 2s, 4..7 scale 2s + 1.
-//
+// Q3_K and Q6_K with PANELS_FROM or more rows of x: each work item regroups its panel of weight
+// rows (by regroup_panel, into a buffer of its own) so that 8 rows' blocks sit side by side,
+// as Q4_K's are at load, and the kernel below takes one weight row per lane. (The matrix
+// itself stays in the GGML layout: at one row of x, regrouped Q6_K read from memory was
+// 1.3-1.5x slower than `row1` on the GGML layout, AVX-512 machine, 65536 x 2048, 1 and 2
+// threads.) Per super-block of a group, chunk q of a field (its bytes 4q .. 4q + 3) of row j
+// at 32q + 4j:
+// - Q6_K: ql[1024] | qh[512] | scales[128] | d[8] (f16). Sub-block s = 4 part + t (as
+//   W8<Q6_K>) takes, for its chunk c (elements 4c .. 4c + 3), the nibble t >> 1 of ql chunk
+//   16 part + 8 (t & 1) + c and bits 2t, 2t + 1 of qh chunk 8 part + c.
+// - Q3_K: qs[512] | hmask[256] | scales[128] | d[8], its 6-bit scales decoded to int8. Sub-block
+//   s takes bits 2 (s & 3), +1 of qs chunk 8 (s >> 2) + c and bit s of hmask chunk c.
+// Sub-block s's chunks 0..3 take scale 2s, 4..7 scale 2s + 1.
+template <int QT>
+struct Panel;
+template <>
+struct Panel<Q6_K> {
+  static constexpr int64_t HI_AT = 1024, SC_AT = 1536, D_AT = 1664, BYTES = 1680;
+  static constexpr int BIAS = 5;  // the stored values are q + 32
+};
+template <>
+struct Panel<Q3_K> {
+  static constexpr int64_t HI_AT = 512, SC_AT = 768, D_AT = 896, BYTES = 912;
+  static constexpr int BIAS = 2;  // q + 4
+};
+
 // mr rows of x against the 8 rows (V16: and the group gb bytes on). Per super-block and output
 // the exact i32 sum of sc_j * (the stored values' dot product with x over the 16 elements of
-// scale j) minus 32 * sum_j sc_j * (x's sum over them) (the stored values are q + 32), then
-// acc = fma(sum, d * d_x, acc): the operations of `row1` for Q6_K, so a row's result is the
-// same at one row of x and at many. The 4 chunks of a scale add up in i32 (dot4) before one
-// multiply by the scale. No step overflows: a scale's dot product is at most 16 * 63 * 127,
-// times |sc| <= 128, 16 of them: < 2^28.
-template <class V, int mr>
-void tile_xq6(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy) {
+// scale j) minus 2^BIAS * sum_j sc_j * (x's sum over them), then acc = fma(sum, d * d_x, acc):
+// the operations of `row1` and `tile` for these types, so a row's result is the same at one
+// row of x and at many. The 4 chunks of a scale add up in i32 (dot4) before one multiply by
+// the scale. No step overflows: a scale's dot product is at most 16 * 63 * 127, times
+// |sc| <= 128, 16 of them: < 2^28.
+template <class V, int QT, int mr>
+void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy) {
   using I = typename V::I;
   using F = typename V::F;
-  constexpr int64_t BYTES = 8 * Layout<Q6_K>::bytes, QH_AT = 1024, SC_AT = 1536, D_AT = 1664;
+  using P = Panel<QT>;
+  constexpr int64_t BYTES = P::BYTES;
   F acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     // lane j of scales chunk k: row j's scales 4k .. 4k + 3, as bytes (loaded where used:
     // kept in registers they crowd out the sums)
-    auto scales = [&](int k) { return V::load(b + SC_AT + 32 * k, gb); };
+    auto scales = [&](int k) { return V::load(b + P::SC_AT + 32 * k, gb); };
     I isum[mr];
     for (int i = 0; i < mr; ++i) isum[i] = V::zero();
     // two dot product chains per row of x up to 4 rows of one group, one for more (enough chains)
@@ -1098,8 +1138,6 @@ void tile_xq6(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int part = s >> 2, t = s & 3;
-      const uint8_t* ql = b + 32 * (16 * part + 8 * (t & 1));
-      const uint8_t* qh = b + QH_AT + 32 * (8 * part);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
@@ -1108,9 +1146,16 @@ void tile_xq6(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid
           for (int k = 0; k < CH; ++k) dot[k][i] = V::zero();
 #pragma GCC unroll 4
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
-          const I v = V::load(ql + 32 * c, gb);
-          const I hb = move_bits(V::load(qh + 32 * c, gb), 2 * t, 4, 2);
-          const I w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
+          I w;  // the stored values of the 8 (16) rows' chunk c of sub-block s
+          if constexpr (QT == Q6_K) {
+            const I v = V::load(b + 32 * (16 * part + 8 * (t & 1) + c), gb);
+            const I hb = move_bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
+            w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
+          } else {
+            const I v = V::load(b + 32 * (8 * part + c), gb);
+            const I hb = move_bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
+            w = V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
+          }
           for (int i = 0; i < mr; ++i) {
             int32_t xv;
             std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
@@ -1126,7 +1171,7 @@ void tile_xq6(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid
     }
     // the bias: lane j of bias[i] = sum over the 8 pairs m of (sc_2m, sc_2m+1) of row j
     // (bytes 0, 1 or 2, 3 of a scales chunk, moved to the high byte of each i16 and shifted
-    // down with their sign) against x's sums of 16; isum -= 32 * bias. (Taken after the
+    // down with their sign) against x's sums of 16; isum -= 2^BIAS * bias. (Taken after the
     // sums, so the block's bytes are read in ascending order.)
     I bias[mr];
     for (int i = 0; i < mr; ++i) bias[i] = V::zero();
@@ -1142,8 +1187,8 @@ void tile_xq6(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid
         bias[i] = V::dot2(bias[i], sp, V::i32(pair));
       }
     }
-    for (int i = 0; i < mr; ++i) isum[i] = V::sub(isum[i], V::shl32(bias[i], 5));
-    const F d = V::halves(b + D_AT, gb);
+    for (int i = 0; i < mr; ++i) isum[i] = V::sub(isum[i], V::shl32(bias[i], P::BIAS));
+    const F d = V::halves(b + P::D_AT, gb);
     for (int i = 0; i < mr; ++i) acc[i] = V::fmadd(V::cvt(isum[i]), V::mul(d, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
   }
   for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
@@ -1163,7 +1208,7 @@ constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 
 // against 179-183 with 4 (the GGML layout's `tile`: 136-143).
 #if defined(__AVX512F__)
 template <int QT>
-constexpr int x8_mr = QT == Q4_K || QT == Q6_K ? 8 : QT == Q5_K ? 6 : 4;
+constexpr int x8_mr = QT == Q4_K || QT == Q6_K || QT == Q3_K ? 8 : QT == Q5_K ? 6 : 4;
 #else
 template <int QT>
 constexpr int x8_mr = 4;
@@ -1188,41 +1233,62 @@ inline void transpose8x8(__m256i r[8]) {
   }
 }
 
-// Q6_K rows rows[0..7] (GGML blocks) to tile_xq6's layout, G super-blocks, at `out`
-inline void regroup_q6(const uint8_t* const rows[8], int64_t G, uint8_t* out) {
-  for (int64_t g = 0; g < G; ++g) {
-    uint8_t* o = out + g * 8 * Layout<Q6_K>::bytes;
-    auto fields = [&](int at, int dwords, uint8_t* dst) {  // `dwords` dwords from byte `at` of each block
-      for (int q0 = 0; q0 < dwords; q0 += 8) {
-        __m256i r[8];
-        for (int j = 0; j < 8; ++j)
-          r[j] = dwords - q0 >= 8 ? load256(rows[j] + g * Layout<Q6_K>::bytes + at + 4 * q0)
-                                  : _mm256_castsi128_si256(load128(rows[j] + g * Layout<Q6_K>::bytes + at + 4 * q0));
-        transpose8x8(r);
-        for (int q = 0; q < std::min(8, dwords - q0); ++q)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (q0 + q)), r[q]);
-      }
-    };
-    fields(0, 32, o);            // ql
-    fields(128, 16, o + 1024);   // qh
-    fields(192, 4, o + 1536);    // scales
-    for (int j = 0; j < 8; ++j) std::memcpy(o + 1664 + 2 * j, rows[j] + g * Layout<Q6_K>::bytes + 208, 2);  // d
+// `dwords` dwords of 8 rows (from src[j]) side by side, chunk q of row j at dst + 32q + 4j
+inline void interleave_dwords(const uint8_t* const src[8], int dwords, uint8_t* dst) {
+  for (int q0 = 0; q0 < dwords; q0 += 8) {
+    __m256i r[8];
+    for (int j = 0; j < 8; ++j)
+      r[j] = dwords - q0 >= 8 ? load256(src[j] + 4 * q0) : _mm256_castsi128_si256(load128(src[j] + 4 * q0));
+    transpose8x8(r);
+    for (int q = 0; q < std::min(8, dwords - q0); ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32 * (q0 + q)), r[q]);
   }
 }
 
-// Q6_K, M >= Q6_PANELS_FROM: panels of PANEL weight rows, each regrouped into the work item's buffer (a
-// last group of fewer than 8 rows repeats its last row; those outputs are dropped), then
-// tiles of x8_mr rows of x against its groups (with V16, pairs of them)
-void matmul_q6_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
-  const int64_t rb = row_bytes<Q6_K>(a.K);
+// Q3_K or Q6_K rows rows[0..7] (GGML blocks) to tile_panel's layout, G super-blocks, at `out`
+template <int QT>
+inline void regroup_panel(const uint8_t* const rows[8], int64_t G, uint8_t* out) {
+  using P = Panel<QT>;
+  constexpr int64_t bytes = Layout<QT>::bytes;
+  for (int64_t g = 0; g < G; ++g) {
+    uint8_t* o = out + g * P::BYTES;
+    auto fields = [&](int64_t at, int dwords, uint8_t* dst) {  // `dwords` dwords from byte `at` of each block
+      const uint8_t* src[8];
+      for (int j = 0; j < 8; ++j) src[j] = rows[j] + g * bytes + at;
+      interleave_dwords(src, dwords, dst);
+    };
+    if constexpr (QT == Q6_K) {
+      fields(0, 32, o);               // ql
+      fields(128, 16, o + P::HI_AT);  // qh
+      fields(192, 4, o + P::SC_AT);   // scales
+    } else {
+      fields(32, 16, o);             // qs
+      fields(0, 8, o + P::HI_AT);    // hmask
+      alignas(16) uint8_t sc[8][16];  // the scales decoded
+      const uint8_t* src[8];
+      for (int j = 0; j < 8; ++j) {
+        _mm_store_si128(reinterpret_cast<__m128i*>(sc[j]), q3k_scales(rows[j] + g * bytes));
+        src[j] = sc[j];
+      }
+      interleave_dwords(src, 4, o + P::SC_AT);
+    }
+    for (int j = 0; j < 8; ++j) std::memcpy(o + P::D_AT + 2 * j, rows[j] + g * bytes + bytes - 2, 2);  // d
+  }
+}
+
+// Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
+// item's buffer (a last group of fewer than 8 rows repeats its last row; those outputs are
+// dropped), then tiles of x8_mr rows of x against its groups (with V16, pairs of them)
+template <int QT>
+void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
+  const int64_t rb = row_bytes<QT>(a.K), gb = a.G * Panel<QT>::BYTES;  // a group's bytes in the panel
   minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> panel(PANEL * rb);
+    std::vector<uint8_t> panel(PANEL / 8 * gb);
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = PANEL * blk, groups = (std::min(N, n0 + PANEL) - n0 + 7) / 8;
       for (int64_t grp = 0; grp < groups; ++grp) {
         const uint8_t* rows[8];
         for (int j = 0; j < 8; ++j) rows[j] = W + std::min(n0 + 8 * grp + j, N - 1) * rb;
-        regroup_q6(rows, a.G, panel.data() + grp * 8 * rb);
+        regroup_panel<QT>(rows, a.G, panel.data() + grp * gb);
       }
 #if defined(MINERVA_V16)
       x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
@@ -1230,15 +1296,15 @@ void matmul_q6_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float
         int64_t grp = 0;
         auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
         for (; grp + 2 <= groups; grp += 2)
-          tile_xq6<V16, r>(a, m, panel.data() + grp * 8 * rb, 8 * rb, valid(16), y + m * N + n0 + 8 * grp, N);
-        if (grp < groups) tile_xq6<V8, r>(a, m, panel.data() + grp * 8 * rb, 8 * rb, valid(8), y + m * N + n0 + 8 * grp, N);
+          tile_panel<V16, QT, r>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * N + n0 + 8 * grp, N);
+        if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * N + n0 + 8 * grp, N);
       });
 #else
-      x_tiles<x8_mr<Q6_K>>(M, [&](int64_t m, auto tile_rows) {
+      x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
         for (int64_t grp = 0; grp < groups; ++grp) {
           const int64_t n = n0 + 8 * grp;
-          tile_xq6<V8, decltype(tile_rows)::value>(a, m, panel.data() + grp * 8 * rb, 8 * rb,
-                                                static_cast<int>(std::min<int64_t>(8, N - n)), y + m * N + n, N);
+          tile_panel<V8, QT, decltype(tile_rows)::value>(a, m, panel.data() + grp * gb, gb,
+                                                         static_cast<int>(std::min<int64_t>(8, N - n)), y + m * N + n, N);
         }
       });
 #endif

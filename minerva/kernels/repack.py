@@ -11,9 +11,9 @@ block g holds its 8 rows' block g together, in the same bytes as the 8 GGML bloc
     Q4_K:          d[8] | dmin[8] | scales bytes 0-3 [8] | 4-7 [8] | 8-11 [8] | qs[1024]
     Q5_K:          as Q4_K, with qh[256] before qs
 
-(Q6_K stays in the GGML layout: one row of x reads it faster from memory as stored. For 8
-or more rows of x the kernel regroups each panel of 32 rows into a buffer of its own, in a
-layout of the same kind, before the integer dot products: `matmul_q6_panels` in
+(Q3_K and Q6_K stay in the GGML layout: one row of x reads Q6_K faster from memory as
+stored. For 8 or more rows of x the kernel regroups each panel of 32 rows into a buffer of
+its own, in a layout of the same kind, before the integer dot products: `matmul_panels` in
 csrc/qmatmul_q8.cpp.)
 
 qs chunk k (bytes 4k .. 4k + 3 of a row's qs) of row j sits at 32k + 4j, so one 32-byte load

@@ -47,13 +47,19 @@ def main() -> int:
     args = ap.parse_args()
     if args.reps < 1 or args.threads < 1:
         ap.error("--reps and --threads must be at least 1")
+    if not Path(args.model).is_file():
+        ap.error(f"no such file: {args.model}")
     kernels = native.load()
     if kernels is None:
         raise SystemExit("this CPU cannot run the packed kernels (AVX2 or AVX-512 needed)")
     torch.set_num_threads(args.threads)
     kernels.set_num_threads(args.threads)
+    try:
+        tensors = gguf.GGUFReader(args.model).tensors
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"{args.model}: not a GGUF file this script can read ({e})") from None
     mats = []
-    for t in gguf.GGUFReader(args.model).tensors:
+    for t in tensors:
         qtype = Q(t.tensor_type)
         if not t.name.startswith("blk.") or len(t.shape) != 2 or qtype in (Q.F32, Q.F16, Q.BF16):
             continue

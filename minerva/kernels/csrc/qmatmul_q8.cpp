@@ -1200,8 +1200,9 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int val
 template <int QT>
 constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : 1; }
 
-// rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K and 6 for
-// Q5_K (one dot product chain per row of x); with VNNI too, V16 tiles of V16_MR take
+// rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K (and Q3_K,
+// whose panel kernel is Q6_K's; not timed apart) and 6 for Q5_K (one dot product chain per row
+// of x); with VNNI too, V16 tiles of V16_MR take
 // over for more than one row of x. AVX-512 machine, 5632 x 2048, 512 rows of x, 2
 // threads, alternating runs: Q4_K 248-258 GMAC/s with 8 against 232-235 with 4 (242-245 with
 // 6); Q5_K 194-205 with 6 against 173-174 with 4 and 178-182 with 8; Q6_K 200-207 with 8

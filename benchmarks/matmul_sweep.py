@@ -5,7 +5,7 @@ streamed from memory: what per-call costs take from decode's bandwidth.
 
 Each rep times one large regrouped Q4_K matrix (131072 x 2048, 302 MB), then every `blk.*`
 matrix of the file once, in file order, each read from memory (together they are larger
-than the caches). Decode in the engine makes fewer calls than this: it fuses Q/K/V of one
+than the caches), all in 2 MiB pages as the loader keeps them. Decode in the engine makes fewer calls than this: it fuses Q/K/V of one
 type, and gate/up, into one call each. Prints both bandwidths per rep, and per kind of matrix
 its bandwidth and time per call in the median sweep. Needs the int8 kernels.
 """
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minerva.kernels import native, repack  # noqa: E402
+from minerva.kernels import hugepages, native, repack  # noqa: E402
 from synthetic import RandomTensor  # noqa: E402  (this script's folder is on the path)
 
 Q = gguf.GGMLQuantizationType
@@ -71,6 +71,10 @@ def main() -> int:
     big_t = RandomTensor(Q.Q4_K, (131072, 2048), np.random.SeedSequence(0), {})
     raw = np.random.default_rng(0).integers(0, 256, big_t.nbytes, dtype=np.uint8)
     big, big_qt = packed(big_t._shape(raw), Q.Q4_K, 131072, 2048, kernels)
+    # in 2 MiB pages, as the loader keeps them (minerva.kernels.hugepages)
+    pages = hugepages.Pool(hugepages.padded(big) + sum(hugepages.padded(w) for _, w, *_ in mats))
+    big = pages.take(big)
+    mats = [(kind, pages.take(w), *rest) for kind, w, *rest in mats]
     bx = torch.randn(1, 2048)
     nbytes = sum(w.numel() for _, w, *_ in mats)
     big_s, sweep_s, per_call = [], [], []

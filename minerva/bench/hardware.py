@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minerva.errors import MinervaError
-from minerva.kernels import native
+from minerva.kernels import hugepages, native
 from minerva.machine import machine
 
 # -------------------------------------------------------------------- hardware
@@ -133,7 +133,9 @@ def _bandwidth(seconds: float) -> float:
     """Read bandwidth in bytes/s: the better of a full read (sum) and a copy of one half of
     the buffer into the other, counted as read + write."""
     start = time.perf_counter()
-    x = torch.ones(READ_BUFFER_BYTES // 4, dtype=torch.float32)  # filled: every page is touched
+    # in 2 MiB pages where the OS has them, as the loader keeps weights and the KV pool
+    # (minerva.kernels.hugepages): with 4 KiB pages, TLB misses cap the rate below the memory's
+    x = hugepages.pool(READ_BUFFER_BYTES).view(torch.float32).fill_(1.0)  # filled: every page is touched
     half = x.numel() // 2
     read = x.nbytes / _best_seconds(x.sum, start + seconds / 2)
     copy = 2 * half * x.element_size() / _best_seconds(lambda: torch.add(x[:half], 0, out=x[half:]),

@@ -17,9 +17,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minerva.kernels import dispatch
+from minerva.kernels import dispatch, hugepages
 from minerva.kernels.kv_quant import (
     SCALE_DTYPE, dequantize_kv, kv_format, quantize_kv, resolve_format, storage_dtype)
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized pool tensor; on CPU in 2 MiB pages (`minerva.kernels.hugepages`), since
+    attention streams long contexts' keys and values from it as decode streams weights."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return hugepages.pool(n).view(dtype).view(shape)
 
 
 class PagedKVCache:
@@ -36,13 +45,12 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.data: dict[str, list[torch.Tensor]] = {}
         self.scales: dict[str, list[torch.Tensor] | None] = {}
-        # torch.empty: a slot is always written before it is read, and untouched pages of a
+        # Uninitialized: a slot is always written before it is read, and untouched pages of a
         # large CPU pool cost no resident memory until blocks are first used.
         for kind, fmt in self._formats.items():
-            self.data[kind] = [torch.empty(shape, dtype=storage_dtype(fmt, dtype), device=device)
-                               for _ in range(num_layers)]
-            self.scales[kind] = ([torch.empty(shape[:3], dtype=SCALE_DTYPE, device=device)
-                                  for _ in range(num_layers)] if kv_format(fmt).scaled else None)
+            self.data[kind] = [_empty(shape, storage_dtype(fmt, dtype), device) for _ in range(num_layers)]
+            self.scales[kind] = ([_empty(shape[:3], SCALE_DTYPE, device) for _ in range(num_layers)]
+                                 if kv_format(fmt).scaled else None)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from minerva.formats.quant import dequantize
-from minerva.kernels import act_quant, dispatch, repack
+from minerva.kernels import act_quant, dispatch, hugepages, repack
 
 FLOAT_QTYPES = {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: gguf.GGMLQuantizationType.F16,
                 torch.bfloat16: gguf.GGMLQuantizationType.BF16}
@@ -202,3 +202,17 @@ def fuse(weights: list[Weight]) -> Weight | None:
             fused.int8 = first.int8
             return fused
     return None
+
+
+def into_hugepages(weights) -> None:
+    """Move the bytes of every packed weight a CPU kernel streams into one pool of 2 MiB
+    pages (`minerva.kernels.hugepages`: fewer TLB misses, so decode reads them faster). Each
+    original is released as soon as its copy is made, while the rest wait. Call it once the
+    weights are final (fused, regrouped), before anything else holds their bytes."""
+    ws = list({id(w): w for w in weights if isinstance(w, PackedWeight) and w.kernel is not None
+               and w.packed.device.type == "cpu"}.values())
+    if not ws:
+        return
+    dst = hugepages.Pool(sum(hugepages.padded(w.packed) for w in ws))
+    for w in ws:
+        w.packed = dst.take(w.packed)

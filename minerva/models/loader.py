@@ -21,7 +21,7 @@ from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels import act_quant
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
-from minerva.kernels.weights import PackedWeight, Weight, float_weight
+from minerva.kernels.weights import PackedWeight, Weight, float_weight, into_hugepages
 from minerva.models.architectures import (
     GGUF_GLOBAL, HF_GLOBAL, HF_MODEL_TYPES, NORMS, Architecture, canonical, check_shape, find_architecture,
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
@@ -342,6 +342,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         for m in model.modules():
             if isinstance(m, Linear) and isinstance(m.weight, PackedWeight):
                 m.weight.use_int8_activations(regroup=m.weight is not embedding)
+    into_hugepages(m.weight for m in model.modules() if isinstance(m, Linear))
     for layer in model.layers:
         layer.make_fused()
     freeze(model)

@@ -502,6 +502,12 @@ void tile(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, float* y, int
 // acc = fma(sum, d * d_x, acc) per super-block: the operations of tile_panel, which serves
 // more rows of x.
 constexpr int64_t ROW1_NB = 2;
+// A tile further ahead than this is prefetched to L2, not L1: with long rows (Mistral-7B's
+// down projection, 14336 columns: 23 KB a tile of Q6_K) the prefetched tile and x's 14 KB
+// overflow the 32 KB L1. 4096 x 14336 Q6_K from memory, 12 copies in turn, 2 threads,
+// alternating runs: 28.2-30.6 GB/s against 19.9-24.4 with every prefetch to L1; 2048 x 5632
+// (9 KB a tile, to L1 as before) the same; to L2 there as well, 2048-column rows ran slower.
+constexpr int64_t ROW1_L1_AHEAD = 12288;
 
 template <int QT, int nb>
 void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
@@ -515,7 +521,11 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
   }
   const int64_t ahead = nb * rb, step = (nb * rb + a.G - 1) / a.G;
   for (int64_t g = 0; g < a.G; ++g) {
-    for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
+    if (ahead > ROW1_L1_AHEAD)
+      for (int64_t o = g * step; o < (g + 1) * step; o += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + ahead + o), _MM_HINT_T1);
+    else
+      for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch(row + ahead + o);
     const int8_t* xg = a.q + 256 * g;
     const float dx = a.d[g];
     const __m256i sums = load256(a.p + 16 * g);  // x's 16 sums of 16 (mins, bias)

@@ -15,6 +15,8 @@ bytes, the same results.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import sys
 
@@ -65,6 +67,32 @@ class Pool:
         if self.used + padded(t) > self.memory.numel():
             raise ValueError(f"the pool has {self.memory.numel() - self.used} bytes left, {n} asked")
         dst = self.memory[self.used:self.used + n].view(t.dtype).view(t.shape)
+        # Touched first by zero_, then copied: copying straight into untouched pages ran at
+        # 1.4 GB/s here, zero_ then copy_ at 3-10 GB/s (4 GB in 1-256 MB pieces, 2 threads)
+        dst.zero_()
         dst.copy_(t)
         self.used += padded(t)
         return dst
+
+
+TRIM_EVERY = 256 << 20  # bytes moved into a pool between calls of give_back_freed
+
+
+def _libc_trim():
+    """glibc's malloc_trim, or None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def give_back_freed(trim=_libc_trim()) -> None:
+    """Return memory freed inside malloc's heap to the OS. Once a large block has been freed,
+    glibc serves later large blocks from its heap instead of mapping each one, and memory
+    freed there stays resident: without this, the weights' originals freed while they move
+    into a pool stayed in the resident set (GPT-OSS-20B-shaped file: peak RSS 19.0 GB against
+    11.9 before the pool)."""
+    if trim is not None:
+        trim(0)

@@ -214,5 +214,11 @@ def into_hugepages(weights) -> None:
     if not ws:
         return
     dst = hugepages.Pool(sum(hugepages.padded(w.packed) for w in ws))
+    moved = 0
     for w in ws:
+        moved += hugepages.padded(w.packed)
         w.packed = dst.take(w.packed)
+        if moved >= hugepages.TRIM_EVERY:  # the originals' memory back to the OS as it goes
+            hugepages.give_back_freed()
+            moved = 0
+    hugepages.give_back_freed()

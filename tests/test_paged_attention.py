@@ -226,7 +226,19 @@ def test_bfloat16_compute_with_auto_pool(impl):
 @pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16"])
 def test_batch_invariance(fmt, window, impl):
     """A request's output is bitwise the same alone and inside batches of other lengths."""
-    batch = Batch(MIXED_BATCH, 16, fmt, fmt)
+    check_batch_invariance(Batch(MIXED_BATCH, 16, fmt, fmt), window, impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_batch_invariance_bfloat16_compute(window, impl):
+    """bf16 q against a bf16 pool (the C++ kernel's bf16 dot products): bitwise the same too."""
+    batch = Batch(MIXED_BATCH, 16, "auto", "auto", dtype=torch.bfloat16)
+    batch.q = batch.q.bfloat16()
+    check_batch_invariance(batch, window, impl)
+
+
+def check_batch_invariance(batch, window, impl):
     full = batch.paged(window, impl=impl)
     for b in range(len(MIXED_BATCH)):
         s, e = batch.query_start_loc[b], batch.query_start_loc[b + 1]

@@ -82,10 +82,16 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
                  std::vector<const VT*>& vrows, std::vector<float>& vscale, float* ml) {
   const int64_t S = hi - lo, S16 = (S + 15) / 16 * 16;
   scores.assign(G * S16, -INFINITY);
-  qf.resize(G * D);
-  for (int64_t g = 0; g < G; ++g)  // q pre-scaled: scores = (scale q) . k
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_storeu_ps(qf.data() + g * D + d, _mm512_mul_ps(load16(q + g * D + d, 1.0f), _mm512_set1_ps(scale)));
+  // bfloat16 q and K: scores = scale (q . k) by vdpbf16ps, 32 products an instruction with no
+  // widening of K; otherwise q is widened and pre-scaled once, scores = (scale q) . k
+  constexpr bool kBf16 = std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16>;
+  const bool dot_bf16 = kBf16 && D % 32 == 0;
+  if (!dot_bf16) {
+    qf.resize(G * D);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(qf.data() + g * D + d, _mm512_mul_ps(load16(q + g * D + d, 1.0f), _mm512_set1_ps(scale)));
+  }
   token_rows<KT>(K, table, lo, S, block_size, hk, D, krows, kscale);
   token_rows<VT>(V, table, lo, S, block_size, hk, D, vrows, vscale);
   // scores, 16 keys at a time (a short last block repeats its last key; those lanes are dropped).
@@ -111,12 +117,24 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc[16];
       for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 qv = _mm512_loadu_ps(qf.data() + g * D + d);
+      if constexpr (kBf16) {
+        if (dot_bf16) {
+          for (int64_t d = 0; d < D; d += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * D + d);
 #pragma GCC unroll 16
-        for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(kp[j] + d, ks[j]), acc[j]);
+            for (int j = 0; j < 16; ++j)
+              acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_loadu_si512(kp[j] + d));
+          }
+        }
       }
-      __m512 sums = hsum16(acc);
+      if (!dot_bf16) {
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(qf.data() + g * D + d);
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(kp[j] + d, ks[j]), acc[j]);
+        }
+      }
+      __m512 sums = dot_bf16 ? _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(scale)) : hsum16(acc);
       __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
       _mm512_mask_storeu_ps(scores.data() + g * S16 + j0, valid, sums);
     }
@@ -146,18 +164,23 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
       inv_sum[g] = 1.0f / (_mm512_reduce_add_ps(sum) + (sink ? std::exp(sink[g] - mval) : 0.0f));
     }
   }
-  // out = (sum_j p_j v_j) / sum, one 16-wide slice of D and up to 4 heads at a time
+  // out = (sum_j p_j v_j) / sum, one 16-wide slice of D and up to 8 heads at a time (a
+  // widened V slice serves 8 FMAs)
   for (int64_t d = 0; d < D; d += 16) {
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      __m512 acc[4];
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      __m512 acc[8];
       const float* p = scores.data() + g0 * S16;
-      switch (std::min<int64_t>(4, G - g0)) {
+      switch (std::min<int64_t>(8, G - g0)) {
         case 1: weighted_sum<1, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
         case 2: weighted_sum<2, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
         case 3: weighted_sum<3, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        default: weighted_sum<4, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        case 4: weighted_sum<4, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        case 5: weighted_sum<5, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        case 6: weighted_sum<6, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        case 7: weighted_sum<7, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
+        default: weighted_sum<8, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
       }
-      for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 4); ++g)
+      for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 8); ++g)
         store16(out + g * D + d, _mm512_mul_ps(acc[g - g0], _mm512_set1_ps(inv_sum[g])));
     }
   }

@@ -719,7 +719,9 @@ struct X8 {
 // Q8_0 (its own float rounding, not the GGML layout's: a block's exact i32 dot product per
 // row in one lane, then one FMA, where the GGML layout keeps 8 partial lanes per output):
 // per chunk |w| against x's 4 bytes given w's signs, each chunk's pairs (up to 2 * 128 * 127)
-// widened to i32 on their own.
+// widened to i32 on their own; with VNNI (no i16 pair sums to saturate) w + 128 as the unsigned
+// operand against x, and 128 sum(x) subtracted: the same exact sum in fewer steps (x enters as
+// an embedded broadcast, where |w| against x given w's signs needs x in a register).
 template <int QT, int mr>
 void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
   using X = X8<QT>;
@@ -733,15 +735,24 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
       __m256i dot[2][mr];  // the even and the odd chunks: two dependency chains per row
       for (int i = 0; i < mr; ++i) dot[0][i] = dot[1][i] = _mm256_setzero_si256();
       for (int k = 0; k < 8; ++k) {
-        const __m256i w = load256(b + X::QS_AT + 32 * k), wa = _mm256_abs_epi8(w);
-        for (int i = 0; i < mr; ++i) {
-          int32_t x4;
-          std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
-          dot[k & 1][i] = dot4(dot[k & 1][i], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+        const __m256i w = load256(b + X::QS_AT + 32 * k);
+        if constexpr (VNNI) {  // w + 128 unsigned against x, 128 sum(x) taken off below
+          const __m256i wu = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+          for (int i = 0; i < mr; ++i) dot[k & 1][i] = dot4x(dot[k & 1][i], wu, a.q + (m0 + i) * a.K + 32 * g + 4 * k);
+        } else {
+          const __m256i wa = _mm256_abs_epi8(w);
+          for (int i = 0; i < mr; ++i) {
+            int32_t x4;
+            std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
+            dot[k & 1][i] = dot4(dot[k & 1][i], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+          }
         }
       }
-      for (int i = 0; i < mr; ++i)
-        acc[i] = block_step<X>(a, m0 + i, g, _mm256_add_epi32(dot[0][i], dot[1][i]), dw, _mm256_setzero_ps(), acc[i]);
+      for (int i = 0; i < mr; ++i) {
+        __m256i dot_i = _mm256_add_epi32(dot[0][i], dot[1][i]);
+        if constexpr (VNNI) dot_i = _mm256_sub_epi32(dot_i, _mm256_set1_epi32(a.n[(m0 + i) * a.G + g] << 7));
+        acc[i] = block_step<X>(a, m0 + i, g, dot_i, dw, _mm256_setzero_ps(), acc[i]);
+      }
       continue;
     }
     __m256 m = _mm256_setzero_ps();
@@ -812,11 +823,16 @@ void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
       const __m256i xb = _mm256_set1_epi32(x4);
       for (int n = 0; n < NG; ++n) {
         const __m256i w = load256(b[n] + X::QS_AT + 32 * k);
-        dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+        if constexpr (VNNI)  // as tile_x8
+          dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), xb);
+        else
+          dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
       }
     }
+    const __m256i bias = _mm256_set1_epi32(VNNI ? a.n[g] << 7 : 0);
     for (int n = 0; n < NG; ++n)
-      acc[n] = block_step<X>(a, 0, g, _mm256_add_epi32(dot[n][0], dot[n][1]), X::scales(b[n]), _mm256_setzero_ps(), acc[n]);
+      acc[n] = block_step<X>(a, 0, g, _mm256_sub_epi32(_mm256_add_epi32(dot[n][0], dot[n][1]), bias), X::scales(b[n]),
+                             _mm256_setzero_ps(), acc[n]);
   }
   for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
 }

@@ -190,7 +190,8 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
 // taken after the rounding, so the weights still add up to one), two keys' V rows interleaved
 // dim by dim (unpacklo/hi_epi16, which leave the dims in an order the store undoes), and one
 // instruction per 16 dims of two keys. A 512-token prefill of the 1.1B shape (32 heads, 4 KV
-// heads, D 64), AVX-512 machine, 2 threads: 8.3 ms a layer with the float path's weighted sum.
+// heads, D 64), AVX-512 machine, 2 threads: 5.8 ms a layer, against 8.3 with bf16 dot products
+// and lane sums for the scores and the float path's weighted sum, and 11.0 with the float path.
 inline __m512 dot_bf16(__m512 acc, __m512i k, const at::BFloat16* pair) {  // acc + k . (pair in every lane)
   asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*reinterpret_cast<const int32_t*>(pair)));
   return acc;

@@ -132,13 +132,15 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(kernels, qtype):
 
 
 @needs_kernels
-def test_bfloat16_activations_are_widened(kernels):
+@pytest.mark.parametrize("m, n", [(3, 16), (37, 20)])  # 37 x 20: bf16 outputs past a multiple of 8
+def test_bfloat16_activations_are_widened(kernels, m, n):
+    """bf16 x is quantized as its exact float32 widening, and the result rounded as Tensor.to."""
     rng = np.random.default_rng(2)
-    raw = torch.from_numpy(realistic_blocks(QT.Q4_K, 16, 256, rng))
-    x = sample_x(3, 256).bfloat16()
-    y = kernels.qmatmul_q8(x, raw, int(QT.Q4_K), 16, 256)
+    raw = torch.from_numpy(realistic_blocks(QT.Q4_K, n, 256, rng))
+    x = sample_x(m, 256).bfloat16()
+    y = kernels.qmatmul_q8(x, raw, int(QT.Q4_K), n, 256)
     assert y.dtype == torch.bfloat16
-    assert torch.equal(y, kernels.qmatmul_q8(x.float(), raw, int(QT.Q4_K), 16, 256).bfloat16())
+    assert torch.equal(y, kernels.qmatmul_q8(x.float(), raw, int(QT.Q4_K), n, 256).bfloat16())
 
 
 @needs_kernels

@@ -363,13 +363,19 @@ inline __m128i sum_lanes2(__m256i u, __m256i v) {
   return _mm_hadd_epi32(h, h);
 }
 
-template <int B>
-inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s, int32_t* n) {
+// 8 values of x as float32 (bf16 widened exactly)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(reinterpret_cast<const uint8_t*>(p))), 16));
+}
+
+template <int B, typename XT>
+inline void quantize_row(const XT* x, int64_t K, int8_t* q, int16_t* sums, float* d, float* s, int32_t* n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < K / B; ++g) {
-    const float* xg = x + B * g;
+    const XT* xg = x + B * g;
     __m256 m = _mm256_setzero_ps();
-    for (int i = 0; i < B / 8; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + 8 * i)));
+    for (int i = 0; i < B / 8; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, load8(xg + 8 * i)));
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
@@ -380,7 +386,7 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, int16_t* sums, fl
     for (int c = 0; c < B / 32; ++c) {
       __m256i i[4];
       for (int k = 0; k < 4; ++k) {
-        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + 32 * c + 8 * k), id),
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(load8(xg + 32 * c + 8 * k), id),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         i[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
       }
@@ -1396,37 +1402,79 @@ void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   });
 }
 
-torch::Tensor widened(const torch::Tensor& x, int64_t cols) {
+// 8 floats rounded to bf16 (to nearest even; NaN to c10's quiet NaN where done by hand)
+inline __m128i bf16x8(__m256 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return (__m128i)_mm256_cvtneps_pbh(v);
+#else
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+#endif
+}
+
+// x as the kernels take it: [M, cols], float32 or bfloat16, contiguous
+torch::Tensor checked(const torch::Tensor& x, int64_t cols) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [M, ", cols, "]");
   TORCH_CHECK(x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(cols % 32 == 0, "row length ", cols, " is not a multiple of 32");
-  return x.dtype() == torch::kBFloat16 ? x.to(torch::kFloat32).contiguous() : x.contiguous();
+  return x.contiguous();
 }
 
-// x [M, K] float32 quantized row by row in blocks of `block` (32 or 256): values, for 256 the
-// i16 sums of 16 (Q8::p), scales, scale * sum, sum
+// y [M, N] float32 as x's dtype: bf16 rounded (to nearest even, as Tensor.to) on the kernels'
+// threads (the engine runs torch's own ops on one thread, where this conversion took 1.7% of a
+// 512-token prefill of the 1.1B Q4_K_M shape)
+torch::Tensor as_dtype_of(const torch::Tensor& y, const torch::Tensor& x) {
+  if (x.dtype() != torch::kBFloat16) return y;
+  auto out = torch::empty(y.sizes(), torch::dtype(torch::kBFloat16));
+  const float* src = y.data_ptr<float>();
+  at::BFloat16* dst = out.data_ptr<at::BFloat16>();
+  const int64_t n = y.numel();
+  minerva::parallel_for(0, (n + 4095) / 4096, 16, [&](int64_t c0, int64_t c1) {
+    for (int64_t i = c0 * 4096, end = std::min(n, c1 * 4096); i < end;) {
+      if (i + 8 <= end) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
+        i += 8;
+      } else {
+        dst[i] = static_cast<at::BFloat16>(src[i]);
+        ++i;
+      }
+    }
+  });
+  return out;
+}
+
+// x [M, K] (float32 or bfloat16) quantized row by row in blocks of `block` (32 or 256): values,
+// for 256 the i16 sums of 16 (Q8::p), scales, scale * sum, sum
 struct Quantized {
   torch::Tensor q, p, d, s, n;
   int64_t block;
-  Quantized(const torch::Tensor& x32, int64_t block) : block(block) {
+  Quantized(const torch::Tensor& x, int64_t block) : block(block) {
     TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
-    const int64_t M = x32.size(0), K = x32.size(1), G = K / block, lp = block == 32 ? 0 : K / 16;
+    TORCH_CHECK(x.is_contiguous() && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
+                "x must be contiguous float32 or bfloat16");
+    const int64_t M = x.size(0), K = x.size(1), G = K / block, lp = block == 32 ? 0 : K / 16;
     TORCH_CHECK(K % block == 0, "row length ", K, " is not a multiple of ", block);
     q = torch::empty({M, K}, torch::dtype(torch::kInt8));
     p = torch::empty({M, lp}, torch::dtype(torch::kInt16));
     d = torch::empty({M, G}, torch::dtype(torch::kFloat32));
     s = torch::empty({M, G}, torch::dtype(torch::kFloat32));
     n = torch::empty({M, G}, torch::dtype(torch::kInt32));
-    const float* x = x32.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     int16_t* pp = p.data_ptr<int16_t>();
     float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
     int32_t* np = n.data_ptr<int32_t>();
-    minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        if (block == 32) quantize_row<32>(x + r * K, K, qp + r * K, pp, dp + r * G, sp + r * G, np + r * G);
-        else quantize_row<256>(x + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G, np + r * G);
-    });
+    auto rows = [&](const auto* xp) {
+      minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          if (block == 32) quantize_row<32>(xp + r * K, K, qp + r * K, pp, dp + r * G, sp + r * G, np + r * G);
+          else quantize_row<256>(xp + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G, np + r * G);
+      });
+    };
+    if (x.dtype() == torch::kBFloat16) rows(x.data_ptr<at::BFloat16>());
+    else rows(x.data_ptr<float>());
   }
   Q8 view() const {
     const int64_t K = q.size(1);
@@ -1438,7 +1486,7 @@ struct Quantized {
 }  // namespace
 
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) {
-  const Quantized a(widened(x, x.dim() == 2 ? x.size(1) : -1), block);
+  const Quantized a(checked(x, x.dim() == 2 ? x.size(1) : -1), block);
   return {a.q, a.d, a.s};
 }
 
@@ -1584,10 +1632,10 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
       if constexpr (has_x8<QT>) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
-        const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
+        const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
         auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
         matmul_x8<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
-        return x.dtype() == torch::kBFloat16 ? y.to(torch::kBFloat16) : y;
+        return as_dtype_of(y, x);
       } else {
         TORCH_CHECK(false, "no regrouped layout for GGML type ", qtype & ~REGROUPED);
         return x;
@@ -1599,10 +1647,10 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
       return qmatmul(x, packed, qtype, rows, cols);  // float matrices keep float activations
     } else {
       check_args<QT>(packed, rows, cols);
-      const Quantized a(widened(x, cols), is_k<QT> ? 256 : 32);
+      const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
       auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
       matmul<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
-      return x.dtype() == torch::kBFloat16 ? y.to(torch::kBFloat16) : y;
+      return as_dtype_of(y, x);
     }
   });
 }

@@ -185,23 +185,29 @@ def float_weight(t: torch.Tensor, dtype: torch.dtype) -> Weight:
     return PackedWeight(data.view(torch.uint8), FLOAT_QTYPES[store], tuple(t.shape), dtype)
 
 
+def stackable(weights: list[Weight]) -> bool:
+    """Whether `fuse` can stack these weights: all dense alike, or all packed alike."""
+    if all(isinstance(w, DenseWeight) for w in weights):
+        return len({(w.tensor.shape[1], w.tensor.dtype, w.tensor.device) for w in weights}) == 1
+    if all(isinstance(w, PackedWeight) for w in weights):
+        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device, w.int8) for w in weights}
+        return len(same) == 1 and all(w.kernel is not None for w in weights)
+    return False
+
+
 def fuse(weights: list[Weight]) -> Weight | None:
     """One weight whose output rows are those of `weights` in order (QKV, gate/up), so one
     matmul replaces several; None when their formats differ. Stacking rows is exact:
     every output row is still computed from its own weight row alone."""
+    if not stackable(weights):
+        return None
     first = weights[0]
-    if all(isinstance(w, DenseWeight) for w in weights):
-        if len({(w.tensor.shape[1], w.tensor.dtype, w.tensor.device) for w in weights}) == 1:
-            return DenseWeight(torch.cat([w.tensor for w in weights]))
-    elif all(isinstance(w, PackedWeight) for w in weights):
-        same = {(w.qtype, w.shape[1], w.dtype, w.packed.device, w.int8) for w in weights}
-        if len(same) == 1 and all(w.kernel is not None for w in weights):
-            packed = torch.cat([w.packed.reshape(w.shape[0], -1) for w in weights])
-            fused = PackedWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]),
-                                 first.dtype)
-            fused.int8 = first.int8
-            return fused
-    return None
+    if isinstance(first, DenseWeight):
+        return DenseWeight(torch.cat([w.tensor for w in weights]))
+    packed = torch.cat([w.packed.reshape(w.shape[0], -1) for w in weights])
+    fused = PackedWeight(packed, first.qtype, (sum(w.shape[0] for w in weights), first.shape[1]), first.dtype)
+    fused.int8 = first.int8
+    return fused
 
 
 def into_hugepages(weights) -> None:

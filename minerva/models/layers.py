@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from minerva.kernels import dispatch, ops
-from minerva.kernels.weights import PackedWeight, Weight, fuse
+from minerva.kernels.weights import PackedWeight, Weight, fuse, stackable
 from minerva.models.config import SLIDING, TOPK_SOFTMAX, ModelConfig, RopeScaling
 
 
@@ -71,27 +71,40 @@ class Linear(Layer):
 
 
 class Projections(Layer):
-    """Several linears on the same input (Q/K/V, gate/up): one fused matmul when the
-    weights' formats allow stacking them, else one matmul each."""
+    """Several linears on the same input (Q/K/V, gate/up): each run of consecutive ones whose
+    weights' formats allow stacking them is one fused matmul (a Q4_K_M layer's Q4_K Q and K
+    together, its Q6_K V alone), so usually all of them are one."""
 
     def __init__(self, *linears: Linear):
         super().__init__()
         self.sizes = [lin.weight.shape[0] for lin in linears]
-        fused = fuse([lin.weight for lin in linears])
-        some = next((lin.bias for lin in linears if lin.bias is not None), None)
-        bias = None if some is None else torch.cat([lin.bias if lin.bias is not None else some.new_zeros(n)
-                                                    for lin, n in zip(linears, self.sizes)])
-        self.fused = Linear(fused, bias) if fused is not None else None
-        self.parts = nn.ModuleList(linears) if fused is None else None
+        runs = [[linears[0]]]
+        for lin in linears[1:]:
+            if stackable([runs[-1][-1].weight, lin.weight]):
+                runs[-1].append(lin)
+            else:
+                runs.append([lin])
+        self.run_sizes = [[lin.weight.shape[0] for lin in run] for run in runs]
+        self.groups = nn.ModuleList(run[0] if len(run) == 1 else self._fused(run) for run in runs)
+
+    @staticmethod
+    def _fused(run: list[Linear]) -> Linear:
+        some = next((lin.bias for lin in run if lin.bias is not None), None)
+        bias = None if some is None else torch.cat([lin.bias if lin.bias is not None else some.new_zeros(
+            lin.weight.shape[0]) for lin in run])
+        return Linear(fuse([lin.weight for lin in run]), bias)
+
+    @property
+    def fused(self) -> Linear | None:
+        """The one matmul that computes every output, when the formats allowed it."""
+        return self.groups[0] if len(self.groups) == 1 else None
 
     def linears(self) -> list[Linear]:
-        """The matmuls this runs: the fused one, or each part."""
-        return [self.fused] if self.fused is not None else list(self.parts)
+        """The matmuls this runs, in order; their outputs side by side are the parts'."""
+        return list(self.groups)
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.fused is not None:
-            return list(self.fused(x).split(self.sizes, dim=-1))
-        return [lin(x) for lin in self.parts]
+        return [y for lin, sizes in zip(self.groups, self.run_sizes) for y in lin(x).split(sizes, dim=-1)]
 
 
 class RMSNorm(Layer):

@@ -249,3 +249,23 @@ def test_grouped_matmul_is_each_matrix_alone(kernels, qtype):
         kernels.grouped_qmatmul_q8(x, mats, starts, bias, qt, rows + 8, cols)
     with pytest.raises(RuntimeError, match="a bias must be"):
         kernels.grouped_qmatmul_q8(x, mats, starts, [torch.randn(3)] * 4, qt, rows, cols)
+
+
+@needs_kernels
+def test_projections_fuse_runs_of_one_format(kernels):
+    """Q4_K Q and K with a Q6_K V (a Q4_K_M layer): Q and K stacked into one matmul, V alone,
+    and every output bitwise what its own weight gives."""
+    from minerva.kernels.weights import PackedWeight
+    from minerva.models.layers import Linear, Projections
+    rng = np.random.default_rng(8)
+    shapes = [(QT.Q4_K, 24), (QT.Q4_K, 8), (QT.Q6_K, 8)]
+    weights = [PackedWeight(torch.from_numpy(realistic_blocks(t, n, 512, rng)), t, (n, 512), torch.float32)
+               for t, n in shapes]
+    proj = Projections(*(Linear(w) for w in weights))
+    assert [lin.weight.shape[0] for lin in proj.linears()] == [32, 8] and proj.fused is None
+    assert proj.linears()[1].weight is weights[2]
+    for w in [*weights, proj.linears()[0].weight]:
+        w.use_int8_activations()
+    x = sample_x(6, 512)
+    for got, w in zip(proj(x), weights, strict=True):
+        assert torch.equal(got, w.matmul(x))

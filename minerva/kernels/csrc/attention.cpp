@@ -71,6 +71,22 @@ inline void weighted_sum(const float* p, int64_t stride, const VT* const* vrows,
   for (int g = 0; g < NG; ++g) acc[g] = _mm512_add_ps(a0[g], a1[g]);
 }
 
+// f.template operator()<NG>() with NG = min(n, 8): a group of up to 8 heads, their count a
+// compile-time constant so that their accumulators stay in registers
+template <typename F>
+inline void up_to_8_heads(int64_t n, const F& f) {
+  switch (std::min<int64_t>(8, n)) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
+  }
+}
+
 // The softmax numerators of G rows of scores (S16 apart; padding lanes hold -inf) in place,
 // and each row's 1 / sum in inv_sum (ml non-null: a part of a longer row, whose max and sum go
 // to ml [2G] and inv_sum is 1). A whole row with a sink: the sink's logit joins the max and
@@ -164,16 +180,7 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
     for (int64_t g0 = 0; g0 < G; g0 += 8) {
       __m512 acc[8];
       const float* p = scores.data() + g0 * S16;
-      switch (std::min<int64_t>(8, G - g0)) {
-        case 1: weighted_sum<1, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        case 2: weighted_sum<2, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        case 3: weighted_sum<3, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        case 4: weighted_sum<4, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        case 5: weighted_sum<5, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        case 6: weighted_sum<6, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        case 7: weighted_sum<7, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-        default: weighted_sum<8, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); break;
-      }
+      up_to_8_heads(G - g0, [&]<int NG>() { weighted_sum<NG, VT>(p, S16, vrows.data(), vscale.data(), S, d, acc); });
       for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 8); ++g)
         store16(out + g * D + d, _mm512_mul_ps(acc[g - g0], _mm512_set1_ps(inv_sum[g])));
     }
@@ -283,16 +290,7 @@ void attend_item_bf16(const at::BFloat16* q, OT* out, const Pool& K, const Pool&
     for (int64_t g0 = 0; g0 < G; g0 += 8) {
       const BF* qg = q + g0 * D;
       float* o = scores.data() + g0 * S16 + j0;
-      switch (std::min<int64_t>(8, G - g0)) {
-        case 1: scores_bf16<1>(qg, D, kt, scale, o, S16, valid); break;
-        case 2: scores_bf16<2>(qg, D, kt, scale, o, S16, valid); break;
-        case 3: scores_bf16<3>(qg, D, kt, scale, o, S16, valid); break;
-        case 4: scores_bf16<4>(qg, D, kt, scale, o, S16, valid); break;
-        case 5: scores_bf16<5>(qg, D, kt, scale, o, S16, valid); break;
-        case 6: scores_bf16<6>(qg, D, kt, scale, o, S16, valid); break;
-        case 7: scores_bf16<7>(qg, D, kt, scale, o, S16, valid); break;
-        default: scores_bf16<8>(qg, D, kt, scale, o, S16, valid); break;
-      }
+      up_to_8_heads(G - g0, [&]<int NG>() { scores_bf16<NG>(qg, D, kt, scale, o, S16, valid); });
     }
   }
   float inv_sum[64];
@@ -303,16 +301,7 @@ void attend_item_bf16(const at::BFloat16* q, OT* out, const Pool& K, const Pool&
     for (int64_t g0 = 0; g0 < G; g0 += 8) {
       __m512 l[8], h[8];
       const BF* p = pb.data() + g0 * S16;
-      switch (std::min<int64_t>(8, G - g0)) {
-        case 1: weighted_sum_bf16<1>(p, S16, vrows.data(), S, d, l, h); break;
-        case 2: weighted_sum_bf16<2>(p, S16, vrows.data(), S, d, l, h); break;
-        case 3: weighted_sum_bf16<3>(p, S16, vrows.data(), S, d, l, h); break;
-        case 4: weighted_sum_bf16<4>(p, S16, vrows.data(), S, d, l, h); break;
-        case 5: weighted_sum_bf16<5>(p, S16, vrows.data(), S, d, l, h); break;
-        case 6: weighted_sum_bf16<6>(p, S16, vrows.data(), S, d, l, h); break;
-        case 7: weighted_sum_bf16<7>(p, S16, vrows.data(), S, d, l, h); break;
-        default: weighted_sum_bf16<8>(p, S16, vrows.data(), S, d, l, h); break;
-      }
+      up_to_8_heads(G - g0, [&]<int NG>() { weighted_sum_bf16<NG>(p, S16, vrows.data(), S, d, l, h); });
       for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 8); ++g) {
         const __m512 inv = _mm512_set1_ps(inv_sum[g]);
         store16(out + g * D + d, _mm512_mul_ps(_mm512_permutex2var_ps(l[g - g0], first, h[g - g0]), inv));

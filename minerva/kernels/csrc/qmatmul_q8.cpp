@@ -340,7 +340,7 @@ constexpr bool has_w8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || 
 // d * sum(q) each; per 256-block also the 16 sums of 16 (the K-quants' mins and bias)
 struct Q8 {
   const int8_t* q;
-  const int16_t* p;  // B = 256: K / 16 i16 per row (sums of 16); B = 32: none
+  const int16_t* p;  // B = 256 per row: K / 16 i16 (sums of 16), then K / 32 (sums of 32); B = 32: none
   const float *d, *s;
   const int32_t* n;  // sum(q) per block
   int64_t K, G;      // row length, blocks per row
@@ -401,6 +401,7 @@ inline void quantize_row(const XT* x, int64_t K, int8_t* q, int16_t* sums, float
         const __m128i h8 = _mm_hadd_epi32(h16, h16);  // lanes: sum of 0..15, sum of 16..31
         sums[16 * g + 2 * c] = static_cast<int16_t>(_mm_cvtsi128_si32(h8));
         sums[16 * g + 2 * c + 1] = static_cast<int16_t>(_mm_extract_epi32(h8, 1));
+        sums[K / 16 + 8 * g + c] = static_cast<int16_t>(_mm_cvtsi128_si32(_mm_hadd_epi32(h8, h8)));  // of 32
       }
     }
     d[g] = dg;
@@ -421,6 +422,14 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // them to the stack and adds them up afterwards.
 template <class T>
 inline void keep_in_register(T& v) { asm volatile("" : "+v"(v)); }
+
+// v, which the compiler may no longer treat as loop invariant: the second group's loads then
+// address b + v + offset from one register (GCC had hoisted each v + offset out of the
+// super-block loop, to the stack, and reloaded them one load at a time)
+inline int64_t opaque(int64_t v) {
+  asm("" : "+r"(v));
+  return v;
+}
 
 // The K-quants and Q8_0: mr rows of x (from row m0 of a) against nb weight rows, 8 float
 // lanes per output reduced in a fixed order at the end; y[i * ldy + j]. Q3_K and Q6_K instead
@@ -941,6 +950,11 @@ struct V8 {
   static I zero() { return _mm256_setzero_si256(); }
   static I bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static I i32(int32_t v) { return _mm256_set1_epi32(v); }
+  static I i32_at(const int32_t* p) {  // *p in every lane, broadcast by the load (GCC would move it through a register)
+    I v;
+    asm("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+  }
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
@@ -977,6 +991,11 @@ struct V16 {
   static I zero() { return _mm512_setzero_si512(); }
   static I bytes(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static I i32(int32_t v) { return _mm512_set1_epi32(v); }
+  static I i32_at(const int32_t* p) {  // as V8's
+    I v;
+    asm("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+  }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -1038,6 +1057,13 @@ struct XK {
   // lane j: sub-block s's scale of row j as an i32
   I sc32(int s) const { return V::and_(V::shr32(s < 4 ? sc03 : sc47, 8 * (s & 3)), V::i32(0xff)); }
   I mn(int s) const { return pair(s < 4 ? mn03 : mn47, s & 3); }
+  // lane j: the mins of sub-blocks s and s + 1 (s even) of row j as an i16 pair
+  I mn2(int s) const {
+    const char z = static_cast<char>(0x80);
+    auto c = [&](int d, int k) { return static_cast<char>(4 * d + (s & 3) + k); };
+    return V::shuffle(s < 4 ? mn03 : mn47,
+                      _mm_setr_epi8(c(0, 0), z, c(0, 1), z, c(1, 0), z, c(1, 1), z, c(2, 0), z, c(2, 1), z, c(3, 0), z, c(3, 1), z));
+  }
 };
 
 // mr rows of x against a group of 8 regrouped Q4_K or Q5_K rows (Q5_K: qh chunk c, bytes
@@ -1049,7 +1075,7 @@ struct XK {
 // Q5_K (4 chunks); with VNNI they add up in i32 (dot4), and a sub-block's sum is multiplied by
 // its scale in i32.
 template <class V, int QT, int mr>
-void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy) {
+void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
@@ -1059,6 +1085,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid,
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
+    const int64_t gb = opaque(group_bytes);
     // One row of x streams the group alone: the hardware prefetcher keeps up, and software
     // prefetches made it slower (AVX-512 machine, 131072 x 2048 Q4_K, 2 threads, paired runs:
     // regrouped / GGML layout 1.03-1.11 without, 1.25-1.33 with 2 blocks ahead; 4 to 32
@@ -1070,14 +1097,16 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid,
       }
     const XK<V> h(b, gb);
     const F d = V::halves(b, gb), ndmin = V::sub(V::zerof(), V::halves(b + 16, gb));
-    for (int i = 0; i < mr; ++i) {  // the offsets: sum over s of mn_s * x's sums of 16 (two per sub-block)
-      const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
+    // the offsets: sum over s of mn_s * x's sums of 32, two sub-blocks a dot2 (with x's sums of
+    // 16, one a dot2, 5632 x 2048 Q4_K against 512 rows of x ran at 306 GMAC/s, now 317-321)
+    for (int i = 0; i < mr; ++i) {
+      const int16_t* p = a.p + (m0 + i) * a.lp + a.K / 16 + 8 * g;
       I ms = V::zero();
-#pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
+#pragma GCC unroll 4
+      for (int s = 0; s < 8; s += 2) {
         int32_t pair;
-        std::memcpy(&pair, p + 2 * s, 4);
-        ms = V::dot2(ms, h.mn(s), V::i32(pair));
+        std::memcpy(&pair, p + s, 4);
+        ms = V::dot2(ms, h.mn2(s), V::i32(pair));
       }
       acc[i] = V::fmadd(V::cvt(ms), V::mul(ndmin, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
     }
@@ -1163,13 +1192,15 @@ struct Panel<Q3_K> {
 
 // mr rows of x against the 8 rows (V16: and the group gb bytes on). Per super-block and output
 // the exact i32 sum of sc_j * (the stored values' dot product with x over the 16 elements of
-// scale j) minus 2^BIAS * sum_j sc_j * (x's sum over them), then acc = fma(sum, d * d_x, acc):
-// the operations of `row1` and `tile` for these types, so a row's result is the same at one
-// row of x and at many. The 4 chunks of a scale add up in i32 (dot4) before one multiply by
-// the scale. No step overflows: a scale's dot product is at most 16 * 63 * 127, times
-// |sc| <= 128, 16 of them: < 2^28.
+// scale j, minus 2^BIAS times x's sum over them), then acc = fma(sum, d * d_x, acc): the same
+// integer as `row1` and `tile` give for these types, so a row's result is the same at one row
+// of x and at many. The 4 chunks of a scale add up in i32 (dot4), from the bias on, before one
+// multiply by the scale. No step overflows: a scale's dot product is at most 16 * 63 * 127,
+// times |sc| <= 128, 16 of them: < 2^28. With the bias as the chains' start, a 2048 x 5632
+// Q6_K matrix (the 1.1B shape's down projection) against 512 rows of x went from 272-275 to 283-288 GMAC/s (AVX-512 machine, 2 threads,
+// alternating runs), where a dot2 of scale pairs against x's sums of 16 had taken it apart.
 template <class V, int QT, int mr>
-void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy) {
+void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy) {
   using I = typename V::I;
   using F = typename V::F;
   using P = Panel<QT>;
@@ -1178,11 +1209,23 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int val
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
+    const int64_t gb = opaque(group_bytes);
     // lane j of scales chunk k: row j's scales 4k .. 4k + 3, as bytes (loaded where used:
     // kept in registers they crowd out the sums)
     auto scales = [&](int k) { return V::load(b + P::SC_AT + 32 * k, gb); };
     I isum[mr];
     for (int i = 0; i < mr; ++i) isum[i] = V::zero();
+    // the bias, -2^BIAS * x's sum over a scale's 16 elements, starts that scale's dot product
+    // (a broadcast from memory: no arithmetic in the loop, where a multiply by the scales per
+    // pair of them was)
+    alignas(32) int32_t bias[mr][16];
+    for (int i = 0; i < mr; ++i) {
+      const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
+      for (int k = 0; k < 2; ++k) {
+        const __m256i v = _mm256_slli_epi32(_mm256_cvtepi16_epi32(load128(reinterpret_cast<const uint8_t*>(p + 8 * k))), P::BIAS);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bias[i] + 8 * k), _mm256_sub_epi32(_mm256_setzero_si256(), v));
+      }
+    }
     // two dot product chains per row of x up to 4 rows of one group, one for more (enough chains)
     constexpr int CH = mr >= 6 || !std::is_same_v<V, V8> ? 1 : 2;
 #pragma GCC unroll 8
@@ -1192,8 +1235,10 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int val
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
         I dot[CH][mr];
-        for (int i = 0; i < mr; ++i)
-          for (int k = 0; k < CH; ++k) dot[k][i] = V::zero();
+        for (int i = 0; i < mr; ++i) {
+          dot[0][i] = V::i32_at(&bias[i][j]);
+          if constexpr (CH == 2) dot[1][i] = V::zero();
+        }
 #pragma GCC unroll 4
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           I w;  // the stored values of the 8 (16) rows' chunk c of sub-block s
@@ -1216,25 +1261,6 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int val
         }
       }
     }
-    // the bias: lane j of bias[i] = sum over the 8 pairs m of (sc_2m, sc_2m+1) of row j
-    // (bytes 0, 1 or 2, 3 of a scales chunk, moved to the high byte of each i16 and shifted
-    // down with their sign) against x's sums of 16; isum -= 2^BIAS * bias. (Taken after the
-    // sums, so the block's bytes are read in ascending order.)
-    I bias[mr];
-    for (int i = 0; i < mr; ++i) bias[i] = V::zero();
-#pragma GCC unroll 8
-    for (int m = 0; m < 8; ++m) {
-      const char z = static_cast<char>(0x80), lo = static_cast<char>(2 * (m & 1)), hi = static_cast<char>(lo + 1);
-      const I sp = V::sar16(V::shuffle(scales(m >> 1), _mm_setr_epi8(z, lo, z, hi, z, lo + 4, z, hi + 4, z, lo + 8, z,
-                                                                      hi + 8, z, lo + 12, z, hi + 12)),
-                            8);
-      for (int i = 0; i < mr; ++i) {
-        int32_t pair;
-        std::memcpy(&pair, a.p + (m0 + i) * a.lp + 16 * g + 2 * m, 4);
-        bias[i] = V::dot2(bias[i], sp, V::i32(pair));
-      }
-    }
-    for (int i = 0; i < mr; ++i) isum[i] = V::sub(isum[i], V::shl32(bias[i], P::BIAS));
     const F d = V::halves(b + P::D_AT, gb);
     for (int i = 0; i < mr; ++i) acc[i] = V::fmadd(V::cvt(isum[i]), V::mul(d, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
   }
@@ -1455,7 +1481,7 @@ struct Quantized {
     TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
     TORCH_CHECK(x.is_contiguous() && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
                 "x must be contiguous float32 or bfloat16");
-    const int64_t M = x.size(0), K = x.size(1), G = K / block, lp = block == 32 ? 0 : K / 16;
+    const int64_t M = x.size(0), K = x.size(1), G = K / block, lp = block == 32 ? 0 : K / 16 + K / 32;
     TORCH_CHECK(K % block == 0, "row length ", K, " is not a multiple of ", block);
     q = torch::empty({M, K}, torch::dtype(torch::kInt8));
     p = torch::empty({M, lp}, torch::dtype(torch::kInt16));

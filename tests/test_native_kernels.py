@@ -76,6 +76,29 @@ def test_a_row_does_not_depend_on_the_batch(kernels, qtype, dtype):
         torch.set_num_threads(threads)
 
 
+def test_the_thread_pool_counts_its_calls(kernels):
+    """pool_stats (the server's cpu_pool_* metrics) counts each kernel call split over threads,
+    or run alone while backed off; a call on one thread is neither."""
+    raw = torch.from_numpy(realistic_blocks(QT.Q4_K, 64, 1024, np.random.default_rng(0)))
+    x = torch.randn(32, 1024)
+    threads = torch.get_num_threads()
+    try:
+        kernels.set_num_threads(1)
+        before = native.pool_stats()
+        kernels.qmatmul_q8(x, raw, int(QT.Q4_K), 64, 1024)
+        assert native.pool_stats() == before
+        kernels.set_num_threads(2)
+        kernels.qmatmul_q8(x, raw, int(QT.Q4_K), 64, 1024)
+        after = native.pool_stats()
+    finally:
+        kernels.set_num_threads(0)
+        torch.set_num_threads(threads)
+    split = after["parallel_calls"] - before["parallel_calls"]
+    alone = after["backed_off_calls"] - before["backed_off_calls"]
+    assert split >= 0 and alone >= 0 and split + alone == 2  # the activations' quantization, then the matmul
+    assert after["stalls"] >= before["stalls"] and after["backoffs"] >= before["backoffs"]
+
+
 def test_bad_arguments_raise(kernels):
     raw = torch.zeros(4, 20, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="bytes"):

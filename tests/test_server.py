@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from minerva import LLM, SamplingParams
+from minerva.kernels import native
 from tests.helpers.server import metric, running_server, wait_for
 
 pytestmark = pytest.mark.slow
@@ -242,10 +243,15 @@ def test_metrics_names(served):
              "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
              "generation_tokens_total", "time_to_first_token_seconds_bucket",
              "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
-             "request_queue_time_seconds_bucket", "request_success_total")
+             "request_queue_time_seconds_bucket", "request_success_total", "cpu_pool_parallel_calls_total",
+             "cpu_pool_backed_off_calls_total", "cpu_pool_stalls_total", "cpu_pool_backoffs_total")
     for name in names:
         assert f"minerva:{name}" in text, name
     assert metric(served[0], "minerva:generation_tokens_total") > 0
+    pool = native.pool_stats()  # the kernels' own counters, read after the metrics: never behind them
+    if pool is not None:
+        assert 0 <= metric(served[0], "minerva:cpu_pool_parallel_calls_total") <= pool["parallel_calls"]
+        assert 0 <= metric(served[0], "minerva:cpu_pool_stalls_total") <= pool["stalls"]
     # Prometheus' text format, as prometheus_client's own parser reads it: every name is a sample
     # (not only a HELP line), labelled with the served model.
     assert r.headers["content-type"] == CONTENT_TYPE_LATEST

@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from minerva.engine.sampler import MAX_SPECULATIVE
+from minerva.kernels import native
 
 # Bucket edges in seconds, close to vLLM's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -59,11 +60,18 @@ class Metrics:
         self.spec_accepted_length = histogram(
             "spec_decode_accepted_length", "Guesses accepted per verifying step.",
             tuple(float(i) for i in range(MAX_SPECULATIVE + 1)))
+        # the CPU kernels' thread pool (see kernels/csrc/parallel.h); 0 where they are not used
+        self.pool_parallel = counter("cpu_pool_parallel_calls", "Kernel calls split over the CPU threads.")
+        self.pool_backed_off = counter("cpu_pool_backed_off_calls",
+                                       "Kernel calls run on one thread while backed off from stalling helpers.")
+        self.pool_stalls = counter("cpu_pool_stalls", "Kernel calls that waited on a helper thread off its core.")
+        self.pool_backoffs = counter("cpu_pool_backoffs", "Times the kernels went to one thread for a while.")
         self._success = Counter("minerva:request_success", "Requests finished, by reason.",
                                 labelnames=["model_name", "finished_reason"], registry=r)
         self._labels = labels
         self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
-                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "pool_parallel": 0,
+                      "pool_backed_off": 0, "pool_stalls": 0, "pool_backoffs": 0}
         self._seen_lengths: list[int] = []
 
     def finished(self, reason: str) -> None:
@@ -88,6 +96,10 @@ class Metrics:
                 for _ in range(now - before):
                     self.spec_accepted_length.observe(accepted)
             self._seen_lengths = list(s.accepted_length)
+        pool = native.pool_stats()
+        if pool is not None:
+            totals += [("pool_parallel", pool["parallel_calls"]), ("pool_backed_off", pool["backed_off_calls"]),
+                       ("pool_stalls", pool["stalls"]), ("pool_backoffs", pool["backoffs"])]
         for name, total in totals:
             gained = total - self._seen[name]
             if gained > 0:

@@ -317,6 +317,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("regroup_", &regroup_, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
+  m.def("pool_stats", [] {
+        const auto s = minerva::ThreadPool::get().stats();
+        return py::dict(py::arg("parallel_calls") = s.parallel, py::arg("backed_off_calls") = s.serial_backed_off,
+                        py::arg("stalls") = s.stalls, py::arg("backoffs") = s.backoffs);
+      },
+      "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
   m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
   m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");

@@ -12,7 +12,11 @@
 // A helper that loses its core in the middle of a chunk still delays the caller. When
 // that keeps happening (other processes want the cores), calls run on the caller alone
 // for a while, then try the helpers again: on a busy machine one thread is far faster
-// than threads that wait for each other.
+// than threads that wait for each other. The while is a time, 20 ms at first and twice
+// as long each time the helpers stall again, up to 2 s; a window without stalls resets
+// it. (It was 4096 calls: page faults on a fresh model's first prefill read as stalls,
+// and the next eight 512-token prefills of the 1.1B shape then ran on one thread, at
+// half speed.)
 //
 // Which thread computes a chunk never changes its result: every kernel computes each of
 // its items in a fixed order on its own.
@@ -37,6 +41,16 @@ class ThreadPool {
   // torch's so the engine can run torch's own small ops on one thread (see runner.py).
   void set_threads(int n) { wanted_.store(std::max(0, n)); }
 
+  // Counts since the process started, for the engine's metrics: calls run on the helpers
+  // too, calls run on the caller alone while backed off, waits judged stalls, back-offs.
+  struct Stats {
+    int64_t parallel, serial_backed_off, stalls, backoffs;
+  };
+  Stats stats() const {
+    return {parallel_.load(std::memory_order_relaxed), backed_off_.load(std::memory_order_relaxed),
+            stall_count_.load(std::memory_order_relaxed), backoff_count_.load(std::memory_order_relaxed)};
+  }
+
   static ThreadPool& get() {
     static ThreadPool* pool = new ThreadPool();  // never destroyed: helpers may still sleep at exit
     return *pool;
@@ -49,13 +63,14 @@ class ThreadPool {
     const int wanted = wanted_.load(std::memory_order_relaxed);
     const int threads = wanted > 0 ? wanted : at::get_num_threads();
     thread_local bool inside = false;  // a nested call, or one from a helper, runs serially
-    if (threads <= 1 || n <= grain || inside || serial_left_.load(std::memory_order_relaxed) > 0 ||
-        !busy_.try_lock()) {
-      if (serial_left_.load(std::memory_order_relaxed) > 0) serial_left_.fetch_sub(1, std::memory_order_relaxed);
-      f(begin, end);
-      return;
+    if (threads <= 1 || n <= grain || inside) return f(begin, end);
+    if (now_ns() < serial_until_.load(std::memory_order_relaxed)) {
+      backed_off_.fetch_add(1, std::memory_order_relaxed);
+      return f(begin, end);
     }
+    if (!busy_.try_lock()) return f(begin, end);
     std::lock_guard<std::mutex> hold(busy_, std::adopt_lock);
+    parallel_.fetch_add(1, std::memory_order_relaxed);
     ensure(threads - 1);
     Job job;
     job.fn = [](const void* ctx, int64_t lo, int64_t hi) { (*static_cast<const F*>(ctx))(lo, hi); };
@@ -97,12 +112,26 @@ class ThreadPool {
   // Waiting much longer than a chunk takes (chunks differ: causal attention rows grow) and
   // longer than anything but a lost core would explain means a helper lost its core mid-chunk.
   static constexpr auto kFloor = std::chrono::microseconds(500);
-  static constexpr int kWindow = 64, kStallsToBackOff = 4, kSerialCalls = 4096;
+  static constexpr int kWindow = 64, kStallsToBackOff = 4;
+  static constexpr int64_t kBackOffFirst = 20'000'000, kBackOffMost = 2'000'000'000;  // ns
+
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
 
   void note_wait(std::chrono::steady_clock::duration waited, std::chrono::steady_clock::duration chunk) {
-    stalls_ += waited > std::max<std::chrono::steady_clock::duration>(4 * chunk, kFloor);
+    const bool stalled = waited > std::max<std::chrono::steady_clock::duration>(4 * chunk, kFloor);
+    stalls_ += stalled;
+    if (stalled) stall_count_.fetch_add(1, std::memory_order_relaxed);
     if (++calls_ < kWindow) return;
-    if (stalls_ >= kStallsToBackOff) serial_left_.store(kSerialCalls, std::memory_order_relaxed);
+    if (stalls_ >= kStallsToBackOff) {
+      serial_until_.store(now_ns() + back_off_, std::memory_order_relaxed);
+      back_off_ = std::min(2 * back_off_, kBackOffMost);
+      backoff_count_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      back_off_ = kBackOffFirst;
+    }
     calls_ = stalls_ = 0;
   }
 
@@ -146,8 +175,10 @@ class ThreadPool {
   std::atomic<uint32_t> gen_{0};
   std::atomic<int> users_{0}, sleepers_{0};
   std::atomic<int> wanted_{0};
-  std::atomic<int> serial_left_{0};  // calls to run on the caller alone before trying helpers again
+  std::atomic<int64_t> serial_until_{0};  // now_ns() before which calls run on the caller alone
+  int64_t back_off_ = kBackOffFirst;      // how long the next back-off lasts
   int calls_ = 0, stalls_ = 0;       // over the current window of parallel calls
+  std::atomic<int64_t> parallel_{0}, backed_off_{0}, stall_count_{0}, backoff_count_{0};  // Stats
 };
 
 template <typename F>

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 from minerva.errors import MinervaError
-from minerva.kernels import act_quant, native
+from minerva.kernels import act_quant, native, repack
 from tests.helpers.paged import paged_logits
 from tests.helpers.quant_blocks import random_blocks, realistic_blocks
 
@@ -132,15 +132,22 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(kernels, qtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("m, n", [(3, 16), (37, 20)])  # 37 x 20: bf16 outputs past a multiple of 8
-def test_bfloat16_activations_are_widened(kernels, m, n):
-    """bf16 x is quantized as its exact float32 widening, and the result rounded as Tensor.to."""
+@pytest.mark.parametrize("m, n", [(1, 20), (3, 16), (37, 20), (40, 75)])  # bf16 outputs past a multiple of 8
+@pytest.mark.parametrize("qtype, regrouped", [(QT.Q4_K, False), (QT.Q4_K, True), (QT.Q8_0, True), (QT.Q6_K, False)],
+                         ids=["Q4_K", "Q4_K-regrouped", "Q8_0-regrouped", "Q6_K"])
+def test_bfloat16_activations_are_widened(kernels, m, n, qtype, regrouped):
+    """bf16 x is quantized as its exact float32 widening, and the result rounded as Tensor.to
+    (the regrouped kernels and Q6_K's panels, from 8 rows of x, round each work item's outputs
+    as it finishes; the others the whole float32 result)."""
     rng = np.random.default_rng(2)
-    raw = torch.from_numpy(realistic_blocks(QT.Q4_K, n, 256, rng))
-    x = sample_x(m, 256).bfloat16()
-    y = kernels.qmatmul_q8(x, raw, int(QT.Q4_K), n, 256)
-    assert y.dtype == torch.bfloat16
-    assert torch.equal(y, kernels.qmatmul_q8(x.float(), raw, int(QT.Q4_K), n, 256).bfloat16())
+    raw = torch.from_numpy(realistic_blocks(qtype, n, 256, rng))
+    kind = int(qtype)
+    if regrouped:
+        raw, kind = repack.regroup(raw, qtype, n, 256), kind | repack.REGROUPED
+    x = sample_x(max(m, 2), 256)[:m].bfloat16()
+    y = kernels.qmatmul_q8(x, raw, kind, n, 256)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert torch.equal(y, kernels.qmatmul_q8(x.float(), raw, kind, n, 256).bfloat16())
 
 
 @needs_kernels

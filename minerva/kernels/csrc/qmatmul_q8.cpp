@@ -878,7 +878,7 @@ constexpr int K_MR = 4, K_NB = 2;
 constexpr int64_t PANEL = 32;
 
 template <int QT>
-void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y);
+void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb = nullptr);
 // Q3_K and Q6_K take regrouped panels from this many rows of x, `tile` below it. AVX-512 machine, Q6_K,
 // 5632 x 2048, 2 threads, two runs: 2 rows 0.22-0.45 ms with `tile` against 0.39 with panels,
 // 4 rows 0.36 against 0.48, 8 rows 0.73 against 0.67-0.69, 16 rows 1.42 against 1.09-1.43,
@@ -1349,85 +1349,6 @@ inline void regroup_panel(const uint8_t* const rows[8], int64_t G, uint8_t* out)
   }
 }
 
-// Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
-// item's buffer (a last group of fewer than 8 rows repeats its last row; those outputs are
-// dropped), then tiles of x8_mr rows of x against its groups (with V16, pairs of them)
-template <int QT>
-void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
-  const int64_t rb = row_bytes<QT>(a.K), gb = a.G * Panel<QT>::BYTES;  // a group's bytes in the panel
-  minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> panel(PANEL / 8 * gb);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = PANEL * blk, groups = (std::min(N, n0 + PANEL) - n0 + 7) / 8;
-      for (int64_t grp = 0; grp < groups; ++grp) {
-        const uint8_t* rows[8];
-        for (int j = 0; j < 8; ++j) rows[j] = W + std::min(n0 + 8 * grp + j, N - 1) * rb;
-        regroup_panel<QT>(rows, a.G, panel.data() + grp * gb);
-      }
-#if defined(MINERVA_V16)
-      x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
-        constexpr int r = decltype(tile_rows)::value;
-        int64_t grp = 0;
-        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
-        for (; grp + 2 <= groups; grp += 2)
-          tile_panel<V16, QT, r>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * N + n0 + 8 * grp, N);
-        if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * N + n0 + 8 * grp, N);
-      });
-#else
-      x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
-        for (int64_t grp = 0; grp < groups; ++grp) {
-          const int64_t n = n0 + 8 * grp;
-          tile_panel<V8, QT, decltype(tile_rows)::value>(a, m, panel.data() + grp * gb, gb,
-                                                         static_cast<int>(std::min<int64_t>(8, N - n)), y + m * N + n, N);
-        }
-      });
-#endif
-    }
-  });
-}
-
-// one work item: groups g0 .. g1 against all M rows of x
-template <int QT>
-void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t g0, int64_t g1) {
-  const int64_t gb = 8 * row_bytes<QT>(a.K);
-  if constexpr (QT == Q8_0) {
-    if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
-      if (g1 - g0 == 4) return q8_0_rows<4>(a, W + g0 * gb, gb, y + 8 * g0);
-      if (g1 - g0 == 3) return q8_0_rows<3>(a, W + g0 * gb, gb, y + 8 * g0);
-      if (g1 - g0 == 2) return q8_0_rows<2>(a, W + g0 * gb, gb, y + 8 * g0);
-    }
-  }
-#if defined(MINERVA_V16)
-  if constexpr (QT == Q4_K || QT == Q5_K)
-    if (M > 1) {
-      x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
-        constexpr int r = decltype(rows)::value;
-        int64_t grp = g0;
-        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-        for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * N + 8 * grp, N);
-        if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * N + 8 * grp, N);
-      });
-      return;
-    }
-#endif
-  x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
-    for (int64_t grp = g0; grp < g1; ++grp) {
-      const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
-      if constexpr (QT == Q4_K || QT == Q5_K)
-        tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * N + 8 * grp, N);
-      else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * N + 8 * grp, N);
-    }
-  });
-}
-
-template <int QT>
-void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
-  const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M);
-  minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) x8_groups<QT>(a, M, W, N, y, per * blk, std::min(groups, per * (blk + 1)));
-  });
-}
-
 // 8 floats rounded to bf16 (to nearest even; NaN to c10's quiet NaN where done by hand)
 inline __m128i bf16x8(__m256 v) {
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
@@ -1441,6 +1362,112 @@ inline __m128i bf16x8(__m256 v) {
 #endif
 }
 
+// Output columns c0 .. c1 of all M rows, computed by `compute(out, ldy)` (column c0 + c of
+// row m at out[m * ldy + c]): into y (ldy N), or with yb into a float buffer of the thread's,
+// rounded to bf16 into yb at once. Against a float32 y rounded afterwards (as_dtype_of) the
+// same values, and the float results never leave the cache.
+template <class F>
+void columns_out(int64_t M, int64_t N, int64_t c0, int64_t c1, float* y, at::BFloat16* yb, const F& compute) {
+  if (yb == nullptr) return compute(y + c0, N);
+  const int64_t w = c1 - c0;
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < M * w) buffer.resize(M * w);
+  compute(buffer.data(), w);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = buffer.data() + m * w;
+    at::BFloat16* dst = yb + m * N + c0;
+    int64_t i = 0;
+    for (; i + 8 <= w; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
+    for (; i < w; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+  }
+}
+
+// Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
+// item's buffer (a last group of fewer than 8 rows repeats its last row; those outputs are
+// dropped), then tiles of x8_mr rows of x against its groups (with V16, pairs of them)
+template <int QT>
+void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y_all, at::BFloat16* yb) {
+  const int64_t rb = row_bytes<QT>(a.K), gb = a.G * Panel<QT>::BYTES;  // a group's bytes in the panel
+  minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> panel(PANEL / 8 * gb);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = PANEL * blk, groups = (std::min(N, n0 + PANEL) - n0 + 7) / 8;
+      columns_out(M, N, n0, std::min(N, n0 + PANEL), y_all, yb, [&](float* y, int64_t ldy) {
+      for (int64_t grp = 0; grp < groups; ++grp) {
+        const uint8_t* rows[8];
+        for (int j = 0; j < 8; ++j) rows[j] = W + std::min(n0 + 8 * grp + j, N - 1) * rb;
+        regroup_panel<QT>(rows, a.G, panel.data() + grp * gb);
+      }
+#if defined(MINERVA_V16)
+      x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
+        constexpr int r = decltype(tile_rows)::value;
+        int64_t grp = 0;
+        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
+        for (; grp + 2 <= groups; grp += 2)
+          tile_panel<V16, QT, r>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * ldy + 8 * grp, ldy);
+        if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
+      });
+#else
+      x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
+        for (int64_t grp = 0; grp < groups; ++grp) {
+          const int64_t n = n0 + 8 * grp;
+          tile_panel<V8, QT, decltype(tile_rows)::value>(a, m, panel.data() + grp * gb, gb,
+                                                         static_cast<int>(std::min<int64_t>(8, N - n)), y + m * ldy + 8 * grp, ldy);
+        }
+      });
+#endif
+      });
+    }
+  });
+}
+
+// one work item: groups g0 .. g1 against all M rows of x; output column 8 g0 + c of row m at
+// y[m * ldy + c]
+template <int QT>
+void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t ldy, int64_t g0, int64_t g1) {
+  const int64_t gb = 8 * row_bytes<QT>(a.K);
+  if constexpr (QT == Q8_0) {
+    if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
+      if (g1 - g0 == 4) return q8_0_rows<4>(a, W + g0 * gb, gb, y);
+      if (g1 - g0 == 3) return q8_0_rows<3>(a, W + g0 * gb, gb, y);
+      if (g1 - g0 == 2) return q8_0_rows<2>(a, W + g0 * gb, gb, y);
+    }
+  }
+#if defined(MINERVA_V16)
+  if constexpr (QT == Q4_K || QT == Q5_K)
+    if (M > 1) {
+      x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
+        constexpr int r = decltype(rows)::value;
+        int64_t grp = g0;
+        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+        for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy);
+        if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy);
+      });
+      return;
+    }
+#endif
+  x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
+      if constexpr (QT == Q4_K || QT == Q5_K)
+        tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
+      else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
+    }
+  });
+}
+
+template <int QT>
+void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb = nullptr) {
+  const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M);
+  minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t g0 = per * blk, g1 = std::min(groups, per * (blk + 1));
+      columns_out(M, N, 8 * g0, std::min(N, 8 * g1), y, yb,
+                  [&](float* out, int64_t ldy) { x8_groups<QT>(a, M, W, N, out, ldy, g0, g1); });
+    }
+  });
+}
+
 // x as the kernels take it: [M, cols], float32 or bfloat16, contiguous
 torch::Tensor checked(const torch::Tensor& x, int64_t cols) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == cols, "x must be [M, ", cols, "]");
@@ -1451,7 +1478,10 @@ torch::Tensor checked(const torch::Tensor& x, int64_t cols) {
 
 // y [M, N] float32 as x's dtype: bf16 rounded (to nearest even, as Tensor.to) on the kernels'
 // threads (the engine runs torch's own ops on one thread, where this conversion took 1.7% of a
-// 512-token prefill of the 1.1B Q4_K_M shape)
+// 512-token prefill of the 1.1B Q4_K_M shape). The regrouped kernels and Q3_K/Q6_K's panels
+// round as each work item finishes instead (columns_out): layer 0 of that file's matmuls
+// against 512 rows of bf16 x, 71.5-72.9 ms against 76.7-82.9 with this pass after them
+// (alternating runs).
 torch::Tensor as_dtype_of(const torch::Tensor& y, const torch::Tensor& x) {
   if (x.dtype() != torch::kBFloat16) return y;
   auto out = torch::empty(y.sizes(), torch::dtype(torch::kBFloat16));
@@ -1639,7 +1669,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
           const Q8 part{all.q + r0 * all.K, all.p + r0 * all.lp, all.d + r0 * all.G, all.s + r0 * all.G,
                         all.n + r0 * all.G, all.K, all.G, all.lp};
           float* out = yp + r0 * rows;
-          x8_groups<QT>(part, M, wp[e], rows, out, g0, g1);
+          x8_groups<QT>(part, M, wp[e], rows, out + 8 * g0, rows, g0, g1);
           if (bp[e] != nullptr)  // as Linear's y.add_(bias): one float add per output
             for (int64_t r = 0; r < M; ++r)
               for (int64_t c = 8 * g0; c < std::min(rows, 8 * g1); ++c) out[r * rows + c] += bp[e][c];
@@ -1659,9 +1689,15 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
       if constexpr (has_x8<QT>) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
         const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
-        auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
-        matmul_x8<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
-        return as_dtype_of(y, x);
+        const int64_t M = a.q.size(0);
+        if (x.dtype() == torch::kBFloat16) {  // rounded as each work item finishes
+          auto y = torch::empty({M, rows}, torch::dtype(torch::kBFloat16));
+          matmul_x8<QT>(a.view(), M, packed.data_ptr<uint8_t>(), rows, nullptr, y.data_ptr<at::BFloat16>());
+          return y;
+        }
+        auto y = torch::empty({M, rows}, torch::dtype(torch::kFloat32));
+        matmul_x8<QT>(a.view(), M, packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
+        return y;
       } else {
         TORCH_CHECK(false, "no regrouped layout for GGML type ", qtype & ~REGROUPED);
         return x;
@@ -1674,6 +1710,12 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
     } else {
       check_args<QT>(packed, rows, cols);
       const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
+      if constexpr (QT == Q3_K || QT == Q6_K)
+        if (x.dtype() == torch::kBFloat16 && a.q.size(0) >= PANELS_FROM) {  // as above
+          auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kBFloat16));
+          matmul_panels<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, nullptr, y.data_ptr<at::BFloat16>());
+          return y;
+        }
       auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
       matmul<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
       return as_dtype_of(y, x);

@@ -17,8 +17,8 @@ from minerva.errors import MinervaError
 from tests.helpers.quant_blocks import bits, random_blocks, realistic_blocks
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined, at import
+if not GPU:  # (conftest.py sets it before triton is first imported; this for a run of this file alone)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[test]')")
 from minerva.kernels.cuda import qmatmul as tq  # noqa: E402
 

@@ -5,8 +5,6 @@ x there: the interpreter's tl.dot is wrong on bfloat16); on a GPU, bfloat16 too.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -16,9 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from minerva.errors import MinervaError
 from tests.helpers.quant_blocks import bits, random_blocks, realistic_blocks
 
-GPU = torch.cuda.is_available()
-if not GPU:  # (conftest.py sets it before triton is first imported; this for a run of this file alone)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+GPU = torch.cuda.is_available()  # without one, conftest.py has set TRITON_INTERPRET before triton's import
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[test]')")
 from minerva.kernels.cuda import qmatmul as tq  # noqa: E402
 

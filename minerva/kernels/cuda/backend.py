@@ -17,10 +17,10 @@ from minerva.kernels.base import KernelBackend
 from minerva.kernels.cuda import attention as triton_attention
 from minerva.kernels.cuda import ops as triton_ops
 from minerva.kernels.cuda import qmatmul as triton_qmatmul
-from minerva.kernels.kv_quant import quantize_kv
+from minerva.kernels.kv_quant import quantize_kv, resolve_format
 
 ACTIVATIONS = (torch.float32, torch.bfloat16, torch.float16)
-KV_FORMATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int8: "int8"}
+POOL_DTYPES = ACTIVATIONS + (torch.int8,)  # float pools, and int8 with scales
 
 
 class TritonKernels:
@@ -44,7 +44,7 @@ class TritonKernels:
     @staticmethod
     def kv_write(x: torch.Tensor, pool: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K or V rows [T, Hkv, D] at their slots, quantizing for an int8 pool."""
-        data, scale = quantize_kv(x, KV_FORMATS[pool.dtype])
+        data, scale = quantize_kv(x, "int8" if pool.dtype == torch.int8 else resolve_format("auto", pool.dtype))
         pool.view(-1, *pool.shape[2:])[slots] = data
         if scale is not None:
             scales.view(-1, scales.shape[2])[slots] = scale
@@ -68,7 +68,7 @@ class TritonBackend(KernelBackend):
 
     def attention_kernel(self, dtype: torch.dtype, k_pool: torch.Tensor, v_pool: torch.Tensor):
         block_size = k_pool.shape[1]
-        if dtype not in ACTIVATIONS or k_pool.dtype not in KV_FORMATS or v_pool.dtype != k_pool.dtype \
+        if dtype not in ACTIVATIONS or k_pool.dtype not in POOL_DTYPES or v_pool.dtype != k_pool.dtype \
                 or block_size & (block_size - 1):
             return None
         return self.kernels

@@ -11,6 +11,7 @@
 
 #include <pybind11/stl.h>
 
+#include "exchange.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -52,6 +53,18 @@ struct DecoderLayer {
                         const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& k_scale,
                         const torch::Tensor& v_scale, const torch::Tensor& slots, const torch::Tensor& tables,
                         const torch::Tensor& seq_lens, const torch::Tensor& qsl, const torch::Tensor& positions) const {
+    auto a = attention(h, cos, sin, k_pool, v_pool, k_scale, v_scale, slots, tables, seq_lens, qsl, positions);
+    return residual(h, feed_forward(h, a));
+  }
+
+  // The three parts of forward, for tensor parallelism: each rank's attention and
+  // feed-forward outputs are partial sums, all-reduced between the parts.
+  // attention: the attention sublayer's output (o projection), before its post-norm.
+  torch::Tensor attention(const torch::Tensor& h, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& k_scale,
+                          const torch::Tensor& v_scale, const torch::Tensor& slots, const torch::Tensor& tables,
+                          const torch::Tensor& seq_lens, const torch::Tensor& qsl,
+                          const torch::Tensor& positions) const {
     const int64_t T = h.size(0), qd = heads * head_dim, kd = kv_heads * head_dim;
     auto qkv_out = qkv(rms_norm(h, input_norm, eps));
     auto q = qkv_out.narrow(1, 0, qd).view({T, heads, head_dim});
@@ -67,9 +80,17 @@ struct DecoderLayer {
     kv_write(v, v_pool, v_scale, slots);
     auto attn = paged_attention(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens, qsl, positions, window, scale,
                                 torch::Tensor());
-    auto a = o(attn.view({T, qd}));
+    return o(attn.view({T, qd}));
+  }
+
+  // feed_forward: h += post_attn_norm(a), then the feed-forward's output (down), before its post-norm.
+  torch::Tensor feed_forward(torch::Tensor h, torch::Tensor a) const {
     if (post_attn_norm) a = rms_norm(a, *post_attn_norm, eps);
-    auto m = down(act_mul(gate_up(add_rms_norm(h, a, pre_mlp_norm, eps)), act));
+    return down(act_mul(gate_up(add_rms_norm(h, a, pre_mlp_norm, eps)), act));
+  }
+
+  // residual: h += post_mlp_norm(m), returned.
+  torch::Tensor residual(torch::Tensor h, torch::Tensor m) const {
     if (post_mlp_norm) m = rms_norm(m, *post_mlp_norm, eps);
     return h.add_(m);
   }
@@ -344,7 +365,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return DecoderLayer{{qkv}, o, {gate_up}, down, input_norm, pre_mlp_norm, post_attn_norm, post_mlp_norm,
                             q_norm, k_norm, eps, heads, kv_heads, head_dim, window, act, scale};
       }))
-      .def("forward", &DecoderLayer::forward);
+      .def("forward", &DecoderLayer::forward)
+      .def("attention", &DecoderLayer::attention)
+      .def("feed_forward", &DecoderLayer::feed_forward)
+      .def("residual", &DecoderLayer::residual);
+  py::class_<minerva::Exchange>(m, "Exchange")
+      .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>>(), py::arg("segment"),
+           py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"))
+      .def_static("bytes_needed", &minerva::Exchange::bytes_needed)
+      .def("all_reduce_", &minerva::Exchange::all_reduce_, "sum every rank's tensor into each, in place")
+      .def("broadcast", &minerva::Exchange::broadcast, "rank 0's int64 vector to every rank")
+      .def("gather", &minerva::Exchange::gather, "every rank's tensor, stacked on rank 0")
+      .def_property_readonly("wait_seconds", &minerva::Exchange::wait_seconds);
   py::class_<Linear>(m, "Linear").def(py::init<Packed, std::optional<torch::Tensor>>());
   py::class_<Expert>(m, "Expert").def(py::init<std::vector<Linear>, Linear>());
   py::class_<Experts>(m, "Experts")

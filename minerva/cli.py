@@ -51,7 +51,8 @@ def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[st
 def _load(model: str | None, args, engine: bool = True):
     options = engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
     llm = LLM(model, device=args.device, dtype=args.dtype, threads=args.threads,
-              quantize=args.quantize, activations=args.activations, **options)
+              quantize=args.quantize, activations=args.activations,
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", None), **options)
     c = llm.config
     stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
               if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
@@ -59,6 +60,11 @@ def _load(model: str | None, args, engine: bool = True):
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, {llm.dtype_name}{act}, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
+    if llm.group is not None:
+        g = llm.group
+        print(f"tensor parallel: {g.world} ranks exchanging over {g.comm.name}, "
+              f"{torch.get_num_threads()} threads each; weights held per rank: "
+              f"{', '.join(f'{b / 1e6:.0f} MB' for b in g.weight_bytes)}", file=sys.stderr)
     missing = dispatch.backend(llm.device).unavailable_reason
     if missing:  # say so: the reference path is several times slower
         print(f"note: Minerva's compiled kernels are unavailable ({missing}); running the plain-torch "

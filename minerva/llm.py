@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 from typing import Iterator, Sequence
 
 import torch
 from tqdm import tqdm
 
-from minerva.engine.engine import Engine, EngineConfig
+from minerva.engine.engine import Engine, EngineConfig, kv_cache
+from minerva.engine.runner import ModelRunner
+from minerva.engine.speculative import parse_method
 from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
@@ -16,7 +19,9 @@ from minerva.formats.chat import render_chat
 from minerva.formats.reasoning import reasoning_for, split_text
 from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
-from minerva.models.loader import LoadedModel, load_model
+from minerva.models.loader import LoadedModel, load_model, read_config
+from minerva.parallel import launch
+from minerva.parallel.shard import plan
 from minerva.store import resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,25 +89,57 @@ class LLM:
     quantizes activations to 8 bits for integer dot products (`minerva.kernels.act_quant`),
     "float" keeps them float, "auto" (the default) picks int8 where it is the fast choice. Engine options (KV budget and
     precision, batch limits, prefix caching) are the fields of `EngineConfig`;
-    `threads` defaults to the number of physical cores.
+    `threads` defaults to the number of physical cores. `tensor_parallel_size` N > 1 splits
+    the model over N processes on this host (`minerva.parallel`; this process is rank 0 and
+    starts the others, each with a 1/N share of the cores by default); under `torchrun`
+    every rank constructs the same LLM, and on ranks other than 0 the constructor follows
+    rank 0's steps and then exits the process.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str = "auto", auto_pull: bool = True, threads: int | None = None,
-                 quantize: str | None = None, activations: str = "auto", **engine_options):
+                 quantize: str | None = None, activations: str = "auto",
+                 tensor_parallel_size: int | None = None, **engine_options):
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
         engine_config = EngineConfig(**engine_options)
-        set_threads(threads)
+        self.group: launch.Group | None = None
         self.device = parse_device(device)
         # the model first: a wrong name is an error at once, before the kernels are built
         self.path = resolve(model, auto_pull=auto_pull)
+        if (tensor_parallel_size or 1) > 1 or launch.torchrun_rank():
+            if self.device.type != "cpu":
+                raise MinervaError("tensor parallelism runs on CPUs so far; use --device cpu")
+            if engine_config.speculative and parse_method(engine_config.speculative)[0] == "self":
+                raise MinervaError("--speculative self does not run under tensor parallelism yet; "
+                                   "use ngram or draft:MODEL")
+            world = tensor_parallel_size or launch.torchrun_rank()[1]
+            plan(read_config(self.path), 0, world)  # a model that cannot split fails before any rank starts
+            threads = launch.threads_per_rank(threads, world)
+            spec = dict(model=str(self.path), device=device, dtype=dtype, auto_pull=False, threads=threads,
+                        quantize=quantize, activations=activations, tensor_parallel_size=tensor_parallel_size,
+                        **engine_options)
+            self.group = launch.join(tensor_parallel_size, spec)
+        set_threads(threads)
         self.dtype_name = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[self.dtype_name]
         self.activations = activations = resolve_activations(activations, self.device)
+        group = self.group
         self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize,
-                                             activations=activations)
+                                             activations=activations,
+                                             parallel=None if group is None else (group.rank, group.world))
+        comm = None
+        if group is not None:
+            launch.connect_group(group, self.device, self.loaded.compute_bytes)
+            comm, shard = group.comm, self.loaded.shard
+            self.loaded.model.parallelize(comm, shard.vocab, shard.vocab_per_rank)
+            if not group.leader:  # a follower: run rank 0's steps on this shard until it stops, then leave
+                cache = kv_cache(self.loaded.model, engine_config, self.device, self.dtype, comm)
+                ModelRunner(self.loaded.model, cache, self.device, comm).follow()
+                group.close()
+                raise SystemExit(0)
+            atexit.register(self.close)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
@@ -112,7 +149,20 @@ class LLM:
             draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype,
                                activations=activations)
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
-                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}:{activations}", draft=draft)
+                             model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}:{activations}", draft=draft,
+                             comm=comm)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op for one process); the LLM cannot run after it."""
+        group, self.group = self.group, None
+        if group is None or group.closed:
+            return
+        try:
+            if hasattr(self, "engine"):
+                self.engine.runner.stop()
+        except MinervaError:  # a worker already gone: nothing to tell it
+            pass
+        group.close()
 
     # ------------------------------------------------------------ prompts
 

@@ -20,6 +20,10 @@ ACTIVATIONS_HELP = ("float: quantized weights meet the float activations; int8: 
                     "kernels compute in float32 (AVX2 without AVX-512), else float")
 
 
+TP_HELP = ("split the model over N processes on this host (tensor parallelism; each rank gets 1/N "
+           "of the cores by default); under torchrun, every rank runs the same command")
+
+
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -36,6 +40,8 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--kv-cache-dtype-v", default=None, choices=kv, help="V cache precision (default auto)")
     if not engine:
         return
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                   help=TP_HELP)
     g = p.add_argument_group("engine")
     g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
                    help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start")

@@ -7,7 +7,7 @@ import argparse
 
 from minerva.bench.peers import PEERS
 from minerva.errors import MinervaError
-from minerva.options import ACTIVATIONS_HELP
+from minerva.options import ACTIVATIONS_HELP, TP_HELP
 
 
 def ints(text: str) -> list[int]:
@@ -37,6 +37,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--quantize", default=None, choices=["int8", "int4"],
                    help="quantize a SafeTensors model at load (group-wise, weight-only)")
     q.add_argument("--activations", default="auto", choices=["auto", "float", "int8"], help=ACTIVATIONS_HELP)
+    q.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N", help=TP_HELP)
     q.add_argument("--kv-cache-memory", type=float, default=0.2)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,8 @@ def load_minerva(args) -> tuple[LLM, SystemInfo]:
     llm = LLM(args.model, dtype=args.dtype, threads=args.threads, quantize=args.quantize,
               activations=args.activations, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
-              max_num_batched_tokens=args.max_num_batched_tokens, **speculative)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              tensor_parallel_size=args.tensor_parallel_size, **speculative)
     args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline
     args.activations = llm.activations
     info = SystemInfo("minerva", llm.loaded.load_seconds, peak_rss_mb(),

@@ -165,7 +165,8 @@ def summarize(results: list[Result], duration: float) -> dict:
 
 def load_offline(args):
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=args.max_concurrency or args.num_prompts)
+              max_num_seqs=args.max_concurrency or args.num_prompts,
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", None))
     llm.generate(["warm-up"] * 2, SamplingParams(max_tokens=2, temperature=0))
     return llm
 

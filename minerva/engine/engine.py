@@ -65,33 +65,49 @@ def available_memory(device: torch.device) -> int:
     return 4 << 30  # no way to ask: assume 4 GiB
 
 
-class Engine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, model_id: str, draft: LoadedModel | None = None):
-        """`draft`: the loaded draft model of `--speculative draft:MODEL`."""
-        self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.device = device
-        mc = model.config
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads,
-                                                 mc.head_dim, config.kv_cache_dtype_k,
-                                                 config.kv_cache_dtype_v, dtype)
+def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+             comm=None) -> PagedKVCache:
+    """The paged KV pool for `model` within the budget of `config`. Under tensor parallelism
+    (`comm`) rank 0 sizes it and every rank allocates as many blocks for its own KV heads,
+    since one block table addresses them all."""
+    mc = model.config
+    per_block = PagedKVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads,
+                                             mc.head_dim, config.kv_cache_dtype_k,
+                                             config.kv_cache_dtype_v, dtype)
+    num_blocks = 0
+    if comm is None or comm.rank == 0:
         budget = config.kv_cache_memory
         if budget <= 1:
             budget = budget * available_memory(device)
         num_blocks = int(budget // per_block)
-        if num_blocks < 1:
-            raise MinervaError(f"a KV budget of {int(budget)} bytes holds no block ({per_block} bytes each); "
-                               "raise --kv-cache-memory")
-        self.cache = PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
-                                  mc.head_dim, k_format=config.kv_cache_dtype_k,
-                                  v_format=config.kv_cache_dtype_v, dtype=dtype, device=device)
+    if comm is not None:
+        num_blocks = int(comm.broadcast(torch.tensor([num_blocks]) if comm.rank == 0 else None)[0])
+    if num_blocks < 1:
+        raise MinervaError(f"a KV budget of {config.kv_cache_memory} bytes holds no block ({per_block} bytes each); "
+                           "raise --kv-cache-memory")
+    return PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+                        mc.head_dim, k_format=config.kv_cache_dtype_k,
+                        v_format=config.kv_cache_dtype_v, dtype=dtype, device=device)
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype, model_id: str, draft: LoadedModel | None = None,
+                 comm=None):
+        """`draft`: the loaded draft model of `--speculative draft:MODEL`; `comm`: under tensor
+        parallelism, rank 0's Comm (each forward is broadcast to the other ranks)."""
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.device = device
+        mc = model.config
+        self.cache = kv_cache(model, config, device, dtype, comm)
+        num_blocks = self.cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    salt=model_id.encode())
         self.max_model_len = min(mc.max_position, num_blocks * config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks)
-        self.runner = ModelRunner(model, self.cache, device)
+        self.runner = ModelRunner(model, self.cache, device, comm)
         self.speculator = None
         if config.speculative:
             self.speculator = build_speculator(config.speculative, config.num_speculative_tokens,

@@ -60,12 +60,20 @@ class Seq:
     logit_rows: int = 0
 
 
+STOP, FORWARD = 0, 1  # the kinds of step a tensor-parallel leader broadcasts
+HEADER = 5  # kind, T, B, table width, logit rows
+
+
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device):
+    """Runs forwards over the paged pool. Under tensor parallelism (`comm`) the leader
+    (rank 0) broadcasts each forward's batch as one int64 vector and every rank runs it on
+    its shard; the followers do so in `follow` until the leader's `stop`."""
+
+    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device, comm=None):
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
+        self.comm = comm
 
-    @torch.inference_mode()
     def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
         order (None if none)."""
@@ -79,19 +87,40 @@ class ModelRunner:
             starts.append(starts[-1] + len(s.token_ids))
             seq_lens.append(hi)
             logit_rows += range(starts[-1] - s.logit_rows, starts[-1])
-        positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
         width = max(len(s.table) for s in seqs)
-        tables = torch.tensor([s.table + [0] * (width - len(s.table)) for s in seqs], dtype=torch.int64,
-                              device=self.device)
-        i64 = dict(dtype=torch.int64, device=self.device)
-        backend = PagedBackend(self.cache, torch.tensor(slots, **i64), torch.tensor(starts, **i64),
-                               torch.tensor(seq_lens, **i64), tables, positions)
-        hidden = self.model(torch.tensor(ids, device=self.device), AttentionContext(positions, backend))
-        if not logit_rows:
+        tables = [b for s in seqs for b in s.table + [0] * (width - len(s.table))]
+        header = [FORWARD, len(ids), len(seqs), width, len(logit_rows)]
+        step = torch.tensor(header + ids + pos + slots + starts + seq_lens + tables + logit_rows, dtype=torch.int64)
+        if self.comm is not None:
+            self.comm.broadcast(step)
+        return self._run(step)
+
+    @torch.inference_mode()
+    def _run(self, step: torch.Tensor) -> torch.Tensor | None:
+        _, T, B, width, L = step[:HEADER].tolist()
+        ids, pos, slots, starts, seq_lens, tables, logit_rows = step[HEADER:].to(self.device).split(
+            [T, T, T, B + 1, B, B * width, L])
+        backend = PagedBackend(self.cache, slots, starts, seq_lens, tables.view(B, width), pos)
+        hidden = self.model(ids, AttentionContext(pos, backend))
+        if not L:
             return None
-        logits = self.model.logits(hidden[torch.tensor(logit_rows, device=self.device)])
-        check_logits(logits, hidden.dtype)  # hidden is in the dtype the model runs in; logits are float32
+        logits = self.model.logits(hidden[logit_rows])
+        if logits is not None:  # None on a tensor-parallel follower: the leader gathers them
+            check_logits(logits, hidden.dtype)  # hidden is in the model's dtype; logits are float32
         return logits
+
+    def follow(self) -> None:
+        """A tensor-parallel follower's loop: run each forward the leader broadcasts, until it stops."""
+        while True:
+            step = self.comm.broadcast(None)
+            if int(step[0]) == STOP:
+                return
+            self._run(step)
+
+    def stop(self) -> None:
+        """The leader's last broadcast: the followers leave `follow`."""
+        if self.comm is not None:
+            self.comm.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[Sampled | None]:

@@ -207,15 +207,34 @@ class GGUFTensor:
         """The packed bytes as a uint8 tensor that shares memory with the file."""
         return torch.from_numpy(self.data)
 
-    def read(self) -> torch.Tensor:
+    def read(self, rows: tuple[int, int] | None = None, byte_cols: tuple[int, int] | None = None) -> torch.Tensor:
         """A private copy of the packed bytes, read from the file without the mapping, so
-        loading does not make the file's pages resident in this process next to the copy."""
-        out = np.empty(self.data.shape, dtype=np.uint8)
+        loading does not make the file's pages resident in this process next to the copy.
+        `rows` and `byte_cols` (ranges of a matrix's rows and of each row's bytes) read only
+        that part [rows, byte columns], a few MB of whole rows at a time."""
+        if rows is None and byte_cols is None:
+            out = np.empty(self.data.shape, dtype=np.uint8)
+            self._read_into(out, 0)
+            return torch.from_numpy(out)
+        n, row_bytes = self.data.shape[0], self.data.nbytes // max(self.data.shape[0], 1)
+        (r0, r1), (c0, c1) = rows or (0, n), byte_cols or (0, row_bytes)
+        out = np.empty((r1 - r0, c1 - c0), dtype=np.uint8)
+        if (c0, c1) == (0, row_bytes):
+            self._read_into(out, r0 * row_bytes)
+            return torch.from_numpy(out)
+        step = max(1, (8 << 20) // row_bytes)
+        buf = np.empty((step, row_bytes), dtype=np.uint8)
+        for r in range(r0, r1, step):
+            k = min(step, r1 - r)
+            self._read_into(buf[:k], r * row_bytes)
+            out[r - r0:r - r0 + k] = buf[:k, c0:c1]
+        return torch.from_numpy(out)
+
+    def _read_into(self, out: np.ndarray, start: int) -> None:
         with open(self.path, "rb") as f:
-            f.seek(self.offset)
+            f.seek(self.offset + start)
             if f.readinto(memoryview(out).cast("B")) != out.nbytes:
                 raise MinervaError(f"'{self.path}': tensor '{self.name}' is cut short; re-download the file")
-        return torch.from_numpy(out)
 
 
 class GGUFFile:

@@ -324,6 +324,7 @@ class DecoderLayer(Layer):
         self.input_norm, self.pre_mlp_norm = input_norm, pre_mlp_norm
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
         self.fused = None  # the same layer as one kernel call (see make_fused), when possible
+        self.tp = None  # under tensor parallelism, the Comm that all-reduces each sublayer's partial output
 
     def make_fused(self) -> None:
         """Build this layer as one call of the backend's layer kernel (on CPU the C++
@@ -364,15 +365,24 @@ class DecoderLayer(Layer):
 
     def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Updates the residual stream h in place and returns it."""
+        tp = self.tp
         if self.fused is not None and h.dtype == self.fused_dtype:
             args = ctx.backend.kernel_args(self.attn.layer, h.dtype)
             if args is not None:
-                return self.fused.forward(h, *self.attn.rotary.cos_sin(ctx), *args)
+                cos, sin = self.attn.rotary.cos_sin(ctx)
+                if tp is None:
+                    return self.fused.forward(h, cos, sin, *args)
+                a = tp.all_reduce_(self.fused.attention(h, cos, sin, *args))
+                return self.fused.residual(h, tp.all_reduce_(self.fused.feed_forward(h, a)))
         a = self.attn(self.input_norm(h), ctx)
+        if tp is not None:
+            tp.all_reduce_(a)
         if self.post_attn_norm is not None:
             a = self.post_attn_norm(a)
         n = self.pre_mlp_norm
         m = self.mlp(ops.add_rms_norm(h, a, n.weight, n.eps))  # h += a
+        if tp is not None:
+            tp.all_reduce_(m)
         if self.post_mlp_norm is not None:
             m = self.post_mlp_norm(m)
         return h.add_(m)
@@ -390,21 +400,51 @@ class CausalLM(Layer):
         self.norm = norm
         self.lm_head = lm_head
         self.embed_scale = embed_scale
+        self.tp = None  # under tensor parallelism (see parallelize): the Comm, and this rank's vocabulary rows
+        self.vocab_rows = (0, config.vocab_size)
+        self.vocab_width = config.vocab_size
+
+    def parallelize(self, comm, vocab_rows: tuple[int, int], vocab_width: int) -> None:
+        """Run as one rank of a tensor-parallel group: this model holds rows `vocab_rows` of
+        the embedding and LM head (gathered at `vocab_width` a rank) and its share of every
+        layer, whose partial outputs `comm` all-reduces."""
+        self.tp, self.vocab_rows, self.vocab_width = comm, vocab_rows, vocab_width
+        for layer in self.layers:
+            layer.tp = comm
+
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed.rows(input_ids)
+        lo, hi = self.vocab_rows  # each rank looks up its own rows, zeros elsewhere, and the sum is exact
+        local = input_ids - lo
+        inside = (local >= 0) & (local < hi - lo)
+        h = self.embed.rows(local.clamp(0, hi - lo - 1))
+        return self.tp.all_reduce_(h.masked_fill_(~inside[:, None], 0))
 
     def forward(self, input_ids: torch.Tensor, ctx: AttentionContext,
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens (after the first `num_layers` layers
         and the final norm, when given: an early exit)."""
-        h = self.embed.rows(input_ids)
+        h = self.embed_rows(input_ids)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         for layer in self.layers if num_layers is None else self.layers[:num_layers]:
             h = layer(h, ctx)
         return self.norm(h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the selected hidden states."""
-        logits = self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [N, vocab] for the selected hidden states (under tensor parallelism
+        on rank 0 only, None on the others)."""
+        logits = self.lm_head(hidden)
+        if self.tp is not None:
+            lo, hi = self.vocab_rows
+            if hi - lo < self.vocab_width:
+                logits = torch.nn.functional.pad(logits, (0, self.vocab_width - (hi - lo)))
+            parts = self.tp.gather(logits)
+            if parts is None:
+                return None
+            logits = parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.config.vocab_size]
+        logits = logits.float()
         cap = self.config.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap

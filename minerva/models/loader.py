@@ -27,6 +27,7 @@ from minerva.models.architectures import (
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
 from minerva.models.config import ModelConfig, check_plausible
 from minerva.models.layers import CausalLM, Linear, freeze
+from minerva.parallel.shard import Shard, plan
 
 # -------------------------------------------------------------- weight sources
 
@@ -36,6 +37,7 @@ class GGUFWeights:
     def __init__(self, f: GGUFFile, arch: Architecture, config: ModelConfig,
                  device: torch.device, dtype: torch.dtype):
         self.f, self.arch, self.config, self.device, self.dtype = f, arch, config, device, dtype
+        self.shard: Shard | None = None  # under tensor parallelism, this rank's part of each weight
         self.by_name: dict[str, GGUFTensor] = {}
         for t in f.tensors.values():
             name = canonical(t.name, GGUF_GLOBAL, arch.gguf_layer_names, "blk.")
@@ -46,6 +48,17 @@ class GGUFWeights:
         return name in self.by_name
 
     def _get(self, name: str) -> tuple[GGUFTensor, torch.Tensor]:
+        t = self._find(name)
+        raw = t.read()
+        if self._permuted(name):
+            heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
+            raw = unpermute_qk(raw, heads)
+        return t, raw
+
+    def _permuted(self, name: str) -> bool:
+        return self.arch.permute_qk and name.endswith(("q_proj", "k_proj"))
+
+    def _find(self, name: str) -> GGUFTensor:
         if name not in self.by_name:
             raise MinervaError(f"'{self.f.path}' lacks the tensor for '{name}' "
                                f"that a {self.f.architecture} model needs; the file is incomplete")
@@ -54,15 +67,24 @@ class GGUFWeights:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
                                "which Minerva cannot read")
         check_shape(name, t.name, t.shape, self.config, f"'{self.f.path}'")
-        raw = t.read()
-        if self.arch.permute_qk and name.endswith(("q_proj", "k_proj")):
-            heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
-            raw = unpermute_qk(raw, heads)
-        return t, raw
+        return t
 
     def weight(self, name: str) -> Weight:
+        if self.shard is not None and not self._permuted(name):  # read only this rank's part
+            t = self._find(name)
+            cut = self.shard.cut(name, t.qtype, t.shape)
+            if cut is not None:
+                rows, byte_cols, shape = cut
+                return self._weight(t.read(rows, byte_cols), t.qtype, shape)
         t, raw = self._get(name)
-        return self._weight(raw, t.qtype, t.shape)
+        return self._weight(*self._part(name, raw, t.qtype, t.shape))
+
+    def _part(self, name: str, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]):
+        if self.shard is None:
+            return raw, qtype, shape
+        part, shape = self.shard.packed(name, raw, qtype, shape)
+        # a copy: a view would keep the whole tensor's bytes alive
+        return (raw if part is raw else part.contiguous().clone()), qtype, shape
 
     def _weight(self, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> Weight:
         if qtype in _FLOAT_TYPES:
@@ -75,7 +97,7 @@ class GGUFWeights:
         t, raw = self._get(name)
         count, *shape = t.shape
         per_expert = raw.reshape(count, shape[0], -1)
-        return [self._weight(per_expert[e], t.qtype, tuple(shape)) for e in range(count)]
+        return [self._weight(*self._part(name, per_expert[e], t.qtype, tuple(shape))) for e in range(count)]
 
     def expert_biases(self, name: str) -> list[torch.Tensor] | None:
         return list(self.tensor(name + ".bias").unbind(0)) if self.has(name + ".bias") else None
@@ -85,7 +107,8 @@ class GGUFWeights:
         if t.qtype not in _FLOAT_TYPES:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' should be a float tensor, "
                                f"found {t.qtype.name}")
-        return _float_view(raw, t.qtype, t.shape).float().to(self.device)
+        out = _float_view(raw, t.qtype, t.shape).float()
+        return (out if self.shard is None else self.shard.tensor(name, out).contiguous()).to(self.device)
 
 
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32,
@@ -106,6 +129,7 @@ class SafeTensorsWeights:
                  device: torch.device, dtype: torch.dtype, quantize: str | None = None):
         self.d, self.arch, self.config, self.device, self.dtype = d, arch, config, device, dtype
         self.quantize = quantize
+        self.shard: Shard | None = None  # under tensor parallelism, this rank's part of each weight
         self.by_name: dict[str, str] = {}
         for file_name in d.tensor_names():
             name = canonical(file_name, HF_GLOBAL, arch.hf_layer_names, "model.layers.")
@@ -126,6 +150,8 @@ class SafeTensorsWeights:
         return self._weight(self._get(name), name)
 
     def _weight(self, t: torch.Tensor, name: str) -> Weight:
+        if self.shard is not None:
+            t = self.shard.dense(name, t).contiguous()
         if self.quantize and quantizable(tuple(t.shape)):
             qtype = qtype_for(self.quantize, name)
             packed = quantize(t, qtype, self.by_name.get(name, name))
@@ -139,7 +165,7 @@ class SafeTensorsWeights:
         count = self.config.num_experts
         stem = f"{layer}.experts.{'down' if part == 'down_proj' else 'gate_up'}"
         if self.has(stem + "_blocks"):
-            return self._mxfp4_experts(stem, part)
+            return self._mxfp4_experts(stem, part, name)
         fused = stem + "_t"
         if self.has(fused):
             t = self._get(fused)
@@ -148,13 +174,17 @@ class SafeTensorsWeights:
             return [self._weight(t[e].t().contiguous(), name) for e in range(count)]
         return [self.weight(f"{layer}.experts.{e}.{part}") for e in range(count)]
 
-    def _mxfp4_experts(self, stem: str, part: str) -> list[Weight]:
+    def _mxfp4_experts(self, stem: str, part: str, name: str) -> list[Weight]:
         """GPT-OSS's MXFP4 experts (`*_blocks`, `*_scales`; gate and up rows interleaved),
         rewritten into GGML's MXFP4 layout: they stay packed, as from a GGUF file."""
         blocks, scales = self._get(stem + "_blocks", packed=True), self._get(stem + "_scales", packed=True)
         if part != "down_proj":
             rows = slice(0, None, 2) if part == "gate_proj" else slice(1, None, 2)
             blocks, scales = blocks[:, rows], scales[:, rows]
+        if self.shard is not None:  # rows, or whole blocks of 32 columns
+            axis, (lo, hi) = self.shard.rule(name)
+            cut = (slice(None), slice(lo, hi)) if axis == "out" else (slice(None), slice(None), slice(lo // 32, hi // 32))
+            blocks, scales = blocks[cut], scales[cut]
         shape = (blocks.shape[1], blocks.shape[2] * 32)
         return [PackedWeight(mxfp4_from_blocks(blocks[e], scales[e]).to(self.device), gguf.GGMLQuantizationType.MXFP4,
                              shape, self.dtype) for e in range(blocks.shape[0])]
@@ -168,12 +198,15 @@ class SafeTensorsWeights:
             t = self._get(name + ".bias")
         else:
             return None
-        return list(t.float().to(self.device).contiguous().unbind(0))
+        t = t.float() if self.shard is None else self.shard.tensor(name + ".bias", t.float())
+        return list(t.to(self.device).contiguous().unbind(0))
 
     def tensor(self, name: str) -> torch.Tensor:
         t = self._get(name).float()
         if name.rsplit(".", 1)[-1] in NORMS:
             t = t + self.arch.norm_offset
+        if self.shard is not None:
+            t = self.shard.tensor(name, t).contiguous()
         return t.to(self.device)
 
 
@@ -188,6 +221,7 @@ class LoadedModel:
     load_seconds: float
     weight_bytes: int  # as stored (packed for quantized GGUF tensors)
     compute_bytes: int  # what the matmuls read: packed bytes, or dequantized copies
+    shard: Shard | None = None  # under tensor parallelism, the part of the model this rank holds
 
 
 # The file's own name for each size field, for errors that name what to look at.
@@ -305,12 +339,23 @@ def _prepare(model: CausalLM) -> tuple[int, int]:
             sum(w.compute_nbytes for w in weights.values()))
 
 
+def read_config(path: str | Path) -> ModelConfig:
+    """The config of the model at `path` (GGUF file or Hugging Face directory), without its weights."""
+    path = Path(path)
+    if path.is_dir():
+        return _config_from_hf(SafeTensorsDir(path).config, path)[0]
+    f = GGUFFile(path)
+    return _config_from_gguf(f, find_architecture(f.architecture, f"'{path}'"))
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantize: str | None = None,
-               activations: str = "float") -> LoadedModel:
+               activations: str = "float", parallel: tuple[int, int] | None = None) -> LoadedModel:
     """Load a model; `quantize` ("int8" | "int4") quantizes a SafeTensors checkpoint's
     matmul weights group-wise at load (GGUF files come quantized already); `activations`
-    "int8" has every quantized weight multiply 8-bit activations (`minerva.kernels.act_quant`)."""
+    "int8" has every quantized weight multiply 8-bit activations (`minerva.kernels.act_quant`);
+    `parallel` (rank, world) loads only that tensor-parallel rank's shard (`minerva.parallel.shard`):
+    the model's layers hold its heads, `config` stays the whole model's."""
     start = time.perf_counter()
     path = Path(path)
     device = torch.device(device)
@@ -333,8 +378,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
             tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         except MinervaError as exc:
             raise MinervaError(f"'{path}': {exc}") from None
+    shard = None
+    if parallel is not None:
+        shard = weights.shard = plan(config, *parallel)
     with torch.inference_mode():
-        model = arch.build(config, weights)
+        model = arch.build(config if shard is None else shard.local_config(config), weights)
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     if activations == "int8":
@@ -347,4 +395,4 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         layer.make_fused()
     freeze(model)
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
-                       compute)
+                       compute, shard)

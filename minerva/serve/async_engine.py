@@ -21,6 +21,7 @@ import torch
 
 from minerva.engine.request import Request, Status, StreamDelta
 from minerva.errors import MinervaError
+from minerva.parallel.comm import ParallelError
 from minerva.serve.metrics import Metrics
 
 log = logging.getLogger("minerva.serve")
@@ -70,6 +71,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._threads = threads or torch.get_num_threads()
         self.accepting = False
+        # A failure the engine cannot go on after (a tensor-parallel rank that died): the
+        # requests in flight fail with it, `fatal` keeps it, and `on_fatal` (set by the
+        # server) is called on the event loop to shut the server down.
+        self.fatal: BaseException | None = None
+        self.on_fatal = None
 
     # ------------------------------------------------------------ event loop side
 
@@ -78,6 +84,18 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="minerva-engine", daemon=True)
         self._thread.start()
         self.accepting = True
+        group = getattr(self.llm, "group", None)
+        if group is not None and group.workers:
+            threading.Thread(target=self._watch, args=(group,), name="minerva-tp-watch", daemon=True).start()
+
+    def _watch(self, group) -> None:
+        """Rank 0's worker processes, twice a second: one that exits ends the server, even idle."""
+        while self.alive and not group.closed:
+            why = group.check_workers()
+            if why is not None:
+                self._commands.put(("fatal", ParallelError(why)))
+                return
+            time.sleep(0.5)
 
     @property
     def alive(self) -> bool:
@@ -169,6 +187,9 @@ class AsyncEngine:
                 elif kind == "abort all":
                     for rid in list(self._live):
                         self._abort(rid, out)
+                elif kind == "fatal":
+                    self._fail(arg, out)
+                    stop = True
                 else:
                     stop = True
             if stop:
@@ -181,6 +202,20 @@ class AsyncEngine:
                 self._step(out)
             self._deliver(out)
             self.metrics.update_engine(engine)
+
+    def _fail(self, exc: BaseException, out: list) -> None:
+        """A fatal failure: the requests in flight end with it, and the server is told to stop."""
+        log.error("%s; failing the %d requests in flight and shutting down", exc, len(self._live))
+        self.fatal, self.accepting = exc, False
+        error = RuntimeError(f"the engine failed: {exc}")
+        for rid in list(self._live):
+            t = self._live.pop(rid)
+            if t.scheduled_time is None:
+                self._started(1)
+            self.metrics.finished("error")
+            out.append((t.sink.queue, error))
+        if self.on_fatal is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_fatal)
 
     def _add(self, group: Group, out: list) -> None:
         group.tracked = [Tracked(r, i, group) for i, r in enumerate(group.requests)]
@@ -221,6 +256,10 @@ class AsyncEngine:
         start = time.monotonic()
         try:
             deltas = self.engine.step()
+        except ParallelError as exc:  # the group is broken: fail everything, end the server
+            self._fail(exc, out)
+            self._commands.put(("stop", None))
+            return
         except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine step failed; failing the %d requests in flight", len(self._live))
             error = RuntimeError(f"the engine failed on this request: {type(exc).__name__}: {exc}")

@@ -7,6 +7,7 @@ import sys
 
 import uvicorn
 
+from minerva.errors import MinervaError
 from minerva.serve.app import ServerConfig, build_app
 from minerva.serve.connections import http_protocol
 
@@ -65,4 +66,9 @@ def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
     shown = f"[{host}]" if ":" in host else host
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     print(describe(llm, config, f"http://{shown}:{port}"), file=sys.stderr, flush=True)
-    make_server(app, config, host=host, port=port).run()
+    server = make_server(app, config, host=host, port=port)
+    engine = app.state.engine
+    engine.on_fatal = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if engine.fatal is not None:  # e.g. a tensor-parallel rank died: the requests failed, exit non-zero
+        raise MinervaError(f"the server stopped: {engine.fatal}")

@@ -158,7 +158,7 @@ class LLM:
         if group is None or group.closed:
             return
         try:
-            if hasattr(self, "engine"):
+            if hasattr(self, "engine") and not (group.comm is not None and group.comm.broken):
                 self.engine.runner.stop()
         except MinervaError:  # a worker already gone: nothing to tell it
             pass

@@ -18,6 +18,7 @@ from minerva.bench.roofline import (
     add_parser,
     decode_ceiling,
     model_costs,
+    parallel_decode,
     prefill_ceiling,
 )
 from minerva.errors import MinervaError
@@ -277,6 +278,31 @@ def test_roofline_command_for_other_hardware(smollm2_gguf, capsys):
     assert "decode ceiling by context length" in out
     assert "peak RSS" in out and "loaded in" in out
     assert "\n   8192 " in out and "100000" not in out  # contexts capped at the model's 8192
+
+
+def test_tensor_parallel_prediction():
+    """100 MB over 10 GB/s is 10 ms a token on one device; 4 layers, hidden 1000, vocab 8000 in
+    float32 over 2 devices at 1 GB/s and 10 us: 9 all-reduces of 4 KB (a ring over 2 moves all
+    4 KB, and 2 latencies) plus the gather of the other rank's 16 KB of logits (one latency) plus
+    the step's broadcast (one latency)."""
+    p = parallel_decode(costs(), HW, hidden=1000, vocab=8000, batch=1, context=1, world=2,
+                        link_bandwidth=1e9, link_latency=10e-6)
+    comm = 9 * (4e-6 + 20e-6) + (16e-6 + 10e-6) + 10e-6
+    assert p.comm_seconds == pytest.approx(comm)
+    assert p.one_device == pytest.approx(100.0)
+    assert p.tokens_per_second == pytest.approx(1 / (0.005 + comm))
+    free = parallel_decode(costs(), HW, hidden=1000, vocab=8000, batch=1, context=1, world=4,
+                           link_bandwidth=1e30, link_latency=0.0)
+    assert free.speedup == pytest.approx(4.0)
+
+
+def test_roofline_command_predicts_tensor_parallelism(smollm2_gguf, capsys):
+    args = _parse([str(smollm2_gguf), "--hardware", "h100", "--tensor-parallel-size", "2",
+                   "--link-bandwidth", "50", "--link-latency", "3"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallelism over 2 devices like this one, linked at 50 GB/s with 3 us latency" in out
+    assert "61 all-reduces" in out and "speedup" in out
 
 
 def test_roofline_refuses_to_measure_other_hardware():

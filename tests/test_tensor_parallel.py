@@ -3,6 +3,7 @@ against the one-process model on both real models, plus the faults a user can me
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -223,3 +224,153 @@ def test_serve_answers_and_exits_when_a_worker_dies(smollm2_gguf):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+# ------------------------------------------------------------------ two hosts
+
+
+def _sh(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: (namespace, address, interface) of each."""
+    tag = f"{os.getpid() % 10000}"
+    hosts = [(f"minerva-a{tag}", "10.231.7.1", f"mva{tag}"), (f"minerva-b{tag}", "10.231.7.2", f"mvb{tag}")]
+    made = _sh("ip", "netns", "add", hosts[0][0])
+    if made.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here ({made.stderr.strip() or 'ip netns add failed'})")
+    try:
+        _sh("ip", "netns", "add", hosts[1][0])
+        steps = [("ip", "link", "add", hosts[0][2], "type", "veth", "peer", "name", hosts[1][2])]
+        for ns, addr, dev in hosts:
+            steps += [("ip", "link", "set", dev, "netns", ns),
+                      ("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev),
+                      ("ip", "-n", ns, "link", "set", dev, "up"),
+                      ("ip", "-n", ns, "link", "set", "lo", "up")]
+        for step in steps:
+            done = _sh(*step)
+            if done.returncode != 0:
+                pytest.skip(f"cannot join the namespaces with a veth pair: {' '.join(step)}: {done.stderr.strip()}")
+        yield hosts
+    finally:
+        for ns, _, _ in hosts:
+            _sh("ip", "netns", "del", ns)
+
+
+def test_two_hosts_over_gloo(two_hosts, smollm2_gguf):
+    """One rank in each namespace, started as torchrun starts them; the second sees a /dev/shm of
+    its own, so the ranks find they cannot share memory and talk gloo over TCP. Rank 0 serves an
+    OpenAI request in its namespace; the answer equals the one-process greedy reply."""
+    (ns0, addr0, dev0), (ns1, _, dev1) = two_hosts
+    port, master = 8931, 29731
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": addr0, "MASTER_PORT": str(master),
+           "MINERVA_TP_TIMEOUT": "60"}
+    serve = [sys.executable, "-m", "minerva", "serve", str(smollm2_gguf), "--served-model-name", "m",
+             "--kv-cache-memory", str(64 << 20), "--dtype", "float32", "--activations", "float"]
+    rank0 = subprocess.Popen(["ip", "netns", "exec", ns0, *serve, "--host", addr0, "--port", str(port)],
+                             env={**env, "RANK": "0", "GLOO_SOCKET_IFNAME": dev0},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    private_shm = f"mount -t tmpfs tmpfs /dev/shm && exec {' '.join(serve)}"
+    rank1 = subprocess.Popen(["ip", "netns", "exec", ns1, "unshare", "-m", "sh", "-c", private_shm],
+                             env={**env, "RANK": "1", "GLOO_SOCKET_IFNAME": dev1},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = ("import httpx, json, sys, time\n"
+              "for _ in range(600):\n"
+              "    try:\n"
+              f"        r = httpx.post('http://{addr0}:{port}/v1/chat/completions', timeout=60, json=json.loads(sys.argv[1]))\n"
+              "        break\n"
+              "    except httpx.TransportError:\n"
+              "        time.sleep(0.2)\n"
+              "print(r.status_code)\n"
+              "print(r.json()['choices'][0]['message']['content'] if r.status_code == 200 else r.text)\n")
+    body = {"model": "m", "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
+    try:
+        asked = subprocess.run(["ip", "netns", "exec", ns0, sys.executable, "-c", client, json.dumps(body)],
+                               capture_output=True, text=True, timeout=180)
+        assert asked.returncode == 0, (asked.stderr, rank0.poll(), rank1.poll())
+        status, text = asked.stdout.split("\n", 1)
+        assert status == "200", asked.stdout
+        from minerva import LLM
+
+        single = LLM(str(smollm2_gguf), dtype="float32", activations="float", kv_cache_memory=64 << 20)
+        want = single.chat([{"role": "user", "content": "Say hello."}],
+                           SamplingParams(max_tokens=16, temperature=0)).outputs[0].text
+        assert text.rstrip("\n") == want
+        # rank 1 dies: the next request fails with the reason and rank 0 exits 1 (gloo sees the closed socket)
+        rank1.kill()
+        rank1.wait()
+        again = subprocess.run(["ip", "netns", "exec", ns0, sys.executable, "-c", client, json.dumps(body)],
+                               capture_output=True, text=True, timeout=180)
+        assert again.stdout.startswith("500"), (again.stdout, again.stderr)
+        code = rank0.wait(timeout=60)
+        assert code == 1, rank0.stderr.read()[-3000:]
+    finally:
+        for p in (rank0, rank1):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in (rank0, rank1):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    err0 = rank0.stderr.read()
+    assert "exchanging over gloo" in err0, err0
+    assert "tensor parallelism failed" in err0 and "Traceback" not in err0, err0
+
+
+# ------------------------------------------------------- every architecture
+
+
+TINY_RUN = r"""
+import json, sys, torch
+from minerva import LLM
+from minerva.engine.runner import Seq
+
+def logits(path, quantize, tp):
+    llm = LLM(path, dtype="float32", activations="float", quantize=quantize, tensor_parallel_size=tp,
+              kv_cache_memory=8 << 20)
+    ids = [(7 * i + 3) % 250 + 1 for i in range(40)]
+    blocks = llm.engine.blocks
+    blocks.allocate("x", ids, len(ids))
+    table = blocks.block_table("x")
+    out = torch.cat([llm.engine.runner.forward([Seq(ids[s:s + 16], s, table, len(ids[s:s + 16]))])
+                     for s in range(0, len(ids), 16)])
+    llm.close()
+    return out
+
+result = {}
+for path, quantize in json.loads(sys.argv[1]):
+    want, got = logits(path, quantize, 1), logits(path, quantize, 2)
+    err = ((got - want).abs().max(-1).values / want.abs().max(-1).values).max().item()
+    result[path] = [err, bool(torch.equal(got.argmax(-1), want.argmax(-1)))]
+print("RESULT " + json.dumps(result))
+"""
+
+
+def test_tiny_architectures_split_like_one_process(tmp_path):
+    """Each architecture's own parts through two ranks against one process, on tiny random
+    checkpoints: Llama quantized to Q8_0 at load, Mistral (sliding window) to Q4_1, Gemma 3
+    (QK-norm, sandwich norms), Qwen3-MoE (a router on every rank, the experts split) and
+    GPT-OSS (attention sinks and biases split by head, MXFP4 experts cut in whole blocks)."""
+    from transformers import GptOssConfig, Qwen3MoeConfig
+
+    from tests.helpers.tiny_hf import CONFIGS, MOE, save, to_mxfp4
+
+    wide = {**MOE, "moe_intermediate_size": 64}  # 2 ranks x 32-column blocks
+    gpt_oss = CONFIGS["gpt-oss"]()
+    gpt_oss.intermediate_size = 64
+    runs = [(save(tmp_path, "llama-untied"), "int8"), (save(tmp_path, "mistral-sliding"), "int4"),
+            (save(tmp_path, "gemma3"), None),
+            (save(tmp_path, "qwen3-moe-wide", config=Qwen3MoeConfig(**wide, num_experts=4, num_experts_per_tok=2,
+                                                                     tie_word_embeddings=False)), None),
+            (to_mxfp4(save(tmp_path, "gpt-oss-wide", config=gpt_oss)), None)]
+    assert isinstance(gpt_oss, GptOssConfig)
+    proc = subprocess.run([sys.executable, "-c", TINY_RUN, json.dumps([[str(p), q] for p, q in runs])],
+                          capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    for path, (err, same_argmax) in json.loads(line[len("RESULT "):]).items():
+        assert err < 1e-4 and same_argmax, (path, err)

@@ -197,6 +197,36 @@ def decode_ceiling(costs: ModelCosts, hw: Hardware, batch: int, context: int,
                     batch * 2 * costs.active_int8_params)
 
 
+@dataclass(frozen=True)
+class ParallelDecode:
+    """Batch decode split over `world` devices like the probed one (tensor parallelism)."""
+
+    world: int
+    tokens_per_second: float
+    one_device: float  # tokens/s of the same step on one device
+    comm_seconds: float  # per step: the all-reduces, the logits gather and the step broadcast
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_second / self.one_device
+
+
+def parallel_decode(costs: ModelCosts, hw: Hardware, hidden: int, vocab: int, batch: int, context: int,
+                    world: int, link_bandwidth: float, link_latency: float, dtype: str = "float32") -> ParallelDecode:
+    """Each device reads and computes 1/world of the step; per step the ranks all-reduce two
+    [batch, hidden] activations per layer and the embedding (ring: 2 (N-1)/N of the bytes and
+    2 (N-1) latencies each), gather [batch, vocab / N] float32 logits on rank 0 and receive the
+    step's batch (one latency). `link_bandwidth` in bytes/s, `link_latency` in seconds."""
+    one = decode_ceiling(costs, hw, batch, context, dtype)
+    step = batch / one.tokens_per_second
+    act = batch * hidden * (4 if dtype == "float32" else 2)
+    n = world
+    all_reduce = 2 * (n - 1) / n * act / link_bandwidth + 2 * (n - 1) * link_latency
+    gather = (n - 1) / n * batch * vocab * 4 / link_bandwidth + (n - 1) * link_latency
+    comm = (2 * costs.num_layers + 1) * all_reduce + gather + link_latency
+    return ParallelDecode(world, batch / (step / world + comm), one.tokens_per_second, comm)
+
+
 def prefill_ceiling(costs: ModelCosts, hw: Hardware, prompt_len: int, dtype: str = "float32",
                     depth: int = 0) -> Ceiling:
     """Prompt tokens/s of one prompt computed in a single pass (weights read once), after
@@ -298,11 +328,30 @@ def _context_table(costs: ModelCosts, hw: Hardware, args: argparse.Namespace) ->
     return _table(table, right={0, 1, 2, 4})
 
 
+def _parallel_table(costs: ModelCosts, hw: Hardware, config, args: argparse.Namespace) -> str:
+    n, bw, lat = args.tensor_parallel_size, args.link_bandwidth, args.link_latency
+    context = min(args.context[0], costs.max_context)
+    lines = [f"tensor parallelism over {n} devices like this one, linked at {bw:g} GB/s with {lat:g} us latency "
+             f"(context {context}): {2 * costs.num_layers + 1} all-reduces of batch x {config.hidden_size} "
+             f"activations per step, {config.vocab_size}-wide logits gathered"]
+    rows = [["batch", "1 device", f"{n} devices", "communication / step", "speedup"]]
+    for batch in (1, args.batch):
+        p = parallel_decode(costs, hw, config.hidden_size, config.vocab_size, batch, context, n, bw * 1e9,
+                            lat * 1e-6, args.dtype)
+        rows.append([str(batch), _rate(p.one_device), _rate(p.tokens_per_second), f"{p.comm_seconds * 1e3:.3f} ms",
+                     f"{p.speedup:.2f}x"])
+    return "\n".join(lines + _table(rows, right={1, 2, 3, 4}))
+
+
 def cmd_roofline(args: argparse.Namespace) -> int:
     hw = hardware_from_args(args.hardware, args.bandwidth, args.tflops)
     if hw is not None and args.measure:
         raise MinervaError("--measure runs the engine on this machine; it cannot be combined with "
                            "--hardware, --bandwidth or --tflops")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 2:
+        raise MinervaError(f"--tensor-parallel-size must be at least 2 for a prediction, got {args.tensor_parallel_size}")
+    if not (args.link_bandwidth > 0 and args.link_latency >= 0):
+        raise MinervaError("--link-bandwidth must be > 0 and --link-latency >= 0")
     for flag in ("batch", "prompt"):
         if getattr(args, flag) < 1:
             raise MinervaError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
@@ -356,6 +405,8 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     out += ceiling_table(rows)
     out += ["", f"decode ceiling by context length (batch 1 and batch {args.batch}, all sequences together):"]
     out += _context_table(costs, hw, args)
+    if args.tensor_parallel_size:
+        out += ["", _parallel_table(costs, hw, config, args)]
     if probed:
         out += ["", (f"peak RSS of the whole run: {peak_rss_mb():.0f} MB "
                      "(the probe's 512 MiB buffer included)")]
@@ -389,6 +440,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--activations", default="auto", choices=["auto", "float", "int8"], help=ACTIVATIONS_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", choices=sorted(KV_FORMATS),
                    help="K and V cache precision (default auto: the activation dtype)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="also predict batch decode split over N devices like this one (tensor parallelism)")
+    p.add_argument("--link-bandwidth", type=float, default=10.0, metavar="GB/s",
+                   help="bandwidth between the devices for --tensor-parallel-size (default 10)")
+    p.add_argument("--link-latency", type=float, default=5.0, metavar="US",
+                   help="latency of one message between the devices, microseconds (default 5)")
     p.add_argument("--measure", action="store_true",
                    help="run the engine here (prefill, batch-1 and batch-N decode) and report the "
                         "fraction of each ceiling reached")

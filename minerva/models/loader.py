@@ -151,7 +151,8 @@ class SafeTensorsWeights:
 
     def _weight(self, t: torch.Tensor, name: str) -> Weight:
         if self.shard is not None:
-            t = self.shard.dense(name, t).contiguous()
+            part = self.shard.dense(name, t)  # a copy: a view would keep the whole tensor alive
+            t = t if part is t else part.clone(memory_format=torch.contiguous_format)
         if self.quantize and quantizable(tuple(t.shape)):
             qtype = qtype_for(self.quantize, name)
             packed = quantize(t, qtype, self.by_name.get(name, name))

@@ -37,12 +37,14 @@ class Comm:
     def __init__(self):
         self.calls = 0
         self.seconds = 0.0
+        self.broken = False  # a collective failed: the group cannot be used, nor torn down cleanly
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         try:
             self._all_reduce(t)
         except RuntimeError as exc:
+            self.broken = True
             raise ParallelError(f"tensor parallelism failed in an all-reduce: {exc}") from None
         self.seconds += time.perf_counter() - start
         self.calls += 1
@@ -53,6 +55,7 @@ class Comm:
         try:
             return self._broadcast(t)
         except RuntimeError as exc:
+            self.broken = True
             raise ParallelError(f"tensor parallelism failed in a broadcast: {exc}") from None
 
     def gather(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -60,6 +63,7 @@ class Comm:
         try:
             return self._gather(t)
         except RuntimeError as exc:
+            self.broken = True
             raise ParallelError(f"tensor parallelism failed in a gather: {exc}") from None
 
     def stats(self) -> dict:

@@ -70,8 +70,8 @@ class Group:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized() and not (self.comm is not None and self.comm.broken):
+            dist.destroy_process_group()  # (gloo aborts the process tearing down a group whose peer is gone)
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -125,7 +125,9 @@ def _init_from_env(rank: int, world: int) -> None:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=TIMEOUT))
         else:
-            dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+            os.environ.setdefault("MASTER_ADDR", addr)  # env:// also reuses torchrun's own store
+            os.environ.setdefault("MASTER_PORT", port)
+            dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=TIMEOUT))
     except (RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -65,10 +65,11 @@ CONFIGS = {
 }
 
 
-def save(tmp_path, name, dtype=torch.float32, shard=None):
-    """Save the random model CONFIGS[name] (seeded, so the same every time) under tmp_path/name."""
+def save(tmp_path, name, dtype=torch.float32, shard=None, config=None):
+    """Save the random model CONFIGS[name] (seeded, so the same every time) under tmp_path/name;
+    `config`, when given, is the transformers config to use instead."""
     torch.manual_seed(0)
-    config = CONFIGS[name]()
+    config = config or CONFIGS[name]()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms too, so an off-by-one norm convention shows up
         for n, p in model.named_parameters():

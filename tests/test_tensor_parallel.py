@@ -87,9 +87,10 @@ def pair(request):
     name = request.param
     single = request.getfixturevalue(f"{name}_llm")
     threads = torch.get_num_threads()
-    # a small pool, so that the batched test below preempts
+    # a small pool, so that the batched test below preempts; prompt-lookup guesses, verified
+    # over several rows of logits gathered from both ranks
     tp = LLM(str(single.path), device="cpu", dtype="float32", activations="float", tensor_parallel_size=2,
-             kv_cache_memory=(3 << 20) if name == "smollm2" else (8 << 20))
+             kv_cache_memory=(3 << 20) if name == "smollm2" else (8 << 20), speculative="ngram")
     yield tp, single
     tp.close()
     torch.set_num_threads(threads)
@@ -121,7 +122,7 @@ def test_logits_match_one_process(pair):
 def test_greedy_batched_equals_alone_and_one_process(pair):
     tp, single = pair
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    engine = tp.engine
+    engine = tp.engine  # speculating with prompt lookup (see the fixture)
     before = engine.scheduler.num_preemptions
     batched = [o.outputs[0].token_ids for o in tp.generate(PROMPTS * 2, params)]  # the repeats hit the prefix cache
     alone = [tp.generate(p, params)[0].outputs[0].token_ids for p in PROMPTS]
@@ -130,6 +131,7 @@ def test_greedy_batched_equals_alone_and_one_process(pair):
     assert alone == want
     if tp.config.architecture == "llama":  # the small pool of SmolLM2's pair: ten requests cannot all fit
         assert engine.scheduler.num_preemptions > before
+    assert engine.speculator.stats.num_draft_tokens > 0  # the requests alone ran with guesses
 
 
 def test_each_rank_holds_its_share(pair):

@@ -13,6 +13,7 @@ from minerva.engine.runner import ModelRunner
 from minerva.engine.sampler import new_state
 from minerva.engine.scheduler import Scheduler, SchedulerConfig
 from minerva.engine.speculative import build_speculator, check_speculative, parse_method
+from minerva.engine.structured import Grammars
 from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels import dispatch
@@ -114,6 +115,7 @@ class Engine:
                                                config.speculative_max_batch, model, tokenizer, num_blocks,
                                                config.block_size, dtype, device, draft)
         self.requests: dict[str, Request] = {}
+        self.grammars = Grammars(tokenizer, mc.vocab_size)
 
     # ------------------------------------------------------------ requests
 
@@ -128,6 +130,8 @@ class Engine:
         bad = [t for t in request.params.logit_bias if t >= vocab]
         if bad:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
+        if request.params.structured is not None:  # compiled (and cached) now: a bad one is refused here
+            self.grammars.matcher(request.params.structured)
         ctx = self.model.config.max_position
         if n >= ctx:
             raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "
@@ -143,6 +147,8 @@ class Engine:
         if request.request_id in self.requests:
             raise MinervaError(f"request id '{request.request_id}' is already in use")
         request.sampler = new_state(request.params, request.prompt_token_ids, self.device)
+        if request.params.structured is not None:
+            request.sampler.matcher = self.grammars.matcher(request.params.structured)
         self.requests[request.request_id] = request
         self.scheduler.add(request, OutputProcessor(request.request_id, self.tokenizer, request.params))
 

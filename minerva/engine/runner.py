@@ -15,6 +15,7 @@ import torch
 from minerva.engine.rejection import probabilities, states_along, verify
 from minerva.engine.sampler import check_logits, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, SchedulerOutput
+from minerva.engine.structured import apply_mask_, fill_masks
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
 from minerva.models.layers import AttentionContext, CausalLM
 
@@ -148,12 +149,20 @@ class ModelRunner:
         if plain:
             rows = torch.tensor([r for _, r in plain], device=self.device)
             requests = [batch[i].request for i, _ in plain]
-            tokens = sample_batch(logits[rows], [r.sampler for r in requests])
+            selected = logits[rows]
+            constrained = [j for j, r in enumerate(requests) if r.sampler.matcher is not None]
+            if constrained:  # structured output: tokens the grammar forbids get -inf
+                where = torch.tensor(constrained, device=self.device)
+                masks = fill_masks([requests[j].sampler.matcher for j in constrained], selected.shape[-1])
+                selected[where] = apply_mask_(selected[where], masks)
+            tokens = sample_batch(selected, [r.sampler for r in requests])
+            for j in constrained:
+                requests[j].sampler.matcher.consume_token(tokens[j])
             for (i, r), token in zip(plain, tokens):
                 out[i] = [(token, None)]
             asked = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
             if asked:
-                lps = token_logprobs(logits[rows[asked]], [tokens[a] for a in asked],
+                lps = token_logprobs(selected[asked], [tokens[a] for a in asked],
                                      [requests[a].params.logprobs for a in asked])
                 for a, lp in zip(asked, lps):
                     out[plain[a][0]] = [(tokens[a], lp)]
@@ -161,8 +170,20 @@ class ModelRunner:
 
     def _verify(self, r, logits: torch.Tensor) -> Sampled:
         drafts = r.draft_token_ids
+        matcher, consumed = r.sampler.matcher, 0
+        if matcher is not None:  # each row masked by the grammar's state after the guesses before it
+            masks = []
+            for j in range(len(drafts) + 1):
+                masks.append(fill_masks([matcher], logits.shape[-1]))
+                if j == len(drafts) or matcher.try_consume_tokens([drafts[j]]) != 1:
+                    break  # a guess the grammar forbids has probability 0 in its row: rejected there
+                consumed += 1
+            apply_mask_(logits[:len(masks)], torch.cat(masks))
         p = probabilities(logits, states_along(r.sampler, drafts))
         tokens = verify(p, drafts, r.draft_probs, r.sampler.generator)
+        if matcher is not None:
+            matcher.rollback(consumed - (len(tokens) - 1))
+            matcher.consume_token(tokens[-1])
         if r.params.logprobs is None:
             return [(t, None) for t in tokens]
         lps = token_logprobs(logits[:len(tokens)], tokens, [r.params.logprobs] * len(tokens))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 
 
@@ -38,6 +40,7 @@ class SamplingParams:
     # Leave special tokens out of the text; a chat reply whose reasoning parser reads markers
     # that are special tokens (harmony's) keeps them (see minerva/formats/reasoning.py).
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -68,6 +71,8 @@ class SamplingParams:
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "token ids >= 0"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "true or false"),
+            ("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
+             "a minerva.engine.structured.StructuredOutput"),
             ("speculative_tokens", self.speculative_tokens is None or (
                 isinstance(self.speculative_tokens, int) and 0 <= self.speculative_tokens <= MAX_SPECULATIVE),
              f"an integer in [0, {MAX_SPECULATIVE}]"),
@@ -94,6 +99,7 @@ class SamplerState:
     generator: torch.Generator
     seen: dict[int, None] = field(default_factory=dict)  # prompt and generated tokens, once each
     generated: dict[int, int] = field(default_factory=dict)  # token -> times generated
+    matcher: Any = None  # the llguidance matcher of a constrained request (minerva.engine.structured)
 
     def record(self, token: int) -> None:
         self.seen[token] = None

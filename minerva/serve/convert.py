@@ -17,6 +17,7 @@ import uuid
 from typing import Callable, Sequence
 
 from minerva.engine.sampler import SamplingParams, TokenLogprob
+from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import RESERVED_VARIABLES
 from minerva.serve import protocol as P
@@ -86,7 +87,35 @@ def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None) ->
                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
                           seed=body.seed, logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
-                          speculative_tokens=body.speculative_tokens)
+                          speculative_tokens=body.speculative_tokens, structured=structured(body))
+
+
+def structured(body: P._Sampling) -> StructuredOutput | None:
+    """The output constraint of a request: OpenAI's response_format, or vLLM's guided_* or
+    llama.cpp's json_schema/grammar fields; a 400 when more than one is given."""
+    given = {name: value for name, value in (
+        ("response_format", body.response_format if body.response_format and body.response_format.type != "text"
+         else None),
+        ("guided_json", body.guided_json), ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice),
+        ("guided_grammar", body.guided_grammar), ("json_schema", body.json_schema), ("grammar", body.grammar),
+    ) if value is not None}
+    if len(given) > 1:
+        raise APIError(400, f"give at most one output constraint; got {', '.join(given)}", next(iter(given)))
+    if not given:
+        return None
+    (name, value), = given.items()
+    if name == "response_format":
+        if value.type == "json_object":
+            return StructuredOutput(json_object=True)
+        schema = value.json_schema.schema_
+        return StructuredOutput(json=schema if schema is not None else {})
+    if name in ("guided_json", "json_schema"):
+        return StructuredOutput(json=value)
+    if name == "guided_regex":
+        return StructuredOutput(regex=value)
+    if name == "guided_choice":
+        return StructuredOutput(choice=tuple(value))
+    return StructuredOutput(grammar=value)
 
 
 def chat_max_tokens(body: P.ChatCompletionRequest) -> int | None:

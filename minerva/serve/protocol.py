@@ -22,7 +22,6 @@ INT64 = 2**63 - 1
 
 # Fields of OpenAI's API that Minerva does not implement yet -> the values that ask for nothing.
 UNSUPPORTED: dict[str, tuple] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, True, False),
@@ -40,6 +39,26 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('"json_schema" must be given exactly when type is "json_schema"')
+        return self
 
 
 class _Sampling(_Body):
@@ -68,8 +87,16 @@ class _Sampling(_Body):
         description="Guesses per step for this request when the server runs with --speculative "
                     "(0 turns speculation off for it; default: the server's setting).")
     user: str | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* and llama.cpp's json_schema
+    # and grammar (at most one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, description="GBNF (llama.cpp) or Lark")
+    json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's spelling of a JSON schema")
+    grammar: str | None = Field(None, description="llama.cpp's spelling of a GBNF grammar")
     # OpenAI fields Minerva does not implement yet: only the values in UNSUPPORTED pass.
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

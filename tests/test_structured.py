@@ -1,0 +1,165 @@
+"""Structured output on SmolLM2: every constrained completion parses and validates
+(jsonschema, re.fullmatch), offline and through the server, streamed or not, with n > 1,
+guesses from prompt lookup, and bad constraints refused with a 400 naming the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+
+from minerva.engine.sampler import SamplingParams
+from minerva.engine.structured import StructuredOutput
+from minerva.errors import MinervaError
+from tests.helpers.server import running_server
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                 "minItems": 1, "maxItems": 3}},
+     "required": ["colors"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                      "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+                                      "capital": {"type": "boolean"}},
+     "required": ["city", "population", "capital"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -999, "maximum": 999}, "minItems": 2, "maxItems": 4},
+]
+
+
+def prompt(llm, text: str) -> str:
+    return llm.apply_chat_template([{"role": "user", "content": text}])
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "colors", "city", "numbers"])
+def test_json_schema_outputs_validate(smollm2_llm, schema):
+    params = SamplingParams(max_tokens=80, temperature=0.7, seed=3, n=3, structured=StructuredOutput(json=schema))
+    out = smollm2_llm.generate(prompt(smollm2_llm, "Reply with JSON."), params)[0]
+    for c in out.outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+    assert len({c.text for c in out.outputs}) > 1  # three samples, not one forced string
+
+
+def test_regex_choice_grammar_and_json_object(smollm2_llm):
+    p = prompt(smollm2_llm, "Give me a phone number.")
+    greedy = dict(max_tokens=40, temperature=0)
+    text = smollm2_llm.generate(p, SamplingParams(**greedy, structured=StructuredOutput(regex=r"\d{3}-\d{4}")))
+    assert re.fullmatch(r"\d{3}-\d{4}", text[0].outputs[0].text)
+    text = smollm2_llm.generate(p, SamplingParams(**greedy, structured=StructuredOutput(choice=("yes", "no, thanks"))))
+    assert text[0].outputs[0].text in ("yes", "no, thanks")
+    gbnf = 'root ::= "ID-" [A-F]{4} " " ("ok" | "fail")'
+    text = smollm2_llm.generate(p, SamplingParams(**greedy, structured=StructuredOutput(grammar=gbnf)))
+    assert re.fullmatch(r"ID-[A-F]{4} (ok|fail)", text[0].outputs[0].text)
+    text = smollm2_llm.generate(p, SamplingParams(max_tokens=120, temperature=0,
+                                                  structured=StructuredOutput(json_object=True)))[0].outputs[0]
+    assert text.finish_reason == "stop" and isinstance(json.loads(text.text), dict)
+
+
+def test_cut_off_by_max_tokens_finishes_with_length(smollm2_llm):
+    schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    out = smollm2_llm.generate(prompt(smollm2_llm, "Tell a long story as JSON."),
+                               SamplingParams(max_tokens=6, temperature=0, structured=StructuredOutput(json=schema)))
+    c = out[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(c.text)
+
+
+def test_constrained_and_free_requests_share_steps(smollm2_llm):
+    """The same prompts together and alone, greedy: a constraint changes only its own request."""
+    p = prompt(smollm2_llm, "Describe a city.")
+    free = SamplingParams(max_tokens=24, temperature=0)
+    constrained = SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput(json=SCHEMAS[2]))
+    together = smollm2_llm.generate([p, p, p], [free, constrained, free])
+    alone = [smollm2_llm.generate(p, sp)[0] for sp in (free, constrained)]
+    assert together[0].outputs[0].token_ids == together[2].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert together[1].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    jsonschema.validate(json.loads(together[1].outputs[0].text), SCHEMAS[2])
+
+
+def test_guesses_that_break_the_grammar_are_rejected(smollm2_gguf):
+    """Prompt lookup proposes the prompt's own text, which here is not valid output: the
+    guesses the grammar forbids are rejected and the output still validates, the same as
+    without speculation."""
+    from minerva import LLM
+
+    llm = LLM(str(smollm2_gguf), dtype="float32", activations="float", speculative="ngram",
+              kv_cache_memory=64 << 20)
+    schema = SCHEMAS[0]
+    p = prompt(llm, 'Example: {"name": "Ann", "age": 31}. {"name": "Bob", "age": 4}. Another one, as JSON:')
+    sp = SamplingParams(max_tokens=40, temperature=0, structured=StructuredOutput(json=schema))
+    spec = llm.generate(p, sp)[0].outputs[0]
+    plain = llm.generate(p, SamplingParams(max_tokens=40, temperature=0, speculative_tokens=0,
+                                           structured=StructuredOutput(json=schema)))[0].outputs[0]
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert spec.token_ids == plain.token_ids
+    jsonschema.validate(json.loads(spec.text), schema)
+
+
+def test_bad_constraints_are_errors(smollm2_llm):
+    p = prompt(smollm2_llm, "hi")
+    for bad, words in ((StructuredOutput(json={"type": "nonsense"}), "invalid json constraint"),
+                       (StructuredOutput(regex="(unclosed"), "unclosed group"),
+                       (StructuredOutput(grammar="root ::= ("), "invalid GBNF grammar"),
+                       (StructuredOutput(json="{not json"), "not valid JSON")):
+        with pytest.raises(MinervaError, match=words):
+            smollm2_llm.generate(p, SamplingParams(structured=bad))
+    with pytest.raises(MinervaError, match="exactly one"):
+        StructuredOutput(regex="a", choice=("b",))
+
+
+# ------------------------------------------------------------------ server
+
+
+def test_server_response_format_and_guided_fields(smollm2_llm):
+    schema = SCHEMAS[2]
+    messages = [{"role": "user", "content": "Describe a city as JSON."}]
+    with running_server(smollm2_llm) as (url, _):
+        body = {"messages": messages, "max_tokens": 80, "temperature": 0.8, "n": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            assert choice["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        # streamed: the deltas joined validate
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "n": 1, "stream": True},
+                          timeout=60) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        jsonschema.validate(json.loads(text), schema)
+        # text completions with vLLM's and llama.cpp's spellings
+        for extra, check in (({"guided_regex": r"[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{4}", t)),
+                             ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta")),
+                             ({"grammar": 'root ::= "x" [yz]'}, lambda t: t in ("xy", "xz")),
+                             ({"json_schema": SCHEMAS[3]}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS[3])
+                              or True)):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Answer:", "max_tokens": 60, "temperature": 0,
+                                                          **extra}, timeout=60)
+            assert r.status_code == 200, (extra, r.text)
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "stop" and check(choice["text"]), (extra, choice)
+        r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+            "messages": messages, "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_object"}})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "invalid json constraint"),
+    ({"guided_regex": "(unclosed"}, "unclosed group"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_server_refuses_bad_constraints(smollm2_llm, extra, words):
+    with running_server(smollm2_llm) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", timeout=60,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"], r.text

@@ -244,7 +244,9 @@ def test_metrics_names(served):
              "generation_tokens_total", "time_to_first_token_seconds_bucket",
              "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
              "request_queue_time_seconds_bucket", "request_success_total", "cpu_pool_parallel_calls_total",
-             "cpu_pool_backed_off_calls_total", "cpu_pool_stalls_total", "cpu_pool_backoffs_total")
+             "cpu_pool_backed_off_calls_total", "cpu_pool_stalls_total", "cpu_pool_backoffs_total",
+             "structured_output_rows_total", "structured_output_mask_fill_seconds_total",
+             "structured_output_mask_apply_seconds_total", "tp_all_reduce_calls_total", "tp_all_reduce_seconds_total")
     for name in names:
         assert f"minerva:{name}" in text, name
     assert metric(served[0], "minerva:generation_tokens_total") > 0

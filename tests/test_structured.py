@@ -147,6 +147,9 @@ def test_server_response_format_and_guided_fields(smollm2_llm):
             "messages": messages, "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_object"}})
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"]), dict)
+        rows = next(float(line.split()[-1]) for line in httpx.get(url + "/metrics").text.splitlines()
+                    if line.startswith("minerva:structured_output_rows_total{"))
+        assert rows >= r.json()["usage"]["completion_tokens"]  # every constrained token counted
 
 
 @pytest.mark.parametrize("extra, words", [

@@ -44,6 +44,49 @@ class Result:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
+    text: str = ""
+    schema: dict | None = None  # the JSON schema it was asked to follow (--json-schemas)
+
+
+# --json-schemas: ten shapes of JSON output, each bounded so that a completion can end
+_INT = {"type": "integer", "minimum": 0, "maximum": 100000}
+_STR = {"type": "string", "maxLength": 24}
+SCHEMAS = [
+    {"type": "object", "properties": {"name": _STR, "age": _INT}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": _STR, "population": _INT, "capital": {"type": "boolean"}},
+     "required": ["city", "population", "capital"]},
+    {"type": "array", "items": _INT, "minItems": 1, "maxItems": 6},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                 "maxItems": 4}}, "required": ["colors"]},
+    {"type": "object", "properties": {"title": _STR, "year": _INT, "tags": {"type": "array", "items": _STR,
+                                                                         "maxItems": 3}},
+     "required": ["title", "year", "tags"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confidence": {"type": "number"}},
+     "required": ["answer"]},
+    {"type": "object", "properties": {"x": _INT, "y": _INT, "label": _STR}, "required": ["x", "y"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": _INT, "email": _STR},
+                                               "required": ["id"]}}, "required": ["user"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": _STR, "v": _INT}, "required": ["k", "v"]},
+     "maxItems": 3},
+    {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 80}}, "required": ["summary"]},
+]
+
+
+def valid_for(text: str, schema: dict) -> bool:
+    """Whether `text` parses as JSON and (where jsonschema is installed) validates against `schema`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    try:
+        import jsonschema
+    except ImportError:  # parsing is the check then
+        return True
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
 
 
 def load_tokenizer(model: str | None):
@@ -85,6 +128,8 @@ async def one_request(client, url: str, payload: dict, prompt_len: int, headers:
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
+                for c in chunk.get("choices") or ():
+                    r.text += c.get("text") or (c.get("delta") or {}).get("content") or ""
                 if chunk.get("choices"):
                     if r.ttft == 0.0:
                         r.ttft = now - start
@@ -114,9 +159,11 @@ async def run_load(args, prompts: list[tuple[str, int]], model_name: str) -> tup
     timeout = httpx.Timeout(None, connect=30.0)
     pool = httpx.Limits(max_connections=args.max_concurrency or len(prompts), max_keepalive_connections=None)
 
-    async def limited(client, payload, n):
+    async def limited(client, payload, n, schema):
         async with limit:
-            return await one_request(client, url, payload, n, headers)
+            result = await one_request(client, url, payload, n, headers)
+            result.schema = schema
+            return result
 
     async with httpx.AsyncClient(timeout=timeout, limits=pool) as client:
         tasks = []
@@ -126,7 +173,13 @@ async def run_load(args, prompts: list[tuple[str, int]], model_name: str) -> tup
                        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
             if args.ignore_eos:
                 payload["ignore_eos"] = True
-            tasks.append(asyncio.create_task(limited(client, payload, n)))
+            schema = None
+            if args.json_schemas:
+                schema = SCHEMAS[len(tasks) % args.json_schemas]
+                payload["response_format"] = {"type": "json_schema",
+                                              "json_schema": {"name": f"shape{len(tasks) % args.json_schemas}",
+                                                              "schema": schema}}
+            tasks.append(asyncio.create_task(limited(client, payload, n, schema)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -160,6 +213,8 @@ def summarize(results: list[Result], duration: float) -> dict:
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "ttft_ms": stats([r.ttft for r in done]), "tpot_ms": stats(tpot),
         "itl_ms": stats([x for r in done for x in r.itl]), "e2el_ms": stats([r.latency for r in done]),
+        "valid_json": (f"{sum(valid_for(r.text, r.schema) for r in done if r.schema is not None)} / "
+                       f"{sum(r.schema is not None for r in done)}"),
     }
 
 
@@ -227,6 +282,8 @@ def report(summary: dict, args, model_name: str, off: dict | None) -> list[str]:
     lines.append(f"{'P99 / median ITL:':<40}{r['itl_p99_over_median']:>12.2f}")
     for e in summary["errors"]:
         lines.append(f"error: {e}")
+    if args.json_schemas:
+        lines.append(f"{'Outputs valid for their JSON schema:':<40}{summary['valid_json']:>12}")
     if off:
         lines += [f"{'-' * 16}{'Offline engine, same prompts':-^36}{'-' * 16}"[:68],
                   f"{'Output token throughput (tok/s):':<40}{off['output_throughput']:>12.2f}",
@@ -254,6 +311,8 @@ async def _model_name(args) -> str:
 def cmd_bench_serve(args) -> int:
     if args.base_url is None:
         args.base_url = f"http://{args.host}:{args.port}"
+    if not 0 <= args.json_schemas <= len(SCHEMAS):
+        raise MinervaError(f"--json-schemas must be in [0, {len(SCHEMAS)}], got {args.json_schemas}")
     for name in ("num_prompts", "random_input_len", "random_output_len"):
         if getattr(args, name) < 1:
             raise MinervaError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -327,6 +386,9 @@ def add_parser(bsub) -> None:
     q.add_argument("--random-input-len", type=int, default=128)
     q.add_argument("--random-output-len", type=int, default=128)
     q.add_argument("--ignore-eos", action="store_true", help="generate exactly --random-output-len tokens")
+    q.add_argument("--json-schemas", type=int, default=0, metavar="N",
+                   help=f"constrain request i to JSON schema i mod N of {len(SCHEMAS)} built-in shapes "
+                        "(response_format json_schema) and count the outputs that validate (default 0: none)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--result-file", default=None, help="also write the results to this JSON file")
     q.add_argument("--compare-offline", action="store_true",

@@ -17,6 +17,7 @@ a copy of the compiled matcher. The tokenizer's view for llguidance is built on 
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -157,6 +158,17 @@ def _validate(grammar: str, tokenizer: llguidance.LLTokenizer) -> tuple[bool, st
     return not is_error, "; ".join(messages)
 
 
+@dataclass
+class MaskStats:
+    """What the masks have cost this process: rows masked, seconds computing their bitmasks
+    (llguidance) and seconds applying them to the logits."""
+
+    rows: int = 0
+    fill_seconds: float = 0.0
+    apply_seconds: float = 0.0
+
+
+STATS = MaskStats()
 _executor: llguidance.LLExecutor | None = None
 
 
@@ -164,6 +176,7 @@ def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.T
     """The bitmask [len(matchers), ceil(vocab / 32)] int32 of the tokens each allows next
     (several matchers on llguidance's threads at once)."""
     global _executor
+    start = time.perf_counter()
     mask = torch.empty(len(matchers), (vocab_size + 31) // 32, dtype=torch.int32)
     if len(matchers) == 1:
         matchers[0].unsafe_compute_mask_ptr(mask.data_ptr(), mask.shape[1] * 4)
@@ -172,12 +185,17 @@ def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.T
             _executor = llguidance.LLExecutor()
         _executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
                                           mask.shape[1] * 4, len(matchers))
+    STATS.rows += len(matchers)
+    STATS.fill_seconds += time.perf_counter() - start
     return mask
 
 
 def apply_mask_(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with every token whose bit in mask [N, ceil(V / 32)] is 0 set to -inf."""
+    start = time.perf_counter()
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((mask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool()
     allowed = allowed.reshape(mask.shape[0], -1)[:, :logits.shape[-1]]
-    return logits.masked_fill_(~allowed, float("-inf"))
+    out = logits.masked_fill_(~allowed, float("-inf"))
+    STATS.apply_seconds += time.perf_counter() - start
+    return out

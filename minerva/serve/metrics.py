@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from minerva.engine import structured
 from minerva.engine.sampler import MAX_SPECULATIVE
 from minerva.kernels import native
 
@@ -66,12 +67,23 @@ class Metrics:
                                        "Kernel calls run on one thread while backed off from stalling helpers.")
         self.pool_stalls = counter("cpu_pool_stalls", "Kernel calls that waited on a helper thread off its core.")
         self.pool_backoffs = counter("cpu_pool_backoffs", "Times the kernels went to one thread for a while.")
+        self.structured_rows = counter("structured_output_rows", "Token choices constrained by a grammar.")
+        self.structured_fill = counter("structured_output_mask_fill_seconds",
+                                       "Seconds computing grammars' token masks (llguidance).")
+        self.structured_apply = counter("structured_output_mask_apply_seconds",
+                                        "Seconds applying grammars' token masks to the logits.")
+        self.tp_calls = counter("tp_all_reduce_calls", "All-reduces between tensor-parallel ranks.")
+        self.tp_seconds = counter("tp_all_reduce_seconds",
+                                  "Seconds rank 0 spent in all-reduces, waiting for the other ranks included.")
         self._success = Counter("minerva:request_success", "Requests finished, by reason.",
                                 labelnames=["model_name", "finished_reason"], registry=r)
         self._labels = labels
         self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
                       "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "pool_parallel": 0,
-                      "pool_backed_off": 0, "pool_stalls": 0, "pool_backoffs": 0}
+                      "pool_backed_off": 0, "pool_stalls": 0, "pool_backoffs": 0, "tp_calls": 0, "tp_seconds": 0.0,
+                      # process-wide totals: counted from what they are when the server starts
+                      "structured_rows": structured.STATS.rows, "structured_fill": structured.STATS.fill_seconds,
+                      "structured_apply": structured.STATS.apply_seconds}
         self._seen_lengths: list[int] = []
 
     def finished(self, reason: str) -> None:
@@ -100,6 +112,11 @@ class Metrics:
         if pool is not None:
             totals += [("pool_parallel", pool["parallel_calls"]), ("pool_backed_off", pool["backed_off_calls"]),
                        ("pool_stalls", pool["stalls"]), ("pool_backoffs", pool["backoffs"])]
+        totals += [("structured_rows", structured.STATS.rows), ("structured_fill", structured.STATS.fill_seconds),
+                   ("structured_apply", structured.STATS.apply_seconds)]
+        comm = engine.runner.comm
+        if comm is not None:
+            totals += [("tp_calls", comm.calls), ("tp_seconds", comm.seconds)]
         for name, total in totals:
             gained = total - self._seen[name]
             if gained > 0:

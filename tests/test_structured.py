@@ -166,3 +166,22 @@ def test_server_refuses_bad_constraints(smollm2_llm, extra, words):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 33])
+def test_mask_application_matches_the_bits(vocab):
+    """apply_mask_ (the C++ kernel where it is built) sets -inf exactly where the bit is 0,
+    bit j of word w standing for token 32 w + j, as numpy's little-endian unpackbits reads it;
+    words of all ones and of all zeros included."""
+    import numpy as np
+    import torch
+
+    from minerva.engine.structured import apply_mask_
+
+    g = torch.Generator().manual_seed(vocab)
+    mask = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    mask[0, 0], mask[1, -1] = -1, 0
+    logits = torch.randn(4, vocab, generator=g)
+    allowed = np.unpackbits(mask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool)
+    want = torch.where(torch.from_numpy(allowed), logits, float("-inf"))
+    assert torch.equal(apply_mask_(logits.clone(), mask), want)

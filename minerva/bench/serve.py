@@ -48,27 +48,28 @@ class Result:
     schema: dict | None = None  # the JSON schema it was asked to follow (--json-schemas)
 
 
-# --json-schemas: ten shapes of JSON output, each bounded so that a completion can end
+# --json-schemas: ten shapes of JSON output, each bounded (no extra properties, short strings)
+# so that a completion can end
 _INT = {"type": "integer", "minimum": 0, "maximum": 100000}
 _STR = {"type": "string", "maxLength": 24}
 SCHEMAS = [
-    {"type": "object", "properties": {"name": _STR, "age": _INT}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"name": _STR, "age": _INT}, "additionalProperties": False, "required": ["name", "age"]},
     {"type": "object", "properties": {"city": _STR, "population": _INT, "capital": {"type": "boolean"}},
-     "required": ["city", "population", "capital"]},
+     "additionalProperties": False, "required": ["city", "population", "capital"]},
     {"type": "array", "items": _INT, "minItems": 1, "maxItems": 6},
     {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-                                                 "maxItems": 4}}, "required": ["colors"]},
+                                                 "maxItems": 4}}, "additionalProperties": False, "required": ["colors"]},
     {"type": "object", "properties": {"title": _STR, "year": _INT, "tags": {"type": "array", "items": _STR,
                                                                          "maxItems": 3}},
-     "required": ["title", "year", "tags"]},
+     "additionalProperties": False, "required": ["title", "year", "tags"]},
     {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confidence": {"type": "number"}},
-     "required": ["answer"]},
-    {"type": "object", "properties": {"x": _INT, "y": _INT, "label": _STR}, "required": ["x", "y"]},
+     "additionalProperties": False, "required": ["answer"]},
+    {"type": "object", "properties": {"x": _INT, "y": _INT, "label": _STR}, "additionalProperties": False, "required": ["x", "y"]},
     {"type": "object", "properties": {"user": {"type": "object", "properties": {"id": _INT, "email": _STR},
-                                               "required": ["id"]}}, "required": ["user"]},
-    {"type": "array", "items": {"type": "object", "properties": {"k": _STR, "v": _INT}, "required": ["k", "v"]},
+                                               "additionalProperties": False, "required": ["id"]}}, "additionalProperties": False, "required": ["user"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": _STR, "v": _INT}, "additionalProperties": False, "required": ["k", "v"]},
      "maxItems": 3},
-    {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 80}}, "required": ["summary"]},
+    {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 80}}, "additionalProperties": False, "required": ["summary"]},
 ]
 
 

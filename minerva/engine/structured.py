@@ -27,6 +27,7 @@ import torch
 
 from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
+from minerva.kernels import native
 
 CACHED_GRAMMARS = 256
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace): small models given free
@@ -193,9 +194,12 @@ def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.T
 def apply_mask_(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with every token whose bit in mask [N, ceil(V / 32)] is 0 set to -inf."""
     start = time.perf_counter()
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((mask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool()
-    allowed = allowed.reshape(mask.shape[0], -1)[:, :logits.shape[-1]]
-    out = logits.masked_fill_(~allowed, float("-inf"))
+    kernels = native.load() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
+        kernels.apply_token_bitmask_(logits, mask.contiguous())
+    else:
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((mask.to(logits.device).unsqueeze(-1) >> bits) & 1).bool()
+        logits.masked_fill_(~allowed.reshape(mask.shape[0], -1)[:, :logits.shape[-1]], float("-inf"))
     STATS.apply_seconds += time.perf_counter() - start
-    return out
+    return logits

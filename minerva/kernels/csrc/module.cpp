@@ -6,6 +6,7 @@
 // Python between them (a decode step of a small model is mostly that).
 
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -323,6 +324,30 @@ struct Experts {
   }
 };
 
+// logits [N, V] float32: every token whose bit in mask [N, ceil(V / 32)] (int32, bit j of
+// word w is token 32 w + j) is 0 set to -inf, in place. A word of all ones (the usual case
+// inside a JSON string) costs one compare.
+void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask) {
+  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2,
+              "logits: contiguous float32 [N, V]");
+  TORCH_CHECK(mask.scalar_type() == torch::kInt32 && mask.is_contiguous() && mask.dim() == 2 &&
+                  mask.size(0) == logits.size(0) && mask.size(1) * 32 >= logits.size(1),
+              "mask: contiguous int32 [N, ceil(V / 32)]");
+  const int64_t N = logits.size(0), V = logits.size(1), W = mask.size(1);
+  const float neg = -std::numeric_limits<float>::infinity();
+  for (int64_t n = 0; n < N; ++n) {
+    float* row = logits.data_ptr<float>() + n * V;
+    const auto* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + n * W;
+    for (int64_t w = 0; w * 32 < V; ++w) {
+      const uint32_t bits = words[w];
+      if (bits == 0xffffffffu) continue;
+      const int64_t end = std::min<int64_t>(32, V - w * 32);
+      for (int64_t j = 0; j < end; ++j)
+        if (!((bits >> j) & 1u)) row[w * 32 + j] = neg;
+    }
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -345,6 +370,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, "logits of the tokens a bitmask forbids set to -inf, in place");
   m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
   m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");

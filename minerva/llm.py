@@ -21,6 +21,7 @@ from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
 from minerva.models.loader import LoadedModel, load_model, read_config
 from minerva.parallel import launch
+from minerva.parallel.comm import exchange_choice
 from minerva.parallel.shard import plan
 from minerva.store import resolve
 
@@ -108,6 +109,7 @@ class LLM:
         self.device = parse_device(device)
         # the model first: a wrong name is an error at once, before the kernels are built
         self.path = resolve(model, auto_pull=auto_pull)
+        launch.check_size(tensor_parallel_size)
         if (tensor_parallel_size or 1) > 1 or launch.torchrun_rank():
             if self.device.type != "cpu":
                 raise MinervaError("tensor parallelism runs on CPUs so far; use --device cpu")
@@ -115,7 +117,10 @@ class LLM:
                 raise MinervaError("--speculative self does not run under tensor parallelism yet; "
                                    "use ngram or draft:MODEL")
             world = tensor_parallel_size or launch.torchrun_rank()[1]
-            plan(read_config(self.path), 0, world)  # a model that cannot split fails before any rank starts
+            # what would fail on every rank fails here, before any rank starts
+            plan(read_config(self.path), 0, world)
+            exchange_choice()
+            launch.timeout()
             threads = launch.threads_per_rank(threads, world)
             spec = dict(model=str(self.path), device=device, dtype=dtype, auto_pull=False, threads=threads,
                         quantize=quantize, activations=activations, tensor_parallel_size=tensor_parallel_size,

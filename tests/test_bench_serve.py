@@ -48,6 +48,7 @@ def test_bench_serve_no_server(tiny):
 
 def test_bench_serve_bad_flags(tiny):
     assert_clean_error(run("bench", "serve", str(tiny), "--max-concurrency", "0"), "--max-concurrency")
+    assert_clean_error(run("bench", "serve", str(tiny), "--json-schemas", "11"), "--json-schemas must be in [0, 10]")
 
 
 def test_bench_serve_compare_offline_rounds(tiny, url, tmp_path):

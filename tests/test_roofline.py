@@ -305,6 +305,17 @@ def test_roofline_command_predicts_tensor_parallelism(smollm2_gguf, capsys):
     assert "61 all-reduces" in out and "speedup" in out
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--tensor-parallel-size", "1"], "--tensor-parallel-size must be at least 2"),
+    (["--tensor-parallel-size", "2", "--link-bandwidth", "0"], "--link-bandwidth must be > 0"),
+    (["--tensor-parallel-size", "2", "--link-latency", "-1"], "--link-latency >= 0"),
+])
+def test_roofline_refuses_bad_parallel_flags(smollm2_gguf, flags, words):
+    args = _parse([str(smollm2_gguf), "--hardware", "h100", *flags])
+    with pytest.raises(MinervaError, match=words):
+        args.func(args)
+
+
 def test_roofline_refuses_to_measure_other_hardware():
     args = _parse(["--hardware", "h100", "--measure"])
     with pytest.raises(MinervaError, match="--measure"):

@@ -179,6 +179,18 @@ def test_a_model_that_does_not_split_fails_before_any_rank_starts(smollm2_gguf):
                        "--tensor-parallel-size 4 cannot split this model", "9 attention heads")
 
 
+@pytest.mark.parametrize("args, env, words", [
+    (["-tp", "0"], {}, "--tensor-parallel-size must be an integer >= 1, got 0"),
+    (["-tp", "-2"], {}, "--tensor-parallel-size must be an integer >= 1, got -2"),
+    (["-tp", "2"], {"MINERVA_TP_TIMEOUT": "soon"}, "MINERVA_TP_TIMEOUT must be a number of seconds > 0"),
+    (["-tp", "2"], {"MINERVA_TP_EXCHANGE": "carrier-pigeon"}, "MINERVA_TP_EXCHANGE must be auto, gloo or shm"),
+])
+def test_bad_parallel_settings_are_one_error_before_any_rank_starts(smollm2_gguf, args, env, words):
+    proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(smollm2_gguf), "hi", "-n", "2", *args],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert_clean_error(proc, words)  # one error line: no worker started to repeat it
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]

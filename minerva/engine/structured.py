@@ -49,8 +49,7 @@ class StructuredOutput:
     def __post_init__(self):
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        given += ["json_object"] if self.json_object else []
+        given = self._given()
         if len(given) != 1:
             raise MinervaError(f"structured output takes exactly one of json, json_object, regex, choice "
                                f"and grammar; got {', '.join(given) or 'none'}")
@@ -64,10 +63,13 @@ class StructuredOutput:
                     "choice": "a non-empty list of non-empty strings", "json_object": "true"}[given[0]]
             raise MinervaError(f"structured output {given[0]} must be {what}")
 
+    def _given(self) -> list[str]:
+        return [k for k in ("json", "json_object", "regex", "choice", "grammar")
+                if (self.json_object if k == "json_object" else getattr(self, k) is not None)]
+
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None) \
-            if not self.json_object else "json_object"
+        return self._given()[0]
 
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar; a MinervaError naming what is wrong with it."""

@@ -156,6 +156,14 @@ def _shared_segment(native, rank: int, world: int) -> ShmComm | None:
     return ShmComm(native.Exchange(segment, rank, world, SLOT_BYTES, pids), rank, world)
 
 
+def exchange_choice() -> str:
+    """MINERVA_TP_EXCHANGE: auto (shared memory where the ranks share a host), gloo or shm."""
+    choice = os.environ.get("MINERVA_TP_EXCHANGE", "auto")
+    if choice not in ("auto", "gloo", "shm"):
+        raise MinervaError(f"MINERVA_TP_EXCHANGE must be auto, gloo or shm, got {choice!r}")
+    return choice
+
+
 def connect(device: torch.device) -> Comm:
     """The Comm for this process's group: shared memory on one host unless
     MINERVA_TP_EXCHANGE=gloo, gloo otherwise. Collective."""
@@ -163,9 +171,7 @@ def connect(device: torch.device) -> Comm:
         raise MinervaError("tensor parallelism runs on CPUs so far; use --device cpu")
     module = native.load()
     rank, world = dist.get_rank(), dist.get_world_size()
-    choice = os.environ.get("MINERVA_TP_EXCHANGE", "auto")
-    if choice not in ("auto", "gloo", "shm"):
-        raise MinervaError(f"MINERVA_TP_EXCHANGE must be auto, gloo or shm, got {choice!r}")
+    choice = exchange_choice()
     can = torch.tensor([int(choice != "gloo" and module is not None)])
     dist.all_reduce(can, op=dist.ReduceOp.MIN)  # one decision on every rank
     if can.item():

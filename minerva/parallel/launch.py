@@ -35,7 +35,23 @@ from minerva.parallel.comm import Comm, connect
 log = logging.getLogger("minerva")
 
 SPAWNED = "MINERVA_TP_SPAWNED"  # set for the workers rank 0 starts itself
-TIMEOUT = float(os.environ.get("MINERVA_TP_TIMEOUT", 120))  # seconds for every rank to arrive
+
+
+def timeout() -> float:
+    """Seconds every rank has to arrive (MINERVA_TP_TIMEOUT, default 120)."""
+    text = os.environ.get("MINERVA_TP_TIMEOUT", "120")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise MinervaError(f"MINERVA_TP_TIMEOUT must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def check_size(size) -> None:
+    if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise MinervaError(f"--tensor-parallel-size must be an integer >= 1, got {size!r}")
 
 
 @dataclass
@@ -101,9 +117,8 @@ def threads_per_rank(threads: int | None, world: int) -> int:
 def join(size: int | None, spec: dict) -> Group | None:
     """Start or join the tensor-parallel group `spec` (the LLM's options) runs in; None for
     one process. Errors (a port in use, ranks that never arrive, a worker that dies while
-    starting) are MinervaErrors within TIMEOUT seconds."""
-    if size is not None and (not isinstance(size, int) or size < 1):
-        raise MinervaError(f"--tensor-parallel-size must be an integer >= 1, got {size!r}")
+    starting) are MinervaErrors within `timeout()` seconds."""
+    check_size(size)
     launched = torchrun_rank()
     if launched is not None:
         rank, world = launched
@@ -117,28 +132,30 @@ def join(size: int | None, spec: dict) -> Group | None:
 
 
 def _init_from_env(rank: int, world: int) -> None:
+    limit = timeout()
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     try:
         if os.environ.get(SPAWNED):
-            store = dist.TCPStore(addr, int(port), world, is_master=False, timeout=timedelta(seconds=TIMEOUT))
+            store = dist.TCPStore(addr, int(port), world, is_master=False, timeout=timedelta(seconds=limit))
             store.set(f"minerva/arrived/{rank}", "1")
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=TIMEOUT))
+                                    timeout=timedelta(seconds=limit))
         else:
             os.environ.setdefault("MASTER_ADDR", addr)  # env:// also reuses torchrun's own store
             os.environ.setdefault("MASTER_PORT", port)
             dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=TIMEOUT))
+                                    timeout=timedelta(seconds=limit))
     except (RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise MinervaError(f"rank {rank} of {world} could not join the tensor-parallel group at {addr}:{port} "
-                           f"within {TIMEOUT:.0f} s ({first}); check that every rank was started with the same "
+                           f"within {limit:.0f} s ({first}); check that every rank was started with the same "
                            "MASTER_ADDR and MASTER_PORT and that rank 0 can listen there") from None
 
 
 def _spawn(world: int, spec: dict) -> Group:
+    limit = timeout()
     try:
-        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=TIMEOUT),
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timedelta(seconds=limit),
                               wait_for_workers=False)
     except RuntimeError as exc:
         raise MinervaError(f"cannot open a local port for the tensor-parallel ranks: {exc}") from None
@@ -150,16 +167,16 @@ def _spawn(world: int, spec: dict) -> Group:
                                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                               stdin=subprocess.DEVNULL))
     atexit.register(group.close, 2.0)
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + limit
     keys = [f"minerva/arrived/{r}" for r in range(1, world)]
     while not store.check(keys):
         broken = group.check_workers()
         if broken is not None or time.monotonic() > deadline:
             group.close(0.0)
             raise MinervaError(f"the tensor-parallel workers did not start: "
-                               f"{broken or f'not all arrived within {TIMEOUT:.0f} s'}")
+                               f"{broken or f'not all arrived within {limit:.0f} s'}")
         time.sleep(0.05)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timedelta(seconds=TIMEOUT))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timedelta(seconds=limit))
     return group
 
 

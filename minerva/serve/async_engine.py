@@ -207,15 +207,16 @@ class AsyncEngine:
         """A fatal failure: the requests in flight end with it, and the server is told to stop."""
         log.error("%s; failing the %d requests in flight and shutting down", exc, len(self._live))
         self.fatal, self.accepting = exc, False
-        error = RuntimeError(f"the engine failed: {exc}")
-        for rid in list(self._live):
-            t = self._live.pop(rid)
-            if t.scheduled_time is None:
-                self._started(1)
-            self.metrics.finished("error")
-            out.append((t.sink.queue, error))
+        self._fail_live(RuntimeError(f"the engine failed: {exc}"), out)
         if self.on_fatal is not None and self._loop is not None:
             self._loop.call_soon_threadsafe(self.on_fatal)
+
+    def _fail_live(self, error: BaseException, out: list) -> None:
+        """Every request in flight ends with `error` (its KV blocks freed)."""
+        for rid in list(self._live):
+            t = self._remove(rid)
+            self.metrics.finished("error")
+            out.append((t.sink.queue, error))
 
     def _add(self, group: Group, out: list) -> None:
         group.tracked = [Tracked(r, i, group) for i, r in enumerate(group.requests)]
@@ -262,11 +263,7 @@ class AsyncEngine:
             return
         except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine step failed; failing the %d requests in flight", len(self._live))
-            error = RuntimeError(f"the engine failed on this request: {type(exc).__name__}: {exc}")
-            for rid in list(self._live):
-                t = self._remove(rid)
-                self.metrics.finished("error")
-                out.append((t.sink.queue, error))
+            self._fail_live(RuntimeError(f"the engine failed on this request: {type(exc).__name__}: {exc}"), out)
             return
         now = time.monotonic()
         m = self.metrics

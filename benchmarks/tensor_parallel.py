@@ -24,6 +24,15 @@ from minerva.engine.sampler import SamplingParams
 
 path, size, prompt_len, gen = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 llm = LLM(path, tensor_parallel_size=size, kv_cache_memory=256 << 20)
+
+
+def status(key, pid="self"):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+pids = ["self"] + [p.pid for p in (llm.group.workers if llm.group else [])]
+loaded_rss = [status("VmRSS", p) for p in pids]
 prompt = llm.tokenizer.encode("The history of the city " * 64)[:prompt_len]
 params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
 llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
@@ -38,14 +47,8 @@ for _, _, delta in llm.stream_many([prompt], params):
 end = time.perf_counter()
 decode_steps = gen - 1
 
-
-def hwm(pid="self"):
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
 out = {"tok_s": decode_steps / (end - first), "threads": torch.get_num_threads(),
-       "peak_rss": [hwm()] + [hwm(p.pid) for p in (llm.group.workers if llm.group else [])]}
+       "peak_rss": [status("VmHWM", p) for p in pids], "loaded_rss": loaded_rss}
 if comm:
     out["all_reduce_ms_per_step"] = 1e3 * (comm.seconds - secs0) / decode_steps
     out["all_reduces_per_step"] = (comm.calls - calls0) / decode_steps
@@ -79,10 +82,12 @@ def main() -> None:
         one, tp = got[1], got[args.size]
         ratios.append(tp["tok_s"] / one["tok_s"])
         mb = lambda xs: "/".join(f"{x / 1e6:.0f}" for x in xs)  # noqa: E731
-        print(f"round {r + 1}: 1 process ({one['threads']} threads) {one['tok_s']:.2f} tok/s, peak RSS {mb(one['peak_rss'])} MB; "
+        print(f"round {r + 1}: 1 process ({one['threads']} threads) {one['tok_s']:.2f} tok/s, RSS after load "
+              f"{mb(one['loaded_rss'])} MB, peak {mb(one['peak_rss'])} MB; "
               f"{args.size} ranks ({tp['threads']} thread(s) each, {tp['exchange']}) {tp['tok_s']:.2f} tok/s, "
               f"all-reduce {tp['all_reduce_ms_per_step']:.2f} ms/step ({tp['all_reduces_per_step']:.0f} calls), "
-              f"peak RSS per rank {mb(tp['peak_rss'])} MB; ratio {ratios[-1]:.3f}", flush=True)
+              f"RSS per rank after load {mb(tp['loaded_rss'])} MB, peak {mb(tp['peak_rss'])} MB; "
+              f"ratio {ratios[-1]:.3f}", flush=True)
     print(f"median ratio ({args.size} ranks / 1 process) over {args.rounds} rounds: {statistics.median(ratios):.3f}")
 
 

@@ -131,7 +131,7 @@ class Engine:
         if bad:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
         if request.params.structured is not None:  # compiled (and cached) now: a bad one is refused here
-            self.grammars.matcher(request.params.structured)
+            self.grammars.compiled(request.params.structured)
         ctx = self.model.config.max_position
         if n >= ctx:
             raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "

@@ -130,7 +130,12 @@ class Grammars:
         return self._ll
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """A fresh matcher for `spec`; a MinervaError (a 400 in the server) when it is invalid."""
+        """A fresh matcher for `spec`, for one request."""
+        return self.compiled(spec).deep_copy()
+
+    def compiled(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """The cached matcher of `spec` in its start state (copy it before use); a MinervaError
+        (a 400 in the server) when `spec` is invalid."""
         grammar = spec.llguidance_grammar()
         compiled = self._cache.get(grammar)
         if compiled is None:
@@ -148,7 +153,7 @@ class Grammars:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(grammar)
-        return compiled.deep_copy()
+        return compiled
 
 
 

@@ -84,7 +84,7 @@ class GGUFWeights:
             return raw, qtype, shape
         part, shape = self.shard.packed(name, raw, qtype, shape)
         # a copy: a view would keep the whole tensor's bytes alive
-        return (raw if part is raw else part.contiguous().clone()), qtype, shape
+        return (raw if part is raw else part.clone(memory_format=torch.contiguous_format)), qtype, shape
 
     def _weight(self, raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> Weight:
         if qtype in _FLOAT_TYPES:

@@ -41,30 +41,25 @@ class Comm:
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
-        try:
-            self._all_reduce(t)
-        except RuntimeError as exc:
-            self.broken = True
-            raise ParallelError(f"tensor parallelism failed in an all-reduce: {exc}") from None
+        self._guard("an all-reduce", self._all_reduce, t)
         self.seconds += time.perf_counter() - start
         self.calls += 1
         return t
 
     def broadcast(self, t: torch.Tensor | None) -> torch.Tensor:
         """Rank 0's int64 vector `t` on every rank (the others pass None)."""
-        try:
-            return self._broadcast(t)
-        except RuntimeError as exc:
-            self.broken = True
-            raise ParallelError(f"tensor parallelism failed in a broadcast: {exc}") from None
+        return self._guard("a broadcast", self._broadcast, t)
 
     def gather(self, t: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `t` (one shape on all) stacked [world, ...] on rank 0; None elsewhere."""
+        return self._guard("a gather", self._gather, t)
+
+    def _guard(self, what: str, fn, t):
         try:
-            return self._gather(t)
+            return fn(t)
         except RuntimeError as exc:
             self.broken = True
-            raise ParallelError(f"tensor parallelism failed in a gather: {exc}") from None
+            raise ParallelError(f"tensor parallelism failed in {what}: {exc}") from None
 
     def stats(self) -> dict:
         return {"all_reduce_calls": self.calls, "all_reduce_seconds": self.seconds}

@@ -14,9 +14,12 @@ from minerva.engine.runner import ModelRunner
 from minerva.engine.speculative import parse_method
 from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
+from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
 from minerva.formats.reasoning import reasoning_for, split_text
+from minerva.formats.tool_parsers import join_pieces
+from minerva.formats.tools import make_plan, tools_for
 from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
 from minerva.models.loader import LoadedModel, load_model, read_config
@@ -149,6 +152,7 @@ class LLM:
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
         self.reasoning = reasoning_for(self.tokenizer)  # how its replies split into reasoning and answer
+        self.tool_format = tools_for(self.tokenizer, self._render)  # how its template and replies carry tools
         draft = engine_config.draft_model
         if draft is not None:
             draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype,
@@ -171,17 +175,27 @@ class LLM:
 
     # ------------------------------------------------------------ prompts
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-        """The prompt of a conversation; `variables` (e.g. reasoning_effort) go to the template too."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **variables) -> str:
+        """The prompt of a conversation; `tools` (OpenAI's function tools) and `variables` (e.g.
+        reasoning_effort) go to the template too. Tools, tool calls and tool results are rendered
+        by the template when it supports them, else in the built-in format (`formats.tools`)."""
+        if tools or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
+            messages, extra = self.tool_format.render(messages, tools)
+            variables = {**variables, **extra}
+        return self._render(messages, add_generation_prompt, **variables)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         return render_chat(self.chat_template, messages, bos_token=self._token(self.tokenizer.bos_token_id),
                            eos_token=self._token(self.tokenizer.eos_token_id),
                            add_generation_prompt=add_generation_prompt, **variables)
 
-    def chat_params(self, params: SamplingParams) -> SamplingParams:
-        """`params` for a chat reply: special tokens kept where the model's reasoning parser reads them."""
-        if self.reasoning is None or self.reasoning.skip_special_tokens:
-            return params
-        return dataclasses.replace(params, skip_special_tokens=False)
+    def chat_params(self, params: SamplingParams, tools: bool = False) -> SamplingParams:
+        """`params` for a chat reply: special tokens kept where the model's reasoning parser (or,
+        with `tools`, its tool-call parser) reads them."""
+        keep = ((self.reasoning is not None and not self.reasoning.skip_special_tokens)
+                or (tools and not self.tool_format.skip_special_tokens))
+        return dataclasses.replace(params, skip_special_tokens=False) if keep else params
 
     def _token(self, token_id: int | None) -> str:
         return (self.tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
@@ -271,13 +285,34 @@ class LLM:
         for _, _, delta in self.stream_many([prompt], params):
             yield delta
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, **variables) -> RequestOutput:
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             **variables) -> RequestOutput:
         """A reply to `messages`; for a model that reasons first, each completion's `text` is the
-        answer and its `reasoning` the reasoning."""
-        prompt = self.apply_chat_template(messages, **variables)
-        out = self.generate(prompt, self.chat_params(params or SamplingParams()))[0]
-        if self.reasoning is None:
-            return out
-        split = [split_text(self.reasoning, prompt, c.text) for c in out.outputs]
-        return dataclasses.replace(out, outputs=[dataclasses.replace(c, text=content, reasoning=reasoning)
-                                                 for c, (reasoning, content) in zip(out.outputs, split)])
+        answer and its `reasoning` the reasoning. `tools`, `tool_choice` and `parallel_tool_calls`
+        are OpenAI's: the calls the model makes are each completion's `tool_calls` (its
+        finish_reason then "tool_calls"), and `text` what else it wrote."""
+        params = params or SamplingParams()
+        calling = make_plan(tools, tool_choice, parallel_tool_calls)
+        if calling is not None and calling.choice != "none":
+            if not self.tool_format.supported:
+                raise MinervaError(f"tool calls in this model's format ({self.tool_format.name}) are not supported yet")
+            if calling.forced:
+                if params.structured is not None:
+                    raise MinervaError("a forced tool call already constrains the output; "
+                                       "leave out SamplingParams.structured")
+                params = dataclasses.replace(params, structured=StructuredOutput(json=calling.constraint()))
+        prompt = self.apply_chat_template(messages, tools=calling.prompt_tools if calling else None, **variables)
+        out = self.generate(prompt, self.chat_params(params, tools=calling is not None and calling.choice == "auto"))[0]
+        outputs = []
+        for c in out.outputs:
+            reasoning, text = split_text(self.reasoning, prompt, c.text)
+            caller = calling.parser(self.tool_format) if calling is not None else None
+            calls = None
+            if caller is not None:
+                text, pieces = caller.feed(text, end=True)
+                calls = join_pieces(pieces) or None
+            outputs.append(dataclasses.replace(c, text=text, reasoning=reasoning, tool_calls=calls,
+                                               finish_reason="tool_calls" if calls and c.finish_reason == "stop"
+                                               else c.finish_reason))
+        return dataclasses.replace(out, outputs=outputs)

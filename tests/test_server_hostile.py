@@ -135,8 +135,6 @@ def test_chat_types_are_strict(served):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
 ])
@@ -146,6 +144,15 @@ def test_unimplemented_fields_are_400(served, field, value):
                         ("/v1/completions", {"prompt": "hi"})):
         r = post(url, route, {**base, "max_tokens": 2, field: value})
         assert_400(r, f"'{field}' is not supported", param=field)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+])
+def test_tools_are_for_chat_only(served, field, value):
+    r = post(served[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, field: value})
+    assert_400(r, f"unknown field '{field}'", param=field)
 
 
 def test_unknown_field_is_400_and_neutral_values_pass(served):

@@ -7,9 +7,9 @@ Two formats, chosen per model by `reasoning_for(tokenizer)`:
   The `final` channel (or a message with no channel) is the answer; `analysis` and
   `commentary` are reasoning. Commentary that is not addressed to a tool is the model talking
   about what it is doing (a "preamble"), not the answer, so it goes with the reasoning. A
-  message addressed to a recipient (` to=functions.x`, ` to=python`) is a tool call; this
-  server offers no tools (a request with `tools` is refused), so nothing could act on one,
-  and its arguments are neither reasoning nor answer: it is dropped. So are messages of
+  message addressed to a recipient (` to=functions.x`, ` to=python`) is a tool call; tools
+  are not offered to a harmony model yet (`formats.tools` refuses them), so nothing could act
+  on one, and its arguments are neither reasoning nor answer: it is dropped. So are messages of
   any role other than the assistant's, and text outside a message body (a header the output
   cut short, stray text between messages).
 - **think tags** (Qwen3, DeepSeek-R1 and their kin): `<think>reasoning</think>answer`. A
@@ -211,7 +211,7 @@ def route(header: str) -> int | None:
     role, _, channel = header.partition("<|channel|>")
     words = header.replace("<|channel|>", " ").replace("<|constrain|>", " ").split()
     if any(w.startswith("to=") for w in words):
-        return None  # a tool call: no tools are offered, so nothing reads it
+        return None  # a tool call: no tools are offered to harmony models yet, so nothing reads it
     if role.split()[:1] not in ([], ["assistant"]):
         return None  # another role's message: not part of the reply
     name = channel.partition("<|constrain|>")[0].split()[:1]

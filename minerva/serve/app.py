@@ -28,6 +28,9 @@ from minerva.engine.sampler import TokenLogprob
 from minerva.errors import MinervaError
 from minerva.formats.chat import TemplateLimitError
 from minerva.formats.reasoning import ReasoningParser
+from minerva.engine.structured import StructuredOutput
+from minerva.formats.tool_parsers import ToolParser, join_pieces
+from minerva.formats.tools import ToolPlan
 from minerva.serve import convert
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine, EngineDead, Group, QueueFull
@@ -242,14 +245,19 @@ class OpenAIRoutes:
         self.check_model(body.model)
         convert.check_supported(body)
         variables = convert.template_variables(body)
-        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, variables)
+        tools = convert.tool_plan(body, self.llm.tool_format)
+        if tools is not None and tools.forced:
+            self.check_parameters(tools)
+        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, variables,
+                                        tools.prompt_tools if tools else None)
         ids = await self.encode(prompt, "messages")
         requests = self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
-                                 "messages", chat=True)
+                                 "messages", chat=True, tools=tools)
         fmt = self.llm.reasoning  # a model that reasons first: each choice split by a parser of its own
         parsers = [fmt.parser(prompt) for _ in requests] if fmt is not None else None
+        callers = [tools.parser(self.llm.tool_format) for _ in requests] if tools and tools.choice != "none" else None
         return await self.answer(raw, requests, body, True, body.logprobs, len(ids), [""] * len(requests),
-                                 parsers)
+                                 parsers, callers)
 
     async def completions(self, body: P.CompletionRequest, raw: HTTPRequest) -> Response:
         self.check_model(body.model)
@@ -297,13 +305,24 @@ class OpenAIRoutes:
             raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}' "
                                 f"(see /v1/models)", "model")
 
+    def check_parameters(self, tools: ToolPlan) -> None:
+        """A 400 naming the function whose parameters schema a forced call cannot be held to."""
+        for tool in tools.tools if tools.choice == "required" else [{"function": tools.function(tools.choice)}]:
+            function = tool["function"]
+            try:
+                self.llm.engine.grammars.compiled(StructuredOutput(json=function.get("parameters") or {"type": "object"}))
+            except MinervaError as exc:
+                raise APIError(400, f"the parameters of the function '{function['name']}' are not a usable JSON "
+                                    f"schema: {exc}", "tools") from None
+
     async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                          variables: dict | None = None) -> str:
+                          variables: dict | None = None, tools: list[dict] | None = None) -> str:
         """The conversation rendered by the model's chat template, on a worker thread: a template
         is code from the model file, and its time is bounded by the renderer, not the event loop."""
         try:
             return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
-                                           add_generation_prompt=add_generation_prompt, **(variables or {}))
+                                           add_generation_prompt=add_generation_prompt, tools=tools,
+                                           **(variables or {}))
         except TemplateLimitError as exc:  # the model file's template ran away, not the request
             log.error("%s", exc)
             raise APIError(500, f"{exc}; the model's chat template is broken or hostile: fix it, or "
@@ -327,13 +346,15 @@ class OpenAIRoutes:
             raise APIError(400, str(exc), param) from None
 
     def requests(self, prompts: list[list[int]], body: P._Sampling, max_tokens: int | None,
-                 logprobs: int | None, param: str, chat: bool = False) -> list[Request]:
+                 logprobs: int | None, param: str, chat: bool = False, tools=None) -> list[Request]:
         """Engine requests for every prompt (n each), checked by the API's rules and the engine's."""
         requests = []
         for ids in prompts:
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
-            params = convert.sampling_params(body, limit, logprobs)
-            requests += self.llm.make_requests(ids, self.llm.chat_params(params) if chat else params)
+            params = convert.sampling_params(body, limit, logprobs, tools)
+            if chat:
+                params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
+            requests += self.llm.make_requests(ids, params)
         if len(requests) > self.config.max_waiting:  # could never be queued: not a matter of retrying
             raise APIError(400, f"this request asks for {len(requests)} completions (prompts x n), more than "
                                 f"the server queues at once (--max-waiting {self.config.max_waiting}); "
@@ -359,9 +380,10 @@ class OpenAIRoutes:
 
     async def answer(self, raw: HTTPRequest, requests: list[Request], body: P._Sampling, chat: bool,
                      want_logprobs: bool, prompt_tokens: int, prefixes: list[str],
-                     parsers: list[ReasoningParser] | None = None) -> Response:
+                     parsers: list[ReasoningParser] | None = None,
+                     callers: list[ToolParser] | None = None) -> Response:
         """Submit, then answer with one JSON body or an SSE stream; `parsers` (one per request)
-        split each reply into reasoning and content."""
+        split each reply into reasoning and content, and `callers` read tool calls out of the content."""
         group = self.submit(requests)
         watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
         reply = Reply.new(chat, want_logprobs, self.config.served_model_name, self.token_text,
@@ -369,13 +391,14 @@ class OpenAIRoutes:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.stream(group, watch, reply, include_usage, prompt_tokens, prefixes,
-                                                 parsers),
+                                                 parsers, callers),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes, parsers))
+        return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes, parsers, callers))
 
     async def collect(self, group: Group, watch: asyncio.Future, reply: Reply, prompt_tokens: int,
-                      prefixes: list[str], parsers: list[ReasoningParser] | None) -> dict:
+                      prefixes: list[str], parsers: list[ReasoningParser] | None,
+                      callers: list[ToolParser] | None = None) -> dict:
         """The whole response, once every request of the group has finished."""
         texts = [[p] for p in prefixes]
         logprobs: list[list[TokenLogprob]] = [[] for _ in prefixes]
@@ -400,13 +423,17 @@ class OpenAIRoutes:
         choices = []
         for i, parts in enumerate(texts):
             thought, text = parsers[i].feed("".join(parts), end=True) if parsers else ("", "".join(parts))
-            choices.append(reply.choice(i, text, finish[i], logprobs[i], len(prefixes[i]), thought))
+            calls = []
+            if callers:
+                text, pieces = callers[i].feed(text, end=True)
+                calls = join_pieces(pieces)
+            choices.append(reply.choice(i, text, finish[i], logprobs[i], len(prefixes[i]), thought, calls))
         return reply.response(choices, convert.usage(prompt_tokens, completion_tokens),
                               convert.group_timings(group.tracked, prompt_tokens, completion_tokens))
 
     async def stream(self, group: Group, watch: asyncio.Future, reply: Reply, include_usage: bool,
-                     prompt_tokens: int, prefixes: list[str],
-                     parsers: list[ReasoningParser] | None) -> AsyncIterator[str]:
+                     prompt_tokens: int, prefixes: list[str], parsers: list[ReasoningParser] | None,
+                     callers: list[ToolParser] | None = None) -> AsyncIterator[str]:
         completion_tokens = 0
         offsets = [len(p) for p in prefixes]
         done = False
@@ -417,12 +444,17 @@ class OpenAIRoutes:
             async for t, d in self.engine.stream(group):
                 completion_tokens += len(d.token_ids)
                 thought, text, news = "", d.text, d.text or d.token_ids
+                pieces, finish, end = [], d.finish_reason, d.finish_reason is not None
                 if parsers:  # a chunk only for new text: marker tokens alone say nothing
-                    thought, text = parsers[t.index].feed(d.text, end=d.finish_reason is not None)
+                    thought, text = parsers[t.index].feed(d.text, end=end)
                     news = thought or text or d.logprobs
-                if news or d.finish_reason:
-                    yield reply.chunk([reply.delta(t.index, text, d.finish_reason, d.logprobs, offsets[t.index],
-                                                   thought)])
+                if callers:  # text inside a call is held until the call is whole
+                    text, pieces = callers[t.index].feed(text, end=end)
+                    news = thought or text or pieces or d.logprobs
+                    finish = convert.finish_reason(finish, callers[t.index].called)
+                if news or finish:
+                    yield reply.chunk([reply.delta(t.index, text, finish, d.logprobs, offsets[t.index],
+                                                   thought, pieces)])
                     offsets[t.index] += len(text)
             if include_usage:
                 yield reply.chunk([], usage=convert.usage(prompt_tokens, completion_tokens),

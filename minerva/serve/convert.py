@@ -20,6 +20,8 @@ from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import RESERVED_VARIABLES
+from minerva.formats.tool_parsers import CallPiece, ToolCall
+from minerva.formats.tools import ToolFormat, ToolPlan, make_plan
 from minerva.serve import protocol as P
 
 DONE = "data: [DONE]\n\n"
@@ -43,8 +45,34 @@ def error_body(status: int, message: str, param: str | None = None,
 
 
 def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict]:
-    """The messages as the chat template takes them (content parts joined into one text)."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """The messages as the chat template takes them (content parts joined into one text; the
+    tool calls an assistant made and the call a tool result answers kept)."""
+    out = []
+    for m in messages:
+        message = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def tool_plan(body: P.ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
+    """What a chat request asks of tools (None: nothing); a 400 for a choice that names nothing
+    offered, or tools for a model whose calls this server cannot read."""
+    try:
+        plan = make_plan([t.model_dump(exclude_none=True) for t in body.tools or ()],
+                         body.tool_choice.model_dump() if isinstance(body.tool_choice, P.NamedToolChoice)
+                         else body.tool_choice, body.parallel_tool_calls)
+    except MinervaError as exc:
+        raise APIError(400, str(exc), "tool_choice") from None
+    if plan is not None and plan.choice != "none" and not fmt.supported:
+        raise APIError(400, f"tool calls in this model's format ({fmt.name}) are not supported yet; "
+                            f"leave out tools", "tools")
+    return plan
 
 
 def template_variables(body: P.ChatCompletionRequest) -> dict:
@@ -80,25 +108,32 @@ def check_supported(body: P._Sampling) -> None:
                             f"(or send {json.dumps(P.UNSUPPORTED[name][1])})", name)
 
 
-def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The engine's parameters for one completion of `body` (SamplingParams checks the ranges)."""
+def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
+                    tools: ToolPlan | None = None) -> SamplingParams:
+    """The engine's parameters for one completion of `body` (SamplingParams checks the ranges);
+    a forced tool call (`tools`) constrains the output as structured output does."""
     return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
                           top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
                           seed=body.seed, logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
-                          speculative_tokens=body.speculative_tokens, structured=structured(body))
+                          speculative_tokens=body.speculative_tokens, structured=structured(body, tools))
 
 
-def structured(body: P._Sampling) -> StructuredOutput | None:
+def structured(body: P._Sampling, tools: ToolPlan | None = None) -> StructuredOutput | None:
     """The output constraint of a request: OpenAI's response_format, or vLLM's guided_* or
-    llama.cpp's json_schema/grammar fields; a 400 when more than one is given."""
+    llama.cpp's json_schema/grammar fields, or a forced tool call; a 400 when more than one is given."""
     given = {name: value for name, value in (
         ("response_format", body.response_format if body.response_format and body.response_format.type != "text"
          else None),
         ("guided_json", body.guided_json), ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice),
         ("guided_grammar", body.guided_grammar), ("json_schema", body.json_schema), ("grammar", body.grammar),
     ) if value is not None}
+    if tools is not None and tools.forced:
+        if given:
+            raise APIError(400, f"a forced tool call (tool_choice {json.dumps(tools.choice)}) already constrains "
+                                f"the output; leave out {next(iter(given))}", next(iter(given)))
+        return StructuredOutput(json=tools.constraint())
     if len(given) > 1:
         raise APIError(400, f"give at most one output constraint; got {', '.join(given)}", next(iter(given)))
     if not given:
@@ -242,14 +277,17 @@ class Reply:
         return completion_logprobs(items, offset, self.token_text)
 
     def choice(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-               offset: int = 0, reasoning: str | None = None) -> dict:
-        """One choice of a whole response (`text` the answer, `reasoning` what came before it)."""
+               offset: int = 0, reasoning: str | None = None, calls: Sequence[ToolCall] = ()) -> dict:
+        """One choice of a whole response (`text` the answer, `reasoning` what came before it,
+        `calls` the tools it called: then the content is null when empty)."""
         lp = self.logprobs(items, offset)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text or (None if calls else "")}
             if self.reasoning:
                 message["reasoning_content"] = reasoning or None
-            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason(finish, calls)}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
     def response(self, choices: list[dict], usage: dict, timings: dict | None) -> dict:
@@ -257,14 +295,18 @@ class Reply:
                 "choices": choices, "usage": usage, "timings": timings}
 
     def delta(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-              offset: int = 0, reasoning: str = "") -> dict:
+              offset: int = 0, reasoning: str = "", pieces: Sequence[CallPiece] = ()) -> dict:
         """One choice of a stream chunk (a chat delta carries no content once it has finished;
-        with reasoning, only the fields that have new text)."""
+        with reasoning or tool calls, only the fields that have something new)."""
         lp = self.logprobs(items, offset)
         if self.chat:
-            delta = {"content": text} if text or not finish else {}
+            delta = {}
             if self.reasoning and reasoning:
-                delta = {"reasoning_content": reasoning, **({"content": text} if text else {})}
+                delta["reasoning_content"] = reasoning
+            if text or not (finish or reasoning or pieces):
+                delta["content"] = text
+            if pieces:
+                delta["tool_calls"] = [piece_delta(p) for p in pieces]
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
@@ -279,6 +321,18 @@ class Reply:
     def chunk(self, choices: list[dict], **extra) -> str:
         """A server-sent event with one chunk."""
         return f"data: {json.dumps({**self.head, 'choices': choices, **extra}, allow_nan=False)}\n\n"
+
+
+def finish_reason(finish: str | None, calls: Sequence | bool) -> str | None:
+    """OpenAI's "tool_calls" for a reply that called tools and stopped by itself."""
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
+def piece_delta(p: CallPiece) -> dict:
+    """A stream's tool-call delta: the id, type and name with the first piece of a call."""
+    function = {"arguments": p.arguments} if p.name is None else {"name": p.name, "arguments": p.arguments}
+    head = {"id": p.id, "type": "function"} if p.name is not None else {}
+    return {"index": p.index, **head, "function": function}
 
 
 def stream_error(exc: Exception) -> str:

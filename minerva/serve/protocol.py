@@ -22,9 +22,6 @@ INT64 = 2**63 - 1
 
 # Fields of OpenAI's API that Minerva does not implement yet -> the values that ask for nothing.
 UNSUPPORTED: dict[str, tuple] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
     "functions": (None, []),
     "function_call": (None, "none"),
 }
@@ -96,10 +93,7 @@ class _Sampling(_Body):
     guided_grammar: str | None = Field(None, description="GBNF (llama.cpp) or Lark")
     json_schema: dict[str, Any] | None = Field(None, description="llama.cpp's spelling of a JSON schema")
     grammar: str | None = Field(None, description="llama.cpp's spelling of a GBNF grammar")
-    # OpenAI fields Minerva does not implement yet: only the values in UNSUPPORTED pass.
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated function calling (use tools): only the values in UNSUPPORTED pass.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -114,15 +108,73 @@ class _Sampling(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                                     description="letters, digits, _ . and -, at most 64")]
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object")
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ContentPart(_Body):
     type: Literal["text"]
     text: str
+
+
+CONTENT_PART_TYPES = {"image_url": "images", "input_image": "images", "input_audio": "audio",
+                      "audio_url": "audio", "video_url": "video", "file": "files"}
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="The calls an assistant message made")
+    tool_call_id: str | None = Field(None, description="The call a tool message answers")
+    refusal: str | None = None  # in the SDK's own assistant messages, sent back as they came
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data):
+        """A content part of another kind (an image) gets one clear error, not a union's three."""
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                what = CONTENT_PART_TYPES.get(kind)
+                if what is None:
+                    raise ValueError(f"content parts of type '{kind}' are not supported; send text parts")
+                raise ValueError(f"content parts of type '{kind}' are not supported: this server runs text-only "
+                                 f"models and takes no {what}; send the text alone")
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -132,6 +184,11 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description='Default: "auto" with tools, "none" without')
+    parallel_tool_calls: bool | None = Field(None, description="Whether a reply may hold more than one call "
+                                                               "(default true)")
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -231,9 +288,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobOut]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="The answer; null when the reply is only tool calls")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="Present when the model called tools "
+                                                                   "(finish_reason is then \"tool_calls\")")
     reasoning_content: str | None = Field(
         None, description="What a reasoning model thought before its answer (absent for other models).")
 

@@ -16,17 +16,18 @@ TINY_CONTEXT = 256  # the context of the shared `tiny` fixture (conftest.py)
 def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
                      odd_tensor_type: gguf.GGMLQuantizationType | None = None,
                      claimed_heads: int = HEADS, chat_template: str | None = None,
-                     special_tokens: tuple[str, ...] = ()) -> Path:
+                     special_tokens: tuple[str, ...] = (), eos_token: str | None = None) -> Path:
     """A 1-layer llama with a byte-level GPT-2 tokenizer (256 bytes + one merge) and random F32 weights.
 
     `odd_tensor_type` stores ffn_up with that type (raw random bytes) to exercise type checks;
     `claimed_heads` writes a head count into the metadata that the tensors may not match;
     `chat_template` is stored as the file's `tokenizer.chat_template`; `special_tokens` are
-    appended to the vocabulary as control tokens (as a converted model's `<|im_end|>` & co.).
+    appended to the vocabulary as control tokens (as a converted model's `<|im_end|>` & co.);
+    `eos_token`, one of them, is the EOS (else id 1, a byte: `"`).
     """
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
-    vocab = _add_tokenizer(w, special_tokens)
+    vocab = _add_tokenizer(w, special_tokens, eos_token)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     w.add_block_count(LAYERS)
@@ -58,7 +59,7 @@ def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
     return path
 
 
-def _add_tokenizer(w: gguf.GGUFWriter, special_tokens: tuple[str, ...] = ()) -> int:
+def _add_tokenizer(w: gguf.GGUFWriter, special_tokens: tuple[str, ...] = (), eos_token: str | None = None) -> int:
     """A byte-level GPT-2 vocabulary: the 256 byte symbols plus one merge, then `special_tokens`
     as control tokens; returns its size."""
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"]
@@ -68,7 +69,7 @@ def _add_tokenizer(w: gguf.GGUFWriter, special_tokens: tuple[str, ...] = ()) -> 
     w.add_token_types([gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(special_tokens))
     w.add_token_merges(["Ġ t"])  # llama.cpp and Minerva refuse a gpt2 vocabulary without merges
     w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    w.add_eos_token_id(len(tokens) + special_tokens.index(eos_token) if eos_token is not None else 1)
     return len(tokens) + len(special_tokens)
 
 

@@ -1,0 +1,322 @@
+"""Tool calls read out of a model's reply.
+
+A `ToolParser` reads one reply as it is decoded, in pieces of any size, and
+returns for each piece the content text that is new and the tool calls (`CallPiece`s) found.
+Text that could still be the start of a marker is held back, so a marker never leaks into the
+content. A block that does not parse as a call (bad JSON, no name) is given back as content
+unchanged: nothing the model wrote is lost. Formats, chosen per template:
+
+- `hermes`: `<tool_call>{json}</tool_call>` blocks anywhere in the reply (also the built-in);
+- `mistral`: `[TOOL_CALLS]` then a JSON array of calls, or `name[ARGS]{json}` per call;
+- `llama3`: a reply that is a JSON object `{"name": ..., "parameters": {...}}` (or several
+  separated by `;`), optionally after `<|python_tag|>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, ClassVar, Sequence
+
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+PYTHON_TAG = "<|python_tag|>"
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPiece:
+    """Part of the tool call number `index` of a reply: its first piece has the call's `id` and
+    `name`, and every piece a run of its `arguments` text (a whole call is one piece)."""
+
+    index: int
+    arguments: str
+    name: str | None = None
+    id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def join_pieces(pieces: Sequence[CallPiece]) -> list[ToolCall]:
+    """The whole calls that `pieces` (in order) describe."""
+    calls: dict[int, list] = {}
+    for p in pieces:
+        call = calls.setdefault(p.index, [p.id, p.name, ""])
+        call[2] += p.arguments
+    return [ToolCall(i or new_call_id(), n or "", a) for i, n, a in (calls[k] for k in sorted(calls))]
+
+
+def call_from_json(value: Any) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call written as `{"name": ..., "arguments"|"parameters": {...}}`;
+    None when `value` is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return value["name"], json.dumps(args, ensure_ascii=False)
+
+
+# ------------------------------------------------------------------ parsers
+
+
+class ToolParser:
+    """Incremental reader of one reply: `feed(text)` -> (content, calls) new so far; with `end`,
+    the rest. With `parallel=False` only the first call is kept."""
+
+    markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel
+        self.calls = 0  # calls given out so far
+        self._buffer = ""
+        self._content = ""
+        self._space = ""  # trailing whitespace of the content, given out only if more text follows
+        self._pieces: list[CallPiece] = []
+        self._started = False  # content given out already (a reply's leading whitespace is dropped)
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
+
+    def feed(self, text: str, end: bool = False) -> tuple[str, list[CallPiece]]:
+        self._buffer += text
+        self._consume(end)
+        if end:
+            self._space = ""  # whitespace at the end of a reply says nothing
+        out, pieces = self._content, self._pieces
+        self._content, self._pieces = "", []
+        return out, pieces
+
+    def _consume(self, end: bool) -> None:
+        raise NotImplementedError
+
+    # -- for subclasses
+
+    def _text(self, text: str) -> None:
+        """Content: leading whitespace of the reply dropped, trailing whitespace held back."""
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        if not self._started:
+            body = body.lstrip()
+        if body:
+            self._content += body
+            self._started = True
+
+    def _call(self, name: str, arguments: str) -> None:
+        if self.calls and not self.parallel:
+            return
+        self._pieces.append(CallPiece(self.calls, arguments, name, new_call_id()))
+        self.calls += 1
+
+    def _held(self, text: str) -> int:
+        """How many characters at the end of `text` may begin a marker."""
+        longest = max(map(len, self.markers))
+        for k in range(min(len(text), longest - 1), 0, -1):
+            if any(m.startswith(text[-k:]) for m in self.markers):
+                return k
+        return 0
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, anywhere in the reply."""
+
+    markers = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self._inside = False
+
+    def _consume(self, end: bool) -> None:
+        while True:
+            if not self._inside:
+                at = self._buffer.find(TOOL_CALL_OPEN)
+                if at < 0:
+                    break
+                self._text(self._buffer[:at])
+                self._buffer, self._inside = self._buffer[at + len(TOOL_CALL_OPEN):], True
+            else:
+                at = self._buffer.find(TOOL_CALL_CLOSE)
+                if at < 0:
+                    break
+                self._block(self._buffer[:at], closed=True)
+                self._buffer, self._inside = self._buffer[at + len(TOOL_CALL_CLOSE):], False
+        if self._inside:
+            if end:  # a block the reply ended inside: a call if its JSON is whole (the model stopped early)
+                self._block(self._buffer, closed=False)
+                self._buffer, self._inside = "", False
+            return
+        keep = 0 if end else self._held(self._buffer)
+        self._text(self._buffer[:len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+
+    def _block(self, body: str, closed: bool) -> None:
+        try:
+            call = call_from_json(json.loads(body))
+        except ValueError:
+            call = None
+        if call is None:
+            self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
+        else:
+            self._call(*call)
+
+
+class _WholeReplyParser(ToolParser):
+    """Calls that, once begun, run to the end of the reply: held from their start marker on,
+    parsed at the end (`_parse` -> calls, or None to give the text back as content)."""
+
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self._inside = False
+        self._head = ""  # the start of the tail that began the calls
+
+    def _begin(self) -> int | None:
+        """Where the calls begin in the buffer, if they do (with `_head` set to the marker)."""
+        raise NotImplementedError
+
+    def _parse(self, tail: str) -> list[tuple[str, str]] | None:
+        raise NotImplementedError
+
+    def _consume(self, end: bool) -> None:
+        if not self._inside:
+            at = self._begin()
+            if at is not None:
+                self._text(self._buffer[:at])
+                self._buffer, self._inside = self._buffer[at:], True
+        if self._inside:
+            if end:
+                calls = self._parse(self._buffer[len(self._head):])
+                if calls:
+                    for call in calls:
+                        self._call(*call)
+                else:
+                    self._text(self._buffer)
+                self._buffer = ""
+            return
+        keep = 0 if end else self._held(self._buffer)
+        self._text(self._buffer[:len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+
+
+class MistralParser(_WholeReplyParser):
+    """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` per call."""
+
+    markers = (MISTRAL_CALLS,)
+
+    def _begin(self) -> int | None:
+        at = self._buffer.find(MISTRAL_CALLS)
+        self._head = MISTRAL_CALLS
+        return at if at >= 0 else None
+
+    def _parse(self, tail: str) -> list[tuple[str, str]] | None:
+        if MISTRAL_ARGS in tail:
+            calls = []
+            for part in tail.split(MISTRAL_CALLS):
+                name, sep, args = part.partition(MISTRAL_ARGS)
+                try:
+                    call = call_from_json({"name": name.strip(), "arguments": json.loads(args)}) if sep else None
+                except ValueError:
+                    call = None
+                if call is None:
+                    return None
+                calls.append(call)
+            return calls
+        try:
+            value = json.loads(tail)
+        except ValueError:
+            return None
+        calls = [call_from_json(v) for v in (value if isinstance(value, list) else [value])]
+        return calls if calls and all(calls) else None
+
+
+class Llama3Parser(_WholeReplyParser):
+    """A reply that is `{"name": ..., "parameters": {...}}` (several joined by `;`), maybe after
+    `<|python_tag|>`; any other reply is content."""
+
+    markers = (PYTHON_TAG,)
+
+    def _begin(self) -> int | None:
+        text = self._buffer.lstrip()
+        if self._content or self.calls or not text:
+            return None
+        if text.startswith(PYTHON_TAG):
+            self._head = PYTHON_TAG
+        elif text.startswith("{"):
+            self._head = ""
+        else:
+            return None
+        return len(self._buffer) - len(text)
+
+    def _parse(self, tail: str) -> list[tuple[str, str]] | None:
+        calls = []
+        decoder = json.JSONDecoder()
+        rest = tail.strip()
+        while rest:
+            try:
+                value, stop = decoder.raw_decode(rest)
+            except ValueError:
+                return None
+            call = call_from_json(value)
+            if call is None:
+                return None
+            calls.append(call)
+            rest = rest[stop:].strip().removeprefix(";").strip()
+        return calls or None
+
+
+class NamedParser(ToolParser):
+    """A reply constrained to one function's arguments: all of it is that call's arguments,
+    given out as it comes."""
+
+    def __init__(self, name: str, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self.name = name
+
+    def _consume(self, end: bool) -> None:
+        text, self._buffer = self._buffer, ""
+        if not self.calls:
+            self._pieces.append(CallPiece(0, text, self.name, new_call_id()))
+            self.calls = 1
+        elif text:
+            self._pieces.append(CallPiece(0, text))
+
+
+class RequiredParser(ToolParser):
+    """A reply constrained to a JSON array of calls: parsed when it ends (a reply cut short is
+    given back as content)."""
+
+    def _consume(self, end: bool) -> None:
+        if not end:
+            return
+        try:
+            value = json.loads(self._buffer)
+        except ValueError:
+            value = None
+        calls = [call_from_json(v) for v in value] if isinstance(value, list) else []
+        if calls and all(calls):
+            for call in calls:
+                self._call(*call)
+        else:
+            self._text(self._buffer)
+        self._buffer = ""
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "mistral": MistralParser, "llama3": Llama3Parser}

@@ -1,0 +1,206 @@
+"""Tool calling through `/v1/chat/completions` with the `openai` SDK: the round trip (call ->
+tool result -> answer) for `auto`, `required` and a named function, whole and streamed, on
+SmolLM2 (whose template has no tool support: the built-in format); a template with its own
+format whose marker is a special token (a scripted tiny model); and the 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from minerva import LLM
+from tests.helpers.scripted import scripted
+from tests.helpers.server import running_server
+from tests.helpers.tiny_gguf import write_tiny_llama
+from tests.test_tools import TIME, WEATHER
+
+pytestmark = pytest.mark.slow
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def shot(city: str, i: int, temp: int) -> list[dict]:
+    """One earlier exchange: the question, the call, its result and the answer."""
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{i}", "type": "function",
+                 "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"temp": temp})},
+            {"role": "assistant", "content": f"It is {temp} degrees in {city}."}]
+
+
+# Three earlier exchanges: enough for the 135M model to call the tool by itself (greedy).
+SHOTS = shot("London", 1, 12) + shot("Rome", 2, 20) + shot("Oslo", 3, 3)
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=64e6)
+    with running_server(llm, served_model_name="smollm2") as (url, app):
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def streamed(client, model: str = "smollm2", **kwargs):
+    """A streamed reply joined as the SDK's users join it: content, and calls by index."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=model, stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or ():
+                call = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                if tc.id:
+                    assert call["id"] is None  # the id and the name come once, with the first piece
+                    call["id"], call["name"] = tc.id, tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def check_call(name: str, arguments: str, tool: dict) -> dict:
+    assert name == tool["function"]["name"]
+    args = json.loads(arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", NAMED], ids=["auto", "required", "named"])
+def test_round_trip(client, choice):
+    messages = (SHOTS if choice == "auto" else []) + ASK
+    r = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, TIME],
+                                       tool_choice=choice, temperature=0, max_tokens=80)
+    choice0 = r.choices[0]
+    assert choice0.finish_reason == "tool_calls", choice0
+    message = choice0.message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert check_call(call.function.name, call.function.arguments, WEATHER)["city"] == "Paris"
+    assert call.id.startswith("call_") and call.type == "function"
+    # The SDK's own message goes back, with the tool's result; the model answers in text.
+    messages += [message, {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 18})}]
+    r = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, TIME],
+                                       temperature=0, max_tokens=40)
+    answer = r.choices[0]
+    assert answer.finish_reason == "stop" and not answer.message.tool_calls and answer.message.content, answer
+    if choice == "auto":
+        assert "18" in answer.message.content  # it read the result
+    # Streamed, the same call comes in pieces that join to the whole reply's.
+    content, calls, finish = streamed(client, messages=(SHOTS if choice == "auto" else []) + ASK,
+                                      tools=[WEATHER, TIME], tool_choice=choice, temperature=0, max_tokens=80)
+    assert finish == "tool_calls" and content == "" and len(calls) == 1
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (call.function.name,
+                                                                     json.loads(call.function.arguments))
+
+
+def test_required_with_n_and_sampling(client):
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       n=3, temperature=0.7, seed=5, max_tokens=120)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        for call in c.message.tool_calls:
+            check_call(call.function.name, call.function.arguments, WEATHER if call.function.name == "get_weather"
+                       else TIME)
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, temperature=0, max_tokens=120)
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_cut_off_call_finishes_with_length(client):
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice=NAMED,
+                                       temperature=0, max_tokens=3)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(c.message.tool_calls[0].function.arguments)
+
+
+def test_tool_choice_none_answers_in_text(client):
+    r = client.chat.completions.create(model="smollm2", messages=SHOTS + ASK, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=30)
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content
+
+
+def error(r: httpx.Response, param: str | None, fragment: str) -> None:
+    assert r.status_code == 400, r.text
+    body = r.json()["error"]
+    assert body["param"] == param and fragment in body["message"], body
+
+
+def test_bad_tool_requests_are_400(served):
+    url = served[0]
+
+    def post(**body):
+        return httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body}, timeout=60)
+
+    error(post(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+          "'nope', which is not among the tools")
+    error(post(tool_choice="required"), "tool_choice", "needs tools")
+    error(post(tools=[WEATHER, WEATHER]), "tool_choice", "given twice")
+    error(post(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+          "response_format", "already constrains the output")
+    error(post(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools.0.function.name",
+          "should match pattern")
+    error(post(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", "invalid field")
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                "properties": {"x": {"type": 7}}}}}
+    r = post(tools=[bad_schema], tool_choice="required")
+    error(r, "tools", "the parameters of the function 'f' are not a usable JSON schema")
+    image = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": image}]}, timeout=60)
+    error(r, "messages.0", "content parts of type 'image_url' are not supported")
+    assert "takes no images" in r.json()["error"]["message"] and "more problems" not in r.json()["error"]["message"]
+
+
+# ------------------------------------------------------------------ a template's own format
+
+# In the shape of Mistral's: the tools in [AVAILABLE_TOOLS], calls after the [TOOL_CALLS] control token.
+MISTRAL_TEMPLATE = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+                    "{% elif m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | map(attribute='function') | list | tojson }}"
+                    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+                    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+MISTRAL_TOKENS = ("[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "</s>")
+
+
+def test_a_templates_own_format_with_special_markers(tmp_path):
+    path = write_tiny_llama(tmp_path / "mistral.gguf", context=1024, chat_template=MISTRAL_TEMPLATE,
+                            special_tokens=MISTRAL_TOKENS, eos_token="</s>")
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    assert (llm.tool_format.name, llm.tool_format.native, llm.tool_format.skip_special_tokens) == ("mistral", True,
+                                                                                                  False)
+    history = [{"role": "user", "content": "Rome?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}}]},
+               {"role": "tool", "tool_call_id": "call_9", "content": "20"}]
+    prompt = llm.apply_chat_template(history, tools=[WEATHER])
+    assert prompt.startswith("[AVAILABLE_TOOLS][{") and '[TOOL_CALLS][{"name": "get_weather", "arguments": ' \
+                                                           '{"city": "Rome"}}][TOOL_RESULTS]20' in prompt
+    reply = 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    with scripted() as script, running_server(llm) as (url, _):
+        script.say(llm.tokenizer, reply + "</s>")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        r = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER], max_tokens=120)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and message.content == "Checking."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+            ("get_weather", {"city": "Rome"})]
+        content, calls, finish = streamed(client, model="test-model", messages=ASK, tools=[WEATHER], max_tokens=120)
+        assert (content, finish) == ("Checking.", "tool_calls") and calls[0]["name"] == "get_weather"
+        # Without tools the markers are not kept: the reply is decoded as for any chat.
+        r = client.chat.completions.create(model="test-model", messages=ASK, max_tokens=120)
+        assert r.choices[0].message.content == reply.replace("[TOOL_CALLS]", "")
+    llm.close()
+

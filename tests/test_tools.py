@@ -1,0 +1,230 @@
+"""Tool calling: the parsers that read calls out of a reply (whole or in pieces of any size),
+the plan of a request's tools, the prompt side (a template's own tool support compared with
+transformers' rendering of the same template; the built-in format for templates without it),
+and `LLM.chat(tools=...)` on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
+
+from minerva.errors import MinervaError
+from minerva.formats.chat import GEMMA3_TEMPLATE, render_chat
+from minerva.formats.tool_parsers import (HermesParser, Llama3Parser, MistralParser, NamedParser, RequiredParser,
+                                          join_pieces)
+from minerva.formats.tools import ToolFormat, detect, make_plan
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time of a timezone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+# In the shape of Qwen2.5's template (tools in the system message, calls as <tool_call> blocks,
+# a run of tool results in one user turn): a template with tool support of its own.
+QWEN_TEMPLATE = """{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- "\\n\\n# Tools\\n\\n<tools>" }}
+{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\\n</tools><|im_end|>\\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+{%- elif message.role == "assistant" %}
+{{- '<|im_start|>' + message.role }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}
+{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
+{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and the time in Tokyo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "Asia/Tokyo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 18}'},
+    {"role": "tool", "tool_call_id": "call_2", "content": '"09:30"'},
+]
+
+
+def feed_all(parser, text: str, step: int | None = None):
+    """The parser's output for `text` given whole (step None) or in pieces of `step` characters."""
+    pieces, content = [], ""
+    chunks = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    for k, chunk in enumerate(chunks):
+        c, p = parser.feed(chunk, end=k == len(chunks) - 1)
+        content += c
+        pieces += p
+    return content, join_pieces(pieces)
+
+
+def calls_of(calls):
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("step", [None, 1, 2, 3, 7])
+def test_hermes_calls_between_text_whatever_the_pieces(step):
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n')
+    content, calls = feed_all(HermesParser(), text, step)
+    assert content == "Let me check."
+    assert calls_of(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_hermes_gives_back_what_is_not_a_call(step):
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": \n</tool_call>'
+    content, calls = feed_all(HermesParser(), f"Hmm {bad} and a < sign, <tool", step)
+    assert calls == [] and content == f"Hmm {bad} and a < sign, <tool"
+    # A reply that ends inside a block whose JSON is whole (the model stopped before closing it) is a call.
+    content, calls = feed_all(HermesParser(), '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}', step)
+    assert content == "" and calls_of(calls) == [("f", {"a": 1})]
+
+
+def test_hermes_streams_text_before_the_marker_is_decided():
+    parser = HermesParser()
+    assert parser.feed("Sure, <tool") == ("Sure,", [])  # the space is held with the possible marker
+    assert parser.feed("kit is here") == (" <toolkit is here", [])
+    content, pieces = parser.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>', end=True)
+    assert content == "" and [p.name for p in pieces] == ["f"] and parser.called
+
+
+def test_one_call_without_parallel_calls():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [c.name for c in feed_all(HermesParser(parallel=False), text)[1]] == ["a"]
+
+
+@pytest.mark.parametrize("step", [None, 1, 5])
+def test_mistral_both_spellings(step):
+    content, calls = feed_all(MistralParser(), 'Ok [TOOL_CALLS][{"name": "get_weather", "arguments": '
+                                               '{"city": "Rome"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]',
+                              step)
+    assert content == "Ok" and calls_of(calls) == [("get_weather", {"city": "Rome"}), ("get_time", {"zone": "CET"})]
+    content, calls = feed_all(MistralParser(), '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', step)
+    assert content == "" and calls_of(calls) == [("get_weather", {"city": "Rome"})]
+    content, calls = feed_all(MistralParser(), "[TOOL_CALLS] not json", step)
+    assert calls == [] and content == "[TOOL_CALLS] not json"
+
+
+@pytest.mark.parametrize("step", [None, 1, 6])
+def test_llama3_json_replies(step):
+    content, calls = feed_all(Llama3Parser(), '{"name": "get_weather", "parameters": {"city": "Oslo"}}', step)
+    assert content == "" and calls_of(calls) == [("get_weather", {"city": "Oslo"})]
+    content, calls = feed_all(Llama3Parser(), '<|python_tag|>{"name": "a", "parameters": {}}; '
+                                              '{"name": "b", "parameters": {"x": 1}}', step)
+    assert calls_of(calls) == [("a", {}), ("b", {"x": 1})]
+    content, calls = feed_all(Llama3Parser(), 'It is {"not": "a call"} sunny.', step)
+    assert calls == [] and content == 'It is {"not": "a call"} sunny.'
+    content, calls = feed_all(Llama3Parser(), '{"key": "plain JSON, no call"}', step)
+    assert calls == [] and content == '{"key": "plain JSON, no call"}'
+
+
+def test_forced_parsers():
+    parser = NamedParser("get_weather")
+    first = parser.feed('{"ci')[1]
+    rest = parser.feed('ty": "Paris"}', end=True)[1]
+    assert first[0].name == "get_weather" and first[0].id and rest[0].name is None
+    assert calls_of(join_pieces(first + rest)) == [("get_weather", {"city": "Paris"})]
+    content, calls = feed_all(RequiredParser(), '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', 3)
+    assert content == "" and calls_of(calls) == [("get_time", {"zone": "UTC"})]
+    content, calls = feed_all(RequiredParser(), '[{"name": "get_time", "argu', 3)  # cut off by max_tokens
+    assert calls == [] and content == '[{"name": "get_time", "argu'
+
+
+def test_plan_and_its_constraints():
+    assert make_plan(None, None, None) is None and make_plan([], "auto", None) is None
+    plan = make_plan([WEATHER, TIME], None, None)
+    assert plan.choice == "auto" and not plan.forced and plan.constraint() is None
+    assert make_plan([WEATHER], "none", None).prompt_tools is None
+    named = make_plan([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, None)
+    assert named.constraint() == WEATHER["function"]["parameters"]
+    required = make_plan([WEATHER, TIME], "required", False).constraint()
+    jsonschema.validate([{"name": "get_time", "arguments": {"zone": "UTC"}}], required)
+    for wrong in ([], [{"name": "get_time", "arguments": {"city": "x"}}],
+                  [{"name": "get_weather", "arguments": {"city": "a"}}] * 2):  # maxItems 1 without parallel calls
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, required)
+    for tools, choice, message in [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "'nope', which is not among the tools"),
+        (None, "required", "needs tools"),
+        ([WEATHER, WEATHER], None, "given twice"),
+        ([{"type": "function"}], None, r"tools\[0\] must be"),
+        ([WEATHER], "sometimes", "tool_choice must be"),
+    ]:
+        with pytest.raises(MinervaError, match=message):
+            make_plan(tools, choice, None)
+
+
+def render(template, messages, **variables):
+    return render_chat(template, messages, bos_token="<s>", eos_token="</s>", **variables)
+
+
+def test_native_template_renders_as_transformers_does():
+    """A template with tool support gets what transformers' apply_chat_template passes it."""
+    fmt = detect(QWEN_TEMPLATE, lambda m, **v: render(QWEN_TEMPLATE, m, **v))
+    assert fmt == ToolFormat("hermes", native=True)
+    messages, variables = fmt.render(CONVERSATION, [WEATHER, TIME])
+    ours = render(QWEN_TEMPLATE, messages, add_generation_prompt=True, **variables)
+    hf_messages = json.loads(json.dumps(CONVERSATION))
+    for call in hf_messages[2]["tool_calls"]:  # transformers takes the arguments as objects
+        call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<s>": 0, "</s>": 1}, unk_token="<s>")),
+                                        bos_token="<s>", eos_token="</s>")
+    theirs = tokenizer.apply_chat_template(hf_messages, tools=[WEATHER, TIME], chat_template=QWEN_TEMPLATE,
+                                           tokenize=False, add_generation_prompt=True)
+    assert ours == theirs
+    assert '"arguments": {"zone": "Asia/Tokyo"}' in ours and "get_time" in ours
+
+
+def test_builtin_format_for_templates_without_tools():
+    """Gemma 3's template knows no tools and insists on alternating roles: the built-in format
+    puts the tools in the first turn, the calls in the model's turn, both results in one user turn."""
+    fmt = detect(GEMMA3_TEMPLATE, lambda m, **v: render(GEMMA3_TEMPLATE, m, **v))
+    assert fmt == ToolFormat("hermes", native=False)
+    messages, variables = fmt.render(CONVERSATION, [WEATHER, TIME])
+    assert variables == {} and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    prompt = render(GEMMA3_TEMPLATE, messages, add_generation_prompt=True)
+    assert prompt.startswith("<s><start_of_turn>user\nBe brief.\n\n# Tools")
+    assert json.dumps(WEATHER) in prompt and "<tool_call>" in prompt
+    assert ('<start_of_turn>model\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time"') in prompt
+    assert ('<start_of_turn>user\n<tool_response>\n{"temp": 18}\n</tool_response>\n<tool_response>\n"09:30"\n'
+            '</tool_response><end_of_turn>\n<start_of_turn>model\n') in prompt
+
+
+def test_llm_chat_with_tools(smollm2_llm):
+    """Offline: a forced call's arguments validate against the function's schema."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = smollm2_llm.chat(ask, tools=[WEATHER, TIME], tool_choice={"type": "function",
+                                                                     "function": {"name": "get_weather"}})
+    c = out.outputs[0]
+    assert c.finish_reason == "tool_calls" and c.text == "" and [t.name for t in c.tool_calls] == ["get_weather"]
+    jsonschema.validate(json.loads(c.tool_calls[0].arguments), WEATHER["function"]["parameters"])
+    out = smollm2_llm.chat(ask, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    assert len(out.outputs[0].tool_calls) == 1
+    plain = smollm2_llm.chat(ask, tools=[WEATHER], tool_choice="none")
+    assert plain.outputs[0].tool_calls is None and plain.outputs[0].text
+    with pytest.raises(MinervaError, match="not among the tools"):
+        smollm2_llm.chat(ask, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}})

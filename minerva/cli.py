@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from minerva import bench
+from minerva import __version__, bench
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
@@ -26,9 +26,10 @@ from minerva.options import (
     kv_formats,
     sampling,
 )
+from minerva.parallel import launch
 from minerva.serve.app import ServerConfig
 from minerva.serve.async_engine import on_own_thread
-from minerva.serve.server import serve
+from minerva.serve.server import bind, serve
 from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -214,18 +215,20 @@ def cmd_serve(args) -> int:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
     model = args.model[0] if args.model else None
     # Checked before the model loads, so a bad flag fails at once.
-    config = ServerConfig(args.served_model_name or "?", api_key=args.api_key or None,
+    names = args.served_model_name or []
+    config = ServerConfig(names[0] if names else "?", aliases=tuple(names[1:]), api_key=args.api_key or None,
                           max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections)
+    ranked = launch.torchrun_rank()  # under torchrun only rank 0 serves; the other ranks never return from _load
+    sock = bind(args.host, args.port) if ranked is None or ranked[0] == 0 else None  # a port in use fails now
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
     llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
     # Clients name the model as it was given: a pulled name as is, a file or directory by its stem.
-    name = args.served_model_name or (DEFAULT_MODEL if model is None else
+    name = config.served_model_name if names else (DEFAULT_MODEL if model is None else
                                       model if "/" not in model and not model.endswith(".gguf")
                                       else Path(model).stem)
-    serve(llm, dataclasses.replace(config, served_model_name=name), host=args.host, port=args.port,
-          threads=threads)
+    serve(llm, dataclasses.replace(config, served_model_name=name), sock, threads=threads, log_level=args.log_level)
     return 0
 
 
@@ -264,6 +267,7 @@ def _add_reasoning_effort(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
+    parser.add_argument("--version", action="version", version=f"minerva {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="fetch a known model into the model store")
@@ -300,8 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the pulled name or the file's stem)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may send, the first one reported in responses and "
+                        "metrics (default: the pulled name or the file's stem)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for the engine; beyond it, 503 with Retry-After")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -314,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 60)")
     p.add_argument("--max-connections", type=int, default=1024,
                    help="open connections allowed; one more gets 503 with Retry-After at once (default 1024)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                   help="what the server logs; info includes one access line per request (default info)")
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -44,7 +44,8 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help=TP_HELP)
     g = p.add_argument_group("engine")
     g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
-                   help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start")
+                   help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start, then at most "
+                        "what --max-num-seqs requests of the whole context can fill")
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
                    help="most requests running at once")

@@ -25,7 +25,9 @@ from minerva.models.loader import LoadedModel
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    kv_cache_memory: float = 0.2  # bytes if > 1, else a fraction of the memory available now
+    # bytes if > 1, else a fraction of the memory available now (at most what max_num_seqs
+    # requests of the whole context can fill)
+    kv_cache_memory: float = 0.2
     kv_cache_dtype_k: str = "auto"
     kv_cache_dtype_v: str = "auto"
     max_num_seqs: int = 64
@@ -41,6 +43,7 @@ class EngineConfig:
         if not self.kv_cache_memory > 0:
             raise MinervaError(f"--kv-cache-memory must be > 0 (bytes, or a fraction <= 1 of free memory), "
                                f"got {self.kv_cache_memory!r}")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # checks them before the KV pool is sized
         if self.speculative:
             check_speculative(self.speculative, self.num_speculative_tokens, self.speculative_max_batch)
 
@@ -78,9 +81,12 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
     num_blocks = 0
     if comm is None or comm.rank == 0:
         budget = config.kv_cache_memory
-        if budget <= 1:
+        if budget <= 1:  # a fraction of memory, but no more than the running requests can fill
             budget = budget * available_memory(device)
-        num_blocks = int(budget // per_block)
+            per_seq = -(-mc.max_position // config.block_size)
+            num_blocks = min(int(budget // per_block), config.max_num_seqs * per_seq)
+        else:
+            num_blocks = int(budget // per_block)
     if comm is not None:
         num_blocks = int(comm.broadcast(torch.tensor([num_blocks]) if comm.rank == 0 else None)[0])
     if num_blocks < 1:

@@ -3,7 +3,8 @@
 `build_app(llm, config)` wires an `AsyncEngine` (the engine's own thread) into the
 routes of `OpenAIRoutes`; what the routes convert (bodies, results) lives in `convert`.
 Every error a client can cause is a 4xx with `{"error": {...}}`; the guard middleware
-answers 401 (missing key), 413 (body too large) and 408 (body too slow) before any route runs.
+(`guard`) answers 401 (missing key), 413 (body too large) and 408 (body too slow) before any
+route runs.
 """
 
 from __future__ import annotations
@@ -11,30 +12,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import math
 import time
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minerva.engine.request import Request
 from minerva.engine.sampler import TokenLogprob
 from minerva.errors import MinervaError
 from minerva.formats.chat import TemplateLimitError
-from minerva.formats.reasoning import ReasoningParser
 from minerva.engine.structured import StructuredOutput
+from minerva.formats.reasoning import ReasoningParser
 from minerva.formats.tool_parsers import ToolParser, join_pieces
 from minerva.formats.tools import ToolPlan
 from minerva.serve import convert
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine, EngineDead, Group, QueueFull
 from minerva.serve.convert import APIError, Reply
+from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard, error_response
 from minerva.serve.metrics import Metrics
 
 log = logging.getLogger("minerva.serve")
@@ -50,6 +49,7 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds a connection has to send a complete request head; then 408
     body_timeout: float = 60.0  # seconds a request has to send its whole body after its head; then 408
     max_connections: int = 1024  # open connections; one more gets 503 at once
+    aliases: tuple[str, ...] = ()  # more names clients may send for the model (listed after the first)
 
     def __post_init__(self):
         for flag, value in (("header-timeout", self.header_timeout), ("body-timeout", self.body_timeout)):
@@ -61,13 +61,13 @@ class ServerConfig:
             raise MinervaError(f"--max-waiting must be an integer >= 1, got {self.max_waiting!r}")
         if not self.shutdown_timeout >= 0:
             raise MinervaError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
-        if not self.served_model_name:
+        if not self.served_model_name or not all(self.aliases):
             raise MinervaError("--served-model-name must not be empty")
 
-
-def error_response(status: int, message: str, param: str | None = None,
-                   type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(convert.error_body(status, message, param, type), status_code=status, headers=headers)
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every name the model is served under, the first one first, each once."""
+        return tuple(dict.fromkeys((self.served_model_name, *self.aliases)))
 
 
 ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what in [
@@ -81,70 +81,6 @@ ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what i
 ]}
 
 
-# ------------------------------------------------------------------ guards
-
-
-class Guard:
-    """ASGI middleware: the API key (401), the body size (413) and the body's deadline (408),
-    checked before routing.
-
-    The body is read here (at most max_body_bytes of it, all within body_timeout seconds) and
-    replayed to the app, so a chunked upload cannot grow past the limit, nor a slow one hold
-    its connection, either.
-    """
-
-    PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
-        self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
-
-    def authorized(self, header: str) -> bool:
-        """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
-        scheme, _, key = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and not scope["path"].startswith(self.PUBLIC):
-            if not self.authorized(headers.get("authorization", "")):
-                return await error_response(401, "missing or wrong API key: send the header "
-                                                 "'Authorization: Bearer <key>' with the server's --api-key",
-                                            type="authentication_error",
-                                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
-        length = headers.get("content-length")
-        too_big = error_response(413, f"the request body is larger than the limit of {self.max_body} bytes")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            return await too_big(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        deadline = asyncio.get_running_loop().time() + self.body_timeout
-        while True:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                return await error_response(408, f"the request body did not arrive within {self.body_timeout:g} s "
-                                                 f"(the server's --body-timeout)",
-                                            headers={"Connection": "close"})(scope, receive, send)
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
-                return await too_big(scope, receive, send)
-            if not message.get("more_body", False):
-                break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-        async def replayed():
-            return replay.pop() if replay else await receive()
-
-        await self.app(scope, replayed, send)
-
-
 async def _abort_on_disconnect(raw: HTTPRequest, engine: AsyncEngine, group) -> None:
     """Wait for the client to go away, then abort its requests (their KV blocks are freed)."""
     while True:
@@ -152,49 +88,6 @@ async def _abort_on_disconnect(raw: HTTPRequest, engine: AsyncEngine, group) -> 
         if message["type"] == "http.disconnect":
             engine.abort(group)
             return
-
-
-# ------------------------------------------------------------------ errors
-
-
-async def _api_error(_, exc: APIError):
-    return error_response(exc.status, exc.message, exc.param, exc.type, exc.headers)
-
-
-async def _minerva_error(_, exc: MinervaError):
-    """The engine's and the tokenizer's verdict on a request (a prompt beyond the KV pool, a
-    token id beyond the vocabulary, a sampling value out of range): the client's fault."""
-    return error_response(400, str(exc))
-
-
-_UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _is_field(part) -> bool:
-    """Whether a part of a pydantic error location names a field or an index (not the
-    member of a union that failed, such as 'constrained-str' or 'list[int]')."""
-    return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
-
-
-async def _validation_error(_, exc: RequestValidationError):
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    where = [str(x) for x in first.get("loc", ()) if _is_field(x)]
-    param = ".".join(where) or None
-    msg = first.get("msg", "invalid request")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
-    if first.get("type") == "extra_forbidden":
-        text = f"unknown field '{param}': this server does not implement it; leave it out{more}"
-    return error_response(400, text, param)
-
-
-async def _http_error(_, exc: StarletteHTTPException):
-    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-
-HANDLERS = {APIError: _api_error, MinervaError: _minerva_error, RequestValidationError: _validation_error,
-            StarletteHTTPException: _http_error}
 
 
 # ------------------------------------------------------------------ the routes
@@ -223,6 +116,8 @@ class OpenAIRoutes:
         app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
                  summary="Text completion (streamed as server-sent events with stream: true)")(self.completions)
         app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(self.models)
+        app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
+                responses={401: ERRORS[401], 404: ERRORS[404]})(self.model)
         app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(self.health)
         app.get("/metrics", response_class=PlainTextResponse,
                 summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(self.prometheus)
@@ -273,9 +168,15 @@ class OpenAIRoutes:
                                  prefixes)
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.config.served_model_name, "object": "model",
-                                            "created": self.created, "owned_by": "minerva",
-                                            "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self.card(name) for name in self.config.names]}
+
+    async def model(self, model_id: str):
+        self.check_model(model_id)
+        return self.card(model_id)
+
+    def card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "minerva",
+                "max_model_len": self.max_model_len}
 
     async def health(self):
         if not self.engine.alive or not self.engine.accepting:
@@ -300,17 +201,19 @@ class OpenAIRoutes:
     # -------------------------------------------------------------- requests
 
     def check_model(self, name: str | None) -> None:
-        served = self.config.served_model_name
-        if name is not None and name != served:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}' "
+        names = self.config.names
+        if name is not None and name not in names:
+            served = " or ".join(f"'{n}'" for n in names)
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
                                 f"(see /v1/models)", "model")
 
     def check_parameters(self, tools: ToolPlan) -> None:
         """A 400 naming the function whose parameters schema a forced call cannot be held to."""
         for tool in tools.tools if tools.choice == "required" else [{"function": tools.function(tools.choice)}]:
             function = tool["function"]
+            schema = function.get("parameters") or {"type": "object"}
             try:
-                self.llm.engine.grammars.compiled(StructuredOutput(json=function.get("parameters") or {"type": "object"}))
+                self.llm.engine.grammars.compiled(StructuredOutput(json=schema))
             except MinervaError as exc:
                 raise APIError(400, f"the parameters of the function '{function['name']}' are not a usable JSON "
                                     f"schema: {exc}", "tools") from None
@@ -385,20 +288,23 @@ class OpenAIRoutes:
         """Submit, then answer with one JSON body or an SSE stream; `parsers` (one per request)
         split each reply into reasoning and content, and `callers` read tool calls out of the content."""
         group = self.submit(requests)
+        access = raw.scope.get(ACCESS, {})  # what the access log line says of this request
+        access["prompt"] = prompt_tokens
         watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
-        reply = Reply.new(chat, want_logprobs, self.config.served_model_name, self.token_text,
+        reply = Reply.new(chat, want_logprobs, body.model or self.config.served_model_name, self.token_text,
                           reasoning=parsers is not None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.stream(group, watch, reply, include_usage, prompt_tokens, prefixes,
-                                                 parsers, callers),
+                                                 parsers, callers, access),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes, parsers, callers))
+        return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes, parsers, callers,
+                                               access))
 
     async def collect(self, group: Group, watch: asyncio.Future, reply: Reply, prompt_tokens: int,
                       prefixes: list[str], parsers: list[ReasoningParser] | None,
-                      callers: list[ToolParser] | None = None) -> dict:
+                      callers: list[ToolParser] | None = None, access: dict | None = None) -> dict:
         """The whole response, once every request of the group has finished."""
         texts = [[p] for p in prefixes]
         logprobs: list[list[TokenLogprob]] = [[] for _ in prefixes]
@@ -410,6 +316,7 @@ class OpenAIRoutes:
                 texts[t.index].append(d.text)
                 logprobs[t.index] += d.logprobs
                 completion_tokens += len(d.token_ids)
+                note(access, completion_tokens)
                 finish[t.index] = d.finish_reason or finish[t.index]
             done = True
         except MinervaError as exc:
@@ -433,7 +340,7 @@ class OpenAIRoutes:
 
     async def stream(self, group: Group, watch: asyncio.Future, reply: Reply, include_usage: bool,
                      prompt_tokens: int, prefixes: list[str], parsers: list[ReasoningParser] | None,
-                     callers: list[ToolParser] | None = None) -> AsyncIterator[str]:
+                     callers: list[ToolParser] | None = None, access: dict | None = None) -> AsyncIterator[str]:
         completion_tokens = 0
         offsets = [len(p) for p in prefixes]
         done = False
@@ -443,6 +350,7 @@ class OpenAIRoutes:
                 yield reply.chunk(opening)
             async for t, d in self.engine.stream(group):
                 completion_tokens += len(d.token_ids)
+                note(access, completion_tokens)
                 thought, text, news = "", d.text, d.text or d.token_ids
                 pieces, finish, end = [], d.finish_reason, d.finish_reason is not None
                 if parsers:  # a chunk only for new text: marker tokens alone say nothing
@@ -470,6 +378,14 @@ class OpenAIRoutes:
         yield convert.DONE
 
 
+def note(access: dict | None, completion_tokens: int) -> None:
+    """The access record's completion tokens so far, and when the first one came."""
+    if access is not None:
+        access["completion"] = completion_tokens
+        if completion_tokens:
+            access.setdefault("first", time.perf_counter())
+
+
 # ------------------------------------------------------------------ the app
 
 
@@ -483,6 +399,7 @@ def build_app(llm, config: ServerConfig, threads: int | None = None) -> FastAPI:
     app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        body_timeout=config.body_timeout)
+    app.add_middleware(AccessLog)  # outermost: it sees the guard's answers too
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
     routes.register(app)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import sys
 
 import uvicorn
@@ -43,7 +45,8 @@ def describe(llm, config: ServerConfig, url: str) -> str:
     e = llm.engine
     blocks, size = e.blocks.num_blocks, e.blocks.block_size
     cache = e.cache
-    return (f"serving {llm.path.name} as '{config.served_model_name}' on {llm.device} ({str(llm.dtype)[6:]}); "
+    names = " and ".join(repr(n) for n in config.names)
+    return (f"serving {llm.path.name} as {names} on {llm.device} ({str(llm.dtype)[6:]}); "
             f"KV cache {blocks} blocks x {size} tokens = {blocks * size} tokens "
             f"({cache.nbytes / 1e6:.0f} MB, k={cache.k_format} v={cache.v_format}), "
             f"max model length {e.max_model_len}; at most {config.max_waiting} requests waiting; "
@@ -60,15 +63,38 @@ def make_server(app, config: ServerConfig, log_level: str = "info", **options) -
                   drain_timeout=config.shutdown_timeout)
 
 
-def serve(llm, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-          threads: int | None = None) -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is one clear error at
+    once, not a traceback after a long load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise MinervaError(f"--host {host!r} is not an address of this machine: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart may rebind at once
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise MinervaError(f"port {port} on {host} is already in use (another server?); stop it or pick "
+                               f"another with --port") from None
+        raise MinervaError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+def serve(llm, config: ServerConfig, sock: socket.socket, threads: int | None = None,
+          log_level: str = "info") -> None:
+    """Serve `llm` on the bound socket `sock` (see `bind`) until a signal or a fatal engine error."""
     app = build_app(llm, config, threads=threads)
+    host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     print(describe(llm, config, f"http://{shown}:{port}"), file=sys.stderr, flush=True)
-    server = make_server(app, config, host=host, port=port)
+    server = make_server(app, config, log_level=log_level)
     engine = app.state.engine
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
-    server.run()
+    server.run(sockets=[sock])
     if engine.fatal is not None:  # e.g. a tensor-parallel rank died: the requests failed, exit non-zero
         raise MinervaError(f"the server stopped: {engine.fatal}")

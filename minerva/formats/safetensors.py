@@ -78,6 +78,11 @@ class SafeTensorsDir:
     def tensor_names(self) -> list[str]:
         return list(self._where)
 
+    def dtype_and_shape(self, name: str) -> tuple[str, list[int]]:
+        """A tensor's stored dtype ("F16", "BF16", ...) and shape, from the file's header alone."""
+        info = self._where[name].get_slice(name)
+        return info.get_dtype(), info.get_shape()
+
     def tensor(self, name: str, packed: bool = False) -> torch.Tensor:
         """The tensor `name`: a float one, or with `packed` a uint8 one (quantized blocks)."""
         try:

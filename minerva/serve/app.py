@@ -176,7 +176,7 @@ class OpenAIRoutes:
 
     def card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "minerva",
-                "max_model_len": self.max_model_len}
+                "root": str(self.llm.path), "max_model_len": self.max_model_len}
 
     async def health(self):
         if not self.engine.alive or not self.engine.accepting:

@@ -354,6 +354,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minerva"
+    root: str = Field(description="The model file or directory served")
     max_model_len: int
 
 

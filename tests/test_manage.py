@@ -1,0 +1,83 @@
+"""`minerva show`, `rm` and `ps`: what a model file says of itself (checked against the gguf
+package's reading of the same file), removing a pulled model, and a running server's status
+read from its own endpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from minerva import LLM, manage, store
+from minerva.errors import MinervaError
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.server import running_server
+from tests.helpers.tiny_gguf import write_tiny_llama
+from tests.helpers.tiny_hf import save
+
+def test_show_a_real_model(smollm2_gguf):
+    info = manage.model_info(str(smollm2_gguf))
+    reader = gguf.GGUFReader(smollm2_gguf)
+    assert info.parameters == sum(int(np.prod(t.shape)) for t in reader.tensors)
+    kinds = {}
+    for t in reader.tensors:
+        kinds[t.tensor_type.name] = kinds.get(t.tensor_type.name, 0) + 1
+    assert {k: n for k, (n, _) in info.tensor_types.items()} == kinds
+    assert info.architecture == "llama" and info.layers == 30 and info.heads == "9 (3 KV)"
+    assert info.context_length == int(reader.fields["llama.context_length"].contents())
+    assert info.chat_template == reader.fields["tokenizer.chat_template"].contents()
+    assert info.sha256 == hashlib.sha256(smollm2_gguf.read_bytes()).hexdigest()
+    text = manage.show_text(info)
+    assert "instruct" in text and "134.5M" in text and info.sha256 in text and "Q4_1" in text
+
+
+def test_show_and_rm_in_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINERVA_HOME", str(tmp_path / "home"))
+    d = tmp_path / "home" / "models" / "tiny-one"
+    d.mkdir(parents=True)
+    write_tiny_llama(d / "tiny.gguf", chat_template=None)
+    (d / "manifest.json").write_text(json.dumps({"name": "tiny-one", "file": "tiny.gguf", "sha256": "ab" * 32,
+                                                 "size": (d / "tiny.gguf").stat().st_size}))
+    shown = run("show", "tiny-one", env_home=tmp_path / "home")
+    assert shown.returncode == 0, shown.stderr
+    assert "base (no chat template" in shown.stdout and "ab" * 32 in shown.stdout  # the recorded sha256
+    assert "tiny-one" in run("list", env_home=tmp_path / "home").stdout
+    removed = run("rm", "tiny-one", env_home=tmp_path / "home")
+    assert removed.returncode == 0 and "removed tiny-one" in removed.stdout and not d.exists()
+    assert_clean_error(run("rm", "tiny-one", env_home=tmp_path / "home"), "'tiny-one' is not a pulled model")
+    assert_clean_error(run("rm", "smollm2-135m", env_home=tmp_path / "home"), "a known model that is not pulled")
+    assert_clean_error(run("show", str(tmp_path / "missing.gguf")), "neither a pulled model nor a path")
+
+
+def test_rm_stays_inside_the_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINERVA_HOME", str(tmp_path / "home"))
+    with pytest.raises(MinervaError, match="not a pulled model"):
+        manage.remove("../../etc")
+    assert store.list_models() == []
+
+
+def test_ps_reads_a_running_server(tiny):
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, max_num_seqs=2)
+    with running_server(llm, served_model_name="tiny", aliases=("tiny-chat",)) as (url, _):
+        rows = manage.server_status(url)
+        assert [r["name"] for r in rows] == ["tiny", "tiny-chat"]
+        assert rows[0]["root"] == str(tiny) and rows[0]["max_model_len"] == llm.engine.max_model_len
+        assert rows[0]["running"] == 0 and rows[0]["waiting"] == 0 and rows[0]["kv_usage"] == 0
+        text = manage.ps_text(rows, url)
+        assert text.splitlines()[0].split() == ["NAME", "CONTEXT", "RUNNING", "WAITING", "KV", "USED", "MODEL"]
+    with pytest.raises(MinervaError, match="no Minerva server answers"):
+        manage.server_status(url, timeout=2)
+
+
+def test_hf_directory_is_shown(tmp_path):
+    path = save(tmp_path, "llama-untied", dtype=torch.bfloat16)
+    info = manage.model_info(str(path))
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        numel = sum(f.get_tensor(k).numel() for k in f.keys())
+    assert info.parameters == numel and info.quantization == "BF16" and info.architecture == "llama"
+    assert info.sha256.startswith("model.safetensors ") and len(info.sha256.split()[1]) == 64

@@ -61,11 +61,12 @@ def main() -> None:
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     warm = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(2)]
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up, other prompts: no cache hits
+    # warm-up, other prompts: no cache hits
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     timed.seconds.clear()
     timed.calls.clear()
     start = time.perf_counter()
-    out = llm.generate(prompts, params)
+    out = llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in out)
     print(f"{args.requests} requests x ({args.input_len} in, {args.output_len} out), {args.dtype}: "

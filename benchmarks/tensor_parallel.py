@@ -35,7 +35,8 @@ pids = ["self"] + [p.pid for p in (llm.group.workers if llm.group else [])]
 loaded_rss = [status("VmRSS", p) for p in pids]
 prompt = llm.tokenizer.encode("The history of the city " * 64)[:prompt_len]
 params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True)
-llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),  # warm-up
+             use_tqdm=False)
 comm = llm.engine.runner.comm
 first = None
 calls0, secs0 = (comm.calls, comm.seconds) if comm else (0, 0.0)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import dataclasses
 import os
 import sys
@@ -30,9 +32,16 @@ from minerva.parallel import launch
 from minerva.serve.app import ServerConfig
 from minerva.serve.async_engine import on_own_thread
 from minerva.serve.server import bind, serve
-from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
+from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull, store_root
 
-DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+CHAT_HELP = "\n".join([
+    "commands:",
+    "  /help          this help",
+    "  /reset         forget the conversation (also /clear)",
+    "  /bye           leave (also /exit, /quit, Ctrl-D)",
+    '  """            start and end a message of several lines',
+    "Ctrl-C stops a reply; at the prompt it clears the line.",
+])
 DIM, UNDIM = "\x1b[2m", "\x1b[0m"  # ANSI: faint text, and back to normal
 
 
@@ -150,9 +159,17 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _looks_like_model(arg: str) -> bool:
+    return arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir()
+
+
 def cmd_generate(args) -> int:
-    model, prompt = _model_and_rest(args.args, '"PROMPT"', rest_required=False)
-    prompt = prompt if prompt is not None else DEFAULT_PROMPT
+    if not sys.stdin.isatty() and (not args.args or (len(args.args) == 1 and _looks_like_model(args.args[0]))):
+        model, prompt = (args.args or [None])[0], sys.stdin.read()  # the prompt piped in
+    else:
+        model, prompt = _model_and_rest(args.args, '"PROMPT"', rest_required=True)
+    if not prompt.strip():
+        raise MinervaError('the prompt is empty; give one: minerva generate [MODEL] "PROMPT", or pipe it in')
     params = sampling(args)
     llm = _load(model, args)
     if args.raw:
@@ -169,6 +186,49 @@ def _template_variables(args) -> dict:
     return {"reasoning_effort": args.reasoning_effort} if args.reasoning_effort else {}
 
 
+def _line_editing() -> None:
+    """Line editing and a history kept across sessions, where the terminal has readline."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline  # only for an interactive terminal; absent on some platforms
+    except ImportError:
+        return
+    path = store_root().parent / "chat_history"
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        with contextlib.suppress(OSError):
+            readline.write_history_file(path)
+
+    atexit.register(save)
+
+
+def _read_message() -> str | None:
+    """The next message typed, several lines between \"\"\" marks; None at the end of input.
+    Ctrl-C at the prompt clears the line instead of leaving."""
+    while True:
+        try:
+            line = input("> ")
+            if not line.strip().startswith('"""'):
+                return line
+            first = line.strip()[3:]
+            if first.strip() and first.rstrip().endswith('"""'):  # opened and closed on one line
+                return first.rstrip()[:-3]
+            lines = [first]
+            while not (nxt := input(". ")).rstrip().endswith('"""'):
+                lines.append(nxt)
+            lines.append(nxt.rstrip()[:-3])
+            return "\n".join(lines).strip("\n")
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /bye leaves)", file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
     if len(args.model) > 1:
         raise MinervaError("chat takes at most one MODEL argument")
@@ -177,20 +237,24 @@ def cmd_chat(args) -> int:
     params = llm.chat_params(params)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
-    print("chat: type a message; /reset clears the history; Ctrl-D leaves", file=sys.stderr)
+    _line_editing()
+    print("chat: type a message; /help for commands, /bye or Ctrl-D leaves", file=sys.stderr)
     while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            print(file=sys.stderr)
+        line = _read_message()
+        command = (line or "").strip()
+        if line is None or command in ("/bye", "/exit", "/quit"):
             return 0
-        if line.strip() in ("/reset", "/clear"):
+        if command in ("/reset", "/clear"):
             history = []
             print("[history cleared]", file=sys.stderr)
             continue
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if not line.strip():
+        if command in ("/help", "/?"):
+            print(CHAT_HELP, file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}; /help lists them", file=sys.stderr)
+            continue
+        if not command:
             continue
         history.append({"role": "user", "content": line})
         prompt = llm.apply_chat_template(system + history, **_template_variables(args))
@@ -198,6 +262,9 @@ def cmd_chat(args) -> int:
         try:
             for delta in llm.stream(prompt, params):
                 writer.write(delta.text, end=delta.finish_reason is not None)
+                if delta.finish_reason == "length":
+                    print(f"\n[cut off: the reply reached {params.max_tokens} tokens (-n) or the context]",
+                          file=sys.stderr, end="")
         except MinervaError as exc:  # e.g. the history outgrew the context: keep the session
             history.pop()
             print(f"\nerror: {exc} (use /reset)", file=sys.stderr)

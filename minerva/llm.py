@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import time
 from typing import Iterator, Sequence
 
 import torch
@@ -253,8 +254,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt through the engine together; outputs in prompt order."""
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt through the engine together; outputs in prompt order. `use_tqdm`:
+        a progress bar of the prompts done, with the input and output tokens/s (on stderr)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -263,16 +265,22 @@ class LLM:
         completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]
                        for sp in per_prompt]
         left = [sp.n for sp in per_prompt]
-        with tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req") as bar:
+        start, produced, prompt_tokens = time.perf_counter(), 0, 0
+        with tqdm(total=len(prompts), disable=not use_tqdm, desc="Processed prompts", unit="prompt") as bar:
             for i, j, delta in self.stream_many(prompts, per_prompt):
                 c = completions[i][j]
                 c["text"].append(delta.text)
                 c["ids"] += delta.token_ids
                 c["logprobs"] += delta.logprobs
+                produced += len(delta.token_ids)
                 if delta.finish_reason:
                     c["finish"] = delta.finish_reason
                     left[i] -= 1
                     if left[i] == 0:
+                        prompt_tokens += len(self.encode_prompt(prompts[i])) if use_tqdm else 0
+                        seconds = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"input: {prompt_tokens / seconds:.1f} tok/s, "
+                                            f"output: {produced / seconds:.1f} tok/s", refresh=False)
                         bar.update(1)
         return [RequestOutput(f"gen-{i}", p if isinstance(p, str) else None, self.encode_prompt(p),
                               [CompletionOutput(j, "".join(c["text"]), c["ids"], c["finish"],
@@ -285,13 +293,16 @@ class LLM:
         for _, _, delta in self.stream_many([prompt], params):
             yield delta
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-             **variables) -> RequestOutput:
-        """A reply to `messages`; for a model that reasons first, each completion's `text` is the
-        answer and its `reasoning` the reasoning. `tools`, `tool_choice` and `parallel_tool_calls`
-        are OpenAI's: the calls the model makes are each completion's `tool_calls` (its
-        finish_reason then "tool_calls"), and `text` what else it wrote."""
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None, *,
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None, use_tqdm: bool = True,
+             **variables) -> RequestOutput | list[RequestOutput]:
+        """A reply to `messages` (one conversation), or a list of replies to a list of
+        conversations, run together. For a model that reasons first, each completion's `text`
+        is the answer and its `reasoning` the reasoning. `tools`, `tool_choice` and
+        `parallel_tool_calls` are OpenAI's: the calls the model makes are each completion's
+        `tool_calls` (its finish_reason then "tool_calls"), and `text` what else it wrote."""
+        many = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)
         params = params or SamplingParams()
         calling = make_plan(tools, tool_choice, parallel_tool_calls)
         if calling is not None and calling.choice != "none":
@@ -302,8 +313,15 @@ class LLM:
                     raise MinervaError("a forced tool call already constrains the output; "
                                        "leave out SamplingParams.structured")
                 params = dataclasses.replace(params, structured=StructuredOutput(json=calling.constraint()))
-        prompt = self.apply_chat_template(messages, tools=calling.prompt_tools if calling else None, **variables)
-        out = self.generate(prompt, self.chat_params(params, tools=calling is not None and calling.choice == "auto"))[0]
+        prompts = [self.apply_chat_template(list(c), tools=calling.prompt_tools if calling else None, **variables)
+                   for c in (messages if many else [messages])]
+        params = self.chat_params(params, tools=calling is not None and calling.choice == "auto")
+        outs = [self._reply(out, prompt, calling)
+                for out, prompt in zip(self.generate(prompts, params, use_tqdm=use_tqdm), prompts)]
+        return outs if many else outs[0]
+
+    def _reply(self, out: RequestOutput, prompt: str, calling) -> RequestOutput:
+        """`out` split into reasoning, answer and tool calls."""
         outputs = []
         for c in out.outputs:
             reasoning, text = split_text(self.reasoning, prompt, c.text)
@@ -316,3 +334,8 @@ class LLM:
                                                finish_reason="tool_calls" if calls and c.finish_reason == "stop"
                                                else c.finish_reason))
         return dataclasses.replace(out, outputs=outputs)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"LLM({self.path.name!r}: {c.architecture}, {c.num_layers} layers, {self.dtype_name} on {self.device}, "
+                f"{self.loaded.weight_bytes / 1e6:.0f} MB of weights, context {self.engine.max_model_len})")

@@ -90,8 +90,13 @@ def test_zero_heads(tmp_path):
     assert_clean_error(run("generate", str(path), "hi"), "zero.gguf")
 
 
-def test_model_name_without_prompt(tiny):
-    assert_clean_error(run("generate", "gemma3-270m"), "looks like a model")
+def test_prompt_from_stdin_and_empty_prompts(tiny):
+    piped = run("generate", str(tiny), "--raw", "-n", "3", "--temperature", "0", "--ignore-eos", input="hello")
+    given = run("generate", str(tiny), "hello", "--raw", "-n", "3", "--temperature", "0", "--ignore-eos")
+    assert piped.returncode == given.returncode == 0 and piped.stdout == given.stdout
+    for argv in ([str(tiny)], ["gemma3-270m"], []):
+        assert_clean_error(run("generate", *argv, input=""), "the prompt is empty")
+    assert_clean_error(run("generate", str(tiny), "   ", input=""), "the prompt is empty")
 
 
 @pytest.mark.parametrize("flag", ["--context", "--stride"])
@@ -172,6 +177,15 @@ def test_chat_reset_and_eof(tiny):
     proc = run("chat", str(tiny), "-n", "3", "--temperature", "0", input="hi\n/reset\nagain\n")
     assert proc.returncode == 0, proc.stderr
     assert "history cleared" in proc.stderr
+    assert proc.stderr.count("[cut off: the reply reached 3 tokens") == 2  # -n 3 cut both replies
+
+
+def test_chat_commands_and_multiline(tiny):
+    typed = '/help\n/nonsense\n"""\nline one\nline two\n"""\n/bye\nnever read\n'
+    proc = run("chat", str(tiny), "-n", "2", "--temperature", "0", input=typed)
+    assert proc.returncode == 0, proc.stderr
+    assert "/bye" in proc.stderr and "unknown command /nonsense" in proc.stderr
+    assert proc.stderr.count("[cut off") == 1  # one reply: to the two-line message; /bye left before the last
 
 
 def test_list_empty_store(tmp_path):

@@ -95,3 +95,16 @@ def test_gemma_chat_uses_builtin_template(gemma3_llm, gemma3_hf):
     # the reply is transformers' greedy reply to the same ids, ended by <end_of_turn> or length
     ref = hf_greedy(gemma3_hf, out.prompt_token_ids, 40, tok.eos_token_ids)
     assert ref and out.token_ids == ref and out.text == tok.decode(ref)
+
+
+def test_chat_takes_a_list_of_conversations(smollm2_llm, capsys):
+    """Several conversations run together, each answered as it is alone; the progress bar says
+    the output tokens/s; repr says what is loaded."""
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Name a fruit."}]]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    together = smollm2_llm.chat(conversations, greedy)
+    assert "output:" in capsys.readouterr().err  # the bar, on stderr
+    alone = [smollm2_llm.chat(c, greedy, use_tqdm=False) for c in conversations]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+    assert capsys.readouterr().err == ""
+    assert repr(smollm2_llm).startswith("LLM('SmolLM2-135M-Instruct.Q4_1.gguf': llama, 30 layers")

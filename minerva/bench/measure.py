@@ -50,9 +50,9 @@ def minerva_prefill(llm: LLM, prompt: list[int], depth: int = 0) -> float:
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     cached = depth - depth % llm.engine.blocks.block_size  # only full blocks are shared
     if depth:
-        llm.generate([prompt[:depth]], one)
+        llm.generate([prompt[:depth]], one, use_tqdm=False)
     start = time.perf_counter()
-    llm.generate([prompt], one)
+    llm.generate([prompt], one, use_tqdm=False)
     return (len(prompt) - cached) / (time.perf_counter() - start)
 
 

@@ -223,7 +223,7 @@ def load_offline(args):
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=args.max_concurrency or args.num_prompts,
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None))
-    llm.generate(["warm-up"] * 2, SamplingParams(max_tokens=2, temperature=0))
+    llm.generate(["warm-up"] * 2, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     return llm
 
 
@@ -235,11 +235,11 @@ def offline(llm, args, prompts: list[tuple[str, int]], fresh: list[tuple[str, in
     prefill = []
     for text, _ in fresh:
         start = time.perf_counter()
-        llm.generate(text, one)
+        llm.generate(text, one, use_tqdm=False)
         prefill.append(time.perf_counter() - start)
     params = SamplingParams(max_tokens=args.random_output_len, temperature=0, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
-    outs = llm.generate([t for t, _ in prompts], params)
+    outs = llm.generate([t for t, _ in prompts], params, use_tqdm=False)
     secs = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     return {"max_num_seqs": llm.engine.config.max_num_seqs, "duration_s": secs, "total_output_tokens": tokens,

@@ -33,7 +33,7 @@ def default_text() -> str:
 def _run(llm, prompt: str, params, batch: int) -> tuple[float, list[list[int]]]:
     """Generation tokens/s (after each request's first token) and the outputs."""
     start = time.perf_counter()
-    outs = llm.generate([prompt] * batch, params)
+    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return tokens / seconds, [o.outputs[0].token_ids for o in outs]

@@ -33,7 +33,7 @@ def cmd_throughput(args) -> int:
     prompts = [random_prompt(rng, llm, rng.randint(lo_in, hi_in)) for _ in range(args.num_prompts)]
     outs = [rng.randint(lo_out, hi_out) for _ in range(args.num_prompts)]
     params = [SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True) for i, n in enumerate(outs)]
-    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2)  # warm-up
+    llm.generate(prompts[:2], [SamplingParams(max_tokens=4, ignore_eos=True)] * 2, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     secs = time.perf_counter() - start
@@ -76,7 +76,7 @@ def cmd_throughput(args) -> int:
 
 def _timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, int]:
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
 
 

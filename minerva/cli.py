@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import difflib
 import os
 import sys
 import time
@@ -333,8 +334,51 @@ def _add_reasoning_effort(p: argparse.ArgumentParser) -> None:
                         "default: the template's)")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in --help, unless its help already says it (or it has none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """The `minerva` parser and, through `add_subparsers`, every subcommand's."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)parser that `argv` ends up in: `minerva bench serve ...` -> bench serve's."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for i, word in enumerate(argv):
+                if word in action.choices:
+                    return _subcommand_parser(action.choices[word], argv[i + 1:])
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown option is refused by its subcommand (its usage, and the
+    option it was likely meant to be)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        target = _subcommand_parser(parser, argv)
+        known = [o for a in target._actions for o in a.option_strings]
+        hints = [m for x in extras if x.startswith("-")
+                 for m in difflib.get_close_matches(x.split("=")[0], known, n=1, cutoff=0.6)]
+        target.error(f"unrecognized arguments: {' '.join(extras)}"
+                     + (f" (did you mean {' or '.join(dict.fromkeys(hints))}?)" if hints else ""))
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
+    parser = Parser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
     parser.add_argument("--version", action="version", version=f"minerva {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -407,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), argv)
     try:
         if args.command == "bench":
             bench.check_args(args)

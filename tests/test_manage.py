@@ -51,7 +51,7 @@ def test_show_and_rm_in_the_store(tmp_path, monkeypatch):
     assert removed.returncode == 0 and "removed tiny-one" in removed.stdout and not d.exists()
     assert_clean_error(run("rm", "tiny-one", env_home=tmp_path / "home"), "'tiny-one' is not a pulled model")
     assert_clean_error(run("rm", "smollm2-135m", env_home=tmp_path / "home"), "a known model that is not pulled")
-    assert_clean_error(run("show", str(tmp_path / "missing.gguf")), "neither a pulled model nor a path")
+    assert_clean_error(run("show", str(tmp_path / "missing.gguf")), "does not exist")
 
 
 def test_rm_stays_inside_the_store(tmp_path, monkeypatch):

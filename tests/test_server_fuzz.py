@@ -100,7 +100,8 @@ def operations(schema) -> list:
 
 # Each operation is driven by its own hypothesis strategy (not schemathesis' pytest plugin,
 # which depends on pytest internals that change between releases).
-NUM_OPERATIONS = 7  # /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize, /detokenize, /metrics
+# /v1/chat/completions, /v1/completions, /v1/models, /v1/models/{id}, /health, /tokenize, /detokenize, /metrics
+NUM_OPERATIONS = 8
 
 
 @pytest.mark.parametrize("index", range(NUM_OPERATIONS))

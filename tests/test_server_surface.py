@@ -85,3 +85,17 @@ def test_port_in_use_is_refused_before_loading(tmp_path):
 def test_version():
     r = subprocess.run([sys.executable, "-m", "minerva", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == f"minerva {__version__}" and re.match(r"\d+\.\d+", __version__)
+
+
+def test_the_chat_page_is_served_without_the_api_key(tiny):
+    """The page and its files are public (they hold nothing); the API behind them keeps its key."""
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, max_num_seqs=2)
+    with running_server(llm, api_key="sekret") as (url, _):
+        page = httpx.get(f"{url}/")
+        assert page.status_code == 200 and '<script src="/ui/chat.js">' in page.text
+        for name, kind in (("chat.js", "javascript"), ("markdown.js", "javascript"), ("chat.css", "text/css")):
+            r = httpx.get(f"{url}/ui/{name}")
+            assert r.status_code == 200 and kind in r.headers["content-type"], name
+        assert httpx.get(f"{url}/ui/nothing.js").status_code == 404
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200

@@ -15,10 +15,12 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from minerva.engine.request import Request
@@ -37,6 +39,7 @@ from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard, error_respon
 from minerva.serve.metrics import Metrics
 
 log = logging.getLogger("minerva.serve")
+STATIC = Path(__file__).parent / "static"  # the chat page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,8 @@ class OpenAIRoutes:
         app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(self.health)
         app.get("/metrics", response_class=PlainTextResponse,
                 summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(self.prometheus)
+        app.get("/", response_class=HTMLResponse, include_in_schema=False)(self.page)
+        app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
         app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(self.tokenize)
         app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(self.detokenize)
 
@@ -177,6 +182,10 @@ class OpenAIRoutes:
     def card(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "minerva",
                 "root": str(self.llm.path), "max_model_len": self.max_model_len}
+
+    async def page(self):
+        """The chat page (static files under /ui, served from the package: it works offline)."""
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
     async def health(self):
         if not self.engine.alive or not self.engine.accepting:

@@ -39,7 +39,7 @@ class Guard:
     its connection, either.
     """
 
-    PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json")
+    PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/ui/")  # and the page at "/"
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
@@ -53,7 +53,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and not scope["path"].startswith(self.PUBLIC):
+        if self.api_key and not (scope["path"] == "/" or scope["path"].startswith(self.PUBLIC)):
             if not self.authorized(headers.get("authorization", "")):
                 return await error_response(401, "missing or wrong API key: send the header "
                                                  "'Authorization: Bearer <key>' with the server's --api-key",

@@ -41,6 +41,7 @@ class Request:
     # distributions they were drawn from, None when chosen deterministically.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: object = None
+    embedding: object = None  # float32 [hidden], with params.embedding: set when the prompt is computed
     # The prompt, then every kept output token: one list that grows in place (read it, never
     # keep it: it changes as the request runs).
     all_token_ids: list[int] = field(init=False)

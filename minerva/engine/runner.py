@@ -74,6 +74,7 @@ class ModelRunner:
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
         self.comm = comm
+        self.hidden_rows: torch.Tensor | None = None
 
     def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
@@ -105,7 +106,8 @@ class ModelRunner:
         hidden = self.model(ids, AttentionContext(pos, backend))
         if not L:
             return None
-        logits = self.model.logits(hidden[logit_rows])
+        self.hidden_rows = hidden[logit_rows]  # the final hidden states the logits come from (embeddings)
+        logits = self.model.logits(self.hidden_rows)
         if logits is not None:  # None on a tensor-parallel follower: the leader gathers them
             check_logits(logits, hidden.dtype)  # hidden is in the model's dtype; logits are float32
         return logits
@@ -150,6 +152,9 @@ class ModelRunner:
             rows = torch.tensor([r for _, r in plain], device=self.device)
             requests = [batch[i].request for i, _ in plain]
             selected = logits[rows]
+            for j, r in enumerate(requests):
+                if r.params.embedding and r.embedding is None:  # its first row is its last prompt token's
+                    r.embedding = torch.nn.functional.normalize(self.hidden_rows[plain[j][1]].float(), dim=0)
             constrained = [j for j, r in enumerate(requests) if r.sampler.matcher is not None]
             if constrained:  # structured output: tokens the grammar forbids get -inf
                 where = torch.tensor(constrained, device=self.device)

@@ -41,6 +41,9 @@ class SamplingParams:
     # that are special tokens (harmony's) keeps them (see minerva/formats/reasoning.py).
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
+    # Keep the last prompt token's final hidden state, L2-normalized, as Request.embedding
+    # (what /v1/embeddings returns: last-token pooling)
+    embedding: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -24,7 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from minerva.engine.request import Request
-from minerva.engine.sampler import TokenLogprob
+from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.errors import MinervaError
 from minerva.formats.chat import TemplateLimitError
 from minerva.engine.structured import StructuredOutput
@@ -118,6 +118,9 @@ class OpenAIRoutes:
             self.chat_completions)
         app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
                  summary="Text completion (streamed as server-sent events with stream: true)")(self.completions)
+        app.post("/v1/embeddings", response_model=P.EmbeddingResponse, responses=ERRORS,
+                 summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(
+            self.embeddings)
         app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(self.models)
         app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
                 responses={401: ERRORS[401], 404: ERRORS[404]})(self.model)
@@ -171,6 +174,37 @@ class OpenAIRoutes:
                         for p, i in zip(prompts, ids) for _ in range(body.n)]
         return await self.answer(raw, requests, body, False, body.logprobs is not None, sum(map(len, ids)),
                                  prefixes)
+
+    async def embeddings(self, body: P.EmbeddingRequest, raw: HTTPRequest):
+        self.check_model(body.model)
+        width = self.llm.config.hidden_size
+        if body.dimensions is not None and body.dimensions != width:
+            raise APIError(400, f"this model's embeddings have {width} dimensions; leave out dimensions "
+                                f"(got {body.dimensions})", "dimensions")
+        ids = [await self.encode(p, "input") for p in body.inputs()]
+        requests = self.requests(ids, body, 1, None, "input", fixed=convert.embedding_params())
+        group = self.submit(requests)
+        watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
+        done = False
+        try:
+            async for _ in self.engine.stream(group):
+                pass
+            done = True
+        except MinervaError as exc:
+            raise APIError(400, str(exc)) from None
+        except RuntimeError as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        finally:
+            watch.cancel()
+            if not done:
+                self.engine.abort(group)
+        tokens = sum(map(len, ids))
+        raw.scope.get(ACCESS, {})["prompt"] = tokens
+        return {"object": "list", "model": body.model or self.config.served_model_name,
+                "data": [{"object": "embedding", "index": i,
+                          "embedding": convert.embedding_vector(r.embedding, body.encoding_format)}
+                         for i, r in enumerate(requests)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def models(self):
         return {"object": "list", "data": [self.card(name) for name in self.config.names]}
@@ -257,13 +291,14 @@ class OpenAIRoutes:
         except MinervaError as exc:
             raise APIError(400, str(exc), param) from None
 
-    def requests(self, prompts: list[list[int]], body: P._Sampling, max_tokens: int | None,
-                 logprobs: int | None, param: str, chat: bool = False, tools=None) -> list[Request]:
-        """Engine requests for every prompt (n each), checked by the API's rules and the engine's."""
+    def requests(self, prompts: list[list[int]], body, max_tokens: int | None, logprobs: int | None, param: str,
+                 chat: bool = False, tools=None, fixed: SamplingParams | None = None) -> list[Request]:
+        """Engine requests for every prompt (n each), checked by the API's rules and the engine's;
+        `fixed` parameters instead of the body's sampling fields (an embedding's)."""
         requests = []
         for ids in prompts:
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
-            params = convert.sampling_params(body, limit, logprobs, tools)
+            params = fixed or convert.sampling_params(body, limit, logprobs, tools)
             if chat:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
             requests += self.llm.make_requests(ids, params)

@@ -9,12 +9,15 @@ which the app answers with a 400.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import math
 import time
 import uuid
 from typing import Callable, Sequence
+
+import torch
 
 from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.engine.structured import StructuredOutput
@@ -184,6 +187,20 @@ def completion_prompts(body: P.CompletionRequest) -> list[str | list[int]]:
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs); drop one of them", "echo")
     return prompts
+
+
+def embedding_params() -> SamplingParams:
+    """An embedding request: the prompt computed, its last token's hidden state kept, one greedy
+    token (nothing more is sampled, nor guessed)."""
+    return SamplingParams(max_tokens=1, temperature=0, embedding=True, speculative_tokens=0)
+
+
+def embedding_vector(vector, encoding_format: str) -> list[float] | str:
+    """One embedding as OpenAI sends it: floats, or their float32 bytes (little-endian) in base64."""
+    values = vector.detach().to("cpu", torch.float32).numpy()
+    if encoding_format == "base64":
+        return base64.b64encode(values.astype("<f4").tobytes()).decode("ascii")
+    return values.tolist()
 
 
 # ------------------------------------------------------------------ numbers

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from minerva.engine.sampler import MAX_LOGPROBS, MAX_SPECULATIVE
 
@@ -222,6 +222,31 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        description="Text, token ids, or a list of either: one embedding each.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: the float32 values, little-endian, base64-encoded")
+    dimensions: PositiveInt | None = Field(None, description="Only the model's own hidden size is possible")
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _not_empty(cls, x):
+        if x in ("", []) or (isinstance(x, list) and any(v in ("", []) for v in x)):
+            raise ValueError("an input is empty: give text or token ids (nothing has no embedding)")
+        return x
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if all(isinstance(t, int) for t in x):
+            return [list(x)]
+        return list(x)
+
+
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
@@ -361,6 +386,24 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
 
 
 class TokenizeResponse(BaseModel):

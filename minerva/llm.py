@@ -18,7 +18,7 @@ from minerva.engine.sampler import SamplingParams
 from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
-from minerva.formats.reasoning import reasoning_for, split_text
+from minerva.formats.reasoning import reasoning_for
 from minerva.formats.tool_parsers import join_pieces
 from minerva.formats.tools import make_plan, tools_for
 from minerva.kernels import act_quant, dispatch
@@ -306,8 +306,9 @@ class LLM:
         params = params or SamplingParams()
         calling = make_plan(tools, tool_choice, parallel_tool_calls)
         if calling is not None and calling.choice != "none":
-            if not self.tool_format.supported:
-                raise MinervaError(f"tool calls in this model's format ({self.tool_format.name}) are not supported yet")
+            why = self.tool_format.supports(calling)
+            if why is not None:
+                raise MinervaError(why)
             if calling.forced:
                 if params.structured is not None:
                     raise MinervaError("a forced tool call already constrains the output; "
@@ -324,8 +325,10 @@ class LLM:
         """`out` split into reasoning, answer and tool calls."""
         outputs = []
         for c in out.outputs:
-            reasoning, text = split_text(self.reasoning, prompt, c.text)
-            caller = calling.parser(self.tool_format) if calling is not None else None
+            parser = self.reasoning.parser(prompt) if self.reasoning is not None else None
+            reasoning, text = parser.feed(c.text, end=True) if parser is not None else ("", c.text)
+            reasoning = reasoning or None
+            caller = calling.parser(self.tool_format, parser) if calling is not None else None
             calls = None
             if caller is not None:
                 text, pieces = caller.feed(text, end=True)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from minerva import LLM
-from tests.helpers.scripted import scripted
+from tests.helpers.scripted import HARMONY_TEMPLATE, HARMONY_TOKENS, scripted
 from tests.helpers.server import running_server
 from tests.helpers.tiny_gguf import write_tiny_llama
 from tests.test_tools import TIME, WEATHER
@@ -204,3 +204,41 @@ def test_a_templates_own_format_with_special_markers(tmp_path):
         assert r.choices[0].message.content == reply.replace("[TOOL_CALLS]", "")
     llm.close()
 
+
+
+# In the shape of GPT-OSS's: the tools in a developer message, calls as messages to functions.NAME.
+HARMONY_TOOLS_TEMPLATE = (
+    "{% if tools %}<|start|>developer<|message|># Tools\nnamespace functions { "
+    "{% for t in tools %}type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;{% endfor %}"
+    "}<|end|>{% endif %}" + HARMONY_TEMPLATE.removeprefix(
+        "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"))
+
+
+def test_harmony_calls(tmp_path):
+    """GPT-OSS writes a call as a commentary message to functions.NAME after its reasoning."""
+    path = write_tiny_llama(tmp_path / "harmony.gguf", context=1024, chat_template=HARMONY_TOOLS_TEMPLATE,
+                            special_tokens=HARMONY_TOKENS, eos_token="<|return|>")  # not `"`, a byte of JSON
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    assert (llm.tool_format.name, llm.tool_format.native) == ("harmony", True)
+    assert "type get_weather = " in llm.apply_chat_template(ASK, tools=[WEATHER])
+    reply = ("<|channel|>analysis<|message|>The user wants the weather.<|end|>"
+             "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+             '<|message|>{"city": "Paris"}<|call|>')
+    with scripted() as script, running_server(llm) as (url, _):
+        script.say(llm.tokenizer, reply)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        r = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER, TIME], max_tokens=200)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert choice.message.model_extra["reasoning_content"] == "The user wants the weather."
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+        content, calls, finish = streamed(client, model="test-model", messages=ASK, tools=[WEATHER], max_tokens=200)
+        assert (content, finish) == ("", "tool_calls") and [(c["name"], json.loads(c["arguments"])) for c in calls] \
+            == [("get_weather", {"city": "Paris"})]
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER],
+                                                           "tool_choice": "required"}, timeout=60)
+        error(r, "tool_choice", "not supported for this model's format (harmony)")
+        out = llm.chat(ASK, tools=[WEATHER], use_tqdm=False).outputs[0]
+        assert out.reasoning == "The user wants the weather." and out.tool_calls[0].name == "get_weather"
+    llm.close()

@@ -13,10 +13,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
+from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import GEMMA3_TEMPLATE, render_chat
-from minerva.formats.tool_parsers import (HermesParser, Llama3Parser, MistralParser, NamedParser, RequiredParser,
-                                          join_pieces)
+from minerva.formats.reasoning import HarmonyParser
+from minerva.formats.tool_parsers import (HarmonyCallParser, HermesParser, Llama3Parser, MistralParser, NamedParser,
+                                          RequiredParser, join_pieces)
 from minerva.formats.tools import ToolFormat, detect, make_plan
 
 WEATHER = {"type": "function", "function": {
@@ -217,14 +219,39 @@ def test_builtin_format_for_templates_without_tools():
 def test_llm_chat_with_tools(smollm2_llm):
     """Offline: a forced call's arguments validate against the function's schema."""
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    out = smollm2_llm.chat(ask, tools=[WEATHER, TIME], tool_choice={"type": "function",
-                                                                     "function": {"name": "get_weather"}})
+    greedy = SamplingParams(max_tokens=60, temperature=0)
+    out = smollm2_llm.chat(ask, greedy, tools=[WEATHER, TIME],
+                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
     c = out.outputs[0]
     assert c.finish_reason == "tool_calls" and c.text == "" and [t.name for t in c.tool_calls] == ["get_weather"]
     jsonschema.validate(json.loads(c.tool_calls[0].arguments), WEATHER["function"]["parameters"])
-    out = smollm2_llm.chat(ask, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    out = smollm2_llm.chat(ask, greedy, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
     assert len(out.outputs[0].tool_calls) == 1
-    plain = smollm2_llm.chat(ask, tools=[WEATHER], tool_choice="none")
+    plain = smollm2_llm.chat(ask, greedy, tools=[WEATHER], tool_choice="none")
     assert plain.outputs[0].tool_calls is None and plain.outputs[0].text
     with pytest.raises(MinervaError, match="not among the tools"):
         smollm2_llm.chat(ask, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}})
+
+
+@pytest.mark.parametrize("step", [None, 1, 4])
+def test_harmony_calls_are_read_by_the_reasoning_parser(step):
+    """A commentary message to functions.NAME is a call (its recipient in the channel part or in
+    the role part); one to a built-in tool is dropped; a call cut short is kept only if whole."""
+    reply = ("<|channel|>analysis<|message|>Two calls.<|end|>"
+             '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+             '<|call|><|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC"}<|call|>'
+             '<|start|>assistant to=python<|channel|>analysis<|message|>print(1)<|call|>'
+             "<|start|>assistant<|channel|>final<|message|>Done.<|return|>")
+    harmony = HarmonyParser("<|start|>assistant")
+    caller = HarmonyCallParser(harmony)
+    reasoning, content, pieces = "", "", []
+    chunks = [reply] if step is None else [reply[i:i + step] for i in range(0, len(reply), step)]
+    for k, chunk in enumerate(chunks):
+        r, c = harmony.feed(chunk, end=k == len(chunks) - 1)
+        c, p = caller.feed(c, end=k == len(chunks) - 1)
+        reasoning, content, pieces = reasoning + r, content + c, pieces + p
+    assert (reasoning, content) == ("Two calls.", "Done.")
+    assert calls_of(join_pieces(pieces)) == [("get_weather", {"city": "Oslo"}), ("get_time", {"zone": "UTC"})]
+    cut = HarmonyParser("<|start|>assistant")
+    cut.feed('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": ', end=True)
+    assert cut.calls == []

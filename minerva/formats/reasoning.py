@@ -7,11 +7,12 @@ Two formats, chosen per model by `reasoning_for(tokenizer)`:
   The `final` channel (or a message with no channel) is the answer; `analysis` and
   `commentary` are reasoning. Commentary that is not addressed to a tool is the model talking
   about what it is doing (a "preamble"), not the answer, so it goes with the reasoning. A
-  message addressed to a recipient (` to=functions.x`, ` to=python`) is a tool call; tools
-  are not offered to a harmony model yet (`formats.tools` refuses them), so nothing could act
-  on one, and its arguments are neither reasoning nor answer: it is dropped. So are messages of
-  any role other than the assistant's, and text outside a message body (a header the output
-  cut short, stray text between messages).
+  message addressed to a recipient (` to=functions.x`, ` to=python`) is a tool call, neither
+  reasoning nor answer: a call of one of the request's functions (`to=functions.NAME`) is
+  kept in the parser's `calls` for the tool-call parser (`formats.tool_parsers`), one to a
+  built-in tool (python, browser), which this server does not run, is dropped. So are
+  messages of any role other than the assistant's, and text outside a message body (a header
+  the output cut short, stray text between messages).
 - **think tags** (Qwen3, DeepSeek-R1 and their kin): `<think>reasoning</think>answer`. A
   template may open `<think>` in the prompt itself; then the output starts inside the think
   block and shows only `</think>`. The parser knows this from the prompt it is given (the
@@ -41,6 +42,7 @@ keep the default decoding: no other special token can leak into their answers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import ClassVar
 
@@ -169,6 +171,8 @@ class HarmonyParser(ReasoningParser):
     def __init__(self, prompt: str = "") -> None:
         super().__init__()
         self._header: str | None = ""  # the message header being read; None outside a header
+        self.calls: list[tuple[str, str]] = []  # (function, arguments text) of each finished call
+        self._call: list[str] | None = None  # [function, arguments so far] in a call's body
         start = prompt.rfind("<|start|>")
         if start >= 0:  # read the prompt's open message, keep the state, forget its text
             self.feed(prompt[start:])
@@ -178,10 +182,20 @@ class HarmonyParser(ReasoningParser):
     def _text(self, text: str) -> None:
         if self._header is not None:
             self._header += text
+        elif self._call is not None:
+            self._call[1] += text
         else:
             self._emit(text)
 
+    def _end_call(self, whole: bool = True) -> None:
+        """The call being read is over; kept when it ended, or when its arguments are whole JSON."""
+        call, self._call = self._call, None
+        if call is not None and (whole or _is_json(call[1])):
+            self.calls.append((call[0], call[1].strip()))
+
     def _marker(self, marker: str) -> None:
+        if marker != "<|message|>":
+            self._end_call()
         if marker == "<|start|>":
             self._start_block(None)
             self._header = ""
@@ -194,15 +208,35 @@ class HarmonyParser(ReasoningParser):
             if self._header is not None:
                 self._header += marker
         elif marker == "<|message|>":
-            field = route(self._header or "")
-            self._header = None
-            self._start_block(field)
+            header, self._header = self._header or "", None
+            function = recipient(header)
+            self._start_block(None if function is not None else route(header))
+            if function is not None:
+                self._call = [function, ""]
         else:  # <|end|>, <|return|>, <|call|>: the message is over
             self._header = None
             self._start_block(None)
 
     def _close(self) -> None:
         self._header = None  # a header the output cut short says nothing
+        self._end_call(whole=False)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def recipient(header: str) -> str | None:
+    """The function a harmony message calls (`to=functions.NAME`, in its role or its channel
+    part); None for any other message."""
+    for word in header.replace("<|channel|>", " ").replace("<|constrain|>", " ").split():
+        if word.startswith("to=functions."):
+            return word[len("to=functions."):] or None
+    return None
 
 
 def route(header: str) -> int | None:
@@ -211,7 +245,7 @@ def route(header: str) -> int | None:
     role, _, channel = header.partition("<|channel|>")
     words = header.replace("<|channel|>", " ").replace("<|constrain|>", " ").split()
     if any(w.startswith("to=") for w in words):
-        return None  # a tool call: no tools are offered to harmony models yet, so nothing reads it
+        return None  # a tool call: not reasoning, nor answer
     if role.split()[:1] not in ([], ["assistant"]):
         return None  # another role's message: not part of the reply
     name = channel.partition("<|constrain|>")[0].split()[:1]

@@ -9,7 +9,8 @@ unchanged: nothing the model wrote is lost. Formats, chosen per template:
 - `hermes`: `<tool_call>{json}</tool_call>` blocks anywhere in the reply (also the built-in);
 - `mistral`: `[TOOL_CALLS]` then a JSON array of calls, or `name[ARGS]{json}` per call;
 - `llama3`: a reply that is a JSON object `{"name": ..., "parameters": {...}}` (or several
-  separated by `;`), optionally after `<|python_tag|>`.
+  separated by `;`), optionally after `<|python_tag|>`;
+- `harmony` (GPT-OSS): messages addressed to `functions.NAME`, read by the reasoning parser.
 """
 
 from __future__ import annotations
@@ -319,4 +320,23 @@ class RequiredParser(ToolParser):
         self._buffer = ""
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "mistral": MistralParser, "llama3": Llama3Parser}
+class HarmonyCallParser(ToolParser):
+    """GPT-OSS: a call is a harmony message addressed to `functions.NAME`, which the reply's
+    reasoning parser (`formats.reasoning.HarmonyParser`, fed first) keeps out of the reasoning
+    and the answer and collects in its `calls`; the content passes through unchanged."""
+
+    def __init__(self, source, parallel: bool = True) -> None:
+        super().__init__(parallel)
+        self.source = source  # the reply's HarmonyParser
+        self._taken = 0
+
+    def _consume(self, end: bool) -> None:
+        self._content += self._buffer
+        self._buffer = ""
+        for name, arguments in self.source.calls[self._taken:]:
+            self._call(name, arguments)
+        self._taken = len(self.source.calls)
+
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "mistral": MistralParser, "llama3": Llama3Parser,
+                                        "harmony": HarmonyCallParser}

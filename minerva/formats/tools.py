@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from minerva.errors import MinervaError
 from minerva.formats.tool_parsers import (MISTRAL_CALLS, PARSERS, PYTHON_TAG, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
-                                          NamedParser, RequiredParser, ToolParser)
+                                          HarmonyCallParser, NamedParser, RequiredParser, ToolParser)
 
 BUILTIN_INSTRUCTIONS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -83,14 +83,17 @@ class ToolPlan:
             schema["maxItems"] = 1
         return schema
 
-    def parser(self, fmt: "ToolFormat") -> ToolParser | None:
-        """A parser for one reply; None when nothing is parsed (no tools, or tool_choice "none")."""
+    def parser(self, fmt: "ToolFormat", reasoning=None) -> ToolParser | None:
+        """A parser for one reply; None when nothing is parsed (no tools, or tool_choice "none").
+        `reasoning`: the reply's reasoning parser (harmony's calls are read by it)."""
         if not self.tools or self.choice == "none":
             return None
         if self.choice == "required":
             return RequiredParser(self.parallel)
         if self.choice != "auto":
             return NamedParser(self.choice, self.parallel)
+        if fmt.name == "harmony":
+            return HarmonyCallParser(reasoning, self.parallel)
         return PARSERS[fmt.name](self.parallel)
 
 
@@ -152,10 +155,14 @@ class ToolFormat:
     def markers(self) -> tuple[str, ...]:
         return PARSERS[self.name].markers if self.name in PARSERS else ()
 
-    @property
-    def supported(self) -> bool:
-        """Whether replies in this format can be read (harmony's tool messages cannot yet)."""
-        return self.name in PARSERS
+    def supports(self, plan: "ToolPlan") -> str | None:
+        """Why this format cannot serve `plan`, or None when it can: harmony replies begin with
+        a message header, which an output held to a JSON schema from its first token cannot
+        write, so a forced call is not offered to them yet."""
+        if self.name == "harmony" and plan.forced:
+            return ('a forced tool call (tool_choice "required" or a named function) is not supported for '
+                    'this model\'s format (harmony) yet; use "auto"')
+        return None
 
     def render(self, messages: Sequence[Mapping], tools: list[dict] | None) -> tuple[list[dict], dict]:
         """The messages and extra template variables for a conversation with `tools` (or None)."""

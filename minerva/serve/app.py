@@ -158,7 +158,10 @@ class OpenAIRoutes:
                                  "messages", chat=True, tools=tools)
         fmt = self.llm.reasoning  # a model that reasons first: each choice split by a parser of its own
         parsers = [fmt.parser(prompt) for _ in requests] if fmt is not None else None
-        callers = [tools.parser(self.llm.tool_format) for _ in requests] if tools and tools.choice != "none" else None
+        callers = None
+        if tools is not None and tools.choice != "none":  # harmony's calls are read by its reasoning parser
+            callers = [tools.parser(self.llm.tool_format, parsers[i] if parsers else None)
+                       for i in range(len(requests))]
         return await self.answer(raw, requests, body, True, body.logprobs, len(ids), [""] * len(requests),
                                  parsers, callers)
 

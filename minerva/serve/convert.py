@@ -72,9 +72,9 @@ def tool_plan(body: P.ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None
                          else body.tool_choice, body.parallel_tool_calls)
     except MinervaError as exc:
         raise APIError(400, str(exc), "tool_choice") from None
-    if plan is not None and plan.choice != "none" and not fmt.supported:
-        raise APIError(400, f"tool calls in this model's format ({fmt.name}) are not supported yet; "
-                            f"leave out tools", "tools")
+    why = fmt.supports(plan) if plan is not None else None
+    if why is not None:
+        raise APIError(400, why, "tool_choice")
     return plan
 
 

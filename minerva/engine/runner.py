@@ -8,6 +8,7 @@ speculative verification (1 + k tokens) all take this same path.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,7 @@ class Seq:
 
 
 STOP, FORWARD = 0, 1  # the kinds of step a tensor-parallel leader broadcasts
+_MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minerva-masks")  # see ModelRunner.execute
 HEADER = 5  # kind, T, B, table width, logit rows
 
 
@@ -137,6 +139,12 @@ class ModelRunner:
             lo = r.num_computed_tokens
             rows = (1 + len(r.draft_token_ids)) if s.samples else 0
             seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, table, rows))
+        # Structured output: the masks of this step's sampling rows depend only on the tokens
+        # before it, so llguidance fills them on a worker thread while the forward runs.
+        masked = [s.request.sampler.matcher for s, seq in zip(batch, seqs)
+                  if seq.logit_rows == 1 and s.request.sampler.matcher is not None]
+        width = self.model.config.vocab_size
+        early = _MASKS.submit(fill_masks, masked, width) if masked else None
         logits = self.forward(seqs)
         out: list[Sampled | None] = [None] * len(batch)
         if logits is None:
@@ -158,7 +166,9 @@ class ModelRunner:
             constrained = [j for j, r in enumerate(requests) if r.sampler.matcher is not None]
             if constrained:  # structured output: tokens the grammar forbids get -inf
                 where = torch.tensor(constrained, device=self.device)
-                masks = fill_masks([requests[j].sampler.matcher for j in constrained], selected.shape[-1])
+                masks = early.result()
+                if selected.shape[-1] != width:  # logits of another width than the config's vocabulary
+                    masks = fill_masks([requests[j].sampler.matcher for j in constrained], selected.shape[-1])
                 selected[where] = apply_mask_(selected[where], masks)
             tokens = sample_batch(selected, [r.sampler for r in requests])
             for j in constrained:

@@ -160,15 +160,38 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _one_model(args, positional: list[str], what: str) -> str | None:
+    """The MODEL argument or --model (one of them at most)."""
+    if len(positional) > 1:
+        raise MinervaError(f"{what} takes at most one MODEL argument")
+    if args.model_flag is not None and positional:
+        raise MinervaError(f"give the model once: as the MODEL argument ('{positional[0]}') or --model "
+                           f"('{args.model_flag}')")
+    return args.model_flag if args.model_flag is not None else (positional[0] if positional else None)
+
+
+def _with_model_flag(args, rest: str) -> list[str]:
+    """`[MODEL] REST` positionals, with --model (if given) as the MODEL."""
+    if args.model_flag is None:
+        return list(args.args)
+    if len(args.args) > 1:
+        raise MinervaError(f"with --model, give only {rest} (got {len(args.args)} arguments)")
+    return [args.model_flag] + list(args.args)
+
+
 def _looks_like_model(arg: str) -> bool:
     return arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir()
 
 
 def cmd_generate(args) -> int:
-    if not sys.stdin.isatty() and (not args.args or (len(args.args) == 1 and _looks_like_model(args.args[0]))):
-        model, prompt = (args.args or [None])[0], sys.stdin.read()  # the prompt piped in
+    words = _with_model_flag(args, '"PROMPT"')
+    flagged = args.model_flag is not None
+    if not sys.stdin.isatty() and (not words or (len(words) == 1 and (flagged or _looks_like_model(words[0])))):
+        model, prompt = (words or [None])[0], sys.stdin.read()  # the prompt piped in
+    elif flagged and len(words) == 1:
+        raise MinervaError('the prompt is empty; give one: minerva generate --model MODEL "PROMPT", or pipe it in')
     else:
-        model, prompt = _model_and_rest(args.args, '"PROMPT"', rest_required=True)
+        model, prompt = _model_and_rest(words, '"PROMPT"', rest_required=True)
     if not prompt.strip():
         raise MinervaError('the prompt is empty; give one: minerva generate [MODEL] "PROMPT", or pipe it in')
     params = sampling(args)
@@ -231,10 +254,9 @@ def _read_message() -> str | None:
 
 
 def cmd_chat(args) -> int:
-    if len(args.model) > 1:
-        raise MinervaError("chat takes at most one MODEL argument")
+    model = _one_model(args, args.model, "chat")
     params = sampling(args)  # checked before the model loads
-    llm = _load(args.model[0] if args.model else None, args)
+    llm = _load(model, args)
     params = llm.chat_params(params)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
@@ -278,11 +300,9 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    if len(args.model) > 1:
-        raise MinervaError("serve takes at most one MODEL argument")
+    model = _one_model(args, args.model, "serve")
     if not 0 <= args.port <= 65535:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
-    model = args.model[0] if args.model else None
     # Checked before the model loads, so a bad flag fails at once.
     names = args.served_model_name or []
     config = ServerConfig(names[0] if names else "?", aliases=tuple(names[1:]), api_key=args.api_key or None,
@@ -302,7 +322,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_perplexity(args) -> int:
-    model, file = _model_and_rest(args.args, "FILE", rest_required=True)
+    model, file = _model_and_rest(_with_model_flag(args, "FILE"), "FILE", rest_required=True)
     for flag in ("context", "stride"):
         value = getattr(args, flag)
         if value is not None and value < (2 if flag == "context" else 1):

@@ -25,6 +25,9 @@ TP_HELP = ("split the model over N processes on this host (tensor parallelism; e
 
 
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as the MODEL argument takes it (a pulled name, a .gguf file or a Hugging "
+                        "Face directory), for those used to vLLM's --model")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "

@@ -226,3 +226,12 @@ def test_mistyped_flag_gets_its_subcommands_usage_and_a_hint():
     helped = run("generate", "--help")
     assert helped.returncode == 0 and "(default: 0.8)" in helped.stdout  # defaults are shown
     assert "(default: None)" not in helped.stdout and "(default: False)" not in helped.stdout
+
+
+def test_model_flag_is_the_model_argument(tiny):
+    flags = ("--raw", "-n", "3", "--temperature", "0", "--ignore-eos")
+    by_flag = run("generate", "--model", str(tiny), "hello", *flags)
+    positional = run("generate", str(tiny), "hello", *flags)
+    assert by_flag.returncode == positional.returncode == 0 and by_flag.stdout == positional.stdout
+    assert run("generate", "-m", str(tiny), *flags, input="hello").stdout == positional.stdout  # piped prompt
+    assert_clean_error(run("chat", str(tiny), "--model", str(tiny)), "give the model once")

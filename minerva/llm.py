@@ -15,7 +15,6 @@ from minerva.engine.runner import ModelRunner
 from minerva.engine.speculative import parse_method
 from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
-from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
 from minerva.formats.reasoning import reasoning_for
@@ -305,15 +304,11 @@ class LLM:
         many = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)
         params = params or SamplingParams()
         calling = make_plan(tools, tool_choice, parallel_tool_calls)
-        if calling is not None and calling.choice != "none":
-            why = self.tool_format.supports(calling)
-            if why is not None:
-                raise MinervaError(why)
-            if calling.forced:
-                if params.structured is not None:
-                    raise MinervaError("a forced tool call already constrains the output; "
-                                       "leave out SamplingParams.structured")
-                params = dataclasses.replace(params, structured=StructuredOutput(json=calling.constraint()))
+        if calling is not None and calling.forced:
+            if params.structured is not None:
+                raise MinervaError("a forced tool call already constrains the output; "
+                                   "leave out SamplingParams.structured")
+            params = dataclasses.replace(params, structured=calling.output(self.tool_format))
         prompts = [self.apply_chat_template(list(c), tools=calling.prompt_tools if calling else None, **variables)
                    for c in (messages if many else [messages])]
         params = self.chat_params(params, tools=calling is not None and calling.choice == "auto")

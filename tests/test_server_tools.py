@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from minerva import LLM
+from minerva.formats.tools import make_plan
 from tests.helpers.scripted import HARMONY_TEMPLATE, HARMONY_TOKENS, scripted
 from tests.helpers.server import running_server
 from tests.helpers.tiny_gguf import write_tiny_llama
@@ -236,9 +237,35 @@ def test_harmony_calls(tmp_path):
         content, calls, finish = streamed(client, model="test-model", messages=ASK, tools=[WEATHER], max_tokens=200)
         assert (content, finish) == ("", "tool_calls") and [(c["name"], json.loads(c["arguments"])) for c in calls] \
             == [("get_weather", {"city": "Paris"})]
-        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER],
-                                                           "tool_choice": "required"}, timeout=60)
-        error(r, "tool_choice", "not supported for this model's format (harmony)")
         out = llm.chat(ASK, tools=[WEATHER], use_tqdm=False).outputs[0]
         assert out.reasoning == "The user wants the weather." and out.tool_calls[0].name == "get_weather"
+        # Forced, the reply is one harmony message to the function, its body held to the schema.
+        script.say(llm.tokenizer, reply[reply.index("<|start|>assistant") + len("<|start|>assistant"):])
+        r = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+    llm.close()
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_harmony_forced_call_grammar(tmp_path, choice):
+    """What the grammar of a forced harmony call lets through, token by token (llguidance)."""
+    path = write_tiny_llama(tmp_path / "harmony.gguf", context=1024, chat_template=HARMONY_TOOLS_TEMPLATE,
+                            special_tokens=HARMONY_TOKENS, eos_token="<|return|>")
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    output = make_plan([WEATHER, TIME], tool_choice, None).output(llm.tool_format)
+
+    def accepted(text: str) -> bool:
+        matcher = llm.engine.grammars.matcher(output)
+        return all(matcher.consume_token(t) for t in llm.tokenizer.encode(text, add_special_tokens=False)) \
+            and matcher.is_accepting()
+
+    head = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+    assert accepted(head.format("get_weather") + '{"city": "Paris"}<|call|>')
+    assert accepted(head.format("get_time") + '{"zone": "UTC"}<|call|>') == (choice == "required")
+    assert not accepted(head.format("get_weather") + '{"town": "Paris"}<|call|>')  # not the schema
+    assert not accepted(head.format("get_weather") + '{"city": "Paris"}')  # not closed
+    assert not accepted("<|channel|>final<|message|>It is sunny.<|return|>")  # an answer, not a call
     llm.close()

@@ -20,7 +20,9 @@ does not (SmolLM2's, Gemma 3's) gets the **built-in format**, Hermes' (the one Q
 output, so the arguments always parse against the function's schema: a named function's reply
 is constrained to its parameters' schema and is the call's arguments (streamed as they are
 written); `required` constrains the reply to a JSON array of `{"name", "arguments"}` objects,
-one schema per tool. This is independent of the template's own format.
+one schema per tool. This is independent of the template's own format, except for harmony
+(GPT-OSS), whose replies are messages: there the reply is held to one harmony message to one
+of the functions, its body to the function's schema (`ToolPlan.output`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
+from minerva.engine.structured import JSON_OPTIONS, StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.tool_parsers import (MISTRAL_CALLS, PARSERS, PYTHON_TAG, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
                                           HarmonyCallParser, NamedParser, RequiredParser, ToolParser)
@@ -83,17 +86,33 @@ class ToolPlan:
             schema["maxItems"] = 1
         return schema
 
+    def output(self, fmt: "ToolFormat") -> StructuredOutput | None:
+        """What a forced call holds the reply to: the JSON schema of `constraint`, or for a
+        harmony model (whose reply is a message) a grammar of one harmony message to one of the
+        functions, its body held to the function's parameters schema."""
+        if not self.forced:
+            return None
+        if fmt.name != "harmony":
+            return StructuredOutput(json=self.constraint())
+        names = [t["function"]["name"] for t in self.tools] if self.choice == "required" else [self.choice]
+        rules = [f"call{i}: <|channel|> {json.dumps(f'commentary to=functions.{name} ')} <|constrain|> "
+                 f'"json" <|message|> args{i} <|call|>\n'
+                 f"args{i}: %json {json.dumps({**_parameters(self.function(name)), 'x-guidance': JSON_OPTIONS})}\n"
+                 for i, name in enumerate(names)]
+        return StructuredOutput(grammar="start: " + " | ".join(f"call{i}" for i in range(len(names))) + "\n"
+                                + "".join(rules))
+
     def parser(self, fmt: "ToolFormat", reasoning=None) -> ToolParser | None:
         """A parser for one reply; None when nothing is parsed (no tools, or tool_choice "none").
         `reasoning`: the reply's reasoning parser (harmony's calls are read by it)."""
         if not self.tools or self.choice == "none":
             return None
+        if fmt.name == "harmony":  # forced or not, the call is a harmony message
+            return HarmonyCallParser(reasoning, self.parallel)
         if self.choice == "required":
             return RequiredParser(self.parallel)
         if self.choice != "auto":
             return NamedParser(self.choice, self.parallel)
-        if fmt.name == "harmony":
-            return HarmonyCallParser(reasoning, self.parallel)
         return PARSERS[fmt.name](self.parallel)
 
 
@@ -154,15 +173,6 @@ class ToolFormat:
     @property
     def markers(self) -> tuple[str, ...]:
         return PARSERS[self.name].markers if self.name in PARSERS else ()
-
-    def supports(self, plan: "ToolPlan") -> str | None:
-        """Why this format cannot serve `plan`, or None when it can: harmony replies begin with
-        a message header, which an output held to a JSON schema from its first token cannot
-        write, so a forced call is not offered to them yet."""
-        if self.name == "harmony" and plan.forced:
-            return ('a forced tool call (tool_choice "required" or a named function) is not supported for '
-                    'this model\'s format (harmony) yet; use "auto"')
-        return None
 
     def render(self, messages: Sequence[Mapping], tools: list[dict] | None) -> tuple[list[dict], dict]:
         """The messages and extra template variables for a conversation with `tools` (or None)."""

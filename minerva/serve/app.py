@@ -301,7 +301,8 @@ class OpenAIRoutes:
         requests = []
         for ids in prompts:
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
-            params = fixed or convert.sampling_params(body, limit, logprobs, tools)
+            forced = tools.output(self.llm.tool_format) if tools is not None else None
+            params = fixed or convert.sampling_params(body, limit, logprobs, forced)
             if chat:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
             requests += self.llm.make_requests(ids, params)

@@ -72,9 +72,6 @@ def tool_plan(body: P.ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None
                          else body.tool_choice, body.parallel_tool_calls)
     except MinervaError as exc:
         raise APIError(400, str(exc), "tool_choice") from None
-    why = fmt.supports(plan) if plan is not None else None
-    if why is not None:
-        raise APIError(400, why, "tool_choice")
     return plan
 
 
@@ -112,7 +109,7 @@ def check_supported(body: P._Sampling) -> None:
 
 
 def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
-                    tools: ToolPlan | None = None) -> SamplingParams:
+                    tools: StructuredOutput | None = None) -> SamplingParams:
     """The engine's parameters for one completion of `body` (SamplingParams checks the ranges);
     a forced tool call (`tools`) constrains the output as structured output does."""
     return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
@@ -123,7 +120,7 @@ def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
                           speculative_tokens=body.speculative_tokens, structured=structured(body, tools))
 
 
-def structured(body: P._Sampling, tools: ToolPlan | None = None) -> StructuredOutput | None:
+def structured(body: P._Sampling, tools: StructuredOutput | None = None) -> StructuredOutput | None:
     """The output constraint of a request: OpenAI's response_format, or vLLM's guided_* or
     llama.cpp's json_schema/grammar fields, or a forced tool call; a 400 when more than one is given."""
     given = {name: value for name, value in (
@@ -132,11 +129,11 @@ def structured(body: P._Sampling, tools: ToolPlan | None = None) -> StructuredOu
         ("guided_json", body.guided_json), ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice),
         ("guided_grammar", body.guided_grammar), ("json_schema", body.json_schema), ("grammar", body.grammar),
     ) if value is not None}
-    if tools is not None and tools.forced:
+    if tools is not None:  # a forced tool call's constraint
         if given:
-            raise APIError(400, f"a forced tool call (tool_choice {json.dumps(tools.choice)}) already constrains "
-                                f"the output; leave out {next(iter(given))}", next(iter(given)))
-        return StructuredOutput(json=tools.constraint())
+            raise APIError(400, f"a forced tool call (tool_choice \"required\" or a named function) already "
+                                f"constrains the output; leave out {next(iter(given))}", next(iter(given)))
+        return tools
     if len(given) > 1:
         raise APIError(400, f"give at most one output constraint; got {', '.join(given)}", next(iter(given)))
     if not given:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -242,9 +243,12 @@ def _read_message() -> str | None:
             if first.strip() and first.rstrip().endswith('"""'):  # opened and closed on one line
                 return first.rstrip()[:-3]
             lines = [first]
-            while not (nxt := input(". ")).rstrip().endswith('"""'):
-                lines.append(nxt)
-            lines.append(nxt.rstrip()[:-3])
+            try:
+                while not (nxt := input(". ")).rstrip().endswith('"""'):
+                    lines.append(nxt)
+                lines.append(nxt.rstrip()[:-3])
+            except EOFError:  # the input ended inside the block: the block is the message
+                pass
             return "\n".join(lines).strip("\n")
         except EOFError:
             print(file=sys.stderr)
@@ -274,7 +278,7 @@ def cmd_chat(args) -> int:
         if command in ("/help", "/?"):
             print(CHAT_HELP, file=sys.stderr)
             continue
-        if command.startswith("/") and " " not in command:
+        if re.fullmatch(r"/[a-z?]+", command):
             print(f"unknown command {command}; /help lists them", file=sys.stderr)
             continue
         if not command:
@@ -301,6 +305,10 @@ def cmd_chat(args) -> int:
 
 def cmd_serve(args) -> int:
     model = _one_model(args, args.model, "serve")
+    for name in (args.served_model_name or []) if model is None else []:
+        if _looks_like_model(name) or Path(name).is_file():
+            raise MinervaError(f"'{name}' after --served-model-name looks like the model; put MODEL before "
+                               f"--served-model-name (its names take every word after it)")
     if not 0 <= args.port <= 65535:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
     # Checked before the model loads, so a bad flag fails at once.

@@ -320,7 +320,8 @@ class LLM:
         """`out` split into reasoning, answer and tool calls."""
         outputs = []
         for c in out.outputs:
-            parser = self.reasoning.parser(prompt) if self.reasoning is not None else None
+            json_only = calling is not None and calling.held_to_json(self.tool_format)  # no reasoning to split
+            parser = self.reasoning.parser(prompt) if self.reasoning is not None and not json_only else None
             reasoning, text = parser.feed(c.text, end=True) if parser is not None else ("", c.text)
             reasoning = reasoning or None
             caller = calling.parser(self.tool_format, parser) if calling is not None else None

@@ -124,9 +124,12 @@ def remove(name: str) -> Path:
         what = "a known model that is not pulled" if name in KNOWN_MODELS else "not a pulled model"
         raise MinervaError(f"'{name}' is {what} ({hint}); `minerva list` shows the store")
     directory = pulled[name].path.parent
-    if directory.parent.resolve() != store_root().resolve():  # only ever a direct child of the store
-        raise MinervaError(f"'{directory}' is not in the model store {store_root()}; not removed")
-    shutil.rmtree(directory)
+    if directory.is_symlink() or directory.resolve().parent != store_root().resolve():
+        raise MinervaError(f"'{directory}' is not a folder of the model store {store_root()}; not removed")
+    try:
+        shutil.rmtree(directory)
+    except OSError as exc:
+        raise MinervaError(f"could not remove '{directory}': {exc.strerror}") from None
     return directory
 
 

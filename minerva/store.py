@@ -227,6 +227,8 @@ def list_models() -> list[ModelEntry]:
     for manifest in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
         try:
             m = json.loads(manifest.read_text())
+            if not isinstance(m["file"], str) or Path(m["file"]).name != m["file"] or m["file"] in ("", ".", ".."):
+                continue  # a manifest naming anything but a file beside it is not the store's
             path = manifest.parent / m["file"]
             size = path.stat().st_size
         except (OSError, ValueError, KeyError, TypeError):

@@ -44,9 +44,13 @@ def browser():
 
 @pytest.fixture(scope="module")
 def served(smollm2_gguf):
-    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=128e6)  # ~2700 tokens
-    with running_server(llm, served_model_name="smollm2") as (url, _):
-        yield url, llm
+    """The server, and a second LLM like its own for offline references (the served one is its
+    engine thread's alone)."""
+    def load():
+        return LLM(str(smollm2_gguf), device="cpu", dtype="float32", kv_cache_memory=128e6)  # ~2700 tokens
+
+    with running_server(load(), served_model_name="smollm2") as (url, _):
+        yield url, load()
 
 
 def answer_length(driver) -> int:

@@ -235,3 +235,8 @@ def test_model_flag_is_the_model_argument(tiny):
     assert by_flag.returncode == positional.returncode == 0 and by_flag.stdout == positional.stdout
     assert run("generate", "-m", str(tiny), *flags, input="hello").stdout == positional.stdout  # piped prompt
     assert_clean_error(run("chat", str(tiny), "--model", str(tiny)), "give the model once")
+
+
+def test_served_model_name_does_not_swallow_the_model(tiny):
+    assert_clean_error(run("serve", "--served-model-name", "a", str(tiny), "--port", "0"),
+                       "looks like the model; put MODEL before --served-model-name")

@@ -58,7 +58,13 @@ def test_rm_stays_inside_the_store(tmp_path, monkeypatch):
     monkeypatch.setenv("MINERVA_HOME", str(tmp_path / "home"))
     with pytest.raises(MinervaError, match="not a pulled model"):
         manage.remove("../../etc")
+    d = tmp_path / "home" / "models" / "evil"
+    d.mkdir(parents=True)  # a manifest whose file points out of its folder: not a model of the store
+    (d / "manifest.json").write_text(json.dumps({"name": "evil", "file": "../../models", "sha256": "x"}))
     assert store.list_models() == []
+    with pytest.raises(MinervaError, match="not a pulled model"):
+        manage.remove("evil")
+    assert (tmp_path / "home" / "models").is_dir()
 
 
 def test_ps_reads_a_running_server(tiny):

@@ -87,8 +87,10 @@ def test_round_trip(client, choice):
     call = message.tool_calls[0]
     assert check_call(call.function.name, call.function.arguments, WEATHER)["city"] == "Paris"
     assert call.id.startswith("call_") and call.type == "function"
-    # The SDK's own message goes back, with the tool's result; the model answers in text.
-    messages += [message, {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 18})}]
+    # The SDK's own message goes back (with what else the server sent in it), with the tool's
+    # result; the model answers in text.
+    sent = {**message.model_dump(exclude_none=True), "reasoning_content": None, "refusal": None, "annotations": []}
+    messages += [sent, {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 18})}]
     r = client.chat.completions.create(model="smollm2", messages=messages, tools=[WEATHER, TIME],
                                        temperature=0, max_tokens=40)
     answer = r.choices[0]
@@ -225,8 +227,16 @@ def test_harmony_calls(tmp_path):
     reply = ("<|channel|>analysis<|message|>The user wants the weather.<|end|>"
              "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
              '<|message|>{"city": "Paris"}<|call|>')
-    with scripted() as script, running_server(llm) as (url, _):
+    with scripted() as script:
         script.say(llm.tokenizer, reply)
+        out = llm.chat(ASK, tools=[WEATHER], use_tqdm=False).outputs[0]  # offline (not while the server runs)
+        assert out.reasoning == "The user wants the weather." and out.tool_calls[0].name == "get_weather"
+        served_harmony(llm, script, reply)
+    llm.close()
+
+
+def served_harmony(llm, script, reply: str) -> None:
+    with running_server(llm) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
         r = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER, TIME], max_tokens=200)
         choice = r.choices[0]
@@ -237,15 +247,12 @@ def test_harmony_calls(tmp_path):
         content, calls, finish = streamed(client, model="test-model", messages=ASK, tools=[WEATHER], max_tokens=200)
         assert (content, finish) == ("", "tool_calls") and [(c["name"], json.loads(c["arguments"])) for c in calls] \
             == [("get_weather", {"city": "Paris"})]
-        out = llm.chat(ASK, tools=[WEATHER], use_tqdm=False).outputs[0]
-        assert out.reasoning == "The user wants the weather." and out.tool_calls[0].name == "get_weather"
         # Forced, the reply is one harmony message to the function, its body held to the schema.
         script.say(llm.tokenizer, reply[reply.index("<|start|>assistant") + len("<|start|>assistant"):])
         r = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER, TIME],
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
         assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
             ("get_weather", {"city": "Paris"})]
-    llm.close()
 
 
 @pytest.mark.parametrize("choice", ["required", "get_weather"])

@@ -141,6 +141,22 @@ def test_llama3_json_replies(step):
     assert calls == [] and content == 'It is {"not": "a call"} sunny.'
     content, calls = feed_all(Llama3Parser(), '{"key": "plain JSON, no call"}', step)
     assert calls == [] and content == '{"key": "plain JSON, no call"}'
+    content, calls = feed_all(Llama3Parser(), '{"name": "Alice", "age": 30}', step)  # a name, but no arguments
+    assert calls == [] and content == '{"name": "Alice", "age": 30}'
+    text = 'Here is an example: {"name": "get_weather", "parameters": {"city": "Paris"}}'
+    content, calls = feed_all(Llama3Parser(), text, step)  # JSON inside an answer is no call
+    assert calls == [] and content == text
+
+
+def test_only_offered_functions_are_called():
+    names = frozenset({"get_weather"})
+    other = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    content, calls = feed_all(HermesParser(names=names), other + other.replace("rm_rf", "get_weather"))
+    assert [c.name for c in calls] == ["get_weather"] and content == other
+    content, calls = feed_all(MistralParser(names=names), '[TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]')
+    assert calls == [] and content == '[TOOL_CALLS][{"name": "rm_rf", "arguments": {}}]'
+    _, calls = feed_all(MistralParser(names=names), '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}]')
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()  # Mistral's templates take only such ids back
 
 
 def test_forced_parsers():

@@ -145,7 +145,12 @@ class ModelRunner:
                   if seq.logit_rows == 1 and s.request.sampler.matcher is not None]
         width = self.model.config.vocab_size
         early = _MASKS.submit(fill_masks, masked, width) if masked else None
-        logits = self.forward(seqs)
+        try:
+            logits = self.forward(seqs)
+        except BaseException:
+            if early is not None:  # the matchers are the worker's until it is done with them
+                early.exception()
+            raise
         out: list[Sampled | None] = [None] * len(batch)
         if logits is None:
             return out

@@ -174,10 +174,11 @@ class HarmonyParser(ReasoningParser):
         self.calls: list[tuple[str, str]] = []  # (function, arguments text) of each finished call
         self._call: list[str] | None = None  # [function, arguments so far] in a call's body
         start = prompt.rfind("<|start|>")
-        if start >= 0:  # read the prompt's open message, keep the state, forget its text
+        if start >= 0:  # read the prompt's open message, keep the state, forget its text (and calls)
             self.feed(prompt[start:])
             self._emitted = [False, False]
             self._take()
+            self.calls = []
 
     def _text(self, text: str) -> None:
         if self._header is not None:

@@ -29,6 +29,11 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def short_call_id() -> str:
+    """Nine letters and digits: the only ids Mistral's templates take back."""
+    return uuid.uuid4().hex[:9]
+
+
 @dataclasses.dataclass(frozen=True)
 class CallPiece:
     """Part of the tool call number `index` of a reply: its first piece has the call's `id` and
@@ -64,7 +69,9 @@ def call_from_json(value: Any) -> tuple[str, str] | None:
     None when `value` is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    args = value.get("arguments", value.get("parameters", {}))
+    if "arguments" not in value and "parameters" not in value:  # {"name": "Alice", "age": 30} is no call
+        return None
+    args = value.get("arguments", value.get("parameters"))
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)
@@ -84,8 +91,11 @@ class ToolParser:
 
     markers: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, parallel: bool = True) -> None:
+    new_id = staticmethod(new_call_id)
+
+    def __init__(self, parallel: bool = True, names: frozenset[str] | None = None) -> None:
         self.parallel = parallel
+        self.names = names  # the functions offered: a block calling another is given back as content
         self.calls = 0  # calls given out so far
         self._buffer = ""
         self._content = ""
@@ -122,10 +132,14 @@ class ToolParser:
             self._content += body
             self._started = True
 
+    def _offered(self, call: tuple[str, str] | None) -> tuple[str, str] | None:
+        """`call` if it calls one of the functions offered."""
+        return call if call is not None and (self.names is None or call[0] in self.names) else None
+
     def _call(self, name: str, arguments: str) -> None:
         if self.calls and not self.parallel:
             return
-        self._pieces.append(CallPiece(self.calls, arguments, name, new_call_id()))
+        self._pieces.append(CallPiece(self.calls, arguments, name, self.new_id()))
         self.calls += 1
 
     def _held(self, text: str) -> int:
@@ -142,8 +156,8 @@ class HermesParser(ToolParser):
 
     markers = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
 
-    def __init__(self, parallel: bool = True) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool = True, names: frozenset[str] | None = None) -> None:
+        super().__init__(parallel, names)
         self._inside = False
 
     def _consume(self, end: bool) -> None:
@@ -171,7 +185,7 @@ class HermesParser(ToolParser):
 
     def _block(self, body: str, closed: bool) -> None:
         try:
-            call = call_from_json(json.loads(body))
+            call = self._offered(call_from_json(json.loads(body)))
         except ValueError:
             call = None
         if call is None:
@@ -184,8 +198,8 @@ class _WholeReplyParser(ToolParser):
     """Calls that, once begun, run to the end of the reply: held from their start marker on,
     parsed at the end (`_parse` -> calls, or None to give the text back as content)."""
 
-    def __init__(self, parallel: bool = True) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool = True, names: frozenset[str] | None = None) -> None:
+        super().__init__(parallel, names)
         self._inside = False
         self._head = ""  # the start of the tail that began the calls
 
@@ -205,6 +219,8 @@ class _WholeReplyParser(ToolParser):
         if self._inside:
             if end:
                 calls = self._parse(self._buffer[len(self._head):])
+                if calls and not all(self._offered(c) for c in calls):
+                    calls = None
                 if calls:
                     for call in calls:
                         self._call(*call)
@@ -221,6 +237,7 @@ class MistralParser(_WholeReplyParser):
     """`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or `[TOOL_CALLS]name[ARGS]{...}` per call."""
 
     markers = (MISTRAL_CALLS,)
+    new_id = staticmethod(short_call_id)
 
     def _begin(self) -> int | None:
         at = self._buffer.find(MISTRAL_CALLS)
@@ -256,7 +273,7 @@ class Llama3Parser(_WholeReplyParser):
 
     def _begin(self) -> int | None:
         text = self._buffer.lstrip()
-        if self._content or self.calls or not text:
+        if self._started or self.calls or not text:  # only a reply that starts as a call is one
             return None
         if text.startswith(PYTHON_TAG):
             self._head = PYTHON_TAG
@@ -325,8 +342,8 @@ class HarmonyCallParser(ToolParser):
     reasoning parser (`formats.reasoning.HarmonyParser`, fed first) keeps out of the reasoning
     and the answer and collects in its `calls`; the content passes through unchanged."""
 
-    def __init__(self, source, parallel: bool = True) -> None:
-        super().__init__(parallel)
+    def __init__(self, source, parallel: bool = True, names: frozenset[str] | None = None) -> None:
+        super().__init__(parallel, names)
         self.source = source  # the reply's HarmonyParser
         self._taken = 0
 
@@ -334,7 +351,8 @@ class HarmonyCallParser(ToolParser):
         self._content += self._buffer
         self._buffer = ""
         for name, arguments in self.source.calls[self._taken:]:
-            self._call(name, arguments)
+            if self._offered((name, arguments)):
+                self._call(name, arguments)
         self._taken = len(self.source.calls)
 
 

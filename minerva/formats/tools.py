@@ -69,6 +69,10 @@ class ToolPlan:
         """The tools the prompt shows (none with tool_choice "none")."""
         return [dict(t) for t in self.tools] if self.tools and self.choice != "none" else None
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
     def function(self, name: str) -> dict:
         return next(t["function"] for t in self.tools if t["function"]["name"] == name)
 
@@ -85,6 +89,10 @@ class ToolPlan:
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
+
+    def held_to_json(self, fmt: "ToolFormat") -> bool:
+        """Whether the whole reply is JSON (a forced call, for any format but harmony)."""
+        return self.forced and fmt.name != "harmony"
 
     def output(self, fmt: "ToolFormat") -> StructuredOutput | None:
         """What a forced call holds the reply to: the JSON schema of `constraint`, or for a
@@ -108,12 +116,12 @@ class ToolPlan:
         if not self.tools or self.choice == "none":
             return None
         if fmt.name == "harmony":  # forced or not, the call is a harmony message
-            return HarmonyCallParser(reasoning, self.parallel)
+            return HarmonyCallParser(reasoning, self.parallel, self.names)
         if self.choice == "required":
             return RequiredParser(self.parallel)
         if self.choice != "auto":
             return NamedParser(self.choice, self.parallel)
-        return PARSERS[fmt.name](self.parallel)
+        return PARSERS[fmt.name](self.parallel, self.names)
 
 
 def _parameters(function: Mapping) -> dict:

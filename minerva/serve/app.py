@@ -157,6 +157,8 @@ class OpenAIRoutes:
         requests = self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
                                  "messages", chat=True, tools=tools)
         fmt = self.llm.reasoning  # a model that reasons first: each choice split by a parser of its own
+        if tools is not None and tools.held_to_json(self.llm.tool_format):
+            fmt = None  # the reply is the call's JSON from its first token: there is no reasoning to split
         parsers = [fmt.parser(prompt) for _ in requests] if fmt is not None else None
         callers = None
         if tools is not None and tools.choice != "none":  # harmony's calls are read by its reasoning parser

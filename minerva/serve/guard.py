@@ -124,7 +124,8 @@ class AccessLog:
                 usage = f" prompt={record['prompt']} completion={record.get('completion', 0)}"
                 if "first" in record:
                     usage += f" ttft={record['first'] - start:.3f}s"
-            access_log.info('%s "%s %s" %s%s %.3fs', who, scope["method"], scope["path"],
+            path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in scope["path"])  # one line, always
+            access_log.info('%s "%s %s" %s%s %.3fs', who, scope["method"], path,
                             status[0] if status else "-", usage, time.perf_counter() - start)
 
 

@@ -159,7 +159,12 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="The calls an assistant message made")
     tool_call_id: str | None = Field(None, description="The call a tool message answers")
-    refusal: str | None = None  # in the SDK's own assistant messages, sent back as they came
+    # What the SDK's own assistant messages carry when sent back as they came: ignored.
+    refusal: str | None = None
+    reasoning_content: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any | None = None
+    function_call: None = None
 
     @model_validator(mode="before")
     @classmethod

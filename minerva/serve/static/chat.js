@@ -150,6 +150,11 @@
     } catch (e) {
       if (e.name === "AbortError") answer.stats = "[stopped]";
       else answer.error = `error: ${e.message}`;
+      if (answer.error || !answer.content) {  // nothing to build on: the exchange leaves the conversation
+        state.messages.splice(state.messages.length - 2, 2);
+        if (answer.error) answer.error += " (not kept in the conversation)";
+        else answer.stats += " (not kept in the conversation)";
+      }
     } finally {
       controller = null;
       busy(false);

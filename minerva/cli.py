@@ -47,12 +47,16 @@ CHAT_HELP = "\n".join([
 DIM, UNDIM = "\x1b[2m", "\x1b[0m"  # ANSI: faint text, and back to normal
 
 
+def _looks_like_model(arg: str) -> bool:
+    return arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir()
+
+
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
     """`[MODEL] X`: one positional is X (default model), two are MODEL and X."""
     if len(args) == 2:
         return args[0], args[1]
     if len(args) == 1:
-        if args[0] in KNOWN_MODELS or args[0].endswith(".gguf"):
+        if _looks_like_model(args[0]):
             raise MinervaError(f"'{args[0]}' looks like a model; give {what} after it")
         return None, args[0]
     if not args and not rest_required:
@@ -178,10 +182,6 @@ def _with_model_flag(args, rest: str) -> list[str]:
     if len(args.args) > 1:
         raise MinervaError(f"with --model, give only {rest} (got {len(args.args)} arguments)")
     return [args.model_flag] + list(args.args)
-
-
-def _looks_like_model(arg: str) -> bool:
-    return arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir()
 
 
 def cmd_generate(args) -> int:

@@ -264,9 +264,10 @@ class LLM:
         completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]
                        for sp in per_prompt]
         left = [sp.n for sp in per_prompt]
+        ids = [self.encode_prompt(p) for p in prompts]  # once: the engine and the outputs take these
         start, produced, prompt_tokens = time.perf_counter(), 0, 0
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="Processed prompts", unit="prompt") as bar:
-            for i, j, delta in self.stream_many(prompts, per_prompt):
+            for i, j, delta in self.stream_many(ids, per_prompt):
                 c = completions[i][j]
                 c["text"].append(delta.text)
                 c["ids"] += delta.token_ids
@@ -276,12 +277,12 @@ class LLM:
                     c["finish"] = delta.finish_reason
                     left[i] -= 1
                     if left[i] == 0:
-                        prompt_tokens += len(self.encode_prompt(prompts[i])) if use_tqdm else 0
+                        prompt_tokens += len(ids[i])
                         seconds = max(time.perf_counter() - start, 1e-9)
                         bar.set_postfix_str(f"input: {prompt_tokens / seconds:.1f} tok/s, "
                                             f"output: {produced / seconds:.1f} tok/s", refresh=False)
                         bar.update(1)
-        return [RequestOutput(f"gen-{i}", p if isinstance(p, str) else None, self.encode_prompt(p),
+        return [RequestOutput(f"gen-{i}", p if isinstance(p, str) else None, ids[i],
                               [CompletionOutput(j, "".join(c["text"]), c["ids"], c["finish"],
                                                 c["logprobs"] if per_prompt[i].logprobs is not None else None)
                                for j, c in enumerate(completions[i])])

@@ -56,6 +56,15 @@ HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
+def partial_marker(text: str, markers: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` one of `markers` starts with (the next piece
+    of a streamed reply may finish it, so they are held back)."""
+    for k in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        if any(m.startswith(text[-k:]) for m in markers):
+            return k
+    return 0
+
+
 class ReasoningParser:
     """Incremental splitter of one reply: `feed(text)` -> (reasoning, content) new so far,
     `finish()` -> the rest. Subclasses name their markers and say what each one does."""
@@ -64,7 +73,6 @@ class ReasoningParser:
 
     def __init__(self) -> None:
         self._pattern = re.compile("|".join(map(re.escape, self.markers)))
-        self._longest = max(map(len, self.markers))
         self._buffer = ""  # text not yet decided: it may start a marker
         self._field: int | None = None  # where body text goes now; None: nowhere (dropped)
         self._fresh = True  # the current block has produced no text yet
@@ -81,7 +89,7 @@ class ReasoningParser:
             self._marker(m.group())
         if end:
             return self.finish()
-        keep = len(self._buffer) - self._partial_marker(self._buffer)
+        keep = len(self._buffer) - partial_marker(self._buffer, self.markers)
         self._text(self._buffer[:keep])
         self._buffer = self._buffer[keep:]
         return self._take()
@@ -111,14 +119,6 @@ class ReasoningParser:
         self._field, self._fresh, self._held = field, True, ""
 
     # -- the machinery ---------------------------------------------------------
-
-    def _partial_marker(self, text: str) -> int:
-        """How many characters at the end of `text` a marker starts with (the next piece may finish it)."""
-        for k in range(min(len(text), self._longest - 1), 0, -1):
-            tail = text[-k:]
-            if any(m.startswith(tail) for m in self.markers):
-                return k
-        return 0
 
     def _emit(self, text: str) -> None:
         if not text or self._field is None:

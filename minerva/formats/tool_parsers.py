@@ -20,6 +20,8 @@ import json
 import uuid
 from typing import Any, ClassVar, Sequence
 
+from minerva.formats.reasoning import partial_marker
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 PYTHON_TAG = "<|python_tag|>"
@@ -142,14 +144,6 @@ class ToolParser:
         self._pieces.append(CallPiece(self.calls, arguments, name, self.new_id()))
         self.calls += 1
 
-    def _held(self, text: str) -> int:
-        """How many characters at the end of `text` may begin a marker."""
-        longest = max(map(len, self.markers))
-        for k in range(min(len(text), longest - 1), 0, -1):
-            if any(m.startswith(text[-k:]) for m in self.markers):
-                return k
-        return 0
-
 
 class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, anywhere in the reply."""
@@ -179,7 +173,7 @@ class HermesParser(ToolParser):
                 self._block(self._buffer, closed=False)
                 self._buffer, self._inside = "", False
             return
-        keep = 0 if end else self._held(self._buffer)
+        keep = 0 if end else partial_marker(self._buffer, self.markers)
         self._text(self._buffer[:len(self._buffer) - keep])
         self._buffer = self._buffer[len(self._buffer) - keep:]
 
@@ -228,7 +222,7 @@ class _WholeReplyParser(ToolParser):
                     self._text(self._buffer)
                 self._buffer = ""
             return
-        keep = 0 if end else self._held(self._buffer)
+        keep = 0 if end else partial_marker(self._buffer, self.markers)
         self._text(self._buffer[:len(self._buffer) - keep])
         self._buffer = self._buffer[len(self._buffer) - keep:]
 

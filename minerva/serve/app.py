@@ -189,20 +189,8 @@ class OpenAIRoutes:
         ids = [await self.encode(p, "input") for p in body.inputs()]
         requests = self.requests(ids, body, 1, None, "input", fixed=convert.embedding_params())
         group = self.submit(requests)
-        watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
-        done = False
-        try:
-            async for _ in self.engine.stream(group):
-                pass
-            done = True
-        except MinervaError as exc:
-            raise APIError(400, str(exc)) from None
-        except RuntimeError as exc:
-            raise APIError(500, str(exc), type="server_error") from None
-        finally:
-            watch.cancel()
-            if not done:
-                self.engine.abort(group)
+        async for _ in self.whole(group, asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))):
+            pass
         tokens = sum(map(len, ids))
         raw.scope.get(ACCESS, {})["prompt"] = tokens
         return {"object": "list", "model": body.model or self.config.served_model_name,
@@ -301,9 +289,9 @@ class OpenAIRoutes:
         """Engine requests for every prompt (n each), checked by the API's rules and the engine's;
         `fixed` parameters instead of the body's sampling fields (an embedding's)."""
         requests = []
+        forced = tools.output(self.llm.tool_format) if tools is not None else None
         for ids in prompts:
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
-            forced = tools.output(self.llm.tool_format) if tools is not None else None
             params = fixed or convert.sampling_params(body, limit, logprobs, forced)
             if chat:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
@@ -352,6 +340,23 @@ class OpenAIRoutes:
         return JSONResponse(await self.collect(group, watch, reply, prompt_tokens, prefixes, parsers, callers,
                                                access))
 
+    async def whole(self, group: Group, watch: asyncio.Future) -> AsyncIterator[tuple]:
+        """The group's deltas for an answer given whole: an engine error is the input's (400) or
+        a bug (500, and the server goes on); requests left unfinished are aborted."""
+        done = False
+        try:
+            async for item in self.engine.stream(group):
+                yield item
+            done = True
+        except MinervaError as exc:
+            raise APIError(400, str(exc)) from None
+        except RuntimeError as exc:
+            raise APIError(500, str(exc), type="server_error") from None
+        finally:
+            watch.cancel()
+            if not done:
+                self.engine.abort(group)
+
     async def collect(self, group: Group, watch: asyncio.Future, reply: Reply, prompt_tokens: int,
                       prefixes: list[str], parsers: list[ReasoningParser] | None,
                       callers: list[ToolParser] | None = None, access: dict | None = None) -> dict:
@@ -360,23 +365,12 @@ class OpenAIRoutes:
         logprobs: list[list[TokenLogprob]] = [[] for _ in prefixes]
         finish: list[str | None] = [None] * len(prefixes)
         completion_tokens = 0
-        done = False
-        try:
-            async for t, d in self.engine.stream(group):
-                texts[t.index].append(d.text)
-                logprobs[t.index] += d.logprobs
-                completion_tokens += len(d.token_ids)
-                note(access, completion_tokens)
-                finish[t.index] = d.finish_reason or finish[t.index]
-            done = True
-        except MinervaError as exc:
-            raise APIError(400, str(exc)) from None
-        except RuntimeError as exc:  # the engine failed: a bug, reported as one, and the server goes on
-            raise APIError(500, str(exc), type="server_error") from None
-        finally:
-            watch.cancel()
-            if not done:
-                self.engine.abort(group)
+        async for t, d in self.whole(group, watch):
+            texts[t.index].append(d.text)
+            logprobs[t.index] += d.logprobs
+            completion_tokens += len(d.token_ids)
+            note(access, completion_tokens)
+            finish[t.index] = d.finish_reason or finish[t.index]
         choices = []
         for i, parts in enumerate(texts):
             thought, text = parsers[i].feed("".join(parts), end=True) if parsers else ("", "".join(parts))

@@ -109,18 +109,18 @@ def check_supported(body: P._Sampling) -> None:
 
 
 def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
-                    tools: StructuredOutput | None = None) -> SamplingParams:
+                    forced: StructuredOutput | None = None) -> SamplingParams:
     """The engine's parameters for one completion of `body` (SamplingParams checks the ranges);
-    a forced tool call (`tools`) constrains the output as structured output does."""
+    a forced tool call (`forced`) constrains the output as structured output does."""
     return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
                           top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
                           seed=body.seed, logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
-                          speculative_tokens=body.speculative_tokens, structured=structured(body, tools))
+                          speculative_tokens=body.speculative_tokens, structured=structured(body, forced))
 
 
-def structured(body: P._Sampling, tools: StructuredOutput | None = None) -> StructuredOutput | None:
+def structured(body: P._Sampling, forced: StructuredOutput | None = None) -> StructuredOutput | None:
     """The output constraint of a request: OpenAI's response_format, or vLLM's guided_* or
     llama.cpp's json_schema/grammar fields, or a forced tool call; a 400 when more than one is given."""
     given = {name: value for name, value in (
@@ -129,11 +129,11 @@ def structured(body: P._Sampling, tools: StructuredOutput | None = None) -> Stru
         ("guided_json", body.guided_json), ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice),
         ("guided_grammar", body.guided_grammar), ("json_schema", body.json_schema), ("grammar", body.grammar),
     ) if value is not None}
-    if tools is not None:  # a forced tool call's constraint
+    if forced is not None:  # a forced tool call's constraint
         if given:
             raise APIError(400, f"a forced tool call (tool_choice \"required\" or a named function) already "
                                 f"constrains the output; leave out {next(iter(given))}", next(iter(given)))
-        return tools
+        return forced
     if len(given) > 1:
         raise APIError(400, f"give at most one output constraint; got {', '.join(given)}", next(iter(given)))
     if not given:

@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from minerva.engine.engine import Engine, EngineConfig, kv_cache
 from minerva.engine.runner import ModelRunner
-from minerva.engine.speculative import parse_method
+from minerva.engine.speculative import early_exit_runner, self_layers
 from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
@@ -116,12 +116,11 @@ class LLM:
         if (tensor_parallel_size or 1) > 1 or launch.torchrun_rank():
             if self.device.type != "cpu":
                 raise MinervaError("tensor parallelism runs on CPUs so far; use --device cpu")
-            if engine_config.speculative and parse_method(engine_config.speculative)[0] == "self":
-                raise MinervaError("--speculative self does not run under tensor parallelism yet; "
-                                   "use ngram or draft:MODEL")
             world = tensor_parallel_size or launch.torchrun_rank()[1]
             # what would fail on every rank fails here, before any rank starts
-            plan(read_config(self.path), 0, world)
+            whole = read_config(self.path)
+            plan(whole, 0, world)
+            self_layers(engine_config.speculative, whole)
             exchange_choice()
             launch.timeout()
             threads = launch.threads_per_rank(threads, world)
@@ -143,8 +142,12 @@ class LLM:
             comm, shard = group.comm, self.loaded.shard
             self.loaded.model.parallelize(comm, shard.vocab, shard.vocab_per_rank)
             if not group.leader:  # a follower: run rank 0's steps on this shard until it stops, then leave
-                cache = kv_cache(self.loaded.model, engine_config, self.device, self.dtype, comm)
-                ModelRunner(self.loaded.model, cache, self.device, comm).follow()
+                model = self.loaded.model
+                cache = kv_cache(model, engine_config, self.device, self.dtype, comm)
+                layers = self_layers(engine_config.speculative, model.config)
+                draft = None if layers is None else early_exit_runner(
+                    model, layers, cache.num_blocks, engine_config.block_size, self.dtype, self.device, comm)[0]
+                ModelRunner(model, cache, self.device, comm).follow(draft)
                 group.close()
                 raise SystemExit(0)
             atexit.register(self.close)

@@ -87,10 +87,12 @@ def pair(request):
     name = request.param
     single = request.getfixturevalue(f"{name}_llm")
     threads = torch.get_num_threads()
-    # a small pool, so that the batched test below preempts; prompt-lookup guesses, verified
-    # over several rows of logits gathered from both ranks
+    # a small pool, so that the batched test below preempts; guesses verified over several rows
+    # of logits gathered from both ranks: prompt lookup's, and for Gemma 3 the early exit's,
+    # whose draft forwards run on both ranks' shards too
     tp = LLM(str(single.path), device="cpu", dtype="float32", activations="float", tensor_parallel_size=2,
-             kv_cache_memory=(3 << 20) if name == "smollm2" else (8 << 20), speculative="ngram")
+             kv_cache_memory=(3 << 20) if name == "smollm2" else (8 << 20),
+             speculative="ngram" if name == "smollm2" else "self:4")
     yield tp, single
     tp.close()
     torch.set_num_threads(threads)
@@ -184,6 +186,7 @@ def test_a_model_that_does_not_split_fails_before_any_rank_starts(smollm2_gguf):
     (["-tp", "-2"], {}, "--tensor-parallel-size must be an integer >= 1, got -2"),
     (["-tp", "2"], {"MINERVA_TP_TIMEOUT": "soon"}, "MINERVA_TP_TIMEOUT must be a number of seconds > 0"),
     (["-tp", "2"], {"MINERVA_TP_EXCHANGE": "carrier-pigeon"}, "MINERVA_TP_EXCHANGE must be auto, gloo or shm"),
+    (["-tp", "2", "--speculative", "self:30"], {}, "--speculative self:30 must use fewer layers than the model's 30"),
 ])
 def test_bad_parallel_settings_are_one_error_before_any_rank_starts(smollm2_gguf, args, env, words):
     proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(smollm2_gguf), "hi", "-n", "2", *args],

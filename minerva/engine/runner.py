@@ -62,7 +62,7 @@ class Seq:
     logit_rows: int = 0
 
 
-STOP, FORWARD = 0, 1  # the kinds of step a tensor-parallel leader broadcasts
+STOP, FORWARD, DRAFT = 0, 1, 2  # the kinds of step a tensor-parallel leader broadcasts
 _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minerva-masks")  # see ModelRunner.execute
 HEADER = 5  # kind, T, B, table width, logit rows
 
@@ -70,12 +70,15 @@ HEADER = 5  # kind, T, B, table width, logit rows
 class ModelRunner:
     """Runs forwards over the paged pool. Under tensor parallelism (`comm`) the leader
     (rank 0) broadcasts each forward's batch as one int64 vector and every rank runs it on
-    its shard; the followers do so in `follow` until the leader's `stop`."""
+    its shard; the followers do so in `follow` until the leader's `stop`. `kind` tells the
+    target's forwards (FORWARD) from those of a draft that shares its shards (DRAFT: the
+    early exit of `--speculative self`, over a pool of its own)."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device, comm=None):
+    def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device, comm=None,
+                 kind: int = FORWARD):
         self.model, self.cache, self.device = model, cache, device
         self.block_size = cache.block_size
-        self.comm = comm
+        self.comm, self.kind = comm, kind
         self.hidden_rows: torch.Tensor | None = None
 
     def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
@@ -93,7 +96,7 @@ class ModelRunner:
             logit_rows += range(starts[-1] - s.logit_rows, starts[-1])
         width = max(len(s.table) for s in seqs)
         tables = [b for s in seqs for b in s.table + [0] * (width - len(s.table))]
-        header = [FORWARD, len(ids), len(seqs), width, len(logit_rows)]
+        header = [self.kind, len(ids), len(seqs), width, len(logit_rows)]
         step = torch.tensor(header + ids + pos + slots + starts + seq_lens + tables + logit_rows, dtype=torch.int64)
         if self.comm is not None:
             self.comm.broadcast(step)
@@ -114,13 +117,16 @@ class ModelRunner:
             check_logits(logits, hidden.dtype)  # hidden is in the model's dtype; logits are float32
         return logits
 
-    def follow(self) -> None:
-        """A tensor-parallel follower's loop: run each forward the leader broadcasts, until it stops."""
+    def follow(self, draft: ModelRunner | None = None) -> None:
+        """A tensor-parallel follower's loop: run each forward the leader broadcasts (on
+        `draft` for a draft's step), until it stops."""
+        runners = {FORWARD: self, DRAFT: draft}
         while True:
             step = self.comm.broadcast(None)
-            if int(step[0]) == STOP:
+            kind = int(step[0])
+            if kind == STOP:
                 return
-            self._run(step)
+            runners[kind]._run(step)
 
     def stop(self) -> None:
         """The leader's last broadcast: the followers leave `follow`."""

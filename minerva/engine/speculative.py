@@ -28,7 +28,7 @@ import torch
 from minerva.engine.block_manager import BlockManager
 from minerva.engine.rejection import draw, probabilities, states_along
 from minerva.engine.request import Request, Status
-from minerva.engine.runner import ModelRunner, Seq
+from minerva.engine.runner import DRAFT, ModelRunner, Seq
 from minerva.engine.sampler import MAX_SPECULATIVE
 from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
@@ -250,34 +250,57 @@ def _check_vocabulary(target_tok, draft_tok, name: str) -> None:
 
 
 def draft_runner(model, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> tuple[ModelRunner, BlockManager]:
-    """A runner for a draft model over a pool of its own (float K/V, no prefix caching)."""
+                 dtype: torch.dtype, device: torch.device, comm=None) -> tuple[ModelRunner, BlockManager]:
+    """A runner for a draft model over a pool of its own (float K/V, no prefix caching);
+    `comm` for a draft whose weights are the tensor-parallel target's shards."""
     cache = PagedKVCache(num_layers, num_blocks, block_size, kv_heads, head_dim, k_format="auto",
                          v_format="auto", dtype=dtype, device=device)
-    return ModelRunner(model, cache, device), BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    return (ModelRunner(model, cache, device, comm, kind=DRAFT),
+            BlockManager(num_blocks, block_size, enable_prefix_caching=False))
+
+
+def self_layers(method: str | None, config) -> int | None:
+    """How many of the target's layers the early exit of `--speculative self[:LAYERS]` runs
+    (None for the other methods)."""
+    if not method:
+        return None
+    kind, arg = parse_method(method)
+    if kind != "self":
+        return None
+    layers = int(arg) if arg else max(1, config.num_layers // 4)
+    if layers >= config.num_layers:
+        raise MinervaError(f"--speculative self:{layers} must use fewer layers than the model's {config.num_layers}")
+    return layers
+
+
+def early_exit_runner(model, layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device, comm=None) -> tuple[ModelRunner, BlockManager]:
+    """The runner of `--speculative self`: the target's first `layers` layers over a pool of
+    their own. Under tensor parallelism every rank builds it on its shard (`comm`), and the
+    followers run its forwards as the leader broadcasts them."""
+    mc = model.config
+    return draft_runner(EarlyExit(model, layers), layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size,
+                        dtype, device, comm)
 
 
 def build_speculator(method: str, num_tokens: int, max_batch: int, model, tokenizer, num_blocks: int,
                      block_size: int, dtype: torch.dtype, device: torch.device,
-                     draft: LoadedModel | None = None) -> Speculator:
+                     draft: LoadedModel | None = None, comm=None) -> Speculator:
     """The Speculator for `--speculative METHOD` (ngram, self[:LAYERS], draft:MODEL); for a
-    draft model, `draft` is that model, already loaded (`LLM` loads it)."""
+    draft model, `draft` is that model, already loaded (`LLM` loads it, whole, on rank 0);
+    `comm`: the tensor-parallel group the target's shards (and so `self`'s) run in."""
     check_speculative(method, num_tokens, max_batch)
     kind, arg = parse_method(method)
-    mc = model.config
     if kind == "ngram":
         return Speculator(NgramProposer(), num_tokens, max_batch)
     if kind == "self":
-        layers = int(arg) if arg else max(1, mc.num_layers // 4)
-        if layers >= mc.num_layers:
-            raise MinervaError(f"--speculative self:{layers} must use fewer layers than the model's {mc.num_layers}")
-        parts = draft_runner(EarlyExit(model, layers), layers, mc.num_kv_heads, mc.head_dim, num_blocks,
-                              block_size, dtype, device)
+        parts = early_exit_runner(model, self_layers(method, model.config), num_blocks, block_size, dtype, device,
+                                  comm)
     else:
         if draft is None:
             raise MinervaError(f"--speculative {method} needs the draft model loaded; pass it to the engine")
         _check_vocabulary(tokenizer, draft.tokenizer, arg)
         dc = draft.config
         parts = draft_runner(draft.model, dc.num_layers, dc.num_kv_heads, dc.head_dim, num_blocks, block_size,
-                              dtype, device)
+                             dtype, device)
     return Speculator(ModelProposer(*parts), num_tokens, max_batch)

@@ -2,9 +2,11 @@
 
     python benchmarks/int8_kernels.py --type Q8_0 --rows 2880 --cols 2880 --m 1,2,4,8,16
 
+Types the loader never regroups (Q2_K, Q3_K, Q6_K) are timed in the GGUF layout only.
+
 Prints milliseconds per matmul and multiply-adds per second (medians). The weights are random
-blocks with small scales; the matrix is the size given, so a small one sits in the caches and a
-large one (--rows 32768) streams from memory.
+blocks with small scales, in 2 MiB pages as the loader keeps weights; the matrix is the size
+given, so a small one sits in the caches and a large one (--rows 32768) streams from memory.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import gguf
 import numpy as np
 import torch
 
-from minerva.kernels import native, repack
+from minerva.kernels import hugepages, native, repack
 
 Q = gguf.GGMLQuantizationType
+AS_STORED = ("Q2_K", "Q3_K", "Q6_K")  # kept in the GGUF layout by the loader
 
 
 def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
-    if qtype in (Q.Q4_K, Q.Q5_K):  # gguf cannot quantize these: random blocks as synthetic.py writes them
+    if qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):  # gguf cannot quantize these: random blocks as synthetic.py writes them
         from synthetic import RandomTensor  # (this script's folder is on the path)
         t = RandomTensor(qtype, (rows, cols), np.random.SeedSequence(0), {})
         raw = rng.integers(0, 256, t.nbytes, dtype=np.uint8)
@@ -44,7 +47,7 @@ def median_seconds(f, reps: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--type", default="Q8_0", choices=sorted(t.name for t in repack.TYPES))
+    ap.add_argument("--type", default="Q8_0", choices=sorted({t.name for t in repack.TYPES} | set(AS_STORED)))
     ap.add_argument("--rows", type=int, default=2880)
     ap.add_argument("--cols", type=int, default=2880)
     ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma-separated")
@@ -66,12 +69,17 @@ def main() -> int:
     kernels.set_num_threads(args.threads)
     qtype = Q[args.type]
     ggml = random_matrix(qtype, args.rows, args.cols, np.random.default_rng(0))
-    regrouped = repack.regroup_in_place(ggml.clone(), qtype, args.rows, args.cols, kernels)
+    layouts = [("gguf layout", ggml, int(qtype))]
+    if args.type not in AS_STORED:
+        regrouped = repack.regroup_in_place(ggml.clone(), qtype, args.rows, args.cols, kernels)
+        layouts.append(("regrouped", regrouped, int(qtype) | repack.REGROUPED))
+    pool = hugepages.Pool(sum(hugepages.padded(t) for _, t, _ in layouts))
+    layouts = [(name, pool.take(t), qt) for name, t, qt in layouts]
     print(f"{args.type} {args.rows} x {args.cols} ({ggml.numel() / 1e6:.1f} MB), {torch.get_num_threads()} threads")
     for m in ms:
         x = torch.randn(m, args.cols)
         line = [f"M={m:3d}"]
-        for name, packed, qt in [("gguf layout", ggml, int(qtype)), ("regrouped", regrouped, int(qtype) | repack.REGROUPED)]:
+        for name, packed, qt in layouts:
             s = median_seconds(lambda: kernels.qmatmul_q8(x, packed, qt, args.rows, args.cols), args.reps)
             line.append(f"{name} {s * 1e3:7.3f} ms {m * args.rows * args.cols / s / 1e9:6.1f} GMAC/s")
         print("   ".join(line))

@@ -146,3 +146,22 @@ def test_a_build_killed_midway_does_not_hang_later_loads(kernels):
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("V", [1, 7, 8, 9, 49152, 49155])
+def test_argmax_rows_is_torch_argmax(kernels, V):
+    """First index of the largest value, a NaN counting as the largest, rows of any length."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(12, V, generator=g)
+    x[1] = float("-inf")  # every value the same: index 0
+    x[2, V // 2:] = 100.0  # ties: the first
+    x[3, V - 1] = float("nan")
+    x[4, V // 3] = float("nan")
+    x[4, V - 1] = float("nan")  # the first NaN
+    x[5, :] = 0.0
+    x[5, V - 1] = -0.0  # -0 and 0 are equal: the first
+    x[6, V - 1] = float("inf")
+    x[7] = x[7].round()  # many ties among small integers
+    want = x.argmax(-1)
+    assert torch.equal(kernels.argmax_rows(x), want)
+    assert torch.equal(kernels.argmax_rows(x[:0]), want[:0])

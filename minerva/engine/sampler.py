@@ -10,6 +10,7 @@ import torch
 
 from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
+from minerva.kernels import native
 
 
 MAX_LOGPROBS = 20
@@ -231,6 +232,15 @@ def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
     return process_batch(logits[None], [state])[0]
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of [N, V] float32, by the native kernel on a CPU (torch's argmax took 43 us
+    over a 49152-token row, and 1.3 ms over 32 of them, where its max took 6 us a row)."""
+    kernels = native.load() if x.device.type == "cpu" else None
+    if kernels is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[-1]:
+        return kernels.argmax_rows(x)
+    return x.argmax(-1)
+
+
 def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     """Pick each row's next token from float32 logits [B, vocab], each with its own generator.
 
@@ -238,7 +248,7 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     generator, so a seeded request draws the same tokens whatever else is in the batch.
     """
     processed = process_batch(logits, states)
-    tokens = processed.argmax(-1)
+    tokens = argmax_rows(processed)
     rows = _rows(states, lambda s: not s.params.greedy)
     if rows:
         idx = torch.tensor(rows, device=logits.device)

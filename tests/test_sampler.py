@@ -11,9 +11,10 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
                                                     TopPLogitsWarper)
 
 from minerva import SamplingParams
-from minerva.engine.sampler import (new_state, process_batch, process_logits, sample, sample_batch,
-                                   token_logprobs)
+from minerva.engine.sampler import (invert_cdf, invert_cdf_torch, new_state, process_batch, process_logits, sample,
+                                   sample_batch, token_logprobs)
 from minerva.errors import MinervaError
+from minerva.kernels import native
 
 V = 50
 
@@ -179,3 +180,50 @@ def test_logit_bias_forces_and_bans(logits):
 def test_invalid_params(kwargs):
     with pytest.raises(MinervaError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.skipif(native.load() is None, reason="the native kernels do not run on this CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_native_inverse_cdf_draws_what_torch_draws(dtype):
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(64, 49152, generator=g, dtype=torch.float64) * 4, -1).to(dtype)
+    probs[1] = 0.0  # no mass: token 0, as torch's searchsorted and count give it
+    probs[2, :-7] = 0.0  # mass only at the end
+    probs[3] = 1.0  # unnormalized
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[4] = 1 - 2 ** -53  # u * total rounds up to the total: the last token with mass
+    u[5] = 0.0
+    u[6] = probs[6, :100].double().sum() / probs[6].double().sum()  # on a boundary
+    got = native.load().invert_cdf_rows(probs.contiguous(), u)
+    assert torch.equal(got, invert_cdf_torch(probs, u))
+    assert torch.equal(invert_cdf(probs, u), got)
+
+
+@pytest.mark.parametrize("spread", [8.0, 2.0, 0.3])  # peaked rows; rows whose top_p needs thousands of tokens
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_over_a_real_vocabulary_keeps_what_transformers_keeps(spread, top_p):
+    g = torch.Generator().manual_seed(int(spread * 100 + top_p * 10))
+    logits = torch.randn(6, 49152, generator=g) * spread
+    states = [new_state(SamplingParams(top_p=top_p, seed=0), [], torch.device("cpu")) for _ in range(6)]
+    want = TopPLogitsWarper(top_p)(None, logits.clone())
+    got = process_batch(logits, states)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(want)])
+
+
+@pytest.mark.parametrize("kinds", [["t"], ["t", "g"], ["g", "p"], ["t", "p"], ["k", "k"]])
+def test_processing_leaves_the_callers_logits_alone(kinds):
+    """All rows sampled, greedy among sampled, penalties: the result is new, the input unchanged,
+    and each row is what it is alone."""
+    make = {"t": dict(temperature=0.7), "g": dict(temperature=0), "p": dict(temperature=0.9, presence_penalty=1.0),
+            "k": dict(top_k=3)}
+    g = torch.Generator().manual_seed(2)
+    batch = torch.randn(len(kinds), V, generator=g)
+    before = batch.clone()
+    states = [new_state(SamplingParams(**make[k]), [0, 4], torch.device("cpu")) for k in kinds]
+    for s in states:
+        s.record(4)
+    ours = process_batch(batch, states)
+    assert torch.equal(batch, before)
+    for row, s in enumerate(states):
+        assert torch.equal(ours[row], process_batch(before[row:row + 1], [s])[0])

@@ -198,12 +198,11 @@ def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Ten
     """
     logits = logits.float()
     params = [s.params for s in states]
-    if all(p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-           and not p.logit_bias for p in params):
-        return logits  # nothing to change: spare the copy (the common greedy batch)
-    dev, vocab = logits.device, logits.shape[-1]
     penalized = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias
                     for p in params)
+    if not penalized and all(p.greedy for p in params):
+        return logits  # nothing to change: spare the copy (the common greedy batch)
+    dev, vocab = logits.device, logits.shape[-1]
     if penalized:  # changed in place below: the caller's logits stay as they are
         logits = logits.clone()
 
@@ -269,7 +268,7 @@ def process_logits(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of [N, V] float32, by the native kernel on a CPU (torch's argmax took 43 us
     over a 49152-token row, and 1.3 ms over 32 of them, where its max took 6 us a row)."""
-    kernels = native.load() if x.device.type == "cpu" else None
+    kernels = native.for_tensor(x)
     if kernels is not None and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[-1]:
         return kernels.argmax_rows(x)
     return x.argmax(-1)
@@ -298,7 +297,7 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
 def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """For each row of (unnormalized) probabilities [B, vocab] the token where its CDF first
     exceeds u [B] (float64 uniforms in [0, 1)) times the row's total."""
-    kernels = native.load() if probs.device.type == "cpu" else None
+    kernels = native.for_tensor(probs)
     if kernels is not None and probs.dtype in (torch.float32, torch.float64) and probs.dim() == 2 and probs.shape[-1]:
         # the same answer (tested against invert_cdf_torch), without a float64 copy of the rows
         return kernels.invert_cdf_rows(probs.contiguous(), u.to(torch.float64).contiguous())

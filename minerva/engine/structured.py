@@ -201,7 +201,7 @@ def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.T
 def apply_mask_(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with every token whose bit in mask [N, ceil(V / 32)] is 0 set to -inf."""
     start = time.perf_counter()
-    kernels = native.load() if logits.device.type == "cpu" else None
+    kernels = native.for_tensor(logits)
     if kernels is not None and logits.dtype == torch.float32 and logits.is_contiguous():
         kernels.apply_token_bitmask_(logits, mask.contiguous())
     else:

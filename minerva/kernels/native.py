@@ -137,6 +137,11 @@ def pool_stats() -> dict[str, int] | None:
     return _module.pool_stats() if _module is not None else None
 
 
+def for_tensor(t) -> ModuleType | None:
+    """The compiled module where tensor `t` is on the CPU (None elsewhere, or where it does not load)."""
+    return load() if t.device.type == "cpu" else None
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None (see `unavailable_reason`)."""
     global _module, _tried, unavailable_reason, built

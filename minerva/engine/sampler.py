@@ -150,7 +150,8 @@ def _flat(rows: list[int], per_row, device) -> tuple[torch.Tensor, torch.Tensor]
             torch.tensor(c, dtype=torch.int64, device=device))
 
 
-TOP_P_HEAD = 256  # tokens first sorted for top_p; more where they hold less than top_p of the mass
+TOP_P_HEAD = 256  # tokens first sorted for top_p; 8 times more while they hold less than top_p of the mass
+TOP_P_GROWTH = 8
 
 
 def _top_k(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
@@ -167,14 +168,16 @@ def _top_p(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     limit = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
     probs = torch.softmax(x, -1)
     k = TOP_P_HEAD
-    while k < vocab:
+    while k <= vocab // TOP_P_GROWTH:  # a head of more than 1/8 of the row: sorting it all costs as much
         top, order = probs.topk(k, dim=-1)
         reach = top.cumsum(-1)
         if bool((reach[:, -1:] >= limit).all()):
             keep = (reach - top) < limit
             keep[:, 0] = True
             return torch.full_like(x, -math.inf).scatter_(1, order, x.gather(1, order).masked_fill(~keep, -math.inf))
-        k *= 8
+        if bool((reach[:, -1:] < limit / 2).any()):  # far from top_p (a flat row): a larger head would not do
+            break
+        k *= TOP_P_GROWTH
     # rows as flat as this (or a small vocabulary): the whole row sorted, as transformers does
     ascending, order = torch.sort(x, dim=-1)
     drop = torch.softmax(ascending, -1).cumsum(-1) <= torch.tensor([1 - p.top_p for p in ps], device=dev)[:, None]

@@ -4,9 +4,10 @@
     python benchmarks/sampling.py --model smollm2-135m [--batch 1,32] [--temperature 0.8] [--top-p 0.95]
 
 The first form times `minerva.engine.sampler.sample_batch` on random logits (scaled by
---spread) for greedy decoding and the usual sampling settings, torch on one thread as in an
-engine step; medians of --reps calls. The second decodes --tokens tokens for each batch size
-with the given settings and prints the median decode step's tokens/s.
+--spread) for greedy decoding and the usual sampling settings, torch on one thread and the
+native kernels on all, as in an engine step; medians of --reps calls. The second decodes
+--tokens tokens for each batch size with the given settings and prints the median decode
+step's tokens/s.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import time
 import torch
 
 from minerva.engine.sampler import SamplingParams, new_state, sample_batch
+from minerva.kernels import native
 
 SETTINGS = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.7, top_p=0.9),
             dict(temperature=0.7, top_k=40), dict(temperature=1.0, min_p=0.05)]
 
 
 def time_sampler(vocab: int, batches: list[int], spread: float, reps: int) -> None:
+    kernels = native.load()
+    if kernels is not None:  # as in an engine step: the kernels on every thread, torch's ops on one
+        kernels.set_num_threads(torch.get_num_threads())
     torch.set_num_threads(1)
     for b in batches:
         for kw in SETTINGS:

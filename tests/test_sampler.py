@@ -227,3 +227,60 @@ def test_processing_leaves_the_callers_logits_alone(kinds):
     assert torch.equal(batch, before)
     for row, s in enumerate(states):
         assert torch.equal(ours[row], process_batch(before[row:row + 1], [s])[0])
+
+
+def reference_draws(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's token under transformers' processors, the CDF inverted at u in float64, and
+    whether u falls within 2e-7 of a boundary between two tokens (where float rounding may decide)."""
+    tokens, near = [], []
+    for row, draw in zip(logits, u.tolist()):
+        probs = torch.softmax(hf_chain(row, [], params).double(), -1)
+        cdf = probs.cumsum(0)
+        target = draw * float(cdf[-1])
+        tokens.append(int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)))
+        near.append(bool(((cdf - target).abs() < 2e-7 * float(cdf[-1])).any()))
+    return tokens, near
+
+
+NATIVE_CASES = [dict(temperature=0.8), dict(top_p=0.9, temperature=0.7), dict(top_p=0.5), dict(top_k=40),
+                dict(top_k=1000, temperature=1.3), dict(min_p=0.05), dict(top_k=100, top_p=0.8, min_p=0.02, temperature=0.9)]
+
+
+@pytest.mark.skipif(native.load() is None, reason="the native kernels do not run on this CPU")
+@pytest.mark.parametrize("spread", [8.0, 2.0, 0.5])  # peaked rows; rows whose top_p needs thousands of tokens
+@pytest.mark.parametrize("kwargs", NATIVE_CASES, ids=lambda k: ",".join(f"{a}={v}" for a, v in k.items()))
+def test_native_sampler_draws_what_transformers_gives(spread, kwargs):
+    """The fused kernel (temperature, top-k, top-p, min-p, draw) against transformers' processors
+    and a float64 inverse CDF, over a real vocabulary's size."""
+    g = torch.Generator().manual_seed(int(spread * 10) + len(kwargs))
+    logits = torch.randn(24, 49152, generator=g) * spread
+    states = [new_state(SamplingParams(seed=i, **kwargs), [], torch.device("cpu")) for i in range(24)]
+    # each state's first draw, as sample_batch takes it from the state's generator
+    u = torch.cat([torch.rand(1, generator=torch.Generator().manual_seed(i), dtype=torch.float64) for i in range(24)])
+    got = sample_batch(logits, states)
+    want, near = reference_draws(logits, SamplingParams(**kwargs), u)
+    assert sum(near) <= 4
+    assert [a for a, n in zip(got, near) if not n] == [b for b, n in zip(want, near) if not n]
+
+
+@pytest.mark.skipif(native.load() is None, reason="the native kernels do not run on this CPU")
+def test_native_sampler_keeps_ties_as_transformers_does():
+    """top_k keeps every token tied with the k-th largest, top_p and min_p their thresholds: over
+    a grid of draws the kernel gives each token the reference gives, and every kept token turns up."""
+    row = torch.full((49152,), -30.0)
+    row[:9] = torch.tensor([5.0, 4.0, 3.0, 3.0, 3.0, 3.0, 2.0, 1.0, 1.0])
+    u = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000
+    kernels = native.load()
+    # top_p=0.8 ends inside the four tied tokens (cumulative 0.50, 0.69, 0.75, 0.82, ...): the first two stay
+    for kwargs in (dict(top_k=3), dict(top_p=0.8), dict(min_p=0.1, temperature=0.5), dict(temperature=1.0)):
+        params = SamplingParams(**kwargs)
+        rows = row.expand(len(u), -1).contiguous()
+        got = kernels.sample_rows(rows, torch.full((len(u),), params.temperature, dtype=torch.float32),
+                                  torch.full((len(u),), params.top_k, dtype=torch.int64),
+                                  torch.full((len(u),), params.top_p, dtype=torch.float64),
+                                  torch.full((len(u),), params.min_p, dtype=torch.float32), u).tolist()
+        want, near = reference_draws(row[None].expand(len(u), -1), params, u)
+        assert [a for a, n in zip(got, near) if not n] == [b for b, n in zip(want, near) if not n], kwargs
+        kept = set(torch.nonzero(torch.isfinite(hf_chain(row, [], params))).flatten().tolist())
+        if len(kept) < 100:  # not the untouched row, whose -30 tail has no mass a grid of draws can reach
+            assert set(got) == kept, kwargs

@@ -191,24 +191,18 @@ def _min_p(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     return x.masked_fill(probs < floor, -math.inf)
 
 
-def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
-    """Apply each row's parameters to float32 logits [B, vocab]; removed tokens become -inf.
-
-    Order: repetition penalty, presence/frequency penalties, logit bias (as vLLM applies
-    them), then as in transformers' generation: temperature, top-k, top-p, min-p. Greedy
-    rows stop after the bias. Every operation works row by row, so a row's result does not
-    depend on which other rows share the batch.
-    """
+def penalize(logits: torch.Tensor, states: list[SamplerState]) -> tuple[torch.Tensor, bool]:
+    """float32 logits [B, vocab] after each row's repetition penalty, presence/frequency
+    penalties and logit bias (as vLLM applies them), and whether any applied: then they are a
+    copy, and the caller's logits stay as they are."""
     logits = logits.float()
     params = [s.params for s in states]
     penalized = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias
                     for p in params)
-    if not penalized and all(p.greedy for p in params):
-        return logits  # nothing to change: spare the copy (the common greedy batch)
+    if not penalized:
+        return logits, False
     dev, vocab = logits.device, logits.shape[-1]
-    if penalized:  # changed in place below: the caller's logits stay as they are
-        logits = logits.clone()
-
+    logits = logits.clone()
     rows = _rows(states, lambda s: s.params.repetition_penalty != 1.0 and s.seen)
     if rows:
         r, c = _flat(rows, lambda i: list(states[i].seen), dev)
@@ -233,6 +227,19 @@ def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Ten
         keep = c < vocab
         logits.index_put_((r[keep], c[keep]), bias[keep], accumulate=True)
 
+    return logits, True
+
+
+def process_batch(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
+    """Apply each row's parameters to float32 logits [B, vocab]; removed tokens become -inf.
+
+    Order: the penalties and logit bias (`penalize`), then as in transformers' generation:
+    temperature, top-k, top-p, min-p. Greedy rows stop after the bias. Every operation works
+    row by row, so a row's result does not depend on which other rows share the batch.
+    """
+    logits, penalized = penalize(logits, states)
+    params = [s.params for s in states]
+    dev, vocab = logits.device, logits.shape[-1]
     rows = _rows(states, lambda s: not s.params.greedy)
     if not rows:
         return logits
@@ -282,17 +289,48 @@ def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
 
     Sampling inverts the cumulative distribution at one uniform draw from the row's
     generator, so a seeded request draws the same tokens whatever else is in the batch.
+    On a CPU with the native kernels, temperature, top-k, top-p, min-p and the draw run as
+    one kernel over each row (`sample_rows` in minerva/kernels/csrc/sampling.cpp): torch's
+    ops took 27 ms for 32 rows of a 49152-token vocabulary with top_p, the kernel 1 ms.
     """
-    processed = process_batch(logits, states)
     rows = _rows(states, lambda s: not s.params.greedy)
-    if not rows:
-        return argmax_rows(processed).tolist()
-    u = torch.cat([torch.rand(1, generator=states[i].generator, dtype=torch.float64,
-                              device=logits.device) for i in rows])
+    kernels = native.for_tensor(logits)
+    if not rows or kernels is None or logits.dim() != 2 or not logits.shape[-1]:
+        processed = process_batch(logits, states)
+        if not rows:
+            return argmax_rows(processed).tolist()
+        return _draw(processed, states, rows)
+    penalized, _ = penalize(logits, states)
+    dev, vocab = logits.device, logits.shape[-1]
+    every = len(rows) == len(states)
+    ps = [states[i].params for i in rows]
+    tokens = kernels.sample_rows(
+        (penalized if every else penalized[torch.tensor(rows, device=dev)]).contiguous(),
+        torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+        torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in ps], dtype=torch.int64),
+        torch.tensor([p.top_p for p in ps], dtype=torch.float64),
+        torch.tensor([p.min_p for p in ps], dtype=torch.float32), _uniforms(states, rows, dev)).tolist()
+    if every:
+        return tokens
+    out = argmax_rows(penalized).tolist()
+    for i, t in zip(rows, tokens):
+        out[i] = t
+    return out
+
+
+def _uniforms(states: list[SamplerState], rows: list[int], device) -> torch.Tensor:
+    """One float64 draw in [0, 1) from each of the rows' generators."""
+    return torch.cat([torch.rand(1, generator=states[i].generator, dtype=torch.float64, device=device)
+                      for i in rows])
+
+
+def _draw(processed: torch.Tensor, states: list[SamplerState], rows: list[int]) -> list[int]:
+    """sample_batch with torch ops, from logits `process_batch` made."""
+    u = _uniforms(states, rows, processed.device)
     if len(rows) == len(states):
         return invert_cdf(torch.softmax(processed, -1), u).tolist()
     tokens = argmax_rows(processed)
-    idx = torch.tensor(rows, device=logits.device)
+    idx = torch.tensor(rows, device=processed.device)
     tokens[idx] = invert_cdf(torch.softmax(processed[idx], -1), u)
     return tokens.tolist()
 

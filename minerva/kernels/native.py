@@ -32,9 +32,10 @@ log = logging.getLogger("minerva")
 CSRC = Path(__file__).parent / "csrc"
 # the sources of each build, by instruction set; module.cpp (the Python module) is shared
 SOURCES = {
-    "avx512": [CSRC / name for name in ("qmatmul.cpp", "qmatmul_q8.cpp", "attention.cpp", "ops.cpp", "module.cpp")],
+    "avx512": [CSRC / name for name in ("qmatmul.cpp", "qmatmul_q8.cpp", "attention.cpp", "ops.cpp", "sampling.cpp",
+                                        "module.cpp")],
     "avx2": [CSRC / name for name in ("qmatmul_avx2.cpp", "qmatmul_q8.cpp", "attention_avx2.cpp", "ops_avx2.cpp",
-                                      "module.cpp")],
+                                      "sampling.cpp", "module.cpp")],
 }
 HEADERS = [CSRC / name for name in (
     "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h", "exchange.h")]

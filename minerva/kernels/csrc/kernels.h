@@ -30,3 +30,9 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // act_mul's activations: 0 silu, 1 gelu (tanh), ACT_SWIGLU_LIMIT GPT-OSS's clamped SwiGLU (ops.py's ids)
 constexpr int64_t ACT_SWIGLU_LIMIT = 2;
 torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit = 0.0, double alpha = 0.0);
+// sampling.cpp
+void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask);
+torch::Tensor argmax_rows(const torch::Tensor& x);
+torch::Tensor invert_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u);
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                          const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u);

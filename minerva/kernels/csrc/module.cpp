@@ -327,117 +327,6 @@ struct Experts {
   }
 };
 
-// logits [N, V] float32: every token whose bit in mask [N, ceil(V / 32)] (int32, bit j of
-// word w is token 32 w + j) is 0 set to -inf, in place. A word of all ones (the usual case
-// inside a JSON string) costs one compare.
-void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask) {
-  TORCH_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2,
-              "logits: contiguous float32 [N, V]");
-  TORCH_CHECK(mask.scalar_type() == torch::kInt32 && mask.is_contiguous() && mask.dim() == 2 &&
-                  mask.size(0) == logits.size(0) && mask.size(1) * 32 >= logits.size(1),
-              "mask: contiguous int32 [N, ceil(V / 32)]");
-  const int64_t N = logits.size(0), V = logits.size(1), W = mask.size(1);
-  const float neg = -std::numeric_limits<float>::infinity();
-  for (int64_t n = 0; n < N; ++n) {
-    float* row = logits.data_ptr<float>() + n * V;
-    const auto* words = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>()) + n * W;
-    for (int64_t w = 0; w * 32 < V; ++w) {
-      const uint32_t bits = words[w];
-      if (bits == 0xffffffffu) continue;
-      const int64_t end = std::min<int64_t>(32, V - w * 32);
-      for (int64_t j = 0; j < end; ++j)
-        if (!((bits >> j) & 1u)) row[w * 32 + j] = neg;
-    }
-  }
-}
-
-// The index of the first largest value of row[0 .. V), as torch.argmax gives it (a NaN counts
-// as the largest, so the first NaN wins): one pass for the maximum, one up to its first
-// occurrence. torch's own argmax over a 49152-token vocabulary took 43 us a row on this
-// project's AVX-512 machine, where its max took 6.
-int64_t argmax_row(const float* row, int64_t V) {
-  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  __m256 unordered = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= V; j += 8) {
-    const __m256 v = _mm256_loadu_ps(row + j);
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    best = _mm256_max_ps(best, v);
-  }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, best);
-  float top = *std::max_element(lanes, lanes + 8);
-  bool nan = _mm256_movemask_ps(unordered) != 0;
-  for (int64_t k = j; k < V; ++k) {
-    nan = nan || std::isnan(row[k]);
-    top = std::max(top, row[k]);
-  }
-  if (nan) {
-    for (int64_t k = 0; k < V; ++k)
-      if (std::isnan(row[k])) return k;
-  }
-  const __m256 t = _mm256_set1_ps(top);
-  for (j = 0; j + 8 <= V; j += 8) {
-    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + j), t, _CMP_EQ_OQ));
-    if (hits) return j + __builtin_ctz(hits);
-  }
-  for (; j < V; ++j)
-    if (row[j] == top) return j;
-  return 0;  // V == 0
-}
-
-// argmax over the last dim of x [N, V] (contiguous float32): int64 [N], rows on the kernels' threads
-torch::Tensor argmax_rows(const torch::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) > 0,
-              "x: contiguous float32 [N, V] with V > 0");
-  const int64_t N = x.size(0), V = x.size(1);
-  torch::Tensor out = torch::empty({N}, torch::kInt64);
-  const float* p = x.data_ptr<float>();
-  int64_t* o = out.data_ptr<int64_t>();
-  minerva::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) o[n] = argmax_row(p + n * V, V);
-  });
-  return out;
-}
-
-// For each row of probs [N, V] (float32 or float64, not negative, not necessarily normalized)
-// the token where its CDF first exceeds u[n] times the row's total, as sampler.invert_cdf
-// computes it with torch: the CDF summed left to right in float64 (torch's cumsum adds in
-// the same order, so the same bits), the answer the first index whose sum passes the target,
-// or, where u * total rounds up to the total, the last token with mass. One pass for the
-// total, one up to the answer; torch's cumsum, searchsorted and count took 0.9 ms a row over a
-// 49152-token vocabulary.
-template <typename T>
-int64_t invert_row(const T* p, int64_t V, double u) {
-  double total = 0.0;
-  for (int64_t j = 0; j < V; ++j) total += static_cast<double>(p[j]);
-  const double target = u * total;
-  double acc = 0.0;
-  for (int64_t j = 0; j < V; ++j) {
-    acc += static_cast<double>(p[j]);
-    if (acc > target || acc >= total) return j;
-  }
-  return V - 1;  // V == 0 is refused below; a NaN total ends here
-}
-
-torch::Tensor invert_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u) {
-  TORCH_CHECK((probs.scalar_type() == torch::kFloat32 || probs.scalar_type() == torch::kFloat64) &&
-                  probs.is_contiguous() && probs.dim() == 2 && probs.size(1) > 0,
-              "probs: contiguous float32 or float64 [N, V] with V > 0");
-  TORCH_CHECK(u.scalar_type() == torch::kFloat64 && u.is_contiguous() && u.dim() == 1 && u.size(0) == probs.size(0),
-              "u: contiguous float64 [N]");
-  const int64_t N = probs.size(0), V = probs.size(1);
-  torch::Tensor out = torch::empty({N}, torch::kInt64);
-  int64_t* o = out.data_ptr<int64_t>();
-  const double* uu = u.data_ptr<double>();
-  minerva::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n)
-      o[n] = probs.scalar_type() == torch::kFloat32 ? invert_row(probs.data_ptr<float>() + n * V, V, uu[n])
-                                                    : invert_row(probs.data_ptr<double>() + n * V, V, uu[n]);
-  });
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -461,6 +350,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
   m.def("argmax_rows", &argmax_rows, "each row's index of its first largest value (torch.argmax over the last dim)");
+  m.def("sample_rows", &sample_rows,
+        "each row's token after temperature, top-k, top-p and min-p, drawn at u (sampler.sample_batch)");
   m.def("invert_cdf_rows", &invert_cdf_rows, "each row's token where its float64 CDF first exceeds u times its total");
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "logits of the tokens a bitmask forbids set to -inf, in place");
   m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");

@@ -1,6 +1,6 @@
-"""The C++ decoder layer (one call per layer) against the Python layer built from the same
-kernels: the same bits in every logit, on both real models, with float and int8 KV pools,
-prefill chunks and decode steps."""
+"""The C++ decoder layers (all of them in one call, or one call per layer) against the Python
+layer built from the same kernels: the same bits in every logit, on both real models, with
+float and int8 KV pools, prefill chunks and decode steps."""
 
 from __future__ import annotations
 
@@ -33,13 +33,19 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
         return [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=llm.dtype, device=llm.device)
                 for x, c in runs]
 
-    with_native = logits()
+    stack = model.stack
+    assert stack is not None, "a model whose layers all have C++ twins runs them in one call"
+    with_stack = logits()
     try:
+        model.stack = None
+        per_layer = logits()
         for layer in model.layers:
             layer.fused = None
         without = logits()
     finally:
+        model.stack = stack
         for layer, n in zip(model.layers, fused):
             layer.fused = n
-    for a, b in zip(with_native, without):
-        assert torch.equal(a, b), f"max difference {(a - b).abs().max().item():.3g}"
+    for a, b, c in zip(with_stack, per_layer, without):
+        assert torch.equal(a, b), f"stack against one call a layer: max difference {(a - b).abs().max().item():.3g}"
+        assert torch.equal(b, c), f"native against Python: max difference {(b - c).abs().max().item():.3g}"

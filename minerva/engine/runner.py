@@ -39,16 +39,23 @@ class PagedBackend:
                                seq_lens=self.seq_lens, block_tables=self.block_tables,
                                positions=self.positions, window=window, scale=scale, sinks=sinks)
 
-    def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
-        """What a fused decoder layer needs to store and attend over this step's K/V, or
-        None when the backend's attention kernel does not cover this pool or dtype."""
+    def stack_args(self, num_layers: int, dtype: torch.dtype) -> tuple | None:
+        """What the fused decoder layers 0 .. num_layers - 1 need to store and attend over this
+        step's K/V (each layer's pools and scales as lists, then the step's metadata), or None
+        when the backend's attention kernel does not cover this pool or dtype."""
         if attention_kernel(dtype, self.cache) is None:
             return None
         c = self.cache
         ks, vs = c.scales["k"], c.scales["v"]
-        return (c.data["k"][layer], c.data["v"][layer], EMPTY if ks is None else ks[layer],
-                EMPTY if vs is None else vs[layer], self.slot_mapping, self.block_tables, self.seq_lens,
+        none = [EMPTY] * num_layers
+        return (c.data["k"][:num_layers], c.data["v"][:num_layers], none if ks is None else ks[:num_layers],
+                none if vs is None else vs[:num_layers], self.slot_mapping, self.block_tables, self.seq_lens,
                 self.query_start_loc, self.positions)
+
+    def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
+        """stack_args for one layer: its own pools and scales."""
+        args = self.stack_args(layer + 1, dtype)
+        return None if args is None else (*(per_layer[layer] for per_layer in args[:4]), *args[4:])
 
 
 @dataclass

@@ -31,6 +31,10 @@ class AttentionBackend(Protocol):
         `layer` (pools, scales, slots, block tables, lengths, positions), or None when the
         fused layer cannot run over this backend: the layer then runs `forward` piece by piece."""
 
+    def stack_args(self, num_layers: int, dtype: torch.dtype) -> tuple | None:
+        """kernel_args for layers 0 .. num_layers - 1 at once, as the kernel's `forward_layers`
+        takes them (each layer's pools and scales as lists, then the step's metadata), or None."""
+
 
 @dataclass
 class AttentionContext:
@@ -356,6 +360,7 @@ class DecoderLayer(Layer):
             return kernel.Packed(w.packed, w.qtype_id, *w.shape, w.int8)
 
         opt = lambda n: None if n is None else n.weight  # noqa: E731
+        self.kernel = kernel
         self.fused = kernel.DecoderLayer(
             [packed(lin) for lin in qkv], packed(attn.o_proj), [packed(lin) for lin in gate_up],
             packed(mlp.down), self.input_norm.weight, self.pre_mlp_norm.weight, opt(self.post_attn_norm),
@@ -403,14 +408,28 @@ class CausalLM(Layer):
         self.tp = None  # under tensor parallelism (see parallelize): the Comm, and this rank's vocabulary rows
         self.vocab_rows = (0, config.vocab_size)
         self.vocab_width = config.vocab_size
+        self.stack = None  # (kernel, native layers, each layer's rotary) when every layer has one (see stack_layers)
 
     def parallelize(self, comm, vocab_rows: tuple[int, int], vocab_width: int) -> None:
         """Run as one rank of a tensor-parallel group: this model holds rows `vocab_rows` of
         the embedding and LM head (gathered at `vocab_width` a rank) and its share of every
         layer, whose partial outputs `comm` all-reduces."""
         self.tp, self.vocab_rows, self.vocab_width = comm, vocab_rows, vocab_width
+        self.stack = None  # each sublayer's output is all-reduced between the layer's parts
         for layer in self.layers:
             layer.tp = comm
+
+    def stack_layers(self) -> None:
+        """When every layer is one native call, run them all as one (the kernel's
+        `forward_layers`): a decode step then pays for the Python and argument conversions
+        of one call instead of one per layer."""
+        fused = [layer.fused for layer in self.layers]
+        if not fused or any(f is None for f in fused) or len({layer.fused_dtype for layer in self.layers}) != 1:
+            return
+        kernel = self.layers[0].kernel
+        if getattr(kernel, "forward_layers", None) is None:
+            return
+        self.stack = kernel, fused, [layer.attn.rotary for layer in self.layers]
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -428,7 +447,15 @@ class CausalLM(Layer):
         h = self.embed_rows(input_ids)
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        for layer in self.layers if num_layers is None else self.layers[:num_layers]:
+        n = len(self.layers) if num_layers is None else num_layers
+        args = self.stack is not None and h.dtype == self.layers[0].fused_dtype and ctx.backend.stack_args(n, h.dtype)
+        if args:
+            kernel, fused, rotaries = self.stack
+            tables = {id(r): r.cos_sin(ctx) for r in rotaries[:n]}  # the model's one or two rotaries
+            cos = [tables[id(r)][0] for r in rotaries[:n]]
+            sin = [tables[id(r)][1] for r in rotaries[:n]]
+            return self.norm(kernel.forward_layers(fused[:n], h, cos, sin, *args))
+        for layer in self.layers[:n]:
             h = layer(h, ctx)
         return self.norm(h)
 

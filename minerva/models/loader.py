@@ -394,6 +394,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     into_hugepages(m.weight for m in model.modules() if isinstance(m, Linear))
     for layer in model.layers:
         layer.make_fused()
+    model.stack_layers()
     freeze(model)
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
                        compute, shard)

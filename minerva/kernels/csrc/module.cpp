@@ -100,6 +100,25 @@ struct DecoderLayer {
   }
 };
 
+// A model's decoder layers, each over its own pools and rotary tables with the step's metadata
+// shared: CausalLM.forward's loop over its native layers in one call, without the Python and
+// the argument conversions of a call per layer.
+torch::Tensor forward_layers(const std::vector<const DecoderLayer*>& layers, torch::Tensor h,
+                             const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                             const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                             const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                             const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& seq_lens,
+                             const torch::Tensor& qsl, const torch::Tensor& positions) {
+  const size_t n = layers.size();
+  TORCH_CHECK(cos.size() == n && sin.size() == n && k_pools.size() == n && v_pools.size() == n &&
+                  k_scales.size() == n && v_scales.size() == n,
+              "forward_layers: one rotary table pair, pool pair and scale pair per layer");
+  for (size_t i = 0; i < n; ++i)
+    h = layers[i]->forward(h, cos[i], sin[i], k_pools[i], v_pools[i], k_scales[i], v_scales[i], slots, tables,
+                           seq_lens, qsl, positions);
+  return h;
+}
+
 // A linear layer with an optional bias added in place (minerva/models/layers.py Linear)
 struct Linear {
   Packed w;
@@ -378,6 +397,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attention", &DecoderLayer::attention)
       .def("feed_forward", &DecoderLayer::feed_forward)
       .def("residual", &DecoderLayer::residual);
+  m.def("forward_layers", &forward_layers, "decoder layers in turn, each over its own pools and rotary tables");
   py::class_<minerva::Exchange>(m, "Exchange")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>>(), py::arg("segment"),
            py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"))

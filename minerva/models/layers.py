@@ -408,7 +408,7 @@ class CausalLM(Layer):
         self.tp = None  # under tensor parallelism (see parallelize): the Comm, and this rank's vocabulary rows
         self.vocab_rows = (0, config.vocab_size)
         self.vocab_width = config.vocab_size
-        self.stack = None  # (kernel, native layers, each layer's rotary) when every layer has one (see stack_layers)
+        self.stack = None  # (kernel, native layers, rotaries, each layer's) when every layer has one (see stack_layers)
 
     def parallelize(self, comm, vocab_rows: tuple[int, int], vocab_width: int) -> None:
         """Run as one rank of a tensor-parallel group: this model holds rows `vocab_rows` of
@@ -429,7 +429,9 @@ class CausalLM(Layer):
         kernel = self.layers[0].kernel
         if getattr(kernel, "forward_layers", None) is None:
             return
-        self.stack = kernel, fused, [layer.attn.rotary for layer in self.layers]
+        rotaries = list({id(layer.attn.rotary): layer.attn.rotary for layer in self.layers}.values())
+        which = [rotaries.index(layer.attn.rotary) for layer in self.layers]  # each layer's rotary
+        self.stack = kernel, fused, rotaries, which
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -450,10 +452,10 @@ class CausalLM(Layer):
         n = len(self.layers) if num_layers is None else num_layers
         args = self.stack is not None and h.dtype == self.layers[0].fused_dtype and ctx.backend.stack_args(n, h.dtype)
         if args:
-            kernel, fused, rotaries = self.stack
-            tables = {id(r): r.cos_sin(ctx) for r in rotaries[:n]}  # the model's one or two rotaries
-            cos = [tables[id(r)][0] for r in rotaries[:n]]
-            sin = [tables[id(r)][1] for r in rotaries[:n]]
+            kernel, fused, rotaries, which = self.stack
+            tables = [r.cos_sin(ctx) for r in rotaries]  # the model's one or two rotaries
+            cos = [tables[i][0] for i in which[:n]]
+            sin = [tables[i][1] for i in which[:n]]
             return self.norm(kernel.forward_layers(fused[:n], h, cos, sin, *args))
         for layer in self.layers[:n]:
             h = layer(h, ctx)

@@ -284,3 +284,26 @@ def test_native_sampler_keeps_ties_as_transformers_does():
         kept = set(torch.nonzero(torch.isfinite(hf_chain(row, [], params))).flatten().tolist())
         if len(kept) < 100:  # not the untouched row, whose -30 tail has no mass a grid of draws can reach
             assert set(got) == kept, kwargs
+
+
+@pytest.mark.skipif(native.load() is None, reason="the native kernels do not run on this CPU")
+@pytest.mark.parametrize("V", [1, 7, 9, 33])
+def test_native_sampler_edges(V):
+    """Short rows (the vector loops' tails), one finite token, the strictest settings: what
+    transformers keeps, drawn at the same uniforms."""
+    g = torch.Generator().manual_seed(V)
+    rows = torch.randn(6, V, generator=g) * 3
+    rows[1, :] = -math.inf
+    rows[1, V // 2] = 0.5  # one token left (a grammar's mask): always it
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    for kwargs in (dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0), dict(temperature=1e-3), dict(temperature=2.0),
+                   dict(top_k=V + 5, top_p=0.7)):
+        params = SamplingParams(**kwargs)
+        got = native.load().sample_rows(
+            rows, torch.full((6,), params.temperature, dtype=torch.float32),
+            torch.full((6,), params.top_k if 0 < params.top_k < V else 0, dtype=torch.int64),
+            torch.full((6,), params.top_p, dtype=torch.float64), torch.full((6,), params.min_p, dtype=torch.float32),
+            u).tolist()
+        want, near = reference_draws(rows, params, u)
+        assert got[1] == V // 2, kwargs
+        assert [a for a, n in zip(got, near) if not n] == [b for b, n in zip(want, near) if not n], kwargs

@@ -55,6 +55,8 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="token budget of one step (prompt chunks + decodes)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
+    g.add_argument("--no-hybrid-kv-cache", action="store_true",
+                   help="one block table for all layers: sliding-window layers keep K/V for the whole context")
     add_speculative_options(p)
 
 
@@ -82,7 +84,8 @@ def engine_options(args) -> dict:
     k, v = kv_formats(args)
     return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype_k=k, kv_cache_dtype_v=v,
+                enable_prefix_caching=not args.no_prefix_caching, hybrid_kv_cache=not args.no_hybrid_kv_cache,
+                kv_cache_dtype_k=k, kv_cache_dtype_v=v,
                 **speculative_options(args))
 
 

@@ -15,12 +15,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minerva.engine.block_manager import BlockManager, block_hash, root_hash
+from minerva.engine.block_manager import NULL, BlockManager, block_hash, root_hash
+from minerva.kernels.kv_layout import kv_layout
 
 
 def snapshot(bm: BlockManager):
     return (list(bm._ref), list(bm._hash), dict(bm._cached), list(bm._free),
-            {r: list(t) for r, t in bm._tables.items()}, {r: list(c) for r, c in bm._chains.items()},
+            {r: [list(g) for g in t] for r, t in bm._tables.items()}, {r: list(c) for r, c in bm._chains.items()},
             bm.prefix_queries, bm.prefix_hits)
 
 
@@ -305,21 +306,28 @@ def chain_hash(bm: BlockManager, prefix: tuple[int, ...]) -> bytes:
     return h
 
 
+# one table for all layers; a global and a windowed group; one windowed group of two layers;
+# a global group and two windowed ones
+LAYOUTS = [None, kv_layout([None, 3], 99), kv_layout([2, 2], 99), kv_layout([None, None, 5, 5, 5, 5], 99)]
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 16), caching=st.booleans(),
-                salt=st.sampled_from([b"", b"m"]), system=st.lists(ALPHABET, min_size=12, max_size=12))
-    def setup(self, block_size, num_blocks, caching, salt, system):
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, salt=salt)
+                salt=st.sampled_from([b"", b"m"]), system=st.lists(ALPHABET, min_size=12, max_size=12),
+                layout=st.sampled_from(LAYOUTS))
+    def setup(self, block_size, num_blocks, caching, salt, system, layout):
+        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching, salt=salt, layout=layout)
         self.system = system  # a shared start most prompts take part of, so hits are common
         self.reqs: dict[str, dict] = {}  # rid -> tokens, computed, allocated
-        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, slot) -> prefix its K/V encode
+        self.kv: dict[tuple[int, int], tuple] = {}  # (block, slot) -> (group, prefix its K/V encode)
         self.queries = self.hits = 0
         self.next_id = 0
 
     def _write(self, rid: str, start: int, end: int) -> None:
-        r, bs, table = self.reqs[rid], self.bm.block_size, self.bm.block_table(rid)
-        for p in range(start, end):
-            self.kv[(table[p // bs], p % bs)] = tuple(r["tokens"][:p + 1])
+        r, bs = self.reqs[rid], self.bm.block_size
+        for g, table in enumerate(self.bm.block_tables(rid)):
+            for p in range(start, end):
+                self.kv[(table[p // bs], p % bs)] = (g, tuple(r["tokens"][:p + 1]))
         r["computed"] = end
 
     @rule(cut=st.integers(0, 12), suffix=st.lists(ALPHABET, max_size=4), frac=st.floats(0, 1))
@@ -372,15 +380,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         before = snapshot(self.bm)
         try:
             self.bm.rollback(rid, keep)
-        except ValueError:
-            bs, table = self.bm.block_size, self.bm.block_table(rid)
-            assert keep % bs and self.bm._ref[table[keep // bs]] > 1  # only a shared block refuses
+        except ValueError as e:
+            bs, tables = self.bm.block_size, self.bm.block_tables(rid)
+            if "window" in str(e):  # behind a windowed group's last commit
+                assert any(NULL in t[max(0, keep - w + 1) // bs:] for t, w in zip(tables, self.bm.windows) if w)
+            else:  # only a shared block refuses
+                assert keep % bs and any(self.bm._ref[t[keep // bs]] > 1 for t in tables)
             assert snapshot(self.bm) == before
             return
         r["tokens"] = r["tokens"][:keep]
         r["computed"] = min(r["computed"], keep)
         r["allocated"] = min(r["allocated"], keep)
-        assert len(self.bm.block_table(rid)) == min(len(before[4][rid]), math.ceil(keep / self.bm.block_size))
+        assert len(self.bm.block_table(rid)) == min(len(before[4][rid][0]), math.ceil(keep / self.bm.block_size))
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -395,9 +406,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         bm = self.bm
         refs = [0] * bm.num_blocks
-        for rid, table in bm._tables.items():
-            assert len(set(table)) == len(table)
-            for b in table:
+        for rid, tables in bm._tables.items():
+            held = [b for t in tables for b in t if b != NULL]
+            assert len(set(held)) == len(held)
+            for b in held:
                 refs[b] += 1
         assert refs == bm._ref
         assert list(bm._free) == [b for b in bm._free if refs[b] == 0]  # keys are unique by construction
@@ -409,18 +421,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert hashed == sorted(hashed)
         assert {bm._hash[b]: b for b in range(bm.num_blocks) if bm._hash[b] is not None} == bm._cached
         for h, b in bm._cached.items():  # every cache entry names exactly the K/V its block holds
-            prefix = self.kv[(b, bm.block_size - 1)]
-            assert h == chain_hash(bm, prefix)
+            group, prefix = self.kv[(b, bm.block_size - 1)]
+            assert h == bm._key(chain_hash(bm, prefix), group)
             for s in range(bm.block_size):
-                assert self.kv[(b, s)] == prefix[:len(prefix) - bm.block_size + s + 1]
+                assert self.kv[(b, s)] == (group, prefix[:len(prefix) - bm.block_size + s + 1])
         assert (bm.prefix_queries, bm.prefix_hits) == (self.queries, self.hits)
         assert set(bm._tables) == set(self.reqs)
+        bs = bm.block_size
         for rid, r in self.reqs.items():
-            table = bm.block_table(rid)
-            assert len(table) >= math.ceil(r["allocated"] / bm.block_size)
-            bs = bm.block_size
-            for p in range(r["computed"]):  # every computed position reads back its own prefix
-                assert self.kv.get((table[p // bs], p % bs)) == tuple(r["tokens"][:p + 1])
+            for g, (table, window) in enumerate(zip(bm.block_tables(rid), bm.windows)):
+                assert len(table) >= math.ceil(r["allocated"] / bs)
+                # every computed position the next query can see reads back its own prefix
+                lo = 0 if window is None else max(0, r["computed"] - window + 1)
+                for p in range(lo, r["computed"]):
+                    assert self.kv.get((table[p // bs], p % bs)) == (g, tuple(r["tokens"][:p + 1]))
+                if window is not None:  # and a windowed group holds no block wholly behind it
+                    assert all(b == NULL for b in table[:lo // bs])
+                leading = next((i for i, b in enumerate(table) if b != NULL), len(table))
+                assert NULL not in table[leading:] and bm._first[rid][g] == leading
 
     def teardown(self):
         if not hasattr(self, "bm"):

@@ -103,8 +103,8 @@ def engine_logits(llm, ids: list[int], chunk: int) -> torch.Tensor:
     blocks = llm.engine.blocks
     assert blocks.allocate("logits", ids, len(ids)) == 0  # nothing cached: every position computed here
     try:
-        table = blocks.block_table("logits")
-        return torch.cat([llm.engine.runner.forward([Seq(ids[s:s + chunk], s, table, len(ids[s:s + chunk]))])
+        tables = blocks.block_tables("logits")
+        return torch.cat([llm.engine.runner.forward([Seq(ids[s:s + chunk], s, tables, len(ids[s:s + chunk]))])
                           for s in range(0, len(ids), chunk)])
     finally:
         blocks.free("logits")
@@ -352,8 +352,8 @@ def logits(path, quantize, tp):
     ids = [(7 * i + 3) % 250 + 1 for i in range(40)]
     blocks = llm.engine.blocks
     blocks.allocate("x", ids, len(ids))
-    table = blocks.block_table("x")
-    out = torch.cat([llm.engine.runner.forward([Seq(ids[s:s + 16], s, table, len(ids[s:s + 16]))])
+    tables = blocks.block_tables("x")
+    out = torch.cat([llm.engine.runner.forward([Seq(ids[s:s + 16], s, tables, len(ids[s:s + 16]))])
                      for s in range(0, len(ids), 16)])
     llm.close()
     return out

@@ -40,6 +40,8 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N", help=TP_HELP)
     q.add_argument("--kv-cache-memory", type=float, default=0.2)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    q.add_argument("--no-hybrid-kv-cache", action="store_true",
+                   help="one block table for all layers: sliding-window layers keep K/V for the whole context")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--json", default=None, help="also write the results to this JSON file")
 

@@ -24,6 +24,7 @@ def load_minerva(args) -> tuple[LLM, SystemInfo]:
               activations=args.activations, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens,
+              hybrid_kv_cache=not getattr(args, "no_hybrid_kv_cache", False),
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None), **speculative)
     args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline
     args.activations = llm.activations

@@ -18,6 +18,8 @@ from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels import dispatch
 from minerva.kernels.attention import PagedKVCache
+from minerva.kernels.kv_layout import KVLayout, kv_layout, single
+from minerva.models.config import SLIDING
 from minerva.models.layers import CausalLM
 from minerva.models.loader import LoadedModel
 
@@ -33,6 +35,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # sliding-window layers give back the blocks behind their window (minerva/kernels/kv_layout.py)
+    hybrid_kv_cache: bool = True
     speculative: str | None = None  # ngram | self[:LAYERS] | draft:MODEL (see engine/speculative.py)
     num_speculative_tokens: int = 3  # guesses per step
     speculative_max_batch: int = 4  # more running requests than this: no guesses this step
@@ -75,7 +79,8 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
     (`comm`) rank 0 sizes it and every rank allocates as many blocks for its own KV heads,
     since one block table addresses them all."""
     mc = model.config
-    per_block = PagedKVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads,
+    layout = layout_of(model, config)
+    per_block = PagedKVCache.bytes_per_block(layout.num_pools, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, config.kv_cache_dtype_k,
                                              config.kv_cache_dtype_v, dtype)
     num_blocks = 0
@@ -83,7 +88,7 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
         budget = config.kv_cache_memory
         if budget <= 1:  # a fraction of memory, but no more than the running requests can fill
             budget = budget * available_memory(device)
-            per_seq = -(-mc.max_position // config.block_size)
+            per_seq = layout.blocks_for(mc.max_position, config.block_size, config.max_num_batched_tokens)
             num_blocks = min(int(budget // per_block), config.max_num_seqs * per_seq)
         else:
             num_blocks = int(budget // per_block)
@@ -94,7 +99,16 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
                            "raise --kv-cache-memory")
     return PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                         mc.head_dim, k_format=config.kv_cache_dtype_k,
-                        v_format=config.kv_cache_dtype_v, dtype=dtype, device=device)
+                        v_format=config.kv_cache_dtype_v, dtype=dtype, device=device, layout=layout)
+
+
+def layout_of(model: CausalLM, config: EngineConfig) -> KVLayout:
+    """Which layers share a block table: with `hybrid_kv_cache`, each sliding-window kind apart
+    from the global layers (see minerva/kernels/kv_layout.py); else one table for all."""
+    mc = model.config
+    if not config.hybrid_kv_cache:
+        return single(mc.num_layers)
+    return kv_layout([mc.sliding_window if t == SLIDING else None for t in mc.layer_types], mc.max_position)
 
 
 class Engine:
@@ -110,15 +124,18 @@ class Engine:
         num_blocks = self.cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
-                                   salt=model_id.encode())
-        self.max_model_len = min(mc.max_position, num_blocks * config.block_size)
+                                   salt=model_id.encode(), layout=self.cache.layout,
+                                   step_tokens=config.max_num_batched_tokens)
+        self.max_model_len = self.cache.layout.max_tokens(num_blocks, config.block_size,
+                                                          config.max_num_batched_tokens, mc.max_position)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.blocks)
         self.runner = ModelRunner(model, self.cache, device, comm)
         self.speculator = None
         if config.speculative:
             self.speculator = build_speculator(config.speculative, config.num_speculative_tokens,
-                                               config.speculative_max_batch, model, tokenizer, num_blocks,
+                                               config.speculative_max_batch, model, tokenizer,
+                                               num_blocks // self.cache.layout.num_groups,  # as many tokens
                                                config.block_size, dtype, device, draft, comm)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(tokenizer, mc.vocab_size)
@@ -143,10 +160,10 @@ class Engine:
             raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "
                                f"shorten it to at most {ctx - 1} tokens")
         need = n + min(request.params.max_tokens, ctx - n)
-        pool = self.blocks.num_blocks * self.blocks.block_size
-        if need > pool:
+        if self.blocks.blocks_for(need) > self.blocks.num_blocks:  # then max_model_len < ctx: the pool's
             raise MinervaError(f"the prompt ({n} tokens) plus max_tokens needs {need} tokens of KV cache, "
-                               f"but the pool holds {pool}; lower max_tokens or raise --kv-cache-memory")
+                               f"but the pool holds {self.max_model_len}; lower max_tokens or raise "
+                               "--kv-cache-memory")
 
     def add_request(self, request: Request) -> None:
         self.check(request)

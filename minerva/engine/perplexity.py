@@ -44,8 +44,8 @@ def window_nll(model: CausalLM, ids: list[int], num_scored: int, device: torch.d
         e = min(s + chunk, len(ids))
         pos = torch.arange(s, e, device=device)  # slot == position with this block table
         i64 = dict(dtype=torch.int64, device=device)
-        backend = PagedBackend(cache, pos, torch.tensor([0, e - s], **i64), torch.tensor([e], **i64),
-                               table[None], pos)
+        backend = PagedBackend(cache, pos[None], torch.tensor([0, e - s], **i64), torch.tensor([e], **i64),
+                               table[None, None], pos)
         hidden.append(model(tokens[s:e], AttentionContext(pos, backend)))
     h = torch.cat(hidden)
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -8,6 +8,7 @@ speculative verification (1 + k tokens) all take this same path.
 
 from __future__ import annotations
 
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,55 +24,64 @@ from minerva.models.layers import AttentionContext, CausalLM
 
 @dataclass
 class PagedBackend:
-    """Attention metadata of one step, handed to every layer through AttentionContext."""
+    """Attention metadata of one step, handed to every layer through AttentionContext. The
+    slots and tables are per group of the cache's layout (`minerva.kernels.kv_layout`):
+    a layer writes and reads through its own group's."""
 
     cache: PagedKVCache
-    slot_mapping: torch.Tensor  # [T] slot of each new token
+    slot_mapping: torch.Tensor  # [G, T] slot of each new token
     query_start_loc: torch.Tensor  # [B + 1] int64
     seq_lens: torch.Tensor  # [B] int64, keys per request after this step
-    block_tables: torch.Tensor  # [B, max blocks] int64, zero-padded
+    block_tables: torch.Tensor  # [G, B, max blocks] int64, zero-padded
     positions: torch.Tensor  # [T]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        self.cache.write(layer, k, v, self.slot_mapping)
+        g = self.cache.layout.layer_group[layer]
+        self.cache.write(layer, k, v, self.slot_mapping[g])
         return paged_attention(q, self.cache, layer, query_start_loc=self.query_start_loc,
-                               seq_lens=self.seq_lens, block_tables=self.block_tables,
+                               seq_lens=self.seq_lens, block_tables=self.block_tables[g],
                                positions=self.positions, window=window, scale=scale, sinks=sinks)
 
     def stack_args(self, num_layers: int, dtype: torch.dtype) -> tuple | None:
         """What the fused decoder layers 0 .. num_layers - 1 need to store and attend over this
-        step's K/V (each layer's pools and scales as lists, then the step's metadata), or None
-        when the backend's attention kernel does not cover this pool or dtype."""
+        step's K/V (each layer's pools, scales, slots and block tables as lists, then the
+        step's lengths and positions), or None when the backend's attention kernel does not
+        cover this pool or dtype."""
         if attention_kernel(dtype, self.cache) is None:
             return None
         c = self.cache
         ks, vs = c.scales["k"], c.scales["v"]
         none = [EMPTY] * num_layers
+        groups = c.layout.layer_group[:num_layers]
+        slots, tables = self.slot_mapping.unbind(0), self.block_tables.unbind(0)
         return (c.data["k"][:num_layers], c.data["v"][:num_layers], none if ks is None else ks[:num_layers],
-                none if vs is None else vs[:num_layers], self.slot_mapping, self.block_tables, self.seq_lens,
-                self.query_start_loc, self.positions)
+                none if vs is None else vs[:num_layers], [slots[g] for g in groups], [tables[g] for g in groups],
+                self.seq_lens, self.query_start_loc, self.positions)
 
     def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
-        """stack_args for one layer: its own pools and scales."""
+        """stack_args for one layer: its own pools, scales, slots and table."""
         args = self.stack_args(layer + 1, dtype)
-        return None if args is None else (*(per_layer[layer] for per_layer in args[:4]), *args[4:])
+        return None if args is None else (*(per_layer[layer] for per_layer in args[:6]), *args[6:])
 
 
 @dataclass
 class Seq:
-    """One sequence's part of a forward: tokens at positions start.., its block table, and
-    how many of its last rows need logits."""
+    """One sequence's part of a forward: tokens at positions start.., its block table per
+    group of the cache's layout (`BlockManager.block_tables`), and how many of its last
+    rows need logits."""
 
     token_ids: list[int]
     start: int
-    table: list[int]
+    tables: list[list[int]]
     logit_rows: int = 0
 
 
 STOP, FORWARD, DRAFT = 0, 1, 2  # the kinds of step a tensor-parallel leader broadcasts
 _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minerva-masks")  # see ModelRunner.execute
 HEADER = 5  # kind, T, B, table width, logit rows
+EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+ZERO = array("q", [0])
 
 
 class ModelRunner:
@@ -91,20 +101,30 @@ class ModelRunner:
     def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
         order (None if none)."""
-        ids, pos, slots, starts, seq_lens, logit_rows = [], [], [], [0], [], []
+        ids, pos, starts, seq_lens, logit_rows = [], [], [0], [], []
+        groups = self.cache.layout.num_groups
+        slots: list[list[int]] = [[] for _ in range(groups)]
         bs = self.block_size
         for s in seqs:
             lo, hi = s.start, s.start + len(s.token_ids)
             ids += s.token_ids
             pos += range(lo, hi)
-            slots += [s.table[p // bs] * bs + p % bs for p in range(lo, hi)]
+            for g, table in enumerate(s.tables):
+                slots[g] += [table[p // bs] * bs + p % bs for p in range(lo, hi)]
             starts.append(starts[-1] + len(s.token_ids))
             seq_lens.append(hi)
             logit_rows += range(starts[-1] - s.logit_rows, starts[-1])
-        width = max(len(s.table) for s in seqs)
-        tables = [b for s in seqs for b in s.table + [0] * (width - len(s.table))]
+        width = max(len(t) for s in seqs for t in s.tables)
+        tables = array("q")  # copied whole from the block manager's arrays: O(context) in C, not Python
+        for g in range(groups):
+            for s in seqs:
+                tables.extend(s.tables[g])
+                tables.extend(ZERO * (width - len(s.tables[g])))
         header = [self.kind, len(ids), len(seqs), width, len(logit_rows)]
-        step = torch.tensor(header + ids + pos + slots + starts + seq_lens + tables + logit_rows, dtype=torch.int64)
+        step = torch.cat([torch.tensor(header + ids + pos + [x for g in slots for x in g] + starts + seq_lens,
+                                       dtype=torch.int64),
+                          torch.frombuffer(tables, dtype=torch.int64) if tables else EMPTY_I64,
+                          torch.tensor(logit_rows, dtype=torch.int64)])
         if self.comm is not None:
             self.comm.broadcast(step)
         return self._run(step)
@@ -112,9 +132,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _run(self, step: torch.Tensor) -> torch.Tensor | None:
         _, T, B, width, L = step[:HEADER].tolist()
+        G = self.cache.layout.num_groups
         ids, pos, slots, starts, seq_lens, tables, logit_rows = step[HEADER:].to(self.device).split(
-            [T, T, T, B + 1, B, B * width, L])
-        backend = PagedBackend(self.cache, slots, starts, seq_lens, tables.view(B, width), pos)
+            [T, T, G * T, B + 1, B, G * B * width, L])
+        # a windowed group's entries behind its window (NULL) are never read: 0 stands in
+        backend = PagedBackend(self.cache, slots.view(G, T), starts, seq_lens,
+                               tables.view(G, B, width).clamp(min=0), pos)
         hidden = self.model(ids, AttentionContext(pos, backend))
         if not L:
             return None
@@ -147,11 +170,11 @@ class ModelRunner:
         and one more."""
         batch = output.scheduled
         seqs = []
-        for s, table in zip(batch, output.block_tables):
+        for s, tables in zip(batch, output.block_tables):
             r = s.request
             lo = r.num_computed_tokens
             rows = (1 + len(r.draft_token_ids)) if s.samples else 0
-            seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, table, rows))
+            seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows))
         # Structured output: the masks of this step's sampling rows depend only on the tokens
         # before it, so llguidance fills them on a worker thread while the forward runs.
         masked = [s.request.sampler.matcher for s, seq in zip(batch, seqs)

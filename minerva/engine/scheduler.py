@@ -59,7 +59,7 @@ class SchedulerOutput:
     """One step's work: who computes how many tokens, over which blocks."""
 
     scheduled: list[Scheduled]
-    block_tables: list[list[int]]  # per scheduled request, after allocation
+    block_tables: list[list[list[int]]]  # per scheduled request, after allocation: a table per group
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -197,7 +197,7 @@ class Scheduler:
             self.running.append(req)
             out.append(Scheduled(req, n))
             budget -= n
-        return SchedulerOutput(out, [self.blocks.block_table(s.request.request_id) for s in out])
+        return SchedulerOutput(out, [self.blocks.block_tables(s.request.request_id) for s in out])
 
     # ------------------------------------------------------------ after the forward
 

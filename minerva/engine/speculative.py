@@ -118,7 +118,7 @@ class ModelProposer:
             for r, _, _ in live:
                 held = self.computed[r.request_id]
                 seqs.append(Seq((r.all_token_ids + r.draft_token_ids)[len(held):], len(held),
-                                self.blocks.block_table(r.request_id), 1))
+                                self.blocks.block_tables(r.request_id), 1))
             logits = self.runner.forward(seqs)
             probs = probabilities(logits, [states_along(r.sampler, r.draft_token_ids)[-1] for r, _, _ in live])
             nxt = []

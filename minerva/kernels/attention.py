@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from minerva.kernels import dispatch, hugepages
+from minerva.kernels.kv_layout import KVLayout, single
 from minerva.kernels.kv_quant import (
     SCALE_DTYPE, dequantize_kv, kv_format, quantize_kv, resolve_format, storage_dtype)
 
@@ -32,14 +33,20 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 
 
 class PagedKVCache:
-    """One preallocated pool per layer: k/v [num_blocks, block_size, Hkv, D]
-    (+ scales [num_blocks, block_size, Hkv] float32 for quantized formats)."""
+    """Preallocated pools k/v [num_blocks, block_size, Hkv, D] (+ scales [num_blocks,
+    block_size, Hkv] float32 for quantized formats), listed per layer: `data[kind][layer]`.
+    With a `layout` (`minerva.kernels.kv_layout`) several layers share a pool tensor, each
+    with its own group's block table; without, every layer has its own."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, *, k_format: str, v_format: str, dtype: torch.dtype, device):
+                 head_dim: int, *, k_format: str, v_format: str, dtype: torch.dtype, device,
+                 layout: KVLayout | None = None):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.k_format, self.v_format, self.dtype = k_format, v_format, dtype
+        self.layout = layout or single(num_layers)
+        if len(self.layout.layer_pool) != num_layers:
+            raise ValueError(f"a KV layout for {len(self.layout.layer_pool)} layers, not {num_layers}")
         # "auto" means the compute dtype: store the resolved dtype's format name.
         self._formats = {"k": resolve_format(k_format, dtype), "v": resolve_format(v_format, dtype)}
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -47,15 +54,18 @@ class PagedKVCache:
         self.scales: dict[str, list[torch.Tensor] | None] = {}
         # Uninitialized: a slot is always written before it is read, and untouched pages of a
         # large CPU pool cost no resident memory until blocks are first used.
+        pools = range(self.layout.num_pools)
         for kind, fmt in self._formats.items():
-            self.data[kind] = [_empty(shape, storage_dtype(fmt, dtype), device) for _ in range(num_layers)]
-            self.scales[kind] = ([_empty(shape[:3], SCALE_DTYPE, device) for _ in range(num_layers)]
-                                 if kv_format(fmt).scaled else None)
+            data = [_empty(shape, storage_dtype(fmt, dtype), device) for _ in pools]
+            self.data[kind] = [data[p] for p in self.layout.layer_pool]
+            scales = [_empty(shape[:3], SCALE_DTYPE, device) for _ in pools] if kv_format(fmt).scaled else None
+            self.scales[kind] = None if scales is None else [scales[p] for p in self.layout.layer_pool]
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+    def bytes_per_block(num_pools: int, block_size: int, num_kv_heads: int, head_dim: int,
                         k_format: str, v_format: str, dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, K and V and scales: size the pool from a budget."""
+        """Bytes one block takes over `num_pools` pools (a layout's, or one per layer), K and
+        V and scales: size the pool from a budget."""
         tokens = block_size * num_kv_heads
         total = 0
         for fmt in (resolve_format(k_format, dtype), resolve_format(v_format, dtype)):
@@ -63,12 +73,12 @@ class PagedKVCache:
             total += tokens * head_dim * element
             if kv_format(fmt).scaled:
                 total += tokens * torch.empty((), dtype=SCALE_DTYPE).element_size()
-        return num_layers * total
+        return num_pools * total
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for kind in ("k", "v") for t in self.data[kind] + (self.scales[kind] or [])]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = {id(t): t for kind in ("k", "v") for t in self.data[kind] + (self.scales[kind] or [])}
+        return sum(t.numel() * t.element_size() for t in tensors.values())  # shared pools once
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] of T new tokens at their slots (int64 [T])."""

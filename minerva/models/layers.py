@@ -33,7 +33,8 @@ class AttentionBackend(Protocol):
 
     def stack_args(self, num_layers: int, dtype: torch.dtype) -> tuple | None:
         """kernel_args for layers 0 .. num_layers - 1 at once, as the kernel's `forward_layers`
-        takes them (each layer's pools and scales as lists, then the step's metadata), or None."""
+        takes them (each layer's pools, scales, slots and block tables as lists, then the
+        step's lengths and positions), or None."""
 
 
 @dataclass

@@ -46,8 +46,12 @@ def describe(llm, config: ServerConfig, url: str) -> str:
     blocks, size = e.blocks.num_blocks, e.blocks.block_size
     cache = e.cache
     names = " and ".join(repr(n) for n in config.names)
+    layout = cache.layout
+    tables = "" if layout.num_groups == 1 else (
+        f", {layout.num_groups} block tables of {layout.num_pools} layers, "
+        f"{sum(w is not None for w in layout.group_windows)} of them sliding-window")
     return (f"serving {llm.path.name} as {names} on {llm.device} ({str(llm.dtype)[6:]}); "
-            f"KV cache {blocks} blocks x {size} tokens = {blocks * size} tokens "
+            f"KV cache {blocks} blocks x {size} tokens{tables} "
             f"({cache.nbytes / 1e6:.0f} MB, k={cache.k_format} v={cache.v_format}), "
             f"max model length {e.max_model_len}; at most {config.max_waiting} requests waiting; "
             f"OpenAI API at {url}/v1")

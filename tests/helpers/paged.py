@@ -28,6 +28,6 @@ def paged_logits(model: CausalLM, ids: list[int], *, chunk: int = 512, block_siz
                          k_format=k_format, v_format=v_format, dtype=dtype, device=device)
     table = list(range(2 * blocks - 1, 0, -2))  # blocks 2n-1, 2n-3, ..., 1; the even ones unused
     runner = ModelRunner(model, cache, device)
-    out = [runner.forward([Seq(ids[s:s + chunk], s, table, logit_rows=len(ids[s:s + chunk]))])
+    out = [runner.forward([Seq(ids[s:s + chunk], s, [table], logit_rows=len(ids[s:s + chunk]))])
            for s in range(0, len(ids), chunk)]
     return torch.cat(out)

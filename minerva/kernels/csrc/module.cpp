@@ -100,21 +100,22 @@ struct DecoderLayer {
   }
 };
 
-// A model's decoder layers, each over its own pools and rotary tables with the step's metadata
-// shared: CausalLM.forward's loop over its native layers in one call, without the Python and
-// the argument conversions of a call per layer.
+// A model's decoder layers, each over its own pools, rotary tables, slots and block table (a
+// sliding-window layer's group has its own; see minerva/kernels/kv_layout.py) with the step's
+// lengths and positions shared: CausalLM.forward's loop over its native layers in one call,
+// without the Python and the argument conversions of a call per layer.
 torch::Tensor forward_layers(const std::vector<const DecoderLayer*>& layers, torch::Tensor h,
                              const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
                              const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
                              const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
-                             const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& seq_lens,
-                             const torch::Tensor& qsl, const torch::Tensor& positions) {
+                             const std::vector<torch::Tensor>& slots, const std::vector<torch::Tensor>& tables,
+                             const torch::Tensor& seq_lens, const torch::Tensor& qsl, const torch::Tensor& positions) {
   const size_t n = layers.size();
   TORCH_CHECK(cos.size() == n && sin.size() == n && k_pools.size() == n && v_pools.size() == n &&
-                  k_scales.size() == n && v_scales.size() == n,
-              "forward_layers: one rotary table pair, pool pair and scale pair per layer");
+                  k_scales.size() == n && v_scales.size() == n && slots.size() == n && tables.size() == n,
+              "forward_layers: one rotary table pair, pool pair, scale pair, slot mapping and block table per layer");
   for (size_t i = 0; i < n; ++i)
-    h = layers[i]->forward(h, cos[i], sin[i], k_pools[i], v_pools[i], k_scales[i], v_scales[i], slots, tables,
+    h = layers[i]->forward(h, cos[i], sin[i], k_pools[i], v_pools[i], k_scales[i], v_scales[i], slots[i], tables[i],
                            seq_lens, qsl, positions);
   return h;
 }
@@ -397,7 +398,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attention", &DecoderLayer::attention)
       .def("feed_forward", &DecoderLayer::feed_forward)
       .def("residual", &DecoderLayer::residual);
-  m.def("forward_layers", &forward_layers, "decoder layers in turn, each over its own pools and rotary tables");
+  m.def("forward_layers", &forward_layers, "decoder layers in turn, each over its own pools, rotary tables, slots and block table");
   py::class_<minerva::Exchange>(m, "Exchange")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>>(), py::arg("segment"),
            py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"))

@@ -188,3 +188,35 @@ def test_prompt_too_long_for_one_table_runs(gemma_dir):
     roomy = make_llm(gemma_dir, hybrid_kv_cache=False)
     assert out == roomy.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     roomy.close()
+
+
+def test_int8_pools_same_tokens_as_one_table(gemma_dir):
+    ps = long_prompts(3, seed=7)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = []
+    for hybrid in (True, False):
+        llm = make_llm(gemma_dir, hybrid_kv_cache=hybrid, kv_cache_dtype_k="int8", kv_cache_dtype_v="int8",
+                       max_num_batched_tokens=32)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)])
+        llm.close()
+    assert outs[0] == outs[1]
+
+
+def test_gemma3_file_past_its_window(gemma3_gguf):
+    """The real Gemma 3 270M: its GGUF's 512-token window on 15 of 18 layers, a 700-token
+    prompt computed in chunks of 256, then a prefix hit past the window."""
+    rng = random.Random(1)
+    prompt = [rng.randrange(1000, 20000) for _ in range(700)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = []
+    for hybrid in (True, False):
+        llm = LLM(str(gemma3_gguf), device="cpu", kv_cache_memory=64 << 20, max_num_batched_tokens=256,
+                  hybrid_kv_cache=hybrid)
+        layout = llm.engine.cache.layout
+        assert layout.group_windows == ((512,) * 5 + (None,) if hybrid else (None,))
+        first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        again = llm.generate([prompt + [1234, 5678]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert llm.engine.blocks.prefix_hits >= 688
+        outs.append((first, again))
+        llm.close()
+    assert outs[0] == outs[1]

@@ -20,21 +20,23 @@ FLOAT_QTYPES = {torch.float32: gguf.GGMLQuantizationType.F32, torch.float16: ggu
 
 
 ROW_MULTIPLE = 4
+MIN_ROWS = 16
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ w^T with a result per row that does not depend on T.
 
-    CPU GEMM kernels pick their blocking by the row count, and for small row counts
-    that are not a multiple of 4 a row's result changes in the last bits (measured on
-    AVX-512 with this torch build). Padding T up to a multiple of 4 makes every row
-    come out the same however many other rows share the batch — the basis of the
-    engine's batch invariance — for at most 3 extra rows of work.
+    CPU GEMM kernels pick their blocking by the row count, and a row's result changes in
+    the last bits with it: on AVX-512 (Zen 5, this torch build's MKL) for small row counts
+    that are not a multiple of 4, and on an AVX-512 Xeon for every count under 16 against
+    16 and more. Padding T up to 16, and above that to a multiple of 4, makes every row come
+    out the same however many other rows share the batch (the basis of the engine's batch
+    invariance) for a few rows of extra work.
     """
     rows = x.shape[0]
-    if x.dim() != 2 or rows % ROW_MULTIPLE == 0:
+    if x.dim() != 2 or (rows >= MIN_ROWS and rows % ROW_MULTIPLE == 0):
         return F.linear(x, w)
-    pad = ROW_MULTIPLE - rows % ROW_MULTIPLE
+    pad = MIN_ROWS - rows if rows < MIN_ROWS else ROW_MULTIPLE - rows % ROW_MULTIPLE
     return F.linear(torch.cat([x, x.new_zeros(pad, x.shape[1])]), w)[:rows]
 
 

@@ -40,10 +40,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="decode tokens timed per run")
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--kv-cache-memory", type=float, default=0.2, help="for each engine")
+    p.add_argument("--load-first", choices=["hybrid", "one-table"], default="hybrid",
+                   help="which engine to load first (the table keeps its columns)")
     args = p.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
-    engines = {mode: LLM(args.model, kv_cache_memory=args.kv_cache_memory, hybrid_kv_cache=(mode == "hybrid"))
-               for mode in ("hybrid", "one table")}
+    modes = ["hybrid", "one table"] if args.load_first == "hybrid" else ["one table", "hybrid"]
+    loaded = {mode: LLM(args.model, kv_cache_memory=args.kv_cache_memory, hybrid_kv_cache=(mode == "hybrid"))
+              for mode in modes}
+    engines = {mode: loaded[mode] for mode in ("hybrid", "one table")}
     for mode, llm in engines.items():
         e = llm.engine
         print(f"{mode}: {e.cache.layout.num_groups} block tables, {e.blocks.num_blocks} blocks of "

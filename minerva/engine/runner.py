@@ -9,6 +9,7 @@ speculative verification (1 + k tokens) all take this same path.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ class Seq:
 
     token_ids: list[int]
     start: int
-    tables: list[list[int]]
+    tables: list[Sequence[int]]  # int64 arrays from the block manager, or lists
     logit_rows: int = 0
 
 

@@ -146,7 +146,7 @@ class LLM:
                 cache = kv_cache(model, engine_config, self.device, self.dtype, comm)
                 layers = self_layers(engine_config.speculative, model.config)
                 draft = None if layers is None else early_exit_runner(
-                    model, layers, cache.num_blocks // cache.layout.num_groups, engine_config.block_size, self.dtype, self.device, comm)[0]
+                    model, layers, cache.token_blocks, engine_config.block_size, self.dtype, self.device, comm)[0]
                 ModelRunner(model, cache, self.device, comm).follow(draft)
                 group.close()
                 raise SystemExit(0)

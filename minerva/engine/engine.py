@@ -135,7 +135,7 @@ class Engine:
         if config.speculative:
             self.speculator = build_speculator(config.speculative, config.num_speculative_tokens,
                                                config.speculative_max_batch, model, tokenizer,
-                                               num_blocks // self.cache.layout.num_groups,  # as many tokens
+                                               self.cache.token_blocks,
                                                config.block_size, dtype, device, draft, comm)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(tokenizer, mc.vocab_size)

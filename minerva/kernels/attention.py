@@ -76,6 +76,12 @@ class PagedKVCache:
         return num_pools * total
 
     @property
+    def token_blocks(self) -> int:
+        """How many blocks of block_size tokens the pool holds for every layer at once: what a
+        pool of the same bytes with one table for all layers would have (a draft's pool size)."""
+        return self.num_blocks // self.layout.num_groups
+
+    @property
     def nbytes(self) -> int:
         tensors = {id(t): t for kind in ("k", "v") for t in self.data[kind] + (self.scales[kind] or [])}
         return sum(t.numel() * t.element_size() for t in tensors.values())  # shared pools once

@@ -1140,8 +1140,9 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
           }
         }
       } else {  // a sub-block's exact i32 sums, times its scales: two chains per row of x up to
-        // 4 rows of one group, one for more (enough chains; two would not fit the registers)
-        constexpr int CH = mr >= 6 || TWO ? 1 : 2;
+        // 4 rows of one group or one row of two, one for more (enough chains; two would not
+        // fit the registers)
+        constexpr int CH = mr >= 6 || (TWO && mr > 1) ? 1 : 2;
         I t[CH][mr];
         for (int i = 0; i < mr; ++i)
           for (int k = 0; k < CH; ++k) t[k][i] = V::zero();
@@ -1153,7 +1154,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
         }
         const I sc = h.sc32(s);
         for (int i = 0; i < mr; ++i) {
-          isum[i] = V::add(isum[i], V::mullo(CH == 2 ? V::add(t[0][i], t[CH - 1][i]) : t[0][i], sc));
+          isum[i] = V::add(isum[i], V::mullo(CH == 2 ? V::add(t[0][i], t[1][i]) : t[0][i], sc));
           keep_in_register(isum[i]);
         }
       }
@@ -1269,14 +1270,25 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
 // PANEL rows (4 groups) at a time against tiles of x8_mr rows of x, as `matmul`.
-// Groups of 8 weight rows per work item:
+// Groups of 8 weight rows per work item; with one row of x one group, or two where V16 takes
+// Q4_K and Q5_K two groups at a time. (One row of x, all the Q4_K / Q5_K matrices of the 1.1B
+// and 7B Q4_K_M / Q5_K_M shapes from memory, 2 threads, interleaved sweeps on the Intel AVX-512
+// machine: 1.07-1.12x faster with V16 than with V8, the same results; one dot product chain
+// per row or two, no difference; a software prefetch 2 super-blocks ahead, within the noise.)
+#if defined(MINERVA_V16)
 template <int QT>
-constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : 1; }
+constexpr int64_t x8_one = QT == Q4_K || QT == Q5_K ? 2 : 1;
+#else
+template <int QT>
+constexpr int64_t x8_one = 1;
+#endif
+template <int QT>
+constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : x8_one<QT>; }
 
 // rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K (and Q3_K,
 // whose panel kernel is Q6_K's; not timed apart) and 6 for Q5_K (one dot product chain per row
-// of x); with VNNI too, V16 tiles of V16_MR take
-// over for more than one row of x. AVX-512 machine, 5632 x 2048, 512 rows of x, 2
+// of x); with VNNI too, V16 tiles of V16_MR rows take over for Q4_K and Q5_K (and for their
+// panels, more than one row of x). AVX-512 machine, 5632 x 2048, 512 rows of x, 2
 // threads, alternating runs: Q4_K 248-258 GMAC/s with 8 against 232-235 with 4 (242-245 with
 // 6); Q5_K 194-205 with 6 against 173-174 with 4 and 178-182 with 8; Q6_K 200-207 with 8
 // against 179-183 with 4 (the GGML layout's `tile`: 136-143).
@@ -1434,17 +1446,16 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     }
   }
 #if defined(MINERVA_V16)
-  if constexpr (QT == Q4_K || QT == Q5_K)
-    if (M > 1) {
-      x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
-        constexpr int r = decltype(rows)::value;
-        int64_t grp = g0;
-        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-        for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy);
-        if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy);
-      });
-      return;
-    }
+  if constexpr (QT == Q4_K || QT == Q5_K) {
+    x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
+      constexpr int r = decltype(rows)::value;
+      int64_t grp = g0;
+      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+      for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy);
+      if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy);
+    });
+    return;
+  }
 #endif
   x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {

@@ -417,6 +417,18 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
+// With one row of x the K-quant kernels also ask for the weights about this many bytes ahead
+// of the ones they read, into L2, up to the end of the thread's chunk of the matrix. On the
+// Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left one row of x
+// well under a plain read's bandwidth. One call per matrix, all matrices of a file from
+// memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
+// matrices 1.09-1.19x, three runs), Q5_K_M 1.14x, 7B Q4_K_M 1.06x (Q4_K 1.06-1.26x, its Q6_K
+// down projection 1.12x), 1.1B Q6_K 0.98x and 1.08x in two runs. 16 KB ahead was too short
+// for the 5632-column rows (1.03x), 32 and 64 KB alike. Without the bound at the chunk's end
+// the small matrices (256 rows) lost 10%. (On the Zen 4 machine Q4_K prefetches 4 to 32
+// blocks ahead, to L1 or L2, had been no better than none.)
+constexpr int64_t L2_AHEAD = 32768;
+
 // An accumulator kept as one register add after another. Integer adds associate, and with
 // the sub-block loop unrolled GCC otherwise computes all of a tile's products first, spills
 // them to the stack and adds them up afterwards.
@@ -540,7 +552,7 @@ constexpr int64_t ROW1_NB = 2;
 constexpr int64_t ROW1_L1_AHEAD = 12288;
 
 template <int QT, int nb>
-void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
+void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y, const uint8_t* end) {
   using B = W8<QT>;
   constexpr bool ONE_SUM = QT == Q3_K || QT == Q6_K;
   __m256 acc[nb];
@@ -550,7 +562,12 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y) {
     one[j] = 0.0f;
   }
   const int64_t ahead = nb * rb, step = (nb * rb + a.G - 1) / a.G;
+  // the tile L2_AHEAD or more bytes ahead (at least 2 tiles), while still in the chunk
+  const int64_t far = std::max<int64_t>(2, (L2_AHEAD + ahead - 1) / ahead) * ahead;
+  const bool to_l2 = row + far + ahead <= end;
   for (int64_t g = 0; g < a.G; ++g) {
+    if (to_l2)
+      for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch_l2(row + far + o);
     if (ahead > ROW1_L1_AHEAD)
       for (int64_t o = g * step; o < (g + 1) * step; o += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + ahead + o), _MM_HINT_T1);
@@ -906,6 +923,7 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   } else if (M == 1) {  // Q8_0: four independent weight rows keep the pipes busy
     constexpr int64_t nb = QT == Q8_0 ? 4 : ROW1_NB;
     minerva::parallel_for(0, (N + nb - 1) / nb, 16 / nb, [&](int64_t b0, int64_t b1) {
+      const uint8_t* end = W + std::min(N, nb * b1) * rb;  // this chunk's weights
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = nb * blk;
         if constexpr (QT == Q8_0) {
@@ -913,9 +931,9 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
           else
             for (int64_t j = n; j < N; ++j) tile<QT, 1, 1>(a, 0, W + j * rb, rb, y + j, N);
         } else {
-          if (n + nb <= N) row1<QT, nb>(a, W + n * rb, rb, y + n);
+          if (n + nb <= N) row1<QT, nb>(a, W + n * rb, rb, y + n, end);
           else
-            for (int64_t j = n; j < N; ++j) row1<QT, 1>(a, W + j * rb, rb, y + j);
+            for (int64_t j = n; j < N; ++j) row1<QT, 1>(a, W + j * rb, rb, y + j, end);
         }
       }
     });
@@ -1075,7 +1093,8 @@ struct XK {
 // Q5_K (4 chunks); with VNNI they add up in i32 (dot4), and a sub-block's sum is multiplied by
 // its scale in i32.
 template <class V, int QT, int mr>
-void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy) {
+void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
+             const uint8_t* end) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
@@ -1083,13 +1102,20 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   constexpr int QS_AT = FIFTH ? 384 : 128, RUN = FIFTH ? 4 : 8;  // chunks summed in i16
   F acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
+  constexpr int64_t FAR = L2_AHEAD / BYTES * BYTES;  // a super-block's place in a group further on
+  // the super-blocks whose weights FAR bytes on are still in the chunk
+  const int64_t far_g = mr > 1 ? 0 : std::clamp<int64_t>((end - grp - (TWO ? group_bytes : 0) - FAR) / BYTES, 0, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     const int64_t gb = opaque(group_bytes);
-    // One row of x streams the group alone: the hardware prefetcher keeps up, and software
-    // prefetches made it slower (AVX-512 machine, 131072 x 2048 Q4_K, 2 threads, paired runs:
-    // regrouped / GGML layout 1.03-1.11 without, 1.25-1.33 with 2 blocks ahead; 4 to 32
-    // blocks ahead, to L1 or L2, no better than none).
+    if (g < far_g)
+      for (int64_t o = 0; o < BYTES; o += 64) {
+        prefetch_l2(b + FAR + o);
+        if constexpr (TWO) prefetch_l2(b + gb + FAR + o);
+      }
+    // One row of x: no prefetch to L1 (AVX-512 machine, 131072 x 2048 Q4_K, 2 threads, paired
+    // runs: regrouped / GGML layout 1.03-1.11 without, 1.25-1.33 with 2 blocks ahead), only
+    // the one to L2 above.
     if constexpr (mr > 1)
       for (int64_t o = 0; o < BYTES; o += 64) {
         prefetch(b + 2 * BYTES + o);
@@ -1436,7 +1462,8 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
 // one work item: groups g0 .. g1 against all M rows of x; output column 8 g0 + c of row m at
 // y[m * ldy + c]
 template <int QT>
-void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t ldy, int64_t g0, int64_t g1) {
+void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t ldy, int64_t g0, int64_t g1,
+               const uint8_t* end) {
   const int64_t gb = 8 * row_bytes<QT>(a.K);
   if constexpr (QT == Q8_0) {
     if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
@@ -1451,8 +1478,8 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       constexpr int r = decltype(rows)::value;
       int64_t grp = g0;
       auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-      for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy);
-      if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy);
+      for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+      if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
     });
     return;
   }
@@ -1461,7 +1488,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
       if constexpr (QT == Q4_K || QT == Q5_K)
-        tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
+        tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
     }
   });
@@ -1471,10 +1498,11 @@ template <int QT>
 void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb = nullptr) {
   const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M);
   minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
+    const uint8_t* end = W + std::min(groups, per * b1) * 8 * row_bytes<QT>(a.K);  // this chunk's weights
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t g0 = per * blk, g1 = std::min(groups, per * (blk + 1));
       columns_out(M, N, 8 * g0, std::min(N, 8 * g1), y, yb,
-                  [&](float* out, int64_t ldy) { x8_groups<QT>(a, M, W, N, out, ldy, g0, g1); });
+                  [&](float* out, int64_t ldy) { x8_groups<QT>(a, M, W, N, out, ldy, g0, g1, end); });
     }
   });
 }
@@ -1680,7 +1708,10 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
           const Q8 part{all.q + r0 * all.K, all.p + r0 * all.lp, all.d + r0 * all.G, all.s + r0 * all.G,
                         all.n + r0 * all.G, all.K, all.G, all.lp};
           float* out = yp + r0 * rows;
-          x8_groups<QT>(part, M, wp[e], rows, out + 8 * g0, rows, g0, g1);
+          int64_t last = i;  // this call's run of the expert's blocks
+          while (last + 1 < i1 && items[last + 1].first == e) ++last;
+          const uint8_t* end = wp[e] + std::min(groups, per * (items[last].second + 1)) * 8 * row_bytes<QT>(cols);
+          x8_groups<QT>(part, M, wp[e], rows, out + 8 * g0, rows, g0, g1, end);
           if (bp[e] != nullptr)  // as Linear's y.add_(bias): one float add per output
             for (int64_t r = 0; r < M; ++r)
               for (int64_t c = 8 * g0; c < std::min(rows, 8 * g1); ++c) out[r * rows + c] += bp[e][c];

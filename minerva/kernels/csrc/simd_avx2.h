@@ -87,5 +87,6 @@ inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v)
 // Asks for p's cache line in L1. GCC deletes a loop whose body is only _mm_prefetch (it
 // counts as no effect), so this is a volatile asm statement, which it keeps.
 inline void prefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
 
 }  // namespace minerva

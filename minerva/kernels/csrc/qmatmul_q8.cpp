@@ -1721,6 +1721,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
         if (bias[e].defined() && bias[e].numel() > 0) bp[e] = bias[e].data_ptr<float>();
       }
       minerva::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+        int64_t last = -1;  // the last item of the current expert's run in this chunk
         for (int64_t i = i0; i < i1; ++i) {
           const auto [e, blk] = items[i];
           const int64_t r0 = starts[e], M = starts[e + 1] - r0, per = x8_per<QT>(M);
@@ -1728,8 +1729,8 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
           const Q8 part{all.q + r0 * all.K, all.p + r0 * all.lp, all.d + r0 * all.G, all.s + r0 * all.G,
                         all.n + r0 * all.G, all.K, all.G, all.lp};
           float* out = yp + r0 * rows;
-          int64_t last = i;  // this call's run of the expert's blocks
-          while (last + 1 < i1 && items[last + 1].first == e) ++last;
+          if (i > last)
+            for (last = i; last + 1 < i1 && items[last + 1].first == e;) ++last;
           const uint8_t* end = wp[e] + std::min(groups, per * (items[last].second + 1)) * 8 * row_bytes<QT>(cols);
           x8_groups<QT>(part, M, wp[e], rows, out + 8 * g0, rows, g0, g1, end);
           if (bp[e] != nullptr)  // as Linear's y.add_(bias): one float add per output

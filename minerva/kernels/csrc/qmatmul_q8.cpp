@@ -1139,7 +1139,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
         for (int o = 0; o < 256; o += 64) _mm512_store_si512(xt[i] + o, _mm512_loadu_si512(a.q + (m0 + i) * a.K + 256 * g + o));
     const XK<V> h(b, gb);
     const F d = V::halves(b, gb), ndmin = V::sub(V::zerof(), V::halves(b + 16, gb));
-    F part[mr];  // VNNI: this super-block's sum, in units of d_x
+    F part[FLOAT_STEPS ? mr : 1];  // this super-block's sum, in units of d_x
     // the offsets: sum over s of mn_s * x's sums of 32, two sub-blocks a dot2 (with x's sums of
     // 16, one a dot2, 5632 x 2048 Q4_K against 512 rows of x ran at 306 GMAC/s, now 317-321)
     for (int i = 0; i < mr; ++i) {
@@ -1154,8 +1154,9 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
       if constexpr (FLOAT_STEPS) part[i] = V::mul(V::cvt(ms), ndmin);
       else acc[i] = V::fmadd(V::cvt(ms), V::mul(ndmin, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
     }
-    I isum[mr];  // without VNNI
-    for (int i = 0; i < mr; ++i) isum[i] = V::zero();
+    I isum[FLOAT_STEPS ? 1 : mr];  // the exact sums (maddubs path)
+    if constexpr (!FLOAT_STEPS)
+      for (int i = 0; i < mr; ++i) isum[i] = V::zero();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       auto chunk = [&](int c) {  // sub-block s's chunk c of the rows: their unsigned values

@@ -3,6 +3,9 @@
 
 #include <torch/extension.h>
 
+#include <optional>
+#include <vector>
+
 // qmatmul.cpp
 torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
 torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols);
@@ -16,6 +19,9 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
                                  int64_t qtype, int64_t rows, int64_t cols);
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block);
 double int8_peak_probe(int64_t chunks, int64_t steps);
+// one row of x's per-CPU choices [regrouped Q4_K/Q5_K groups per work item, L2 prefetch bytes];
+// returns them as they were, then sets them when given (tests run both ways)
+std::vector<int64_t> one_row_tuning(std::optional<std::vector<int64_t>> set);
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,

@@ -417,17 +417,39 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
-// With one row of x the K-quant kernels also ask for the weights about this many bytes ahead
-// of the ones they read, into L2, up to the end of the thread's chunk of the matrix. On the
-// Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left one row of x
-// well under a plain read's bandwidth. One call per matrix, all matrices of a file from
-// memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
+// Choices for one row of x (decode) that differ between CPUs, made once per process from the
+// CPU's vendor; each keeps the results bit for bit (tests/test_native_kernels.py runs both).
+//
+// l2_ahead: the K-quant one-row kernels also ask for the weights this many bytes ahead of the
+// ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
+// prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
+// one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
+// file from memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
 // matrices 1.09-1.19x, three runs), Q5_K_M 1.14x, 7B Q4_K_M 1.06x (Q4_K 1.06-1.26x, its Q6_K
-// down projection 1.12x), 1.1B Q6_K 0.98x and 1.08x in two runs. 16 KB ahead was too short
-// for the 5632-column rows (1.03x), 32 and 64 KB alike. Without the bound at the chunk's end
-// the small matrices (256 rows) lost 10%. (On the Zen 4 machine Q4_K prefetches 4 to 32
-// blocks ahead, to L1 or L2, had been no better than none.)
-constexpr int64_t L2_AHEAD = 32768;
+// down projection 1.12x), 1.1B Q6_K 0.98x and 1.08x in two runs. 16 KB ahead was too short for
+// the 5632-column rows (1.03x), 32 and 64 KB alike. Without the bound at the chunk's end the
+// small matrices (256 rows) lost 10%. On the Zen 4 machine it made things slower: a plain
+// 512 MB read with prefetcht1 8-64 KB ahead ran at 21-23 GB/s on one thread against 30 without,
+// 31.5-32 against 34 on two; Q4_K matrices likewise (below).
+//
+// one_row_groups: regrouped Q4_K/Q5_K groups of 8 rows per work item with one row of x. Two
+// (V16: both in one 512-bit register, one broadcast of x for 16 rows) on Intel, 1.07-1.12x
+// faster than one there (all the Q4_K / Q5_K matrices of the 1.1B and 7B Q4_K_M / Q5_K_M shapes
+// from memory, 2 threads, interleaved sweeps; one dot product chain per row or two, no
+// difference; a software prefetch 2 super-blocks ahead, within the noise). On Zen 4, which runs
+// a 512-bit operation as two 256-bit halves, one group (V8) at a time streams faster: 131072 x
+// 2048 from memory, 2 threads, alternating in one process, medians of 12: Q4_K 32-35 GB/s with
+// one group and no L2 prefetch against 19-25 with two groups and the prefetch (Q5_K 30 against
+// 23); every matrix of the 1.1B Q4_K_M shape in turn, 1.13-1.38x in two runs. Zen 5 decoded
+// at its README figures with neither, so CPUs other than Intel's get one group, no prefetch.
+struct OneRow {
+  int64_t groups;    // regrouped Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
+  int64_t l2_ahead;  // bytes; 0 = none
+};
+inline OneRow one_row = [] {
+  const bool intel = __builtin_cpu_is("intel");
+  return OneRow{intel ? 2 : 1, intel ? 32768 : 0};
+}();
 
 // An accumulator kept as one register add after another. Integer adds associate, and with
 // the sub-block loop unrolled GCC otherwise computes all of a tile's products first, spills
@@ -562,9 +584,9 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y, const uint8_t* 
     one[j] = 0.0f;
   }
   const int64_t ahead = nb * rb, step = (nb * rb + a.G - 1) / a.G;
-  // the tile L2_AHEAD or more bytes ahead (at least 2 tiles), while still in the chunk
-  const int64_t far = std::max<int64_t>(2, (L2_AHEAD + ahead - 1) / ahead) * ahead;
-  const bool to_l2 = row + far + ahead <= end;
+  // the tile l2_ahead or more bytes ahead (at least 2 tiles), while still in the chunk
+  const int64_t far = std::max<int64_t>(2, (one_row.l2_ahead + ahead - 1) / ahead) * ahead;
+  const bool to_l2 = one_row.l2_ahead > 0 && row + far + ahead <= end;
   for (int64_t g = 0; g < a.G; ++g) {
     if (to_l2)
       for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch_l2(row + far + o);
@@ -1115,9 +1137,9 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   // 1.05x on the 1.1B Q4_K_M shape's Q4_K matrices against 512 rows, AVX-512 machine)
   constexpr bool XCOPY = TWO && mr > 1;
   alignas(64) int8_t xt[XCOPY ? mr : 1][256];
-  constexpr int64_t FAR = L2_AHEAD / BYTES * BYTES;  // a super-block's place in a group further on
-  // the super-blocks whose weights FAR bytes on are still in the chunk
-  const int64_t far_g = mr > 1 ? 0 : std::clamp<int64_t>((end - grp - (TWO ? group_bytes : 0) - FAR) / BYTES, 0, a.G);
+  const int64_t FAR = one_row.l2_ahead / BYTES * BYTES;  // a super-block's place in a group further on
+  // the super-blocks whose weights FAR bytes on are still in the chunk (none without the prefetch)
+  const int64_t far_g = mr > 1 || FAR == 0 ? 0 : std::clamp<int64_t>((end - grp - (TWO ? group_bytes : 0) - FAR) / BYTES, 0, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     const int64_t gb = opaque(group_bytes);
@@ -1319,19 +1341,16 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
 // PANEL rows (4 groups) at a time against tiles of x8_mr rows of x, as `matmul`.
 // Groups of 8 weight rows per work item; with one row of x one group, or two where V16 takes
-// Q4_K and Q5_K two groups at a time. (One row of x, all the Q4_K / Q5_K matrices of the 1.1B
-// and 7B Q4_K_M / Q5_K_M shapes from memory, 2 threads, interleaved sweeps on the Intel AVX-512
-// machine: 1.07-1.12x faster with V16 than with V8, the same results; one dot product chain
-// per row or two, no difference; a software prefetch 2 super-blocks ahead, within the noise.)
+// Q4_K and Q5_K two groups at a time (one_row.groups, above).
+template <int QT>
+int64_t x8_per(int64_t M) {
+  if (M > 1) return PANEL / 8;
+  if constexpr (QT == Q8_0) return 4;
 #if defined(MINERVA_V16)
-template <int QT>
-constexpr int64_t x8_one = QT == Q4_K || QT == Q5_K ? 2 : 1;
-#else
-template <int QT>
-constexpr int64_t x8_one = 1;
+  if constexpr (QT == Q4_K || QT == Q5_K) return one_row.groups;
 #endif
-template <int QT>
-constexpr int64_t x8_per(int64_t M) { return M > 1 ? PANEL / 8 : QT == Q8_0 ? 4 : x8_one<QT>; }
+  return 1;
+}
 
 // rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K (and Q3_K,
 // whose panel kernel is Q6_K's; not timed apart) and 6 for Q5_K (one dot product chain per row
@@ -1656,6 +1675,16 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
 // 256-bit (the probe had been 256-bit only, so the prefill fractions it gave there were 1.8x
 // too high). Returns the multiply-adds done (the sums feed the result, so nothing is optimised
 // away; the value itself means nothing).
+std::vector<int64_t> one_row_tuning(std::optional<std::vector<int64_t>> set) {
+  std::vector<int64_t> was{one_row.groups, one_row.l2_ahead};
+  if (set) {
+    TORCH_CHECK(set->size() == 2 && ((*set)[0] == 1 || (*set)[0] == 2) && (*set)[1] >= 0,
+                "one_row_tuning takes [groups (1 or 2), L2 prefetch distance in bytes (>= 0)]");
+    one_row = {(*set)[0], (*set)[1]};
+  }
+  return was;
+}
+
 double int8_peak_probe(int64_t chunks, int64_t steps) {
 #if defined(MINERVA_V16)
   using I = __m512i;

@@ -144,7 +144,7 @@ def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K], ids=lambda t: t.name)
 def test_one_row_choices_per_cpu_give_the_same_bits(kernels, qtype):
     """One row of x takes regrouped Q4_K/Q5_K one or two groups at a time and prefetches the
     K-quants into L2 or not, by the CPU's vendor (`one_row_tuning`): every choice gives the

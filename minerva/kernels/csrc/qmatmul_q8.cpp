@@ -418,7 +418,7 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
 // Choices for one row of x (decode) that differ between CPUs, made once per process from the
-// CPU's vendor; each keeps the results bit for bit (tests/test_native_kernels.py runs both).
+// CPU's vendor; each keeps the results bit for bit (tests/test_repack.py runs every choice).
 //
 // l2_ahead: the K-quant one-row kernels also ask for the weights this many bytes ahead of the
 // ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
@@ -1704,14 +1704,6 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
   });
 }
 
-// The int8 compute peak of the widest dot products the kernels above use: `chunks` chunks
-// (spread over the threads) of `steps` steps, each 8 independent dot products on registers.
-// With AVX-512 VNNI (V16) one 512-bit vpdpbusd each, 64 multiply-adds, as the K-quant tiles
-// take; else one 256-bit dot4 (one VNNI instruction, or a maddubs -> madd -> add triple), 32.
-// On the Intel AVX-512 machine one thread ran 585 GOPS with 512-bit vpdpbusd against 324 with
-// 256-bit (the probe had been 256-bit only, so the prefill fractions it gave there were 1.8x
-// too high). Returns the multiply-adds done (the sums feed the result, so nothing is optimised
-// away; the value itself means nothing).
 std::vector<int64_t> one_row_tuning(std::optional<std::vector<int64_t>> set) {
   std::vector<int64_t> was{one_row.groups, one_row.l2_ahead};
   if (set) {
@@ -1722,6 +1714,14 @@ std::vector<int64_t> one_row_tuning(std::optional<std::vector<int64_t>> set) {
   return was;
 }
 
+// The int8 compute peak of the widest dot products the kernels above use: `chunks` chunks
+// (spread over the threads) of `steps` steps, each 8 independent dot products on registers.
+// With AVX-512 VNNI (V16) one 512-bit vpdpbusd each, 64 multiply-adds, as the K-quant tiles
+// take; else one 256-bit dot4 (one VNNI instruction, or a maddubs -> madd -> add triple), 32.
+// On the Intel AVX-512 machine one thread ran 585 GOPS with 512-bit vpdpbusd against 324 with
+// 256-bit (the probe had been 256-bit only, so the prefill fractions it gave there were 1.8x
+// too high). Returns the multiply-adds done (the sums feed the result, so nothing is optimised
+// away; the value itself means nothing).
 double int8_peak_probe(int64_t chunks, int64_t steps) {
 #if defined(MINERVA_V16)
   using I = __m512i;

@@ -145,29 +145,33 @@ def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, 
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K], ids=lambda t: t.name)
-def test_one_row_choices_per_cpu_give_the_same_bits(kernels, qtype):
-    """One row of x takes regrouped Q4_K/Q5_K one or two groups at a time and prefetches the
-    K-quants into L2 or not, by the CPU's vendor (`one_row_tuning`): every choice gives the
-    batched kernel's row bit for bit, whichever this CPU runs. 264 rows: an odd number of
-    groups, so two at a time ends on one; 2048 columns, so a thread's chunk is longer than
-    the prefetch distance."""
+def test_per_cpu_choices_give_the_same_bits(kernels, qtype):
+    """The kernels make a few choices by the CPU's vendor (`cpu_choices`): one row of x takes
+    regrouped Q4_K/Q5_K one or two groups at a time and prefetches the K-quants into L2 or not,
+    and the Q4_K/Q5_K tiles for many rows copy x per super-block or not. Every choice gives
+    the same bits, whichever this CPU runs: one row against the batched kernel's row, the
+    batch against itself under the other choices. 264 rows: an odd number of groups, so two at
+    a time ends on one; 2048 columns, so a thread's chunk is longer than the prefetch
+    distance; 9 rows of x, a tile of 8 and one left over."""
     rows, cols = 264, 2048
     raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(5)))
     regrouped = qtype in (QT.Q4_K, QT.Q5_K)
     w = repack.regroup(raw, qtype, rows, cols) if regrouped else raw
     x = sample_x(9, cols, seed=6)
     batched = run_kernel(kernels, qtype, x, w, rows, cols, regrouped)
-    was = kernels.one_row_tuning()
+    was = kernels.cpu_choices()
     try:
-        for choice in ([1, 0], [2, 0], [1, 32768], [2, 32768], [2, 4096]):
-            kernels.one_row_tuning(choice)
-            assert kernels.one_row_tuning() == choice
+        for choice in ([1, 0, 0], [2, 0, 1], [1, 32768, 1], [2, 32768, 0], [2, 4096, 0]):
+            kernels.cpu_choices(choice)
+            assert kernels.cpu_choices() == choice
             for i in (0, 4, 8):
                 assert torch.equal(run_kernel(kernels, qtype, x[i:i + 1], w, rows, cols, regrouped), batched[i:i + 1]), choice
+            assert torch.equal(run_kernel(kernels, qtype, x, w, rows, cols, regrouped), batched), choice
     finally:
-        kernels.one_row_tuning(was)
-    with pytest.raises(RuntimeError, match="one_row_tuning takes"):
-        kernels.one_row_tuning([3, 0])
+        kernels.cpu_choices(was)
+    for bad in ([3, 0, 0], [1, 0, 2], [1, 0]):
+        with pytest.raises(RuntimeError, match="cpu_choices takes"):
+            kernels.cpu_choices(bad)
 
 
 @needs_kernels

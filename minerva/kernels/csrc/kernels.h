@@ -21,7 +21,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block);
 double int8_peak_probe(int64_t chunks, int64_t steps);
 // one row of x's per-CPU choices [regrouped Q4_K/Q5_K groups per work item, L2 prefetch bytes];
 // returns them as they were, then sets them when given (tests run both ways)
-std::vector<int64_t> one_row_tuning(std::optional<std::vector<int64_t>> set);
+std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set);
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,

@@ -443,8 +443,9 @@ std::array<W8<QT>, sizeof...(J)> make_blocks(const uint8_t* row, int64_t rb, int
 
 constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefetched
 
-// Choices for one row of x (decode) that differ between CPUs, made once per process from the
-// CPU's vendor; each keeps the results bit for bit (tests/test_repack.py runs every choice).
+// Choices that differ between CPUs, made once per process from the CPU's vendor; each keeps the
+// results bit for bit (tests/test_repack.py runs every choice). Two are for one row of x
+// (decode), one for many (prefill).
 //
 // l2_ahead: the K-quant one-row kernels also ask for the weights this many bytes ahead of the
 // ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
@@ -458,7 +459,7 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // 512 MB read with prefetcht1 8-64 KB ahead ran at 21-23 GB/s on one thread against 30 without,
 // 31.5-32 against 34 on two; Q4_K matrices likewise (below).
 //
-// one_row_groups: regrouped Q4_K/Q5_K groups of 8 rows per work item with one row of x. Two
+// groups: regrouped Q4_K/Q5_K groups of 8 rows per work item with one row of x. Two
 // (V16: both in one 512-bit register, one broadcast of x for 16 rows) on Intel, 1.07-1.12x
 // faster than one there (all the Q4_K / Q5_K matrices of the 1.1B and 7B Q4_K_M / Q5_K_M shapes
 // from memory, 2 threads, interleaved sweeps; one dot product chain per row or two, no
@@ -468,13 +469,21 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // one group and no L2 prefetch against 19-25 with two groups and the prefetch (Q5_K 30 against
 // 23); every matrix of the 1.1B Q4_K_M shape in turn, 1.13-1.38x in two runs. Zen 5 decoded
 // at its README figures with neither, so CPUs other than Intel's get one group, no prefetch.
-struct OneRow {
-  int64_t groups;    // regrouped Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
-  int64_t l2_ahead;  // bytes; 0 = none
+//
+// x_copy: the Q4_K/Q5_K prefill tiles (tile_xk, V16, more than one row of x) copy their rows of
+// x side by side per super-block so that one base register addresses them all. On the Intel
+// machine that was 1.05x (a pointer per row left too few registers); on Zen 4 the tiles ran
+// faster without it: 512 rows of x against 5632 x 2048 Q4_K in work items of 4 groups, one
+// thread, a harness around x8_groups, alternating runs: 54% of the 512-bit peak with the copy,
+// 61-62% without (the tile alone from L1: 70% and 78%). CPUs other than Intel's go without.
+struct CpuChoices {
+  int64_t groups;    // one row of x: regrouped Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
+  int64_t l2_ahead;  // one row of x: bytes; 0 = none
+  int64_t x_copy;    // many rows: 1 = the V16 Q4_K/Q5_K tiles copy x per super-block
 };
-inline OneRow one_row = [] {
+inline CpuChoices choices = [] {
   const bool intel = __builtin_cpu_is("intel");
-  return OneRow{intel ? 2 : 1, intel ? 32768 : 0};
+  return CpuChoices{intel ? 2 : 1, intel ? 32768 : 0, intel ? 1 : 0};
 }();
 
 // An accumulator kept as one register add after another. Integer adds associate, and with
@@ -644,8 +653,8 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y, const uint8_t* 
   }
   const int64_t ahead = nb * rb, step = (nb * rb + a.G - 1) / a.G;
   // the tile l2_ahead or more bytes ahead (at least 2 tiles), while still in the chunk
-  const int64_t far = std::max<int64_t>(2, (one_row.l2_ahead + ahead - 1) / ahead) * ahead;
-  const bool to_l2 = one_row.l2_ahead > 0 && row + far + ahead <= end;
+  const int64_t far = std::max<int64_t>(2, (choices.l2_ahead + ahead - 1) / ahead) * ahead;
+  const bool to_l2 = choices.l2_ahead > 0 && row + far + ahead <= end;
   for (int64_t g = 0; g < a.G; ++g) {
     if (to_l2)
       for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch_l2(row + far + o);
@@ -1186,7 +1195,7 @@ struct XK {
 // (An i32 multiply by the scales, vpmulld, is two micro-ops on Intel: the float steps made the
 // Q4_K matrices of the 1.1B Q4_K_M shape 1.14-1.20x faster against 512 rows of x on the
 // AVX-512 machine, one row of x the same.)
-template <class V, int QT, int mr>
+template <class V, int QT, int mr, bool X_COPY = false>
 void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
              const uint8_t* end) {
   using I = typename V::I;
@@ -1200,12 +1209,11 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   constexpr bool IN_PLACE = FLOAT_STEPS && !FIFTH;
   F acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
-  // V16, more than one row of x: the tile's x bytes of a super-block copied side by side, so
-  // that one base register addresses them all (a pointer per row left too few registers:
-  // 1.05x on the 1.1B Q4_K_M shape's Q4_K matrices against 512 rows, AVX-512 machine)
-  constexpr bool XCOPY = TWO && mr > 1;
+  // V16, more than one row of x, where the CPU takes it (choices.x_copy): the tile's x bytes of
+  // a super-block copied side by side, so that one base register addresses them all
+  constexpr bool XCOPY = X_COPY && TWO && mr > 1;
   alignas(64) int8_t xt[XCOPY ? mr : 1][256];
-  const int64_t FAR = one_row.l2_ahead / BYTES * BYTES;  // a super-block's place in a group further on
+  const int64_t FAR = choices.l2_ahead / BYTES * BYTES;  // a super-block's place in a group further on
   // the super-blocks whose weights FAR bytes on are still in the chunk (none without the prefetch)
   const int64_t far_g = mr > 1 || FAR == 0 ? 0 : std::clamp<int64_t>((end - grp - (TWO ? group_bytes : 0) - FAR) / BYTES, 0, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
@@ -1409,13 +1417,13 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
 // PANEL rows (4 groups) at a time against tiles of x8_mr rows of x, as `matmul`.
 // Groups of 8 weight rows per work item; with one row of x one group, or two where V16 takes
-// Q4_K and Q5_K two groups at a time (one_row.groups, above).
+// Q4_K and Q5_K two groups at a time (choices.groups, above).
 template <int QT>
 int64_t x8_per(int64_t M) {
   if (M > 1) return PANEL / 8;
   if constexpr (QT == Q8_0) return 4;
 #if defined(MINERVA_V16)
-  if constexpr (QT == Q4_K || QT == Q5_K) return one_row.groups;
+  if constexpr (QT == Q4_K || QT == Q5_K) return choices.groups;
 #endif
   return 1;
 }
@@ -1587,7 +1595,11 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       constexpr int r = decltype(rows)::value;
       int64_t grp = g0;
       auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-      for (; grp + 2 <= g1; grp += 2) tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+      const bool x_copy = choices.x_copy;
+      for (; grp + 2 <= g1; grp += 2) {
+        if (x_copy) tile_xk<V16, QT, r, true>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+        else tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+      }
       if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
     });
     return;
@@ -1735,12 +1747,12 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
   });
 }
 
-std::vector<int64_t> one_row_tuning(std::optional<std::vector<int64_t>> set) {
-  std::vector<int64_t> was{one_row.groups, one_row.l2_ahead};
+std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set) {
+  std::vector<int64_t> was{choices.groups, choices.l2_ahead, choices.x_copy};
   if (set) {
-    TORCH_CHECK(set->size() == 2 && ((*set)[0] == 1 || (*set)[0] == 2) && (*set)[1] >= 0,
-                "one_row_tuning takes [groups (1 or 2), L2 prefetch distance in bytes (>= 0)]");
-    one_row = {(*set)[0], (*set)[1]};
+    TORCH_CHECK(set->size() == 3 && ((*set)[0] == 1 || (*set)[0] == 2) && (*set)[1] >= 0 && ((*set)[2] == 0 || (*set)[2] == 1),
+                "cpu_choices takes [groups (1 or 2), L2 prefetch distance in bytes (>= 0), x copy (0 or 1)]");
+    choices = {(*set)[0], (*set)[1], (*set)[2]};
   }
   return was;
 }

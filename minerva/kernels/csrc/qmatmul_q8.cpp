@@ -349,7 +349,13 @@ template <> struct W8<Q6_K> {
   __m256i w(int s) const {
     const int part = s >> 2, t = s & 3;
     const __m256i v = load256(b + 64 * part + 32 * (t & 1));
+#if defined(__GFNI__)  // bits 2t, 2t + 1 to 4, 5 in one affine transform, as W8<Q3_K>::hm_bit (one row,
+    // 512 x 2048 from L2, one thread, Zen 4: 36.5 -> 38 GMAC/s)
+    const __m256i hb = _mm256_gf2p8affine_epi64_epi8(
+        load256(b + 128 + 32 * part), _mm256_set1_epi64x(static_cast<int64_t>(((1ULL << (2 * t)) << 24) | ((2ULL << (2 * t)) << 16))), 0);
+#else
     const __m256i hb = move_bits(load256(b + 128 + 32 * part), 2 * t, 4, 2);
+#endif
     return _mm256_or_si256((t >> 1) ? high4(v) : low4(v), hb);
   }
   __m256i sc(int s) const { return scale_pairs(sc16, s); }

@@ -19,8 +19,9 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
                                  int64_t qtype, int64_t rows, int64_t cols);
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block);
 double int8_peak_probe(int64_t chunks, int64_t steps);
-// one row of x's per-CPU choices [regrouped Q4_K/Q5_K groups per work item, L2 prefetch bytes];
-// returns them as they were, then sets them when given (tests run both ways)
+// the int8 kernels' per-CPU choices [one row of x: regrouped Q4_K/Q5_K groups per work item, L2
+// prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1)]; returns them as they were,
+// then sets them when given (tests run every choice)
 std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set);
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // attention.cpp

@@ -283,6 +283,52 @@ def test_grouped_matmul_is_each_matrix_alone(kernels, qtype):
 
 
 @needs_kernels
+def test_matrices_side_by_side_are_each_matrix_alone(kernels):
+    """`qmatmul_q8_parts` (a layer's Q/K/V of different types): one row of x against K-quants
+    (regrouped or not), or against regrouped types of 32-weight blocks, runs them in one
+    parallel loop; every output has the bits of its matrix's own qmatmul_q8, under every thread
+    count and group choice. More rows of x, or matrices of both kinds, take one call per
+    matrix; both give the concatenation."""
+    cols = 512
+    rng = np.random.default_rng(11)
+    spec = [(QT.Q4_K, 37, True), (QT.Q6_K, 9, False), (QT.Q5_K, 264, True), (QT.Q3_K, 24, False),
+            (QT.Q2_K, 8, False), (QT.Q4_K, 8, False), (QT.Q8_0, 40, True), (QT.Q5_0, 13, True),
+            (QT.Q4_0, 8, True)]
+    mats, qtypes, rows = [], [], []
+    for qtype, n, regroup in spec:
+        raw = torch.from_numpy(realistic_blocks(qtype, n, cols, rng))
+        mats.append(repack.regroup(raw, qtype, n, cols) if regroup else raw)
+        qtypes.append(int(qtype) | (repack.REGROUPED if regroup else 0))
+        rows.append(n)
+    x = sample_x(3, cols, seed=12)
+
+    def alone(x, which):
+        return torch.cat([kernels.qmatmul_q8(x, mats[i], qtypes[i], rows[i], cols) for i in which], 1)
+
+    def parts(x, which):
+        return kernels.qmatmul_q8_parts(x, [mats[i] for i in which], [qtypes[i] for i in which],
+                                        [rows[i] for i in which], cols)
+
+    was = kernels.cpu_choices()
+    try:
+        for choice in ([1, 0, 0], [2, 0, 0]):
+            kernels.cpu_choices(choice)
+            for n in (1, 2, 3):
+                kernels.set_num_threads(n)
+                for which in ([0, 1], [1, 0, 2, 3, 4, 5], [3, 2], [6, 7, 8], [7, 6], [0, 6]):
+                    for xs in (x[:1], x[1:2].bfloat16(), x):
+                        got = parts(xs, which)
+                        assert got.dtype == xs.dtype and torch.equal(got, alone(xs, which)), (choice, n, which)
+    finally:
+        kernels.cpu_choices(was)
+        kernels.set_num_threads(0)
+    with pytest.raises(RuntimeError, match="one type and row count per matrix"):
+        kernels.qmatmul_q8_parts(x[:1], mats[:2], qtypes[:1], rows[:2], cols)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        kernels.qmatmul_q8_parts(x[:1], mats[:2], qtypes[:2], [rows[0], rows[1] + 1], cols)
+
+
+@needs_kernels
 def test_projections_fuse_runs_of_one_format(kernels):
     """Q4_K Q and K with a Q6_K V (a Q4_K_M layer): Q and K stacked into one matmul, V alone,
     and every output bitwise what its own weight gives."""

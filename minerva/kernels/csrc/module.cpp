@@ -30,11 +30,18 @@ struct Packed {
   }
 };
 
-// One projection or several on the same input (Q/K/V of different GGML types), outputs side by side.
+// One projection or several on the same input (Q/K/V of different GGML types), outputs side by
+// side; with 8-bit activations several run as one parallel loop (qmatmul_q8_parts).
 struct Projections {
   std::vector<Packed> parts;
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (parts.size() == 1) return parts[0](x);
+    if (std::all_of(parts.begin(), parts.end(), [](const Packed& p) { return p.int8; })) {
+      std::vector<torch::Tensor> bytes;
+      std::vector<int64_t> qtypes, rows;
+      for (const auto& p : parts) bytes.push_back(p.bytes), qtypes.push_back(p.qtype), rows.push_back(p.rows);
+      return qmatmul_q8_parts(x, bytes, qtypes, rows, parts[0].cols);
+    }
     std::vector<torch::Tensor> outs;
     for (const auto& p : parts) outs.push_back(p(x));
     return torch::cat(outs, 1);
@@ -379,6 +386,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask_", &apply_token_bitmask_, "logits of the tokens a bitmask forbids set to -inf, in place");
   m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
   m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");
+  m.def("qmatmul_q8_parts", &qmatmul_q8_parts,
+        "x against several packed matrices (8-bit activations), outputs side by side", py::arg("x"),
+        py::arg("packed"), py::arg("qtypes"), py::arg("rows"), py::arg("cols"));
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "h += a; RMSNorm(h)");
   m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");

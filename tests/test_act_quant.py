@@ -132,6 +132,23 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(kernels, qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", [QT.Q3_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("blocks", [11, 17])
+def test_one_row_sums_long_rows_as_the_batch_does(kernels, qtype, blocks):
+    """Q3_K and Q6_K at one row of x keep up to 8 super-blocks' sums before adding them up in
+    order: rows of 11 and 17 super-blocks (a partial last batch of them, one of a single
+    super-block) give the batched kernel's bits, and the float64 reference within rounding."""
+    rows, cols = 19, 256 * blocks
+    raw = realistic_blocks(qtype, rows, cols, np.random.default_rng(blocks))
+    x = sample_x(9, cols, seed=blocks)
+    full = kernels.qmatmul_q8(x, torch.from_numpy(raw), int(qtype), rows, cols)  # 9 rows: the panels
+    for i in (0, 4, 8):
+        assert torch.equal(kernels.qmatmul_q8(x[i:i + 1], torch.from_numpy(raw), int(qtype), rows, cols), full[i:i + 1])
+    ref, mag = reference(x, raw, qtype, rows, cols)
+    assert ((full.double() - ref).abs() <= 2 ** -19 * mag + 1e-30).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("m, n", [(1, 20), (3, 16), (37, 20), (40, 75)])  # bf16 outputs past a multiple of 8
 @pytest.mark.parametrize("qtype, regrouped", [(QT.Q4_K, False), (QT.Q4_K, True), (QT.Q8_0, True), (QT.Q6_K, False)],
                          ids=["Q4_K", "Q4_K-regrouped", "Q8_0-regrouped", "Q6_K"])

@@ -12,7 +12,8 @@ torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols)
 // qmatmul_q8.cpp
 constexpr int64_t REGROUPED = 0x100;  // added to the GGML type id of a regrouped matrix (repack.py)
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
-// several matrices on the same x, outputs side by side (one parallel loop for one row of K-quant x)
+// several matrices on the same x, outputs side by side (one parallel loop for one row of x
+// when they all take the same activation block: K-quants, or regrouped 32-weight-block types)
 torch::Tensor qmatmul_q8_parts(torch::Tensor x, const std::vector<torch::Tensor>& packed,
                                const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t cols);
 // several regrouped matrices of one type and shape, each against its own rows of x (x's rows

@@ -1901,7 +1901,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
 // Gemma 3 270M, Q5_0 Q/K and Q8_0 V: 1.025x.)
 struct Part {
   const uint8_t* w;
-  int64_t qtype, rows, first, items;  // the GGML type (| REGROUPED), rows, first output, work items
+  int64_t qtype, rows, first;  // the GGML type (| REGROUPED), rows, first output
 };
 
 template <int QT>
@@ -1949,7 +1949,7 @@ torch::Tensor qmatmul_q8_parts(torch::Tensor x, const std::vector<torch::Tensor>
   }
   const Quantized a(checked(x, cols), block);
   // a regrouped matrix's work item is its group block (x8_per groups); the others' the same rows
-  const int64_t unit = with_format(Q4_K, [&]<int QT>() { return 8 * x8_per<QT>(1); });
+  const int64_t unit = 8 * x8_per<Q4_K>(1);
   std::vector<Part> parts;
   std::vector<int64_t> starts{0};  // each matrix's first work item
   int64_t total = 0;
@@ -1961,7 +1961,7 @@ torch::Tensor qmatmul_q8_parts(torch::Tensor x, const std::vector<torch::Tensor>
         int64_t items = (rows[i] + unit - 1) / unit;
         if constexpr (has_x8<QT>)
           if (regrouped) items = ((rows[i] + 7) / 8 + x8_per<QT>(1) - 1) / x8_per<QT>(1);
-        parts.push_back({packed[i].data_ptr<uint8_t>(), qtypes[i], rows[i], total, items});
+        parts.push_back({packed[i].data_ptr<uint8_t>(), qtypes[i], rows[i], total});
         starts.push_back(starts.back() + items);
         total += rows[i];
       }

@@ -52,8 +52,9 @@ def main() -> None:
     if cpu.module is None:
         raise SystemExit(f"native kernels unavailable: {cpu.unavailable_reason}")
     timed = cpu.module = Timed(cpu.module)  # ops and attention ask the backend at each call
+    llm.engine.model.stack = None  # the layers one call at a time (see CausalLM.stack_layers) ...
     for layer in llm.engine.model.layers:
-        layer.fused = None
+        layer.fused = None  # ... each kernel one call at a time
     for m in llm.engine.model.modules():
         if isinstance(getattr(m, "weight", None), PackedWeight) and m.weight.kernel is not None:
             m.weight.kernel = timed

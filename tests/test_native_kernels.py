@@ -76,6 +76,28 @@ def test_a_row_does_not_depend_on_the_batch(kernels, qtype, dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5, 8])
+def test_every_chunk_is_computed_once_whatever_the_threads(kernels, threads):
+    """The pool hands each thread a region of chunks and lets the others take what is left of
+    it: with any thread count (more threads than cores, more threads than chunks) every output
+    row is computed, as on one thread."""
+    rng = np.random.default_rng(5)
+    before = torch.get_num_threads()
+    try:
+        for rows in (16, 40, 136, 1000):
+            raw = torch.from_numpy(realistic_blocks(QT.Q4_K, rows, 512, rng))
+            for m in (1, 24):
+                x = torch.randn(m, 512, generator=torch.Generator().manual_seed(rows + m))
+                kernels.set_num_threads(1)
+                alone = kernels.qmatmul_q8(x, raw, int(QT.Q4_K), rows, 512)
+                kernels.set_num_threads(threads)
+                for _ in range(3):
+                    assert torch.equal(kernels.qmatmul_q8(x, raw, int(QT.Q4_K), rows, 512), alone), (rows, m)
+    finally:
+        kernels.set_num_threads(0)
+        torch.set_num_threads(before)
+
+
 def test_the_thread_pool_counts_its_calls(kernels):
     """pool_stats (the server's cpu_pool_* metrics) counts each kernel call split over threads,
     or run alone while backed off; a call on one thread is neither."""

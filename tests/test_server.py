@@ -245,6 +245,7 @@ def test_metrics_names(served):
              "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
              "request_queue_time_seconds_bucket", "request_success_total", "cpu_pool_parallel_calls_total",
              "cpu_pool_backed_off_calls_total", "cpu_pool_stalls_total", "cpu_pool_backoffs_total",
+             "cpu_pool_wait_seconds_total",
              "structured_output_rows_total", "structured_output_mask_fill_seconds_total",
              "structured_output_mask_apply_seconds_total", "tp_all_reduce_calls_total", "tp_all_reduce_seconds_total")
     for name in names:
@@ -254,6 +255,7 @@ def test_metrics_names(served):
     if pool is not None:
         assert 0 <= metric(served[0], "minerva:cpu_pool_parallel_calls_total") <= pool["parallel_calls"]
         assert 0 <= metric(served[0], "minerva:cpu_pool_stalls_total") <= pool["stalls"]
+        assert 0 <= metric(served[0], "minerva:cpu_pool_wait_seconds_total") <= pool["wait_seconds"]
     # Prometheus' text format, as prometheus_client's own parser reads it: every name is a sample
     # (not only a HELP line), labelled with the served model.
     assert r.headers["content-type"] == CONTENT_TYPE_LATEST

@@ -131,10 +131,11 @@ def _build_lock(build: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def pool_stats() -> dict[str, int] | None:
+def pool_stats() -> dict[str, float] | None:
     """The kernels' thread pool since the process started (parallel calls, calls run on one
-    thread while backed off from helpers that kept losing their cores, stalls, back-offs),
-    or None where the kernels did not load."""
+    thread while backed off from helpers that kept losing their cores, stalls, back-offs,
+    seconds callers waited for helpers after their own chunks), or None where the kernels
+    did not load."""
     return _module.pool_stats() if _module is not None else None
 
 

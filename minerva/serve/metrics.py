@@ -67,6 +67,8 @@ class Metrics:
                                        "Kernel calls run on one thread while backed off from stalling helpers.")
         self.pool_stalls = counter("cpu_pool_stalls", "Kernel calls that waited on a helper thread off its core.")
         self.pool_backoffs = counter("cpu_pool_backoffs", "Times the kernels went to one thread for a while.")
+        self.pool_wait = counter("cpu_pool_wait_seconds",
+                                 "Seconds kernel calls waited for helper threads after their own share.")
         self.structured_rows = counter("structured_output_rows", "Token choices constrained by a grammar.")
         self.structured_fill = counter("structured_output_mask_fill_seconds",
                                        "Seconds computing grammars' token masks (llguidance).")
@@ -80,7 +82,8 @@ class Metrics:
         self._labels = labels
         self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
                       "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "pool_parallel": 0,
-                      "pool_backed_off": 0, "pool_stalls": 0, "pool_backoffs": 0, "tp_calls": 0, "tp_seconds": 0.0,
+                      "pool_backed_off": 0, "pool_stalls": 0, "pool_backoffs": 0, "pool_wait": 0.0, "tp_calls": 0,
+                      "tp_seconds": 0.0,
                       # process-wide totals: counted from what they are when the server starts
                       "structured_rows": structured.STATS.rows, "structured_fill": structured.STATS.fill_seconds,
                       "structured_apply": structured.STATS.apply_seconds}
@@ -111,7 +114,8 @@ class Metrics:
         pool = native.pool_stats()
         if pool is not None:
             totals += [("pool_parallel", pool["parallel_calls"]), ("pool_backed_off", pool["backed_off_calls"]),
-                       ("pool_stalls", pool["stalls"]), ("pool_backoffs", pool["backoffs"])]
+                       ("pool_stalls", pool["stalls"]), ("pool_backoffs", pool["backoffs"]),
+                       ("pool_wait", pool["wait_seconds"])]
         totals += [("structured_rows", structured.STATS.rows), ("structured_fill", structured.STATS.fill_seconds),
                    ("structured_apply", structured.STATS.apply_seconds)]
         comm = engine.runner.comm

@@ -375,9 +375,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_stats", [] {
         const auto s = minerva::ThreadPool::get().stats();
         return py::dict(py::arg("parallel_calls") = s.parallel, py::arg("backed_off_calls") = s.serial_backed_off,
-                        py::arg("stalls") = s.stalls, py::arg("backoffs") = s.backoffs);
+                        py::arg("stalls") = s.stalls, py::arg("backoffs") = s.backoffs,
+                        py::arg("wait_seconds") = s.wait_ns * 1e-9);
       },
-      "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs");
+      "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs, "
+      "seconds callers waited for helpers");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
   m.def("argmax_rows", &argmax_rows, "each row's index of its first largest value (torch.argmax over the last dim)");
   m.def("sample_rows", &sample_rows,

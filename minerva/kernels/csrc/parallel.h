@@ -52,13 +52,15 @@ class ThreadPool {
   void set_threads(int n) { wanted_.store(std::max(0, n)); }
 
   // Counts since the process started, for the engine's metrics: calls run on the helpers
-  // too, calls run on the caller alone while backed off, waits judged stalls, back-offs.
+  // too, calls run on the caller alone while backed off, waits judged stalls, back-offs, and
+  // the nanoseconds callers spent waiting for helpers after their own chunks.
   struct Stats {
-    int64_t parallel, serial_backed_off, stalls, backoffs;
+    int64_t parallel, serial_backed_off, stalls, backoffs, wait_ns;
   };
   Stats stats() const {
     return {parallel_.load(std::memory_order_relaxed), backed_off_.load(std::memory_order_relaxed),
-            stall_count_.load(std::memory_order_relaxed), backoff_count_.load(std::memory_order_relaxed)};
+            stall_count_.load(std::memory_order_relaxed), backoff_count_.load(std::memory_order_relaxed),
+            wait_ns_.load(std::memory_order_relaxed)};
   }
 
   static ThreadPool& get() {
@@ -107,8 +109,10 @@ class ThreadPool {
       if (spins < 4096) _mm_pause();
       else std::this_thread::yield();
     }
+    const auto waited = std::chrono::steady_clock::now() - waiting;
+    wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count(), std::memory_order_relaxed);
     // A helper may have just started its last chunk: waiting up to about one chunk is normal.
-    if (mine > 0) note_wait(std::chrono::steady_clock::now() - waiting, (waiting - started) / mine);
+    if (mine > 0) note_wait(waited, (waiting - started) / mine);
     job_.store(nullptr);
     while (users_.load() > 0) _mm_pause();  // a helper between taking the job and seeing it done
   }
@@ -220,7 +224,7 @@ class ThreadPool {
   std::atomic<int64_t> serial_until_{0};  // now_ns() before which calls run on the caller alone
   int64_t back_off_ = kBackOffFirst;      // how long the next back-off lasts
   int calls_ = 0, stalls_ = 0;       // over the current window of parallel calls
-  std::atomic<int64_t> parallel_{0}, backed_off_{0}, stall_count_{0}, backoff_count_{0};  // Stats
+  std::atomic<int64_t> parallel_{0}, backed_off_{0}, stall_count_{0}, backoff_count_{0}, wait_ns_{0};  // Stats
 };
 
 template <typename F>

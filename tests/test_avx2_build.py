@@ -11,9 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
 
-from minerva.kernels import native
+from minerva.kernels import native, repack
+from tests.helpers.quant_blocks import realistic_blocks
+from tests.test_act_quant import sample_x
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = ["test_native_kernels.py", "test_native_layer.py", "test_repack.py", "test_act_quant.py", "test_moe.py",
@@ -33,6 +38,44 @@ def test_the_avx2_build_passes_the_kernel_tests():
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
+
+
+def products(kernels) -> dict[str, torch.Tensor]:
+    """Regrouped Q4_K and Q5_K against 1 and 9 rows of x (a tile of 8 and one more)."""
+    out = {}
+    for qtype in (QT.Q4_K, QT.Q5_K):
+        raw = torch.from_numpy(realistic_blocks(qtype, 40, 1024, np.random.default_rng(21)))
+        w = repack.regroup(raw, qtype, 40, 1024)
+        x = sample_x(9, 1024, seed=22)
+        for m in (1, 9):
+            out[f"{qtype.name} {m}"] = kernels.qmatmul_q8(x[:m], w, int(qtype) | repack.REGROUPED, 40, 1024)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native.isa() != "avx512", reason="this CPU runs the AVX2 build already (or neither build)")
+def test_int_steps_give_the_bits_of_the_avx2_build(tmp_path):
+    """With VNNI and `cpu_choices`' int steps (CPUs other than Intel's take them), the Q4_K/Q5_K
+    tiles sum a super-block exactly in i32 and take the same two FMAs as the AVX2 build's
+    maddubs tiles: the same bits on an AVX2 laptop and on this CPU."""
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason}")
+    script = ("import sys, torch; from minerva.kernels import native; from tests.test_avx2_build import products; "
+              "torch.save(products(native.load()), sys.argv[1]); print(native.built)")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], cwd=ROOT,
+                          env={**os.environ, "MINERVA_ISA": "avx2"}, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0 and proc.stdout.split() == ["avx2"], proc.stdout + proc.stderr[-2000:]
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    was = kernels.cpu_choices()
+    try:
+        kernels.cpu_choices(was[:3] + [1])
+        here = products(kernels)
+    finally:
+        kernels.cpu_choices(was)
+    assert avx2.keys() == here.keys() and len(here) == 4
+    for key in here:
+        assert torch.equal(here[key], avx2[key]), key
 
 
 def test_minerva_isa_names_a_build_this_cpu_can_run(monkeypatch):

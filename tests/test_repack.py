@@ -4,6 +4,8 @@ within float32 rounding of the exact products)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -110,6 +112,25 @@ def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
     return kernels.qmatmul_q8(x, packed, qt, rows, cols)
 
 
+INT_STEPS = 3  # cpu_choices' index of the Q4_K/Q5_K tiles' sub-block scaling: 1 in i32, 0 in float
+
+
+@contextlib.contextmanager
+def cpu_choice(kernels, index, value):
+    """The kernels' per-CPU choice `index` set to `value`, restored afterwards."""
+    was = kernels.cpu_choices()
+    kernels.cpu_choices(was[:index] + [value] + was[index + 1:])
+    try:
+        yield
+    finally:
+        kernels.cpu_choices(was)
+
+
+def steps_choices(qtype):
+    """The sub-block scalings a type's tiles take: both for Q4_K/Q5_K, the CPU's own for the rest."""
+    return (0, 1) if qtype in (QT.Q4_K, QT.Q5_K) else (None,)
+
+
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [40, 37, 48, 56])
@@ -117,7 +138,17 @@ def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, 
     """Q4_0 .. MXFP4: bit for bit the GGML layout's kernel. Q8_0, Q4_K, Q5_K (each output's block
     or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
     Every type: a row's result does not depend on the batch or the threads (Q8_0's one-row
-    path takes 2, 3 or 4 groups of 8 rows at a time: 48 and 56 rows end on 2 and 3)."""
+    path takes 2, 3 or 4 groups of 8 rows at a time: 48 and 56 rows end on 2 and 3). Q4_K and
+    Q5_K: with their sub-blocks scaled in float and in i32 (`cpu_choices`), each."""
+    for steps in steps_choices(qtype):
+        if steps is None:
+            check_regrouped_kernel(kernels, qtype, rows)
+        else:
+            with cpu_choice(kernels, INT_STEPS, steps):
+                check_regrouped_kernel(kernels, qtype, rows)
+
+
+def check_regrouped_kernel(kernels, qtype, rows):
     rng = np.random.default_rng(3)
     raw = torch.from_numpy(realistic_blocks(qtype, rows, 512, rng))
     regrouped = repack.regroup(raw, qtype, rows, 512)
@@ -150,26 +181,31 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype):
     regrouped Q4_K/Q5_K one or two groups at a time and prefetches the K-quants into L2 or not,
     and the Q4_K/Q5_K tiles for many rows copy x per super-block or not. Every choice gives
     the same bits, whichever this CPU runs: one row against the batched kernel's row, the
-    batch against itself under the other choices. 264 rows: an odd number of groups, so two at
-    a time ends on one; 2048 columns, so a thread's chunk is longer than the prefetch
-    distance; 9 rows of x, a tile of 8 and one left over."""
+    batch against itself under the other choices. The one choice that changes bits, Q4_K/Q5_K's
+    sub-block scaling in i32 or in float, is held at each in turn. 264 rows: an odd number of
+    groups, so two at a time ends on one; 2048 columns, so a thread's chunk is longer than the
+    prefetch distance; 9 rows of x, a tile of 8 and one left over."""
     rows, cols = 264, 2048
     raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(5)))
     regrouped = qtype in (QT.Q4_K, QT.Q5_K)
     w = repack.regroup(raw, qtype, rows, cols) if regrouped else raw
     x = sample_x(9, cols, seed=6)
-    batched = run_kernel(kernels, qtype, x, w, rows, cols, regrouped)
     was = kernels.cpu_choices()
     try:
-        for choice in ([1, 0, 0], [2, 0, 1], [1, 32768, 1], [2, 32768, 0], [2, 4096, 0]):
-            kernels.cpu_choices(choice)
-            assert kernels.cpu_choices() == choice
-            for i in (0, 4, 8):
-                assert torch.equal(run_kernel(kernels, qtype, x[i:i + 1], w, rows, cols, regrouped), batched[i:i + 1]), choice
-            assert torch.equal(run_kernel(kernels, qtype, x, w, rows, cols, regrouped), batched), choice
+        for steps in (0, 1):
+            kernels.cpu_choices([1, 0, 0, steps])
+            batched = run_kernel(kernels, qtype, x, w, rows, cols, regrouped)
+            for choice in ([1, 0, 0], [2, 0, 1], [1, 32768, 1], [2, 32768, 0], [2, 4096, 0]):
+                choice = choice + [steps]
+                kernels.cpu_choices(choice)
+                assert kernels.cpu_choices() == choice
+                for i in (0, 4, 8):
+                    assert torch.equal(run_kernel(kernels, qtype, x[i:i + 1], w, rows, cols, regrouped),
+                                       batched[i:i + 1]), choice
+                assert torch.equal(run_kernel(kernels, qtype, x, w, rows, cols, regrouped), batched), choice
     finally:
         kernels.cpu_choices(was)
-    for bad in ([3, 0, 0], [1, 0, 2], [1, 0]):
+    for bad in ([3, 0, 0, 1], [1, 0, 2, 1], [1, 0, 0, 2], [1, 0, 0]):
         with pytest.raises(RuntimeError, match="cpu_choices takes"):
             kernels.cpu_choices(bad)
 
@@ -311,7 +347,7 @@ def test_matrices_side_by_side_are_each_matrix_alone(kernels):
 
     was = kernels.cpu_choices()
     try:
-        for choice in ([1, 0, 0], [2, 0, 0]):
+        for choice in ([1, 0, 0, 1], [2, 0, 0, 1], [1, 0, 0, 0]):
             kernels.cpu_choices(choice)
             for n in (1, 2, 3):
                 kernels.set_num_threads(n)

@@ -488,14 +488,21 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // faster without it: 512 rows of x against 5632 x 2048 Q4_K in work items of 4 groups, one
 // thread, a harness around x8_groups, alternating runs: 54% of the 512-bit peak with the copy,
 // 61-62% without (the tile alone from L1: 70% and 78%). CPUs other than Intel's go without.
+//
+// int_steps: the Q4_K/Q5_K tiles with VNNI scale each sub-block's dot products by an i32
+// multiply (tile_xk's INT) rather than in float: Intel's vpmulld is two micro-ops, Zen 4's one,
+// and the float steps compete with Zen 4's dot products (tile_xk). Unlike the other choices it
+// changes the bits (each way batch invariant, each within the reference's tolerance); with it
+// the VNNI tiles give the bits of the tiles without VNNI. CPUs other than Intel's take it.
 struct CpuChoices {
   int64_t groups;    // one row of x: regrouped Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
   int64_t l2_ahead;  // one row of x: bytes; 0 = none
-  int64_t x_copy;    // many rows: 1 = the V16 Q4_K/Q5_K tiles copy x per super-block
+  int64_t x_copy;    // many rows: 1 = the V16 Q4_K/Q5_K tiles copy x per super-block (float steps)
+  int64_t int_steps; // 1 = the Q4_K/Q5_K tiles scale sub-blocks in i32 (tile_xk's INT), 0 = in float
 };
 inline CpuChoices choices = [] {
   const bool intel = __builtin_cpu_is("intel");
-  return CpuChoices{intel ? 2 : 1, intel ? 32768 : 0, intel ? 1 : 0};
+  return CpuChoices{intel ? 2 : 1, intel ? 32768 : 0, intel ? 1 : 0, intel ? 0 : 1};
 }();
 
 // An accumulator kept as one register add after another. Integer adds associate, and with
@@ -1078,6 +1085,17 @@ struct V8 {
   using F = __m256;
   static I load(const uint8_t* p, int64_t) { return load256(p); }
   static I zero() { return _mm256_setzero_si256(); }
+  // zero by an idiom the core renames away, for an accumulator started afresh in a loop (GCC
+  // copies a zeroed register instead, an operation on the vector pipes)
+  static I zero_idiom() {
+    I v;
+#if defined(__AVX512VL__)
+    asm volatile("vpxord %0, %0, %0" : "=v"(v));
+#else
+    asm volatile("vpxor %0, %0, %0" : "=v"(v));
+#endif
+    return v;
+  }
   static I bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static I i32(int32_t v) { return _mm256_set1_epi32(v); }
   static I i32_at(const int32_t* p) {  // *p in every lane, broadcast by the load (GCC would move it through a register)
@@ -1119,6 +1137,11 @@ struct V16 {
     return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p)), load256(p + gb), 1);
   }
   static I zero() { return _mm512_setzero_si512(); }
+  static I zero_idiom() {  // as V8's
+    I v;
+    asm volatile("vpxord %0, %0, %0" : "=v"(v));
+    return v;
+  }
   static I bytes(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static I i32(int32_t v) { return _mm512_set1_epi32(v); }
   static I i32_at(const int32_t* p) {  // as V8's
@@ -1208,7 +1231,17 @@ struct XK {
 // (An i32 multiply by the scales, vpmulld, is two micro-ops on Intel: the float steps made the
 // Q4_K matrices of the 1.1B Q4_K_M shape 1.14-1.20x faster against 512 rows of x on the
 // AVX-512 machine, one row of x the same.)
-template <class V, int QT, int mr, bool X_COPY = false>
+// INT (choices.int_steps, CPUs other than Intel's): with VNNI too the exact i32 sums, and the
+// same two FMAs as without VNNI, so the same bits: a sub-block's dot4 chains, then one vpmulld
+// by its scales (one micro-op on Zen 4) and an add. The float steps' FMAs and conversions take
+// the pipes of the dot products there: a loop of 64 512-bit dot4 and the steps of one
+// sub-block of 8 rows of x ran 61 cycles (TSC) with cvt + fma against 55 with vpmulld + add (56
+// with the dot products alone), and 512 rows of x against 11264 x 2048 Q4_K (the 1.1B shape's
+// gate and up projections), one thread, 142.5 -> 155.2 GMAC/s (2 threads 284.9 -> 306.7).
+// With IN_PLACE the even sub-blocks' scales are taken times 16, so the sum is 16x the exact
+// one, and d / 16 (exact) meets it: the same product. No step overflows: 8 sub-blocks of at
+// most 32 * 240 * 127 * 63 (Q4_K, either way) or 32 * 31 * 127 * 63 (Q5_K) stay below 2^29.
+template <class V, int QT, int mr, bool X_COPY = false, bool INT = false>
 void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
              const uint8_t* end) {
   using I = typename V::I;
@@ -1216,10 +1249,12 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
   constexpr bool FIFTH = QT == Q5_K, TWO = !std::is_same_v<V, V8>;
   constexpr int QS_AT = FIFTH ? 384 : 128, RUN = FIFTH ? 4 : 8;  // chunks summed in i16
-  constexpr bool FLOAT_STEPS = VNNI || TWO;  // the sub-blocks' sums scaled in float (above)
-  // Q4_K with float steps: an odd sub-block's high nibbles stay in place (16 q, one AND, no
-  // shift) and its d * sc is divided by 16 (exact), so the products are the same
-  constexpr bool IN_PLACE = FLOAT_STEPS && !FIFTH;
+  constexpr bool DOT4 = VNNI || TWO;  // a sub-block's chunks in dot4 chains, else in maddubs runs
+  constexpr bool FLOAT_STEPS = DOT4 && !INT;  // the sub-blocks' sums scaled in float (above)
+  // Q4_K with dot4: an odd sub-block's high nibbles stay in place (16 q, one AND, no shift);
+  // float steps divide its d * sc by 16, int steps multiply the even ones' scales by 16 (both
+  // exact), so the products are the same
+  constexpr bool IN_PLACE = DOT4 && !FIFTH;
   F acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   // V16, more than one row of x, where the CPU takes it (choices.x_copy): the tile's x bytes of
@@ -1265,9 +1300,9 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
       if constexpr (FLOAT_STEPS) part[i] = V::mul(V::cvt(ms), ndmin);
       else acc[i] = V::fmadd(V::cvt(ms), V::mul(ndmin, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
     }
-    I isum[FLOAT_STEPS ? 1 : mr];  // the exact sums (maddubs path)
+    I isum[FLOAT_STEPS ? 1 : mr];  // the exact sums (maddubs and int steps; 16x with IN_PLACE)
     if constexpr (!FLOAT_STEPS)
-      for (int i = 0; i < mr; ++i) isum[i] = V::zero();
+      for (int i = 0; i < mr; ++i) isum[i] = V::zero_idiom();
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       auto chunk = [&](int c) {  // sub-block s's chunk c of the rows: their unsigned values
@@ -1281,7 +1316,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
         std::memcpy(&xv, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c, 4);
         return V::i32(xv);
       };
-      if constexpr (!FLOAT_STEPS) {  // maddubs: a sub-block's chunks in i16 runs, then madd by the scales
+      if constexpr (!DOT4) {  // maddubs: a sub-block's chunks in i16 runs, then madd by the scales
         const I sc = h.sc(s);
         for (int c0 = 0; c0 < 8; c0 += RUN) {
           I t[mr];
@@ -1301,12 +1336,20 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
         constexpr int CH = mr >= 6 || (TWO && mr > 1) ? 1 : 2;
         I t[CH][mr];
         for (int i = 0; i < mr; ++i)
-          for (int k = 0; k < CH; ++k) t[k][i] = V::zero();
+          for (int k = 0; k < CH; ++k) t[k][i] = V::zero_idiom();
 #pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) {
           const I w = chunk(c);
           for (int i = 0; i < mr; ++i)
             t[c % CH][i] = V::dot4x(t[c % CH][i], w, (XCOPY ? xt[i] : a.q + (m0 + i) * a.K + 256 * g) + 32 * s + 4 * c);
+        }
+        if constexpr (INT) {
+          const I sc = IN_PLACE && !(s & 1) ? V::shl32(h.sc32(s), 4) : h.sc32(s);
+          for (int i = 0; i < mr; ++i) {
+            isum[i] = V::add(isum[i], V::mullo(CH == 2 ? V::add(t[0][i], t[1][i]) : t[0][i], sc));
+            keep_in_register(isum[i]);
+          }
+          continue;
         }
         const F dsc = V::mul(IN_PLACE && (s & 1) ? V::mul(d, V::f32(1.0f / 16)) : d, V::cvt(h.sc32(s)));
         for (int i = 0; i < mr; ++i) {
@@ -1318,7 +1361,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
     for (int i = 0; i < mr; ++i) {
       const F dx = V::f32(a.d[(m0 + i) * a.G + g]);
       if constexpr (FLOAT_STEPS) acc[i] = V::fmadd(part[i], dx, acc[i]);
-      else acc[i] = V::fmadd(V::cvt(isum[i]), V::mul(d, dx), acc[i]);
+      else acc[i] = V::fmadd(V::cvt(isum[i]), V::mul(IN_PLACE ? V::mul(d, V::f32(1.0f / 16)) : d, dx), acc[i]);
     }
   }
   for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
@@ -1608,12 +1651,18 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       constexpr int r = decltype(rows)::value;
       int64_t grp = g0;
       auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-      const bool x_copy = choices.x_copy;
+      const bool x_copy = choices.x_copy, int_steps = choices.int_steps;
       for (; grp + 2 <= g1; grp += 2) {
-        if (x_copy) tile_xk<V16, QT, r, true>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
-        else tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+        float* out = y + m * ldy + 8 * (grp - g0);
+        if (int_steps) tile_xk<V16, QT, r, false, true>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
+        else if (x_copy) tile_xk<V16, QT, r, true>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
+        else tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
       }
-      if (grp < g1) tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+      if (grp < g1) {
+        float* out = y + m * ldy + 8 * (grp - g0);
+        if (int_steps) tile_xk<V8, QT, r, false, true>(a, m, W + grp * gb, gb, valid(8), out, ldy, end);
+        else tile_xk<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), out, ldy, end);
+      }
     });
     return;
   }
@@ -1621,8 +1670,11 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
   x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
-      if constexpr (QT == Q4_K || QT == Q5_K)
-        tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
+      if constexpr (QT == Q4_K || QT == Q5_K) {
+        float* out = y + m * ldy + 8 * (grp - g0);
+        if (VNNI && choices.int_steps) tile_xk<V8, QT, decltype(rows)::value, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+        else tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+      }
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
     }
   });
@@ -1761,11 +1813,13 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
 }
 
 std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set) {
-  std::vector<int64_t> was{choices.groups, choices.l2_ahead, choices.x_copy};
+  std::vector<int64_t> was{choices.groups, choices.l2_ahead, choices.x_copy, choices.int_steps};
   if (set) {
-    TORCH_CHECK(set->size() == 3 && ((*set)[0] == 1 || (*set)[0] == 2) && (*set)[1] >= 0 && ((*set)[2] == 0 || (*set)[2] == 1),
-                "cpu_choices takes [groups (1 or 2), L2 prefetch distance in bytes (>= 0), x copy (0 or 1)]");
-    choices = {(*set)[0], (*set)[1], (*set)[2]};
+    const auto& v = *set;
+    TORCH_CHECK(v.size() == 4 && (v[0] == 1 || v[0] == 2) && v[1] >= 0 && (v[2] == 0 || v[2] == 1) && (v[3] == 0 || v[3] == 1),
+                "cpu_choices takes [groups (1 or 2), L2 prefetch distance in bytes (>= 0), x copy (0 or 1), "
+                "int steps (0 or 1)]");
+    choices = {v[0], v[1], v[2], v[3]};
   }
   return was;
 }

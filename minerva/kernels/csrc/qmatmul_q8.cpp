@@ -490,10 +490,10 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // 61-62% without (the tile alone from L1: 70% and 78%). CPUs other than Intel's go without.
 //
 // int_steps: the Q4_K/Q5_K tiles with VNNI scale each sub-block's dot products by an i32
-// multiply (tile_xk's INT) rather than in float: Intel's vpmulld is two micro-ops, Zen 4's one,
-// and the float steps compete with Zen 4's dot products (tile_xk). Unlike the other choices it
-// changes the bits (each way batch invariant, each within the reference's tolerance); with it
-// the VNNI tiles give the bits of the tiles without VNNI. CPUs other than Intel's take it.
+// multiply (tile_xk's INT) rather than in float: Intel's vpmulld is two micro-ops, Zen 4's one
+// (measured in tile_xk's comment). Unlike the other choices it changes the bits (each way
+// batch invariant, each within the reference's tolerance); with it the VNNI tiles give the
+// bits of the AVX2 build's. CPUs other than Intel's take it.
 struct CpuChoices {
   int64_t groups;    // one row of x: regrouped Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
   int64_t l2_ahead;  // one row of x: bytes; 0 = none
@@ -1233,11 +1233,11 @@ struct XK {
 // AVX-512 machine, one row of x the same.)
 // INT (choices.int_steps, CPUs other than Intel's): with VNNI too the exact i32 sums, and the
 // same two FMAs as without VNNI, so the same bits: a sub-block's dot4 chains, then one vpmulld
-// by its scales (one micro-op on Zen 4) and an add. The float steps' FMAs and conversions take
-// the pipes of the dot products there: a loop of 64 512-bit dot4 and the steps of one
-// sub-block of 8 rows of x ran 61 cycles (TSC) with cvt + fma against 55 with vpmulld + add (56
-// with the dot products alone), and 512 rows of x against 11264 x 2048 Q4_K (the 1.1B shape's
-// gate and up projections), one thread, 142.5 -> 155.2 GMAC/s (2 threads 284.9 -> 306.7).
+// by its scales (one micro-op on Zen 4) and an add. On Zen 4 that is the cheaper step: a
+// standalone loop of one sub-block (64 512-bit dot4 for 8 rows of x, then the step per row)
+// ran 61 TSC cycles with cvt + fma, 55 with vpmulld + add and 56 with no step at all; 512 rows
+// of x against 11264 x 2048 Q4_K (the 1.1B shape's gate and up projections), one thread,
+// alternating builds, 142.5 -> 155.2 GMAC/s (2 threads 284.9 -> 306.7).
 // With IN_PLACE the even sub-blocks' scales are taken times 16, so the sum is 16x the exact
 // one, and d / 16 (exact) meets it: the same product. No step overflows: 8 sub-blocks of at
 // most 32 * 240 * 127 * 63 (Q4_K, either way) or 32 * 31 * 127 * 63 (Q5_K) stay below 2^29.

@@ -1182,8 +1182,8 @@ inline __m512i move_bits(__m512i v, int from, int to, int n) {
 }
 constexpr int V16_MR = 8;  // rows of x per tile with V16
 // ... and for the Q4_K/Q5_K tiles with int steps: Zen 4, 512 rows of x against 11264 x 2048
-// Q4_K, one thread, alternating builds: 161-166 GMAC/s with 6 rows against 155-162 with 8
-// (6 of 6 pairs; Q5_K the same), 10 rows 151-152
+// Q4_K, one thread, alternating builds: 161-167 GMAC/s with 6 rows against 145-162 with 8
+// (7 of 7 pairs; Q5_K the same), 10 rows 151-152
 constexpr int V16_INT_MR = 6;
 #endif
 

@@ -41,7 +41,7 @@ def test_the_avx2_build_passes_the_kernel_tests():
 
 
 def products(kernels) -> dict[str, torch.Tensor]:
-    """Regrouped Q4_K and Q5_K against 1 and 9 rows of x (a tile of 8 and one more)."""
+    """Regrouped Q4_K and Q5_K against 1 and 9 rows of x (tiles of 6 and 3 with the int steps, 8 and 1 without)."""
     out = {}
     for qtype in (QT.Q4_K, QT.Q5_K):
         raw = torch.from_numpy(realistic_blocks(qtype, 40, 1024, np.random.default_rng(21)))

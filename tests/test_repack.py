@@ -184,7 +184,7 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype):
     batch against itself under the other choices. The one choice that changes bits, Q4_K/Q5_K's
     sub-block scaling in i32 or in float, is held at each in turn. 264 rows: an odd number of
     groups, so two at a time ends on one; 2048 columns, so a thread's chunk is longer than the
-    prefetch distance; 9 rows of x, a tile of 8 and one left over."""
+    prefetch distance; 9 rows of x, tiles of 8 and 1 (6 and 3 with the int steps)."""
     rows, cols = 264, 2048
     raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(5)))
     regrouped = qtype in (QT.Q4_K, QT.Q5_K)

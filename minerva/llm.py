@@ -63,9 +63,8 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 
 def resolve_activations(name: str, device: torch.device) -> str:
     """What multiplies quantized weights: "float" activations or "int8" ones; "auto" is int8
-    where the kernels' integer dot products are the fast choice (the AVX2 build: 1.5-3x the
-    decode speed, perplexity +0.4-0.8% as llama.cpp's own 8-bit activations; see README) and
-    float elsewhere."""
+    where the kernels' integer dot products are the fast choice (Minerva's CPU kernels, both
+    builds: see `CpuBackend.default_activations` and the README) and float elsewhere."""
     if name == "auto":
         return dispatch.default_activations(device)
     act_quant.check_mode(name)

@@ -16,8 +16,8 @@ from minerva.kernels.kv_quant import KV_FORMATS
 
 ACTIVATIONS_HELP = ("float: quantized weights meet the float activations; int8: activations are "
                     "quantized to 8 bits per block of 32 (256 for K-quants) for integer dot products (faster on CPUs, "
-                    "slightly different results, as llama.cpp computes); auto (default): int8 on CPUs whose "
-                    "kernels compute in float32 (AVX2 without AVX-512), else float")
+                    "slightly different results, as llama.cpp computes); auto (default): int8 where Minerva's CPU "
+                    "kernels run, else float")
 
 
 TP_HELP = ("split the model over N processes on this host (tensor parallelism; each rank gets 1/N "

@@ -459,9 +459,9 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // results bit for bit (tests/test_repack.py runs every choice). Two are for one row of x
 // (decode), one for many (prefill).
 //
-// l2_ahead: the K-quant one-row kernels also ask for the weights this many bytes ahead of the
-// ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
-// prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
+// l2_ahead: the K-quant one-row kernels (regrouped Q3_K aside: tile_panel) also ask for the
+// weights this many bytes ahead of the ones they read, into L2, up to the end of the thread's
+// chunk of the matrix (0: no such prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
 // one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
 // file from memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
 // matrices 1.09-1.19x, three runs), Q5_K_M 1.14x, 7B Q4_K_M 1.06x (Q4_K 1.06-1.26x, its Q6_K
@@ -471,7 +471,7 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // 512 MB read with prefetcht1 8-64 KB ahead ran at 21-23 GB/s on one thread against 30 without,
 // 31.5-32 against 34 on two; Q4_K matrices likewise (below).
 //
-// groups: regrouped Q4_K/Q5_K groups of 8 rows per work item with one row of x. Two
+// groups: regrouped Q3_K/Q4_K/Q5_K groups of 8 rows per work item with one row of x. Two
 // (V16: both in one 512-bit register, one broadcast of x for 16 rows) on Intel, 1.07-1.12x
 // faster than one there (all the Q4_K / Q5_K matrices of the 1.1B and 7B Q4_K_M / Q5_K_M shapes
 // from memory, 2 threads, interleaved sweeps; one dot product chain per row or two, no
@@ -495,7 +495,7 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // batch invariant, each within the reference's tolerance); with it the VNNI tiles give the
 // bits of the AVX2 build's. CPUs other than Intel's take it.
 struct CpuChoices {
-  int64_t groups;    // one row of x: regrouped Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
+  int64_t groups;    // one row of x: regrouped Q3_K/Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
   int64_t l2_ahead;  // one row of x: bytes; 0 = none
   int64_t x_copy;    // many rows: 1 = the V16 Q4_K/Q5_K tiles copy x per super-block (float steps)
   int64_t int_steps; // 1 = the Q4_K/Q5_K tiles scale sub-blocks in i32 (tile_xk's INT), 0 = in float
@@ -824,7 +824,7 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
 // the types with a regrouped layout (minerva/kernels/repack.py's TYPES)
 template <int QT>
 constexpr bool has_x8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 ||
-                        QT == Q4_K || QT == Q5_K;
+                        QT == Q3_K || QT == Q4_K || QT == Q5_K;
 
 // MXFP4 regrouped: e[8] | qs[128], its nibbles looked up into values + 16 as W8<MXFP4> does.
 // Q8_0 regrouped: d[8] | qs[256], its signed bytes whole (chunks k = 0..7).
@@ -1118,6 +1118,12 @@ struct V8 {
   static I dot4x(I acc, I u, const int8_t* p) { return ::dot4x(acc, u, p); }
   static I dot2(I acc, I a, I b) { return ::dot2(acc, a, b); }
   static I shuffle(I v, __m128i ctl) { return _mm256_shuffle_epi8(v, _mm256_broadcastsi128_si256(ctl)); }
+  static I sub8(I a, I b) { return _mm256_sub_epi8(a, b); }
+  static I whole(const void* p) { return load256(p); }  // a full register, as `put` left it
+  static void put(void* p, I v) { _mm256_store_si256(static_cast<__m256i*>(p), v); }
+#if defined(__GFNI__)
+  static I affine(I v, int64_t m) { return _mm256_gf2p8affine_epi64_epi8(v, _mm256_set1_epi64x(m), 0); }
+#endif
   static F halves(const uint8_t* p, int64_t) { return _mm256_cvtph_ps(load128(p)); }  // the rows' f16 at p
   static F zerof() { return _mm256_setzero_ps(); }
   static F f32(float v) { return _mm256_set1_ps(v); }
@@ -1167,6 +1173,12 @@ struct V16 {
   }
   static I dot2(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
   static I shuffle(I v, __m128i ctl) { return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(ctl)); }
+  static I sub8(I a, I b) { return _mm512_sub_epi8(a, b); }
+  static I whole(const void* p) { return _mm512_loadu_si512(p); }
+  static void put(void* p, I v) { _mm512_store_si512(p, v); }
+#if defined(__GFNI__)
+  static I affine(I v, int64_t m) { return _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(m), 0); }
+#endif
   static F halves(const uint8_t* p, int64_t gb) { return _mm512_cvtph_ps(_mm256_set_m128i(load128(p + gb), load128(p))); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F f32(float v) { return _mm512_set1_ps(v); }
@@ -1371,55 +1383,122 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
 }
 
-// Q3_K and Q6_K with PANELS_FROM or more rows of x: each work item regroups its panel of weight
-// rows (by regroup_panel, into a buffer of its own) so that 8 rows' blocks sit side by side,
-// as Q4_K's are at load, and the kernel below takes one weight row per lane. (The matrix
-// itself stays in the GGML layout: at one row of x, regrouped Q6_K read from memory was
-// 1.3-1.5x slower than `row1` on the GGML layout, AVX-512 machine, 65536 x 2048, 1 and 2
-// threads.) Per super-block of a group, chunk q of a field (its bytes 4q .. 4q + 3) of row j
-// at 32q + 4j:
+// Q3_K and Q6_K regrouped: Q3_K at load (minerva/kernels/repack.py) for 8-bit activations;
+// Q6_K, and a Q3_K matrix left in the GGML layout (one that is also the embedding), panel by
+// panel at run time with PANELS_FROM or more rows of x (regroup_panel, into a buffer of the
+// work item's). Each group of 8 rows keeps its super-block's fields in the GGML order, the 8
+// rows' chunk q of a field (its bytes 4q .. 4q + 3) of row j at 32q + 4j, and the kernel below
+// takes one weight row per lane:
 // - Q6_K: ql[1024] | qh[512] | scales[128] | d[8] (f16). Sub-block s = 4 part + t (as
 //   W8<Q6_K>) takes, for its chunk c (elements 4c .. 4c + 3), the nibble t >> 1 of ql chunk
 //   16 part + 8 (t & 1) + c and bits 2t, 2t + 1 of qh chunk 8 part + c.
-// - Q3_K: qs[512] | hmask[256] | scales[128] | d[8], its 6-bit scales decoded to int8. Sub-block
-//   s takes bits 2 (s & 3), +1 of qs chunk 8 (s >> 2) + c and bit s of hmask chunk c.
+// - Q3_K: hmask[256] | qs[512] | scales[96] (the 12 bytes of 6-bit scales as stored) | d[8].
+//   Sub-block s takes bits 2 (s & 3), +1 of qs chunk 8 (s >> 2) + c and bit s of hmask chunk c.
 // Sub-block s's chunks 0..3 take scale 2s, 4..7 scale 2s + 1.
+// With one row of x this takes fewer instructions per weight than `row1` on the GGML layout
+// (no horizontal sums, one broadcast of x's 4 bytes for 8 or 16 rows). Zen 4, 512 x 2048 from
+// L2, one thread: Q3_K 54 GMAC/s against 35, Q6_K 44 against 35 (benchmarks/int8_kernels.py).
+// From memory the hardware prefetchers do not follow its order of reads (Q6_K's ql and qh a
+// kilobyte apart in each super-block): without the software prefetch below a 65536 x 2048
+// Q6_K matrix streamed at 14 GB/s against 41-52 for the GGML layout's `row1`, and with it the
+// 1.1B shape's Q6_K matrices (22 layers of Q/K/V, output, gate/up and down in turn, 2 threads)
+// still took 26-29 ms against 23-26, so Q6_K stays in the GGML layout for one row of x. Q3_K,
+// whose GGML kernel is bound by its instructions, gains: greedy decode of the 1.1B Q3_K_M
+// shape, the two ways alternating in one process, medians: 16.90 against 17.68 ms a token
+// where a read probe taken with each pair gave under 45 GB/s (122 pairs), and (with two groups
+// at a time) 14.45 against 16.56 where it gave 45 or more (22 pairs).
 template <int QT>
 struct Panel;
 template <>
 struct Panel<Q6_K> {
-  static constexpr int64_t HI_AT = 1024, SC_AT = 1536, D_AT = 1664, BYTES = 1680;
+  static constexpr int64_t QS_AT = 0, HI_AT = 1024, SC_AT = 1536, D_AT = 1664, BYTES = 1680;
   static constexpr int BIAS = 5;  // the stored values are q + 32
 };
 template <>
 struct Panel<Q3_K> {
-  static constexpr int64_t HI_AT = 512, SC_AT = 768, D_AT = 896, BYTES = 912;
+  static constexpr int64_t HI_AT = 0, QS_AT = 256, SC_AT = 768, D_AT = 864, BYTES = 880;
   static constexpr int BIAS = 2;  // q + 4
 };
+static_assert(Panel<Q6_K>::BYTES == 8 * Layout<Q6_K>::bytes && Panel<Q3_K>::BYTES == 8 * Layout<Q3_K>::bytes,
+              "a regrouped super-block holds the 8 GGML blocks' bytes");
+
+// the GF(2) matrix of an affine transform that moves each byte's n bits from bit `from` to bit
+// `to` and clears the others (row i, byte 7 - i of the qword, selects the source of result bit i)
+constexpr int64_t bit_matrix(int from, int to, int n) {
+  uint64_t m = 0;
+  for (int k = 0; k < n; ++k) m |= (1ULL << (from + k)) << (8 * (7 - (to + k)));
+  return static_cast<int64_t>(m);
+}
 
 // mr rows of x against the 8 rows (V16: and the group gb bytes on). Per super-block and output
 // the exact i32 sum of sc_j * (the stored values' dot product with x over the 16 elements of
 // scale j, minus 2^BIAS times x's sum over them), then acc = fma(sum, d * d_x, acc): the same
 // integer as `row1` and `tile` give for these types, so a row's result is the same at one row
-// of x and at many. The 4 chunks of a scale add up in i32 (dot4), from the bias on, before one
-// multiply by the scale. No step overflows: a scale's dot product is at most 16 * 63 * 127,
-// times |sc| <= 128, 16 of them: < 2^28. With the bias as the chains' start, a 2048 x 5632
-// Q6_K matrix (the 1.1B shape's down projection) against 512 rows of x went from 272-275 to 283-288 GMAC/s (AVX-512 machine, 2 threads,
-// alternating runs), where a dot2 of scale pairs against x's sums of 16 had taken it apart.
+// of x and at many, regrouped or not. The 4 chunks of a scale add up in i32 (dot4), from the
+// bias on, before one multiply by the scale. No step overflows: a scale's dot product is at
+// most 16 * 63 * 127, times |sc| <= 128, 16 of them: < 2^28. With the bias as the chains' start,
+// a 2048 x 5632 Q6_K matrix (the 1.1B shape's down projection) against 512 rows of x went from
+// 272-275 to 283-288 GMAC/s (AVX-512 machine, 2 threads, alternating runs), where a dot2 of
+// scale pairs against x's sums of 16 had taken it apart.
+// `end` (the end of the thread's chunk of a matrix regrouped at load; null for a run-time
+// panel, already in cache): the weights are prefetched, with more than one row of x as
+// tile_xk does, with one into L2 PANEL_L2_AHEAD bytes ahead on every CPU (above; Q3_K
+// 65536 x 2048, 2 threads, one group at a time: 44.9, 47.1, 46.4, 46.0 GB/s 16, 32, 64 and
+// 128 KB ahead). With one row of x and GFNI each high-bit field takes one affine transform
+// instead of a shift and a mask (a standalone copy of the Q6_K loop, 512 x 2048 from L2, one
+// thread, Zen 4: 9.8 TSC cycles per row and super-block against 10.5).
+constexpr int64_t PANEL_L2_AHEAD = 32768;
 template <class V, int QT, int mr>
-void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy) {
+void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
+                const uint8_t* end = nullptr) {
   using I = typename V::I;
   using F = typename V::F;
   using P = Panel<QT>;
   constexpr int64_t BYTES = P::BYTES;
+  constexpr bool TWO = !std::is_same_v<V, V8>;
+#if defined(__GFNI__)
+  constexpr bool AFFINE = mr == 1;
+#else
+  constexpr bool AFFINE = false;
+#endif
+  auto bits = [](I v, int from, int to, int n) {  // move_bits, by GFNI where it pays
+    if constexpr (AFFINE) return V::affine(v, bit_matrix(from, to, n));
+    else return move_bits(v, from, to, n);
+  };
   F acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
+  const int64_t FAR = end == nullptr ? 0 : PANEL_L2_AHEAD / BYTES * BYTES;
+  const int64_t far_g = mr > 1 || FAR == 0 ? 0 : std::clamp<int64_t>((end - grp - (TWO ? group_bytes : 0) - FAR) / BYTES, 0, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     const int64_t gb = opaque(group_bytes);
-    // lane j of scales chunk k: row j's scales 4k .. 4k + 3, as bytes (loaded where used:
-    // kept in registers they crowd out the sums)
-    auto scales = [&](int k) { return V::load(b + P::SC_AT + 32 * k, gb); };
+    if (g < far_g)
+      for (int64_t o = 0; o < BYTES; o += 64) {
+        prefetch_l2(b + FAR + o);
+        if constexpr (TWO) prefetch_l2(b + gb + FAR + o);
+      }
+    if (mr > 1 && end != nullptr)
+      for (int64_t o = 0; o < BYTES; o += 64) {
+        prefetch(b + 2 * BYTES + o);
+        if constexpr (TWO) prefetch(b + gb + 2 * BYTES + o);
+      }
+    // lane j of scales chunk k: row j's scales 4k .. 4k + 3, as signed bytes (loaded where
+    // used: kept in registers they crowd out the sums). Q3_K's are decoded here first, for all
+    // rows at once, as GGML does for one: the low 4 bits from bytes 0..7 (nibble k >> 1 of u0
+    // or u1), the high 2 from bits 2k, 2k + 1 of u2, minus 32.
+    [[maybe_unused]] alignas(64) uint8_t sc3[QT == Q3_K ? 4 : 1][sizeof(I)];
+    if constexpr (QT == Q3_K) {
+      const I u0 = V::load(b + P::SC_AT, gb), u1 = V::load(b + P::SC_AT + 32, gb), u2 = V::load(b + P::SC_AT + 64, gb);
+      const I lo = V::bytes(0x0F), hi = V::bytes(0x30), bias = V::bytes(32);
+      V::put(sc3[0], V::sub8(V::or_(V::and_(u0, lo), V::and_(V::shl32(u2, 4), hi)), bias));
+      V::put(sc3[1], V::sub8(V::or_(V::and_(u1, lo), V::and_(V::shl32(u2, 2), hi)), bias));
+      V::put(sc3[2], V::sub8(V::or_(V::and_(V::shr32(u0, 4), lo), V::and_(u2, hi)), bias));
+      V::put(sc3[3], V::sub8(V::or_(V::and_(V::shr32(u1, 4), lo), V::and_(V::shr32(u2, 2), hi)), bias));
+    }
+    auto scales = [&](int k) {
+      if constexpr (QT == Q3_K) return V::whole(sc3[k]);
+      else return V::load(b + P::SC_AT + 32 * k, gb);
+    };
     I isum[mr];
     for (int i = 0; i < mr; ++i) isum[i] = V::zero();
     // the bias, -2^BIAS * x's sum over a scale's 16 elements, starts that scale's dot product
@@ -1434,7 +1513,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
       }
     }
     // two dot product chains per row of x up to 4 rows of one group, one for more (enough chains)
-    constexpr int CH = mr >= 6 || !std::is_same_v<V, V8> ? 1 : 2;
+    constexpr int CH = mr >= 6 || TWO ? 1 : 2;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       const int part = s >> 2, t = s & 3;
@@ -1450,12 +1529,12 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           I w;  // the stored values of the 8 (16) rows' chunk c of sub-block s
           if constexpr (QT == Q6_K) {
-            const I v = V::load(b + 32 * (16 * part + 8 * (t & 1) + c), gb);
-            const I hb = move_bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
+            const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
+            const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
             w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
           } else {
-            const I v = V::load(b + 32 * (8 * part + c), gb);
-            const I hb = move_bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
+            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
+            const I hb = bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
             w = V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
           }
           for (int i = 0; i < mr; ++i)
@@ -1483,7 +1562,7 @@ int64_t x8_per(int64_t M) {
   if (M > 1) return PANEL / 8;
   if constexpr (QT == Q8_0) return 4;
 #if defined(MINERVA_V16)
-  if constexpr (QT == Q4_K || QT == Q5_K) return choices.groups;
+  if constexpr (is_k<QT>) return choices.groups;
 #endif
   return 1;
 }
@@ -1546,19 +1625,14 @@ inline void regroup_panel(const uint8_t* const rows[8], int64_t G, uint8_t* out)
       interleave_dwords(src, dwords, dst);
     };
     if constexpr (QT == Q6_K) {
-      fields(0, 32, o);               // ql
+      fields(0, 32, o + P::QS_AT);    // ql
       fields(128, 16, o + P::HI_AT);  // qh
       fields(192, 4, o + P::SC_AT);   // scales
     } else {
-      fields(32, 16, o);             // qs
       fields(0, 8, o + P::HI_AT);    // hmask
-      alignas(16) uint8_t sc[8][16];  // the scales decoded
-      const uint8_t* src[8];
-      for (int j = 0; j < 8; ++j) {
-        _mm_store_si128(reinterpret_cast<__m128i*>(sc[j]), q3k_scales(rows[j] + g * bytes));
-        src[j] = sc[j];
-      }
-      interleave_dwords(src, 4, o + P::SC_AT);
+      fields(32, 16, o + P::QS_AT);  // qs
+      for (int j = 0; j < 8; ++j)    // the scales' 12 bytes (3 dwords: interleave_dwords would read 16)
+        for (int q = 0; q < 3; ++q) std::memcpy(o + P::SC_AT + 32 * q + 4 * j, rows[j] + g * bytes + 96 + 4 * q, 4);
     }
     for (int j = 0; j < 8; ++j) std::memcpy(o + P::D_AT + 2 * j, rows[j] + g * bytes + bytes - 2, 2);  // d
   }
@@ -1670,6 +1744,17 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       x_tiles<V16_MR>(M, [&](int64_t m, auto rows) { groups.template operator()<false>(m, rows); });
     return;
   }
+  if constexpr (QT == Q3_K) {  // as matmul_panels, from the matrix itself
+    x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
+      constexpr int r = decltype(rows)::value;
+      int64_t grp = g0;
+      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+      for (; grp + 2 <= g1; grp += 2)
+        tile_panel<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+      if (grp < g1) tile_panel<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+    });
+    return;
+  }
 #endif
   x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {
@@ -1679,6 +1764,8 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
         if (VNNI && choices.int_steps) tile_xk<V8, QT, decltype(rows)::value, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
         else tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, out, ldy, end);
       }
+      else if constexpr (QT == Q3_K)
+        tile_panel<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
     }
   });

@@ -139,13 +139,16 @@ class ModelRunner:
         # a windowed group's entries behind its window (NULL) are never read: 0 stands in
         backend = PagedBackend(self.cache, slots.view(G, T), starts, seq_lens,
                                tables.view(G, B, width).clamp(min=0), pos)
-        hidden = self.model(ids, AttentionContext(pos, backend))
-        if not L:
-            return None
-        # the final hidden states the logits come from (embeddings): every row when L == T
-        # (decode steps), as the rows are asked for in order
-        self.hidden_rows = hidden if L == T else hidden[logit_rows]
-        logits = self.model.logits(self.hidden_rows)
+        ctx = AttentionContext(pos, backend)
+        if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
+            hidden, logits = self.model.forward_logits(ids, ctx)
+            self.hidden_rows = hidden  # the final hidden states the logits come from (embeddings)
+        else:
+            hidden = self.model(ids, ctx)
+            if not L:
+                return None
+            self.hidden_rows = hidden[logit_rows]
+            logits = self.model.logits(self.hidden_rows)
         if logits is not None:  # None on a tensor-parallel follower: the leader gathers them
             check_logits(logits, hidden.dtype)  # hidden is in the model's dtype; logits are float32
         return logits

@@ -79,6 +79,10 @@ class EarlyExit:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
+    def forward_logits(self, input_ids: torch.Tensor, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self(input_ids, ctx)
+        return hidden, self.logits(hidden)
+
 
 class ModelProposer:
     """A draft model (a second model, or the target's first layers) over its own paged KV

@@ -410,13 +410,14 @@ class CausalLM(Layer):
         self.vocab_rows = (0, config.vocab_size)
         self.vocab_width = config.vocab_size
         self.stack = None  # (kernel, native layers, rotaries, each layer's) when every layer has one (see stack_layers)
+        self.head = None  # with `stack`, the LM head as the kernel's Packed when it can join the layers' call
 
     def parallelize(self, comm, vocab_rows: tuple[int, int], vocab_width: int) -> None:
         """Run as one rank of a tensor-parallel group: this model holds rows `vocab_rows` of
         the embedding and LM head (gathered at `vocab_width` a rank) and its share of every
         layer, whose partial outputs `comm` all-reduces."""
         self.tp, self.vocab_rows, self.vocab_width = comm, vocab_rows, vocab_width
-        self.stack = None  # each sublayer's output is all-reduced between the layer's parts
+        self.stack = self.head = None  # each sublayer's output is all-reduced between the layer's parts
         for layer in self.layers:
             layer.tp = comm
 
@@ -433,6 +434,14 @@ class CausalLM(Layer):
         rotaries = list({id(layer.attn.rotary): layer.attn.rotary for layer in self.layers}.values())
         which = [rotaries.index(layer.attn.rotary) for layer in self.layers]  # each layer's rotary
         self.stack = kernel, fused, rotaries, which
+        # the final norm and the LM head join that call (forward_logits) where they are the
+        # kernels `norm` and `logits` would run: a packed head on this dtype, no bias, no softcap
+        w, dtype = self.lm_head.weight, self.layers[0].fused_dtype
+        if (getattr(kernel, "forward_logits", None) is not None and isinstance(w, PackedWeight)
+                and w.kernel is not None and w.dtype == dtype and self.lm_head.bias is None
+                and isinstance(self.norm, RMSNorm) and self.norm.weight.dtype == torch.float32
+                and not self.config.final_logit_softcap):
+            self.head = kernel.Packed(w.packed, w.qtype_id, *w.shape, w.int8)
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -447,20 +456,46 @@ class CausalLM(Layer):
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens (after the first `num_layers` layers
         and the final norm, when given: an early exit)."""
-        h = self.embed_rows(input_ids)
-        if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        h = self._embedded(input_ids)
         n = len(self.layers) if num_layers is None else num_layers
-        args = self.stack is not None and h.dtype == self.layers[0].fused_dtype and ctx.backend.stack_args(n, h.dtype)
+        args = self._stack_args(h, ctx, n)
         if args:
-            kernel, fused, rotaries, which = self.stack
-            tables = [r.cos_sin(ctx) for r in rotaries]  # the model's one or two rotaries
-            cos = [tables[i][0] for i in which[:n]]
-            sin = [tables[i][1] for i in which[:n]]
-            return self.norm(kernel.forward_layers(fused[:n], h, cos, sin, *args))
+            return self.norm(self.stack[0].forward_layers(*args))
         for layer in self.layers[:n]:
             h = layer(h, ctx)
         return self.norm(h)
+
+    def forward_logits(self, input_ids: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` and `logits` of every new token: (hidden states, float32 logits), the
+        layers, the final norm and the LM head in one native call where the model allows
+        (`head`; the same kernels in the same order, so the same bits)."""
+        h = self._embedded(input_ids)
+        args = self.head is not None and self._stack_args(h, ctx, len(self.layers))
+        if args:
+            hidden, logits = self.stack[0].forward_logits(*args, self.norm.weight, self.norm.eps, self.head)
+            return hidden, logits
+        for layer in self.layers:
+            h = layer(h, ctx)
+        hidden = self.norm(h)
+        return hidden, self.logits(hidden)
+
+    def _embedded(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_rows(input_ids)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
+
+    def _stack_args(self, h: torch.Tensor, ctx: AttentionContext, n: int) -> tuple | None:
+        """The kernel's forward_layers arguments for layers 0 .. n - 1 (every layer native, in
+        h's dtype, the backend's attention kernel covering the pool), else None."""
+        args = self.stack is not None and h.dtype == self.layers[0].fused_dtype and ctx.backend.stack_args(n, h.dtype)
+        if not args:
+            return None
+        _, fused, rotaries, which = self.stack
+        tables = [r.cos_sin(ctx) for r in rotaries]  # the model's one or two rotaries
+        cos = [tables[i][0] for i in which[:n]]
+        sin = [tables[i][1] for i in which[:n]]
+        return fused[:n], h, cos, sin, *args
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [N, vocab] for the selected hidden states (under tensor parallelism

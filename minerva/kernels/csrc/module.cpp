@@ -127,6 +127,24 @@ torch::Tensor forward_layers(const std::vector<const DecoderLayer*>& layers, tor
   return h;
 }
 
+// forward_layers, then the final RMSNorm and the LM head (`head`), as float32 logits: a step
+// whose every row needs logits (decode) in one call, where CausalLM.forward and .logits made
+// three more from Python (the norm, the head, the conversion), each slow to start after the
+// layers' weights have streamed through the caches. The same kernels in the same order, so
+// the same bits. Returns the normed hidden states and the logits.
+std::vector<torch::Tensor> forward_logits(const std::vector<const DecoderLayer*>& layers, torch::Tensor h,
+                                          const std::vector<torch::Tensor>& cos, const std::vector<torch::Tensor>& sin,
+                                          const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                                          const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                                          const std::vector<torch::Tensor>& slots, const std::vector<torch::Tensor>& tables,
+                                          const torch::Tensor& seq_lens, const torch::Tensor& qsl, const torch::Tensor& positions,
+                                          const torch::Tensor& norm, double eps, const Packed& head) {
+  h = rms_norm(forward_layers(layers, h, cos, sin, k_pools, v_pools, k_scales, v_scales, slots, tables, seq_lens, qsl,
+                              positions),
+               norm, eps);
+  return {h, head(h).to(torch::kFloat32)};
+}
+
 // A linear layer with an optional bias added in place (minerva/models/layers.py Linear)
 struct Linear {
   Packed w;
@@ -415,6 +433,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("feed_forward", &DecoderLayer::feed_forward)
       .def("residual", &DecoderLayer::residual);
   m.def("forward_layers", &forward_layers, "decoder layers in turn, each over its own pools, rotary tables, slots and block table");
+  m.def("forward_logits", &forward_logits, "forward_layers, the final RMSNorm and the LM head: (hidden, float32 logits)");
   py::class_<minerva::Exchange>(m, "Exchange")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>>(), py::arg("segment"),
            py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"))

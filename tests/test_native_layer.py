@@ -1,7 +1,7 @@
-"""The C++ decoder layers (all of them in one call, with or without the final norm and LM head,
-or one call per layer) against the Python layer built from the same kernels: the same bits in
-every logit, on both real models, with float and int8 KV pools, prefill chunks and decode
-steps."""
+"""The C++ decoder layers (all of them in one call, with or without the embedding and rotary
+tables before them and the final norm and LM head after, or one call per layer) against the
+Python layer built from the same kernels: the same bits in every logit, on both real models,
+with float and int8 KV pools, prefill chunks and decode steps."""
 
 from __future__ import annotations
 
@@ -34,12 +34,14 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
         return [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=llm.dtype, device=llm.device)
                 for x, c in runs]
 
-    stack, head = model.stack, model.head
+    stack, head, step_args = model.stack, model.head, model.step_args
     assert stack is not None, "a model whose layers all have C++ twins runs them in one call"
-    assert head is not None, "its packed LM head joins that call"
+    assert head is not None and step_args is not None, "its packed LM head and embedding join that call"
     with_stack = logits()
     try:
-        model.head = None  # the layers in one call, the final norm and the head from Python
+        model.step_args = None  # the embedding and rotary tables from Python
+        assert torch.equal(logits()[1], with_stack[1])
+        model.head = None  # and the final norm and the head
         assert torch.equal(logits()[1], with_stack[1])
         model.stack = None
         per_layer = logits()
@@ -47,7 +49,7 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
             layer.fused = None
         without = logits()
     finally:
-        model.stack, model.head = stack, head
+        model.stack, model.head, model.step_args = stack, head, step_args
         for layer, n in zip(model.layers, fused):
             layer.fused = n
     for a, b, c in zip(with_stack, per_layer, without):

@@ -411,13 +411,14 @@ class CausalLM(Layer):
         self.vocab_width = config.vocab_size
         self.stack = None  # (kernel, native layers, rotaries, each layer's) when every layer has one (see stack_layers)
         self.head = None  # with `stack`, the LM head as the kernel's Packed when it can join the layers' call
+        self.step_args = None  # with `head`, forward_step's embedding and rotary arguments when it can take a whole step
 
     def parallelize(self, comm, vocab_rows: tuple[int, int], vocab_width: int) -> None:
         """Run as one rank of a tensor-parallel group: this model holds rows `vocab_rows` of
         the embedding and LM head (gathered at `vocab_width` a rank) and its share of every
         layer, whose partial outputs `comm` all-reduces."""
         self.tp, self.vocab_rows, self.vocab_width = comm, vocab_rows, vocab_width
-        self.stack = self.head = None  # each sublayer's output is all-reduced between the layer's parts
+        self.stack = self.head = self.step_args = None  # each sublayer's output is all-reduced between the layer's parts
         for layer in self.layers:
             layer.tp = comm
 
@@ -442,6 +443,19 @@ class CausalLM(Layer):
                 and isinstance(self.norm, RMSNorm) and self.norm.weight.dtype == torch.float32
                 and not self.config.final_logit_softcap):
             self.head = kernel.Packed(w.packed, w.qtype_id, *w.shape, w.int8)
+        # and the embedding rows and rotary tables too (forward_step) where they are what
+        # `_embedded` and Rotary.cos_sin compute: a packed embedding in the GGML layout with a
+        # kernel, or a plain matrix, in the layers' dtype
+        e = self.embed
+        if isinstance(e, PackedWeight) and (e.kernel is None or e.regrouped or e.dtype != dtype):
+            return
+        if not isinstance(e, PackedWeight) and (e.tensor.dtype != dtype or e.tensor.dim() != 2):
+            return
+        if self.head is None or getattr(kernel, "forward_step", None) is None or any(type(r) is not Rotary for r in rotaries):
+            return
+        embed = (e.packed, e.qtype_id, e.shape[1]) if isinstance(e, PackedWeight) else (e.tensor, -1, e.tensor.shape[1])
+        self.step_args = (*embed, self.embed_scale, dtype, [r.inv_freq for r in rotaries],
+                          [float(r.attention_factor) for r in rotaries], which)
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -469,6 +483,12 @@ class CausalLM(Layer):
         """`forward` and `logits` of every new token: (hidden states, float32 logits), the
         layers, the final norm and the LM head in one native call where the model allows
         (`head`; the same kernels in the same order, so the same bits)."""
+        if self.step_args is not None and self.head is not None:
+            args = ctx.backend.stack_args(len(self.layers), self.layers[0].fused_dtype)
+            if args:
+                hidden, logits = self.stack[0].forward_step(self.stack[1], input_ids, *self.step_args, *args,
+                                                            self.norm.weight, self.norm.eps, self.head)
+                return hidden, logits
         h = self._embedded(input_ids)
         args = self.head is not None and self._stack_args(h, ctx, len(self.layers))
         if args:

@@ -145,6 +145,43 @@ std::vector<torch::Tensor> forward_logits(const std::vector<const DecoderLayer*>
   return {h, head(h).to(torch::kFloat32)};
 }
 
+// A whole decode step from its token ids: the embedding's rows of `ids` (packed GGML rows, or
+// a plain float matrix's with qtype -1, as `dtype`, times `embed_scale` when given), each
+// rotary's cos and sin tables at `positions` (inv_freqs[r], scaled by factors[r] unless 1;
+// `which` names each layer's), then forward_logits. The ATen ops of CausalLM._embedded and
+// Rotary.cos_sin in their order, so the same bits, without their Python.
+std::vector<torch::Tensor> forward_step(const std::vector<const DecoderLayer*>& layers, const torch::Tensor& ids,
+                                        const torch::Tensor& embed, int64_t embed_qtype, int64_t cols,
+                                        std::optional<double> embed_scale, at::ScalarType dtype,
+                                        const std::vector<torch::Tensor>& inv_freqs, const std::vector<double>& factors,
+                                        const std::vector<int64_t>& which,
+                                        const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                                        const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                                        const std::vector<torch::Tensor>& slots, const std::vector<torch::Tensor>& tables,
+                                        const torch::Tensor& seq_lens, const torch::Tensor& qsl, const torch::Tensor& positions,
+                                        const torch::Tensor& norm, double eps, const Packed& head) {
+  TORCH_CHECK(inv_freqs.size() == factors.size() && which.size() == layers.size(),
+              "forward_step: one factor per rotary and one rotary index per layer");
+  const auto picked = embed.index_select(0, ids);
+  auto h = (embed_qtype < 0 ? picked : dequantize_rows(picked, embed_qtype, cols)).to(dtype);
+  if (embed_scale) h = h * torch::scalar_tensor(*embed_scale, torch::dtype(h.scalar_type()));
+  std::vector<torch::Tensor> rc, rs;
+  const auto p = positions.to(torch::kFloat32).unsqueeze(1);
+  for (size_t r = 0; r < inv_freqs.size(); ++r) {
+    const auto freqs = p * inv_freqs[r].unsqueeze(0);
+    auto c = freqs.cos(), s = freqs.sin();
+    if (factors[r] != 1.0) c = c * factors[r], s = s * factors[r];
+    rc.push_back(c), rs.push_back(s);
+  }
+  std::vector<torch::Tensor> cos, sin;
+  for (int64_t r : which) {
+    TORCH_CHECK(r >= 0 && r < static_cast<int64_t>(rc.size()), "forward_step: no rotary ", r);
+    cos.push_back(rc[r]), sin.push_back(rs[r]);
+  }
+  return forward_logits(layers, h, cos, sin, k_pools, v_pools, k_scales, v_scales, slots, tables, seq_lens, qsl,
+                        positions, norm, eps, head);
+}
+
 // A linear layer with an optional bias added in place (minerva/models/layers.py Linear)
 struct Linear {
   Packed w;
@@ -434,6 +471,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("residual", &DecoderLayer::residual);
   m.def("forward_layers", &forward_layers, "decoder layers in turn, each over its own pools, rotary tables, slots and block table");
   m.def("forward_logits", &forward_logits, "forward_layers, the final RMSNorm and the LM head: (hidden, float32 logits)");
+  m.def("forward_step", &forward_step, "a decode step from token ids: embedding rows, rotary tables, forward_logits");
   py::class_<minerva::Exchange>(m, "Exchange")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>>(), py::arg("segment"),
            py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"))

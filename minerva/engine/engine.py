@@ -20,7 +20,7 @@ from minerva.kernels import dispatch
 from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_layout import KVLayout, kv_layout, single
 from minerva.models.config import SLIDING
-from minerva.models.layers import CausalLM
+from minerva.models.causal_lm import CausalLM
 from minerva.models.loader import LoadedModel
 
 

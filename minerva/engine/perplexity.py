@@ -16,7 +16,8 @@ import torch
 from minerva.engine.runner import PagedBackend
 from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
-from minerva.models.layers import AttentionContext, CausalLM
+from minerva.models.causal_lm import CausalLM
+from minerva.models.layers import AttentionContext
 
 
 @dataclass(frozen=True)

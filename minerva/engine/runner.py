@@ -20,7 +20,8 @@ from minerva.engine.sampler import check_logits, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, SchedulerOutput
 from minerva.engine.structured import apply_mask_, fill_masks
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
-from minerva.models.layers import AttentionContext, CausalLM
+from minerva.models.causal_lm import CausalLM
+from minerva.models.layers import AttentionContext
 
 
 @dataclass

@@ -14,7 +14,7 @@ from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.models import gemma3, gpt_oss, llama
 from minerva.models.config import FULL, SLIDING, TOPK_SOFTMAX, ModelConfig, RopeScaling
-from minerva.models.layers import CausalLM
+from minerva.models.causal_lm import CausalLM
 
 # ---------------------------------------------------------------- name tables
 

@@ -3,8 +3,9 @@ sandwich norms, scaled embeddings, separate rope bases for local and global laye
 
 from __future__ import annotations
 
+from minerva.models.causal_lm import CausalLM
 from minerva.models.config import SLIDING, ModelConfig, RopeScaling
-from minerva.models.layers import (Attention, CausalLM, DecoderLayer, GatedMLP, Linear, RMSNorm,
+from minerva.models.layers import (Attention, DecoderLayer, GatedMLP, Linear, RMSNorm,
                                    Rotary, rope_inv_freq)
 from minerva.models.weights import WeightSource
 

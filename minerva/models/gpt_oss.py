@@ -4,8 +4,9 @@ layers alternating with full ones, YaRN rope."""
 
 from __future__ import annotations
 
+from minerva.models.causal_lm import CausalLM
 from minerva.models.config import ModelConfig
-from minerva.models.layers import (Attention, CausalLM, DecoderLayer, Linear, RMSNorm, Rotary, rope_inv_freq,
+from minerva.models.layers import (Attention, DecoderLayer, Linear, RMSNorm, Rotary, rope_inv_freq,
                                    yarn_attention_factor)
 from minerva.models.llama import feed_forward
 from minerva.models.weights import WeightSource

@@ -3,8 +3,9 @@ QK-norm); and their mixture-of-experts forms, Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
+from minerva.models.causal_lm import CausalLM
 from minerva.models.config import ModelConfig
-from minerva.models.layers import (Attention, CausalLM, DecoderLayer, GatedMLP, Linear, MoE, RMSNorm,
+from minerva.models.layers import (Attention, DecoderLayer, GatedMLP, Linear, MoE, RMSNorm,
                                    Rotary, rope_inv_freq)
 from minerva.models.weights import WeightSource
 

@@ -26,7 +26,8 @@ from minerva.models.architectures import (
     GGUF_GLOBAL, HF_GLOBAL, HF_MODEL_TYPES, NORMS, Architecture, canonical, check_shape, find_architecture,
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
 from minerva.models.config import ModelConfig, check_plausible
-from minerva.models.layers import CausalLM, Linear, freeze
+from minerva.models.causal_lm import CausalLM
+from minerva.models.layers import Linear, freeze
 from minerva.parallel.shard import Shard, plan
 
 # -------------------------------------------------------------- weight sources

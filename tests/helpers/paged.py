@@ -14,7 +14,7 @@ import torch
 
 from minerva.engine.runner import ModelRunner, Seq
 from minerva.kernels.attention import PagedKVCache
-from minerva.models.layers import CausalLM
+from minerva.models.causal_lm import CausalLM
 
 
 def paged_logits(model: CausalLM, ids: list[int], *, chunk: int = 512, block_size: int = 16,

@@ -87,14 +87,7 @@ class CausalLM(Layer):
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] of the new tokens (after the first `num_layers` layers
         and the final norm, when given: an early exit)."""
-        h = self._embedded(input_ids)
-        n = len(self.layers) if num_layers is None else num_layers
-        args = self._stack_args(h, ctx, n)
-        if args:
-            return self.norm(self.stack[0].forward_layers(*args))
-        for layer in self.layers[:n]:
-            h = layer(h, ctx)
-        return self.norm(h)
+        return self._layers(self._embedded(input_ids), ctx, len(self.layers) if num_layers is None else num_layers)
 
     def forward_logits(self, input_ids: torch.Tensor, ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward` and `logits` of every new token: (hidden states, float32 logits), the
@@ -111,10 +104,18 @@ class CausalLM(Layer):
         if args:
             hidden, logits = self.stack[0].forward_logits(*args, self.norm.weight, self.norm.eps, self.head)
             return hidden, logits
-        for layer in self.layers:
-            h = layer(h, ctx)
-        hidden = self.norm(h)
+        hidden = self._layers(h, ctx, len(self.layers))
         return hidden, self.logits(hidden)
+
+    def _layers(self, h: torch.Tensor, ctx: AttentionContext, n: int) -> torch.Tensor:
+        """Layers 0 .. n - 1 over the embedded tokens h (in one native call where they can),
+        then the final norm."""
+        args = self._stack_args(h, ctx, n)
+        if args:
+            return self.norm(self.stack[0].forward_layers(*args))
+        for layer in self.layers[:n]:
+            h = layer(h, ctx)
+        return self.norm(h)
 
     def _embedded(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_rows(input_ids)

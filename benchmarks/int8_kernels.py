@@ -2,7 +2,7 @@
 
     python benchmarks/int8_kernels.py --type Q8_0 --rows 2880 --cols 2880 --m 1,2,4,8,16
 
-Types the loader never regroups (Q2_K, Q6_K) are timed in the GGUF layout only.
+Q6_K, which the loader never regroups, is timed in the GGUF layout only.
 
 Prints milliseconds per matmul and multiply-adds per second (medians). The weights are random
 blocks with small scales, in 2 MiB pages as the loader keeps weights; the matrix is the size
@@ -22,7 +22,7 @@ import torch
 from minerva.kernels import hugepages, native, repack
 
 Q = gguf.GGMLQuantizationType
-AS_STORED = ("Q2_K", "Q6_K")  # kept in the GGUF layout by the loader
+AS_STORED = ("Q6_K",)  # kept in the GGUF layout by the loader
 
 
 def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/Q3_K (and Q8_0, Q4_K, Q5_K) regrouped for the int8 kernels (`minerva.kernels.repack`):
-the layout round-trips, and the kernels on it give the GGML layout's results bit for bit (Q8_0, Q4_K, Q5_K:
+"""Q4_0/Q4_1/Q5_0/Q5_1/MXFP4/Q3_K (and Q8_0, Q2_K, Q4_K, Q5_K) regrouped for the int8 kernels (`minerva.kernels.repack`):
+the layout round-trips, and the kernels on it give the GGML layout's results bit for bit (Q8_0, Q2_K, Q4_K, Q5_K:
 within float32 rounding of the exact products)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.test_act_quant import kernels, needs_kernels, sample_x  # noqa: F401 
 
 SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4]  # blocks of 32: the GGML layout's bits exactly
 BLOCKS_OF_32 = SMALL + [QT.Q8_0]
-TYPES = BLOCKS_OF_32 + [QT.Q3_K, QT.Q4_K, QT.Q5_K]
+TYPES = BLOCKS_OF_32 + [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K]
 EXACT = SMALL + [QT.Q3_K]  # the GGML layout's bits exactly
 
 
@@ -127,6 +127,23 @@ def test_layout_of_a_q3_k_group():
             assert torch.equal(b[864 + 2 * j:866 + 2 * j], row[108:110])
 
 
+def test_layout_of_a_q2_k_group():
+    """Per super-block, the GGML fields in order: the 16 scale/min bytes, chunk u of row j at
+    32u + 4j, qs chunk q at 128 + 32q + 4j, then d[8] at 640 and dmin[8] at 656."""
+    raw = torch.from_numpy(realistic_blocks(QT.Q2_K, 8, 512, np.random.default_rng(2)))
+    out = repack.regroup(raw, QT.Q2_K, 8, 512).reshape(2, 672)
+    for g in range(2):
+        b = out[g]
+        for j in range(8):
+            row = raw[j, 84 * g:84 * (g + 1)]
+            for u in range(4):
+                assert torch.equal(b[32 * u + 4 * j:32 * u + 4 * j + 4], row[4 * u:4 * u + 4])
+            for q in range(16):
+                assert torch.equal(b[128 + 32 * q + 4 * j:132 + 32 * q + 4 * j], row[16 + 4 * q:20 + 4 * q])
+            assert torch.equal(b[640 + 2 * j:642 + 2 * j], row[80:82])
+            assert torch.equal(b[656 + 2 * j:658 + 2 * j], row[82:84])
+
+
 def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):
     qt = int(qtype) | (repack.REGROUPED if regrouped else 0)
     return kernels.qmatmul_q8(x, packed, qt, rows, cols)
@@ -155,7 +172,7 @@ def steps_choices(qtype):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [40, 37, 48, 56])
 def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
-    """Q4_0 .. MXFP4 and Q3_K: bit for bit the GGML layout's kernel. Q8_0, Q4_K, Q5_K (each output's block
+    """Q4_0 .. MXFP4 and Q3_K: bit for bit the GGML layout's kernel. Q8_0, Q2_K, Q4_K, Q5_K (each output's block
     or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
     Every type: a row's result does not depend on the batch or the threads (Q8_0's one-row
     path takes 2, 3 or 4 groups of 8 rows at a time: 48 and 56 rows end on 2 and 3). Q4_K and
@@ -195,10 +212,12 @@ def check_regrouped_kernel(kernels, qtype, rows):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K], ids=lambda t: t.name)
-def test_per_cpu_choices_give_the_same_bits(kernels, qtype):
+@pytest.mark.parametrize("qtype, regrouped", [(QT.Q4_K, True), (QT.Q5_K, True), (QT.Q6_K, False), (QT.Q3_K, True),
+                                              (QT.Q3_K, False), (QT.Q2_K, True), (QT.Q2_K, False)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q3_K-gguf", "Q2_K", "Q2_K-gguf"])
+def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
     """The kernels make a few choices by the CPU's vendor (`cpu_choices`): one row of x takes
-    regrouped Q3_K/Q4_K/Q5_K one or two groups at a time and prefetches the K-quants into L2 or not,
+    regrouped Q2_K..Q5_K one or two groups at a time and prefetches the K-quants into L2 or not,
     and the Q4_K/Q5_K tiles for many rows copy x per super-block or not. Every choice gives
     the same bits, whichever this CPU runs: one row against the batched kernel's row, the
     batch against itself under the other choices. The one choice that changes bits, Q4_K/Q5_K's
@@ -207,7 +226,6 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype):
     prefetch distance; 9 rows of x, tiles of 8 and 1 (6 and 3 with the int steps)."""
     rows, cols = 264, 2048
     raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(5)))
-    regrouped = qtype in repack.TYPES
     w = repack.regroup(raw, qtype, rows, cols) if regrouped else raw
     x = sample_x(9, cols, seed=6)
     was = kernels.cpu_choices()
@@ -223,7 +241,7 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype):
                     assert torch.equal(run_kernel(kernels, qtype, x[i:i + 1], w, rows, cols, regrouped),
                                        batched[i:i + 1]), choice
                 assert torch.equal(run_kernel(kernels, qtype, x, w, rows, cols, regrouped), batched), choice
-                if qtype == QT.Q3_K:  # the same bits as the GGML layout
+                if qtype == QT.Q3_K and regrouped:  # the same bits as the GGML layout
                     assert torch.equal(run_kernel(kernels, qtype, x[:1], raw, rows, cols, False), batched[:1]), choice
     finally:
         kernels.cpu_choices(was)
@@ -313,7 +331,7 @@ def test_model_logits_are_the_same_regrouped_or_not(smollm2_gguf, monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [QT.MXFP4, QT.Q8_0, QT.Q3_K, QT.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [QT.MXFP4, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K], ids=lambda t: t.name)
 def test_grouped_matmul_is_each_matrix_alone(kernels, qtype):
     """`grouped_qmatmul_q8` (a mixture of experts' matmuls in one parallel loop): each matrix's
     rows get the bits of that matrix's own qmatmul_q8 plus its bias; a matrix without rows is
@@ -351,7 +369,7 @@ def test_matrices_side_by_side_are_each_matrix_alone(kernels):
     rng = np.random.default_rng(11)
     spec = [(QT.Q4_K, 37, True), (QT.Q6_K, 9, False), (QT.Q5_K, 264, True), (QT.Q3_K, 24, False),
             (QT.Q2_K, 8, False), (QT.Q4_K, 8, False), (QT.Q8_0, 40, True), (QT.Q5_0, 13, True),
-            (QT.Q4_0, 8, True), (QT.Q3_K, 40, True)]
+            (QT.Q4_0, 8, True), (QT.Q3_K, 40, True), (QT.Q2_K, 24, True)]
     mats, qtypes, rows = [], [], []
     for qtype, n, regroup in spec:
         raw = torch.from_numpy(realistic_blocks(qtype, n, cols, rng))
@@ -373,7 +391,7 @@ def test_matrices_side_by_side_are_each_matrix_alone(kernels):
             kernels.cpu_choices(choice)
             for n in (1, 2, 3):
                 kernels.set_num_threads(n)
-                for which in ([0, 1], [1, 0, 2, 3, 4, 5], [3, 2], [6, 7, 8], [7, 6], [0, 6], [9, 1, 3], [0, 9]):
+                for which in ([0, 1], [1, 0, 2, 3, 4, 5], [3, 2], [6, 7, 8], [7, 6], [0, 6], [9, 1, 3], [0, 9], [10, 4, 9]):
                     for xs in (x[:1], x[1:2].bfloat16(), x):
                         got = parts(xs, which)
                         assert got.dtype == xs.dtype and torch.equal(got, alone(xs, which)), (choice, n, which)

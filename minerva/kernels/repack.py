@@ -1,6 +1,6 @@
 """Packed matrices regrouped for the int8 kernels: 8 rows' blocks side by side.
 
-Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q8_0, Q3_K, Q4_K and Q5_K matrices that multiply 8-bit activations
+Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q8_0, Q2_K, Q3_K, Q4_K and Q5_K matrices that multiply 8-bit activations
 (`--activations int8`) are regrouped once at load, as llama.cpp repacks Q4_0 and Q4_K for its
 CPU kernels: rows go in groups of 8 (the last group padded with zero rows), and a group's
 block g holds its 8 rows' block g together, in the same bytes as the 8 GGML blocks:
@@ -11,6 +11,7 @@ block g holds its 8 rows' block g together, in the same bytes as the 8 GGML bloc
     Q4_K:          d[8] | dmin[8] | scales bytes 0-3 [8] | 4-7 [8] | 8-11 [8] | qs[1024]
     Q5_K:          as Q4_K, with qh[256] before qs
     Q3_K:          hmask[256] | qs[512] | scales bytes 0-11 [96] | d[8]
+    Q2_K:          scale/min bytes 0-15 [128] | qs[512] | d[8] | dmin[8]
 
 (Q6_K stays in the GGML layout: one row of x reads it faster from memory as stored, see
 `tile_panel` in csrc/qmatmul_q8.cpp. For 8 or more rows of x the kernel regroups each panel
@@ -20,7 +21,8 @@ products: `matmul_panels`.)
 qs chunk k (bytes 4k .. 4k + 3 of a row's qs) of row j sits at 32k + 4j, so one 32-byte load
 gives the same 4 bytes of all 8 rows, one row per 32-bit lane, and a dot product against 4
 bytes of x broadcast to every lane sums each row in its own lane: no horizontal sums, and
-the 8 scales are one load (Q4_K's and Q3_K's 6-bit scales unpack for 8 rows at once). For the
+the 8 scales are one load (Q4_K's and Q3_K's 6-bit scales unpack for 8 rows at once, Q2_K's
+nibbles too). For the
 blocks of 32, chunk k's low nibbles are weights 4k .. 4k + 3 and its high ones 16 + 4k ..
 16 + 4k + 3 (Q8_0's chunk k is weights 4k .. 4k + 3, k = 0..7); a row's fifth bits are moved within its u32 so that for chunk k a shift puts
 them at bit 4 of each byte: weight 4k + b (b = 0..3) at bit 8b + 4 + k, weight 16 + 4k + b
@@ -28,7 +30,7 @@ at bit 8b + k.
 
 The kernels (`tile_x8`, `tile_xk`, `tile_panel` in csrc/qmatmul_q8.cpp) take the type id with
 `REGROUPED` set. For Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and Q3_K the integer dot products and the
-float operations per output are those of the GGML layout, so the results are bit-identical; Q8_0, Q4_K and Q5_K sum a block
+float operations per output are those of the GGML layout, so the results are bit-identical; Q8_0, Q2_K, Q4_K and Q5_K sum a block
 (super-block) of an output in one lane instead of eight, so their float rounding differs
 (within float32 rounding of the exact product). Q8_0 gains the most: the GGML layout's kernel
 spends a float conversion and two multiplies on every 32 products of each output, this one on
@@ -59,6 +61,8 @@ FIELDS = {
     Q.Q5_K: [(2, "rows"), (2, "rows"), (4, "rows"), (4, "rows"), (4, "rows"), (32, "chunks"), (128, "chunks")],
     # the GGML fields in their order: hmask, qs, the 12 bytes of 6-bit scales, d
     Q.Q3_K: [(32, "chunks"), (64, "chunks"), (12, "chunks"), (2, "rows")],
+    # the GGML fields in their order: the 16 scale/min bytes, qs, d, dmin
+    Q.Q2_K: [(16, "chunks"), (64, "chunks"), (2, "rows"), (2, "rows")],
 }
 TYPES = frozenset(FIELDS)
 
@@ -92,7 +96,7 @@ def rows_padded(rows: int) -> int:
 def _geometry(qtype, cols: int) -> tuple[list[tuple[int, str]], int, int]:
     fields = FIELDS[Q(qtype)]
     size = sum(w for w, _ in fields)
-    return fields, size, cols // (256 if Q(qtype) in (Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32)
+    return fields, size, cols // (256 if Q(qtype) in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32)
 
 
 def regroup(packed: torch.Tensor, qtype, rows: int, cols: int) -> torch.Tensor:

@@ -459,7 +459,7 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // results bit for bit (tests/test_repack.py runs every choice). Two are for one row of x
 // (decode), one for many (prefill).
 //
-// l2_ahead: the K-quant one-row kernels (regrouped Q3_K aside: tile_panel) also ask for the
+// l2_ahead: the K-quant one-row kernels (regrouped Q2_K and Q3_K aside: tile_panel) also ask for the
 // weights this many bytes ahead of the ones they read, into L2, up to the end of the thread's
 // chunk of the matrix (0: no such prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
 // one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
@@ -471,7 +471,7 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // 512 MB read with prefetcht1 8-64 KB ahead ran at 21-23 GB/s on one thread against 30 without,
 // 31.5-32 against 34 on two; Q4_K matrices likewise (below).
 //
-// groups: regrouped Q3_K/Q4_K/Q5_K groups of 8 rows per work item with one row of x. Two
+// groups: regrouped Q2_K..Q5_K groups of 8 rows per work item with one row of x. Two
 // (V16: both in one 512-bit register, one broadcast of x for 16 rows) on Intel, 1.07-1.12x
 // faster than one there (all the Q4_K / Q5_K matrices of the 1.1B and 7B Q4_K_M / Q5_K_M shapes
 // from memory, 2 threads, interleaved sweeps; one dot product chain per row or two, no
@@ -495,7 +495,7 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // batch invariant, each within the reference's tolerance); with it the VNNI tiles give the
 // bits of the AVX2 build's. CPUs other than Intel's take it.
 struct CpuChoices {
-  int64_t groups;    // one row of x: regrouped Q3_K/Q4_K/Q5_K groups per work item (2 only with MINERVA_V16)
+  int64_t groups;    // one row of x: regrouped Q2_K..Q5_K groups per work item (2 only with MINERVA_V16)
   int64_t l2_ahead;  // one row of x: bytes; 0 = none
   int64_t x_copy;    // many rows: 1 = the V16 Q4_K/Q5_K tiles copy x per super-block (float steps)
   int64_t int_steps; // 1 = the Q4_K/Q5_K tiles scale sub-blocks in i32 (tile_xk's INT), 0 = in float
@@ -824,7 +824,7 @@ void tile8(const Q8& a, int64_t m0, const uint8_t* row, int64_t rb, int valid, f
 // the types with a regrouped layout (minerva/kernels/repack.py's TYPES)
 template <int QT>
 constexpr bool has_x8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 ||
-                        QT == Q3_K || QT == Q4_K || QT == Q5_K;
+                        QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K;
 
 // MXFP4 regrouped: e[8] | qs[128], its nibbles looked up into values + 16 as W8<MXFP4> does.
 // Q8_0 regrouped: d[8] | qs[256], its signed bytes whole (chunks k = 0..7).
@@ -1394,10 +1394,13 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
 //   16 part + 8 (t & 1) + c and bits 2t, 2t + 1 of qh chunk 8 part + c.
 // - Q3_K: hmask[256] | qs[512] | scales[96] (the 12 bytes of 6-bit scales as stored) | d[8].
 //   Sub-block s takes bits 2 (s & 3), +1 of qs chunk 8 (s >> 2) + c and bit s of hmask chunk c.
+// - Q2_K (at load, as Q3_K): scales[128] (the 16 bytes of 4-bit scales and mins as stored) |
+//   qs[512] | d[8] | dmin[8]. Sub-block s takes bits 2 (s & 3), +1 of qs chunk 8 (s >> 2) + c.
 // Sub-block s's chunks 0..3 take scale 2s, 4..7 scale 2s + 1.
 // With one row of x this takes fewer instructions per weight than `row1` on the GGML layout
 // (no horizontal sums, one broadcast of x's 4 bytes for 8 or 16 rows). Zen 4, 512 x 2048 from
-// L2, one thread: Q3_K 54 GMAC/s against 35, Q6_K 44 against 35 (benchmarks/int8_kernels.py).
+// L2, one thread: Q3_K 54 GMAC/s against 35, Q6_K 44 against 35, Q2_K 60 against 37
+// (benchmarks/int8_kernels.py; Q2_K from memory, 65536 rows, 2 threads: 139 against 80).
 // From memory the hardware prefetchers do not follow its order of reads (Q6_K's ql and qh a
 // kilobyte apart in each super-block): without the software prefetch below a 65536 x 2048
 // Q6_K matrix streamed at 14 GB/s against 41-52 for the GGML layout's `row1`, and with it the
@@ -1406,7 +1409,8 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
 // whose GGML kernel is bound by its instructions, gains: greedy decode of the 1.1B Q3_K_M
 // shape, the two ways alternating in one process, medians: 16.90 against 17.68 ms a token
 // where a read probe taken with each pair gave under 45 GB/s (122 pairs), and (with two groups
-// at a time) 14.45 against 16.56 where it gave 45 or more (22 pairs).
+// at a time) 14.45 against 16.56 where it gave 45 or more (22 pairs). Q2_K likewise: the 1.1B
+// Q2_K shape 14.07 against 15.46 ms (47 pairs under 45 GB/s), 12.43 against 15.10 (17 over).
 template <int QT>
 struct Panel;
 template <>
@@ -1419,7 +1423,13 @@ struct Panel<Q3_K> {
   static constexpr int64_t HI_AT = 0, QS_AT = 256, SC_AT = 768, D_AT = 864, BYTES = 880;
   static constexpr int BIAS = 2;  // q + 4
 };
-static_assert(Panel<Q6_K>::BYTES == 8 * Layout<Q6_K>::bytes && Panel<Q3_K>::BYTES == 8 * Layout<Q3_K>::bytes,
+template <>
+struct Panel<Q2_K> {
+  static constexpr int64_t SC_AT = 0, QS_AT = 128, D_AT = 640, DMIN_AT = 656, BYTES = 672;
+  static constexpr int BIAS = 0;  // q unsigned; the mins meet x's sums apart
+};
+static_assert(Panel<Q6_K>::BYTES == 8 * Layout<Q6_K>::bytes && Panel<Q3_K>::BYTES == 8 * Layout<Q3_K>::bytes &&
+                  Panel<Q2_K>::BYTES == 8 * Layout<Q2_K>::bytes,
               "a regrouped super-block holds the 8 GGML blocks' bytes");
 
 // the GF(2) matrix of an affine transform that moves each byte's n bits from bit `from` to bit
@@ -1433,8 +1443,10 @@ constexpr int64_t bit_matrix(int from, int to, int n) {
 // mr rows of x against the 8 rows (V16: and the group gb bytes on). Per super-block and output
 // the exact i32 sum of sc_j * (the stored values' dot product with x over the 16 elements of
 // scale j, minus 2^BIAS times x's sum over them), then acc = fma(sum, d * d_x, acc): the same
-// integer as `row1` and `tile` give for these types, so a row's result is the same at one row
-// of x and at many, regrouped or not. The 4 chunks of a scale add up in i32 (dot4), from the
+// integer as `row1` and `tile` give for Q3_K and Q6_K, so a row's result is the same at one row
+// of x and at many, regrouped or not. Q2_K (no bias) first takes acc = fma(mins . x's sums of
+// 16, -dmin * d_x, acc), as tile_xk does: within float32 rounding of its GGML layout's results
+// (which keep 8 lanes an output), and the same at one row of x and at many. The 4 chunks of a scale add up in i32 (dot4), from the
 // bias on, before one multiply by the scale. No step overflows: a scale's dot product is at
 // most 16 * 63 * 127, times |sc| <= 128, 16 of them: < 2^28. With the bias as the chains' start,
 // a 2048 x 5632 Q6_K matrix (the 1.1B shape's down projection) against 512 rows of x went from
@@ -1455,7 +1467,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
   using F = typename V::F;
   using P = Panel<QT>;
   constexpr int64_t BYTES = P::BYTES;
-  constexpr bool TWO = !std::is_same_v<V, V8>;
+  constexpr bool TWO = !std::is_same_v<V, V8>, MINS = QT == Q2_K;
 #if defined(__GFNI__)
   constexpr bool AFFINE = mr == 1;
 #else
@@ -1504,13 +1516,34 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
     // the bias, -2^BIAS * x's sum over a scale's 16 elements, starts that scale's dot product
     // (a broadcast from memory: no arithmetic in the loop, where a multiply by the scales per
     // pair of them was)
-    alignas(32) int32_t bias[mr][16];
-    for (int i = 0; i < mr; ++i) {
-      const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
-      for (int k = 0; k < 2; ++k) {
-        const __m256i v = _mm256_slli_epi32(_mm256_cvtepi16_epi32(load128(reinterpret_cast<const uint8_t*>(p + 8 * k))), P::BIAS);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(bias[i] + 8 * k), _mm256_sub_epi32(_mm256_setzero_si256(), v));
+    [[maybe_unused]] alignas(32) int32_t bias[MINS ? 1 : mr][16];
+    if constexpr (!MINS)
+      for (int i = 0; i < mr; ++i) {
+        const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
+        for (int k = 0; k < 2; ++k) {
+          const __m256i v = _mm256_slli_epi32(_mm256_cvtepi16_epi32(load128(reinterpret_cast<const uint8_t*>(p + 8 * k))), P::BIAS);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(bias[i] + 8 * k), _mm256_sub_epi32(_mm256_setzero_si256(), v));
+        }
       }
+    // Q2_K's mins first: the exact i32 sum of the 16 mins (high nibbles of the scale bytes)
+    // times x's sums of 16, two a dot2, then acc = fma(that, -dmin * d_x, acc)
+    if constexpr (MINS) {
+      const char z = static_cast<char>(0x80);
+      const __m128i pair01 = _mm_setr_epi8(0, z, 1, z, 4, z, 5, z, 8, z, 9, z, 12, z, 13, z);
+      const __m128i pair23 = _mm_setr_epi8(2, z, 3, z, 6, z, 7, z, 10, z, 11, z, 14, z, 15, z);
+      I ms[mr];
+      for (int i = 0; i < mr; ++i) ms[i] = V::zero();
+      for (int k = 0; k < 4; ++k) {  // the mins of scales 4k .. 4k + 3
+        const I mn = V::and_(V::shr32(scales(k), 4), V::bytes(0x0F));
+        const I lo = V::shuffle(mn, pair01), hi = V::shuffle(mn, pair23);
+        for (int i = 0; i < mr; ++i) {
+          int32_t xs[2];
+          std::memcpy(xs, a.p + (m0 + i) * a.lp + 16 * g + 4 * k, 8);
+          ms[i] = V::dot2(V::dot2(ms[i], lo, V::i32(xs[0])), hi, V::i32(xs[1]));
+        }
+      }
+      const F ndmin = V::sub(V::zerof(), V::halves(b + P::DMIN_AT, gb));
+      for (int i = 0; i < mr; ++i) acc[i] = V::fmadd(V::cvt(ms[i]), V::mul(ndmin, V::f32(a.d[(m0 + i) * a.G + g])), acc[i]);
     }
     // two dot product chains per row of x up to 4 rows of one group, one for more (enough chains)
     constexpr int CH = mr >= 6 || TWO ? 1 : 2;
@@ -1522,7 +1555,8 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
         I dot[CH][mr];
         for (int i = 0; i < mr; ++i) {
-          dot[0][i] = V::i32_at(&bias[i][j]);
+          if constexpr (MINS) dot[0][i] = V::zero();
+          else dot[0][i] = V::i32_at(&bias[i][j]);
           if constexpr (CH == 2) dot[1][i] = V::zero();
         }
 #pragma GCC unroll 4
@@ -1532,15 +1566,19 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
             const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
             const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
             w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
-          } else {
+          } else if constexpr (QT == Q3_K) {
             const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
             const I hb = bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
             w = V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
+          } else {
+            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
+            w = t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3));
           }
           for (int i = 0; i < mr; ++i)
             dot[c % CH][i] = V::dot4x(dot[c % CH][i], w, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c);
         }
-        const I sc = V::sar32(V::shl32(scales(j >> 2), 24 - 8 * byte), 24);
+        const I sc = MINS ? V::shr32(V::shl32(scales(j >> 2), 28 - 8 * byte), 28)  // Q2_K: the low nibble
+                          : V::sar32(V::shl32(scales(j >> 2), 24 - 8 * byte), 24);
         for (int i = 0; i < mr; ++i) {
           isum[i] = V::add(isum[i], V::mullo(CH == 2 ? V::add(dot[0][i], dot[CH - 1][i]) : dot[0][i], sc));
           keep_in_register(isum[i]);
@@ -1576,7 +1614,7 @@ int64_t x8_per(int64_t M) {
 // against 179-183 with 4 (the GGML layout's `tile`: 136-143).
 #if defined(__AVX512F__)
 template <int QT>
-constexpr int x8_mr = QT == Q4_K || QT == Q6_K || QT == Q3_K ? 8 : QT == Q5_K ? 6 : 4;
+constexpr int x8_mr = QT == Q4_K || QT == Q6_K || QT == Q3_K || QT == Q2_K ? 8 : QT == Q5_K ? 6 : 4;
 #else
 template <int QT>
 constexpr int x8_mr = 4;
@@ -1744,7 +1782,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       x_tiles<V16_MR>(M, [&](int64_t m, auto rows) { groups.template operator()<false>(m, rows); });
     return;
   }
-  if constexpr (QT == Q3_K) {  // as matmul_panels, from the matrix itself
+  if constexpr (QT == Q2_K || QT == Q3_K) {  // as matmul_panels, from the matrix itself
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
       int64_t grp = g0;
@@ -1764,7 +1802,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
         if (VNNI && choices.int_steps) tile_xk<V8, QT, decltype(rows)::value, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
         else tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, out, ldy, end);
       }
-      else if constexpr (QT == Q3_K)
+      else if constexpr (QT == Q2_K || QT == Q3_K)
         tile_panel<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
       else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
     }

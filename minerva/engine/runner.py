@@ -50,15 +50,21 @@ class PagedBackend:
         step's K/V (each layer's pools, scales, slots and block tables as lists, then the
         step's lengths and positions), or None when the backend's attention kernel does not
         cover this pool or dtype."""
-        if attention_kernel(dtype, self.cache) is None:
-            return None
         c = self.cache
-        ks, vs = c.scales["k"], c.scales["v"]
-        none = [EMPTY] * num_layers
-        groups = c.layout.layer_group[:num_layers]
+        static = c.stack_static.get((num_layers, dtype))
+        if static is None:  # the pools, scales and groups are the same every step: listed once
+            static = ()
+            if attention_kernel(dtype, c) is not None:
+                ks, vs = c.scales["k"], c.scales["v"]
+                none = [EMPTY] * num_layers
+                static = (c.data["k"][:num_layers], c.data["v"][:num_layers], none if ks is None else ks[:num_layers],
+                          none if vs is None else vs[:num_layers], c.layout.layer_group[:num_layers])
+            c.stack_static[(num_layers, dtype)] = static
+        if not static:
+            return None
+        *pools, groups = static
         slots, tables = self.slot_mapping.unbind(0), self.block_tables.unbind(0)
-        return (c.data["k"][:num_layers], c.data["v"][:num_layers], none if ks is None else ks[:num_layers],
-                none if vs is None else vs[:num_layers], [slots[g] for g in groups], [tables[g] for g in groups],
+        return (*pools, [slots[g] for g in groups], [tables[g] for g in groups],
                 self.seq_lens, self.query_start_loc, self.positions)
 
     def kernel_args(self, layer: int, dtype: torch.dtype) -> tuple | None:
@@ -82,7 +88,6 @@ class Seq:
 STOP, FORWARD, DRAFT = 0, 1, 2  # the kinds of step a tensor-parallel leader broadcasts
 _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minerva-masks")  # see ModelRunner.execute
 HEADER = 5  # kind, T, B, table width, logit rows
-EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 ZERO = array("q", [0])
 
 
@@ -99,6 +104,8 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.comm, self.kind = comm, kind
         self.hidden_rows: torch.Tensor | None = None
+        # only a windowed group's tables hold NULL (-1) entries (minerva/engine/block_manager.py)
+        self.windowed = any(w is not None for w in cache.layout.group_windows)
 
     def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
@@ -117,29 +124,32 @@ class ModelRunner:
             seq_lens.append(hi)
             logit_rows += range(starts[-1] - s.logit_rows, starts[-1])
         width = max(len(t) for s in seqs for t in s.tables)
-        tables = array("q")  # copied whole from the block manager's arrays: O(context) in C, not Python
+        header = [self.kind, len(ids), len(seqs), width, len(logit_rows)]
+        # one int64 buffer, filled in C (the tables copied whole from the block manager's
+        # arrays: O(context) in C, not Python), and one tensor over it
+        step = array("q", header)
+        for part in (ids, pos, *slots, starts, seq_lens):
+            step.extend(part)
         for g in range(groups):
             for s in seqs:
-                tables.extend(s.tables[g])
-                tables.extend(ZERO * (width - len(s.tables[g])))
-        header = [self.kind, len(ids), len(seqs), width, len(logit_rows)]
-        step = torch.cat([torch.tensor(header + ids + pos + [x for g in slots for x in g] + starts + seq_lens,
-                                       dtype=torch.int64),
-                          torch.frombuffer(tables, dtype=torch.int64) if tables else EMPTY_I64,
-                          torch.tensor(logit_rows, dtype=torch.int64)])
+                step.extend(s.tables[g])
+                step.extend(ZERO * (width - len(s.tables[g])))
+        step.extend(logit_rows)
+        step = torch.frombuffer(step, dtype=torch.int64)
         if self.comm is not None:
             self.comm.broadcast(step)
-        return self._run(step)
+        return self._run(step, header)
 
     @torch.inference_mode()
-    def _run(self, step: torch.Tensor) -> torch.Tensor | None:
-        _, T, B, width, L = step[:HEADER].tolist()
+    def _run(self, step: torch.Tensor, header: list[int] | None = None) -> torch.Tensor | None:
+        _, T, B, width, L = step[:HEADER].tolist() if header is None else header
         G = self.cache.layout.num_groups
-        ids, pos, slots, starts, seq_lens, tables, logit_rows = step[HEADER:].to(self.device).split(
-            [T, T, G * T, B + 1, B, G * B * width, L])
+        body = step[HEADER:] if step.device == self.device else step[HEADER:].to(self.device)
+        ids, pos, slots, starts, seq_lens, tables, logit_rows = body.split([T, T, G * T, B + 1, B, G * B * width, L])
         # a windowed group's entries behind its window (NULL) are never read: 0 stands in
+        tables = tables.view(G, B, width)
         backend = PagedBackend(self.cache, slots.view(G, T), starts, seq_lens,
-                               tables.view(G, B, width).clamp(min=0), pos)
+                               tables.clamp(min=0) if self.windowed else tables, pos)
         ctx = AttentionContext(pos, backend)
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)

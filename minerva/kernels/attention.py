@@ -60,6 +60,7 @@ class PagedKVCache:
             self.data[kind] = [data[p] for p in self.layout.layer_pool]
             scales = [_empty(shape[:3], SCALE_DTYPE, device) for _ in pools] if kv_format(fmt).scaled else None
             self.scales[kind] = None if scales is None else [scales[p] for p in self.layout.layer_pool]
+        self.stack_static: dict = {}  # (layers, dtype) -> what every step's stack_args shares
 
     @staticmethod
     def bytes_per_block(num_pools: int, block_size: int, num_kv_heads: int, head_dim: int,

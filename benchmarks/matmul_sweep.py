@@ -3,7 +3,7 @@ streamed from memory: what per-call costs take from decode's bandwidth.
 
     python benchmarks/matmul_sweep.py FILE [--reps 9] [--threads 2]
 
-Each rep times one large regrouped Q4_K matrix (131072 x 2048, 302 MB), then every `blk.*`
+Each rep times one large regrouped Q4_K matrix (131072 x 2048, 151 MB), then every `blk.*`
 matrix of the file once, in file order, each read from memory (together they are larger
 than the caches), all in 2 MiB pages as the loader keeps them. Decode in the engine makes
 fewer calls than this: it fuses Q/K/V of one type, and gate/up, into one call each. Prints both bandwidths per rep, and per kind of matrix

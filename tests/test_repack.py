@@ -108,40 +108,32 @@ def test_layout_of_a_k_quant_group(qtype):
             assert torch.equal(out[at:at + 4], row[qs_at // 8 + 4 * q:qs_at // 8 + 4 * q + 4])
 
 
-def test_layout_of_a_q3_k_group():
-    """Per super-block, the GGML fields in order, each interleaved 4 bytes at a time: hmask
-    chunk c of row j at 32c + 4j, qs chunk q at 256 + 32q + 4j, scale bytes 4u .. 4u + 3 at
-    768 + 32u + 4j, then d[8] at 864."""
-    raw = torch.from_numpy(realistic_blocks(QT.Q3_K, 8, 512, np.random.default_rng(2)))
-    out = repack.regroup(raw, QT.Q3_K, 8, 512).reshape(2, 880)
+# the panel kernel's types: block bytes, chunked fields (GGML offset, dwords, regrouped offset),
+# f16 fields (GGML offset, regrouped offset of the 8 rows' values side by side)
+PANEL_LAYOUTS = {
+    QT.Q3_K: (110, [(0, 8, 0), (32, 16, 256), (96, 3, 768)], [(108, 864)]),
+    QT.Q2_K: (84, [(0, 4, 0), (16, 16, 128)], [(80, 640), (82, 656)]),
+}
+
+
+@pytest.mark.parametrize("qtype", list(PANEL_LAYOUTS), ids=lambda t: t.name)
+def test_layout_of_a_panel_type_group(qtype):
+    """Per super-block, the GGML fields in order, each interleaved 4 bytes at a time (chunk c of
+    row j at the field's place + 32c + 4j) or, for the f16 scales, side by side: Q3_K's hmask,
+    qs, 12 scale bytes and d at 0, 256, 768 and 864; Q2_K's 16 scale/min bytes, qs, d and dmin
+    at 0, 128, 640 and 656."""
+    size, chunked, halves = PANEL_LAYOUTS[qtype]
+    raw = torch.from_numpy(realistic_blocks(qtype, 8, 512, np.random.default_rng(2)))
+    out = repack.regroup(raw, qtype, 8, 512).reshape(2, 8 * size)
     for g in range(2):
         b = out[g]
         for j in range(8):
-            row = raw[j, 110 * g:110 * (g + 1)]
-            for c in range(8):
-                assert torch.equal(b[32 * c + 4 * j:32 * c + 4 * j + 4], row[4 * c:4 * c + 4])
-            for q in range(16):
-                assert torch.equal(b[256 + 32 * q + 4 * j:260 + 32 * q + 4 * j], row[32 + 4 * q:36 + 4 * q])
-            for u in range(3):
-                assert torch.equal(b[768 + 32 * u + 4 * j:772 + 32 * u + 4 * j], row[96 + 4 * u:100 + 4 * u])
-            assert torch.equal(b[864 + 2 * j:866 + 2 * j], row[108:110])
-
-
-def test_layout_of_a_q2_k_group():
-    """Per super-block, the GGML fields in order: the 16 scale/min bytes, chunk u of row j at
-    32u + 4j, qs chunk q at 128 + 32q + 4j, then d[8] at 640 and dmin[8] at 656."""
-    raw = torch.from_numpy(realistic_blocks(QT.Q2_K, 8, 512, np.random.default_rng(2)))
-    out = repack.regroup(raw, QT.Q2_K, 8, 512).reshape(2, 672)
-    for g in range(2):
-        b = out[g]
-        for j in range(8):
-            row = raw[j, 84 * g:84 * (g + 1)]
-            for u in range(4):
-                assert torch.equal(b[32 * u + 4 * j:32 * u + 4 * j + 4], row[4 * u:4 * u + 4])
-            for q in range(16):
-                assert torch.equal(b[128 + 32 * q + 4 * j:132 + 32 * q + 4 * j], row[16 + 4 * q:20 + 4 * q])
-            assert torch.equal(b[640 + 2 * j:642 + 2 * j], row[80:82])
-            assert torch.equal(b[656 + 2 * j:658 + 2 * j], row[82:84])
+            row = raw[j, size * g:size * (g + 1)]
+            for at, dwords, to in chunked:
+                for c in range(dwords):
+                    assert torch.equal(b[to + 32 * c + 4 * j:to + 32 * c + 4 * j + 4], row[at + 4 * c:at + 4 * c + 4])
+            for at, to in halves:
+                assert torch.equal(b[to + 2 * j:to + 2 * j + 2], row[at:at + 2])
 
 
 def run_kernel(kernels, qtype, x, packed, rows, cols, regrouped):

@@ -1857,25 +1857,33 @@ torch::Tensor as_dtype_of(const torch::Tensor& y, const torch::Tensor& x) {
 }
 
 // x [M, K] (float32 or bfloat16) quantized row by row in blocks of `block` (32 or 256): values,
-// for 256 the i16 sums of 16 (Q8::p), scales, scale * sum, sum
-struct Quantized {
-  torch::Tensor q, p, d, s, n;
-  int64_t block;
-  Quantized(const torch::Tensor& x, int64_t block) : block(block) {
+// for 256 the i16 sums of 16 (Q8::p), scales, scale * sum, sum. Into memory of the calling
+// thread's, not tensors: a decode step quantizes x four times a layer, and five tensors each
+// time (allocated, then freed) took longer than quantizing the one row. Each Quantized alive
+// on a thread holds its own buffer (a stack of them, reused; one over SCRATCH_KEPT bytes is
+// freed with it).
+class Quantized {
+ public:
+  Quantized(const torch::Tensor& x, int64_t block) : block_(block) {
     TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
     TORCH_CHECK(x.is_contiguous() && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
                 "x must be contiguous float32 or bfloat16");
-    const int64_t M = x.size(0), K = x.size(1), G = K / block, lp = block == 32 ? 0 : K / 16 + K / 32;
-    TORCH_CHECK(K % block == 0, "row length ", K, " is not a multiple of ", block);
-    q = torch::empty({M, K}, torch::dtype(torch::kInt8));
-    p = torch::empty({M, lp}, torch::dtype(torch::kInt16));
-    d = torch::empty({M, G}, torch::dtype(torch::kFloat32));
-    s = torch::empty({M, G}, torch::dtype(torch::kFloat32));
-    n = torch::empty({M, G}, torch::dtype(torch::kInt32));
-    int8_t* qp = q.data_ptr<int8_t>();
-    int16_t* pp = p.data_ptr<int16_t>();
-    float *dp = d.data_ptr<float>(), *sp = s.data_ptr<float>();
-    int32_t* np = n.data_ptr<int32_t>();
+    M_ = x.size(0), K_ = x.size(1), G_ = K_ / block, lp_ = block == 32 ? 0 : K_ / 16 + K_ / 32;
+    TORCH_CHECK(K_ % block == 0, "row length ", K_, " is not a multiple of ", block);
+    auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
+    const int64_t qb = up(M_ * K_), pb = up(M_ * lp_ * 2), fb = up(M_ * G_ * 4);
+    uint8_t* base = take(qb + pb + 3 * fb + 128);  // room to align, and for loads a little past the end
+    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+    q_ = reinterpret_cast<int8_t*>(base);
+    p_ = reinterpret_cast<int16_t*>(base + qb);
+    d_ = reinterpret_cast<float*>(base + qb + pb);
+    s_ = reinterpret_cast<float*>(base + qb + pb + fb);
+    n_ = reinterpret_cast<int32_t*>(base + qb + pb + 2 * fb);
+    const int64_t M = M_, K = K_, G = G_, lp = lp_;
+    int8_t* qp = q_;
+    int16_t* pp = p_;
+    float *dp = d_, *sp = s_;
+    int32_t* np = n_;
     auto rows = [&](const auto* xp) {
       minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
@@ -1886,18 +1894,59 @@ struct Quantized {
     if (x.dtype() == torch::kBFloat16) rows(x.data_ptr<at::BFloat16>());
     else rows(x.data_ptr<float>());
   }
-  Q8 view() const {
-    const int64_t K = q.size(1);
-    return Q8{q.data_ptr<int8_t>(), p.data_ptr<int16_t>(), d.data_ptr<float>(), s.data_ptr<float>(),
-              n.data_ptr<int32_t>(), K, K / block, p.size(1)};
+  ~Quantized() {
+    if (own_.empty()) --stack().depth;
   }
+  Quantized(const Quantized&) = delete;
+  Quantized& operator=(const Quantized&) = delete;
+
+  Q8 view() const { return Q8{q_, p_, d_, s_, n_, K_, G_, lp_}; }
+  int64_t rows() const { return M_; }
+  // the values and scales as tensors (copies)
+  std::vector<torch::Tensor> tensors() const {
+    auto q = torch::empty({M_, K_}, torch::dtype(torch::kInt8));
+    auto d = torch::empty({M_, G_}, torch::dtype(torch::kFloat32)), s = torch::empty({M_, G_}, torch::dtype(torch::kFloat32));
+    std::memcpy(q.data_ptr<int8_t>(), q_, M_ * K_);
+    std::memcpy(d.data_ptr<float>(), d_, M_ * G_ * 4);
+    std::memcpy(s.data_ptr<float>(), s_, M_ * G_ * 4);
+    return {q, d, s};
+  }
+
+ private:
+  static constexpr int64_t SCRATCH_KEPT = 1 << 20;
+  struct Stack {
+    std::vector<std::vector<uint8_t>> buffers;
+    size_t depth = 0;
+  };
+  static Stack& stack() {
+    thread_local Stack s;
+    return s;
+  }
+  uint8_t* take(int64_t bytes) {
+    if (bytes > SCRATCH_KEPT) {
+      own_.resize(bytes);
+      return own_.data();
+    }
+    Stack& st = stack();
+    if (st.depth == st.buffers.size()) st.buffers.emplace_back();
+    auto& b = st.buffers[st.depth++];
+    if (static_cast<int64_t>(b.size()) < bytes) b.resize(bytes);
+    return b.data();
+  }
+
+  int64_t block_, M_ = 0, K_ = 0, G_ = 0, lp_ = 0;
+  int8_t* q_ = nullptr;
+  int16_t* p_ = nullptr;
+  float *d_ = nullptr, *s_ = nullptr;
+  int32_t* n_ = nullptr;
+  std::vector<uint8_t> own_;  // a large x's buffer, freed with this
 };
 
 }  // namespace
 
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block) {
   const Quantized a(checked(x, x.dim() == 2 ? x.size(1) : -1), block);
-  return {a.q, a.d, a.s};
+  return a.tensors();
 }
 
 // repack.py's regrouping of packed rows, in place, group by group: a group's regrouped bytes
@@ -2173,7 +2222,7 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
       if constexpr (has_x8<QT>) {
         check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
         const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
-        const int64_t M = a.q.size(0);
+        const int64_t M = a.rows();
         if (x.dtype() == torch::kBFloat16) {  // rounded as each work item finishes
           auto y = torch::empty({M, rows}, torch::dtype(torch::kBFloat16));
           matmul_x8<QT>(a.view(), M, packed.data_ptr<uint8_t>(), rows, nullptr, y.data_ptr<at::BFloat16>());
@@ -2195,13 +2244,13 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
       check_args<QT>(packed, rows, cols);
       const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
       if constexpr (QT == Q3_K || QT == Q6_K)
-        if (x.dtype() == torch::kBFloat16 && a.q.size(0) >= PANELS_FROM) {  // as above
-          auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kBFloat16));
-          matmul_panels<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, nullptr, y.data_ptr<at::BFloat16>());
+        if (x.dtype() == torch::kBFloat16 && a.rows() >= PANELS_FROM) {  // as above
+          auto y = torch::empty({a.rows(), rows}, torch::dtype(torch::kBFloat16));
+          matmul_panels<QT>(a.view(), a.rows(), packed.data_ptr<uint8_t>(), rows, nullptr, y.data_ptr<at::BFloat16>());
           return y;
         }
-      auto y = torch::empty({a.q.size(0), rows}, torch::dtype(torch::kFloat32));
-      matmul<QT>(a.view(), a.q.size(0), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
+      auto y = torch::empty({a.rows(), rows}, torch::dtype(torch::kFloat32));
+      matmul<QT>(a.view(), a.rows(), packed.data_ptr<uint8_t>(), rows, y.data_ptr<float>());
       return as_dtype_of(y, x);
     }
   });

@@ -37,6 +37,8 @@ def test_add_rms_norm_updates_the_residual(dtype):
     ours = ops.add_rms_norm(h, a, w, 1e-5)
     assert torch.equal(h, h_ref)  # the add itself is one elementwise op either way
     torch.testing.assert_close(ours.float(), ref.float(), **TOL[dtype])
+    # one pass adds and normalizes: the norm of the stored (rounded) sums, as rms_norm gives it
+    assert torch.equal(ours, ops.rms_norm(h, w, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,6 +37,7 @@ void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::
 // ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps);
+torch::Tensor residual_add_(torch::Tensor h, const torch::Tensor& m);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 // act_mul's activations: 0 silu, 1 gelu (tanh), ACT_SWIGLU_LIMIT GPT-OSS's clamped SwiGLU (ops.py's ids)
 constexpr int64_t ACT_SWIGLU_LIMIT = 2;

@@ -103,7 +103,7 @@ struct DecoderLayer {
   // residual: h += post_mlp_norm(m), returned.
   torch::Tensor residual(torch::Tensor h, torch::Tensor m) const {
     if (post_mlp_norm) m = rms_norm(m, *post_mlp_norm, eps);
-    return h.add_(m);
+    return residual_add_(h, m);
   }
 };
 

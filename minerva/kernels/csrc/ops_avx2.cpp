@@ -24,11 +24,19 @@ void by_dtype(const torch::Tensor& x, F&& f) {
   else TORCH_CHECK(false, "expected float32 or bfloat16, got ", x.scalar_type());
 }
 
+// out = RMSNorm of each row of x; with `a`, first sum = x + a (rounded to T, as torch's add
+// rounds; sum may be x itself) and the norm of the stored sums
 template <typename T>
-void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, float eps) {
+void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, float eps, T* sum = nullptr,
+               const T* a = nullptr) {
   minerva::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * D;
+      if (a != nullptr) {
+        for (int64_t d = 0; d < D; d += 8)
+          store8(sum + r * D + d, _mm256_add_ps(load8(xr + d, 1.0f), load8(a + r * D + d, 1.0f)));
+        xr = sum + r * D;
+      }
       __m256 ss = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 v = load8(xr + d, 1.0f);
@@ -42,25 +50,12 @@ void norm_rows(const T* x, const float* w, T* out, int64_t rows, int64_t D, floa
   });
 }
 
-// h += a (rounded to h's dtype, as torch's add_), then out = norm_rows of h: one pass adds
-// and sums the squares of the stored values, in norm_rows' order
+// h += m over n values (a multiple of 16), rounded to T as torch's add_ rounds
 template <typename T>
-void add_norm_rows(T* h, const T* a, const float* w, T* out, int64_t rows, int64_t D, float eps) {
-  minerva::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      T* hr = h + r * D;
-      const T* ar = a + r * D;
-      __m256 ss = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        store8(hr + d, _mm256_add_ps(load8(hr + d, 1.0f), load8(ar + d, 1.0f)));
-        const __m256 v = load8(hr + d, 1.0f);
-        ss = _mm256_fmadd_ps(v, v, ss);
-      }
-      const float inv = 1.0f / std::sqrt(reduce_add(ss) / static_cast<float>(D) + eps);
-      const __m256 s = _mm256_set1_ps(inv);
-      for (int64_t d = 0; d < D; d += 8)
-        store8(out + r * D + d, _mm256_mul_ps(_mm256_loadu_ps(w + d), _mm256_mul_ps(load8(hr + d, 1.0f), s)));
-    }
+void add_rows(T* h, const T* m, int64_t n) {
+  minerva::parallel_for(0, n / 8, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0 * 8; i < i1 * 8; i += 8)
+      store8(h + i, _mm256_add_ps(load8(h + i, 1.0f), load8(m + i, 1.0f)));
   });
 }
 
@@ -80,37 +75,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
-// h += a (in place), then return rms_norm(h).
-torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps) {
-  TORCH_CHECK(h.is_contiguous() && h.sizes() == a.sizes() && h.scalar_type() == a.scalar_type(), "bad add_rms_norm args");
-  const int64_t D = h.size(-1);
-  TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
-  const auto ac = a.contiguous();
-  const auto wc = w.contiguous();
-  auto out = torch::empty_like(h);
-  by_dtype(h, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    add_norm_rows<T>(h.data_ptr<T>(), ac.data_ptr<T>(), wc.data_ptr<float>(), out.data_ptr<T>(), h.numel() / D, D,
-                     static_cast<float>(eps));
-  });
-  return out;
-}
-
-// h += m in place, rounded to h's dtype as torch's add_ rounds (the residual stream's add)
-torch::Tensor residual_add_(torch::Tensor h, const torch::Tensor& m) {
-  TORCH_CHECK(h.is_contiguous() && h.sizes() == m.sizes() && h.scalar_type() == m.scalar_type() && h.size(-1) % 16 == 0,
-              "residual_add_: h and m must be the same contiguous shape and dtype, rows a multiple of 16");
-  const auto mc = m.contiguous();
-  by_dtype(h, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    T* hp = h.data_ptr<T>();
-    const T* mp = mc.data_ptr<T>();
-    minerva::parallel_for(0, h.numel() / 8, 4096, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0 * 8; i < i1 * 8; i += 8) store8(hp + i, _mm256_add_ps(load8(hp + i, 1.0f), load8(mp + i, 1.0f)));
-    });
-  });
-  return h;
-}
+#include "ops_tensor.h"  // add_rms_norm and residual_add_ over the row functions above
 
 // Rotary embedding, half-split layout, in place on x [T, heads, D] with cos/sin float32 [T, D/2]:
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.

@@ -1864,7 +1864,7 @@ torch::Tensor as_dtype_of(const torch::Tensor& y, const torch::Tensor& x) {
 // freed with it).
 class Quantized {
  public:
-  Quantized(const torch::Tensor& x, int64_t block) : block_(block) {
+  Quantized(const torch::Tensor& x, int64_t block) {
     TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
     TORCH_CHECK(x.is_contiguous() && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
                 "x must be contiguous float32 or bfloat16");
@@ -1934,7 +1934,7 @@ class Quantized {
     return b.data();
   }
 
-  int64_t block_, M_ = 0, K_ = 0, G_ = 0, lp_ = 0;
+  int64_t M_ = 0, K_ = 0, G_ = 0, lp_ = 0;
   int8_t* q_ = nullptr;
   int16_t* p_ = nullptr;
   float *d_ = nullptr, *s_ = nullptr;

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minerva.engine.rejection import probabilities, states_along, verify
-from minerva.engine.sampler import check_logits, sample_batch, token_logprobs
+from minerva.engine.sampler import check_logits, greedy_tokens, plain_greedy, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, SchedulerOutput
 from minerva.engine.structured import apply_mask_, fill_masks
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
@@ -106,10 +106,11 @@ class ModelRunner:
         self.hidden_rows: torch.Tensor | None = None
         # only a windowed group's tables hold NULL (-1) entries (minerva/engine/block_manager.py)
         self.windowed = any(w is not None for w in cache.layout.group_windows)
+        self.cpu = device.type == "cpu"
 
-    def forward(self, seqs: list[Seq]) -> torch.Tensor | None:
+    def forward(self, seqs: list[Seq], check: bool = True) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
-        order (None if none)."""
+        order (None if none), refused if NaN/+inf unless `check` is False (the caller checks)."""
         ids, pos, starts, seq_lens, logit_rows = [], [], [0], [], []
         groups = self.cache.layout.num_groups
         slots: list[list[int]] = [[] for _ in range(groups)]
@@ -138,10 +139,10 @@ class ModelRunner:
         step = torch.frombuffer(step, dtype=torch.int64)
         if self.comm is not None:
             self.comm.broadcast(step)
-        return self._run(step, header)
+        return self._run(step, header, check)
 
     @torch.inference_mode()
-    def _run(self, step: torch.Tensor, header: list[int] | None = None) -> torch.Tensor | None:
+    def _run(self, step: torch.Tensor, header: list[int] | None = None, check: bool = True) -> torch.Tensor | None:
         _, T, B, width, L = step[:HEADER].tolist() if header is None else header
         G = self.cache.layout.num_groups
         body = step[HEADER:] if step.device == self.device else step[HEADER:].to(self.device)
@@ -160,7 +161,7 @@ class ModelRunner:
                 return None
             self.hidden_rows = hidden[logit_rows]
             logits = self.model.logits(self.hidden_rows)
-        if logits is not None:  # None on a tensor-parallel follower: the leader gathers them
+        if check and logits is not None:  # None on a tensor-parallel follower: the leader gathers them
             check_logits(logits, hidden.dtype)  # hidden is in the model's dtype; logits are float32
         return logits
 
@@ -192,6 +193,14 @@ class ModelRunner:
             lo = r.num_computed_tokens
             rows = (1 + len(r.draft_token_ids)) if s.samples else 0
             seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows))
+        if all(seq.logit_rows == 1 and plain_greedy(s.request.sampler) and s.request.params.logprobs is None
+               and not s.request.params.embedding for s, seq in zip(batch, seqs)):
+            # plain greedy rows, nothing else asked (most decode steps): each its argmax, with the
+            # NaN/inf check, in one native call (what the path below computes, with less Python)
+            logits = self.forward(seqs, check=False)
+            if logits is None:
+                return [None] * len(batch)
+            return [[(t, None)] for t in greedy_tokens(logits, self.hidden_rows.dtype, self.cpu)]
         # Structured output: the masks of this step's sampling rows depend only on the tokens
         # before it, so llguidance fills them on a worker thread while the forward runs.
         masked = [s.request.sampler.matcher for s, seq in zip(batch, seqs)

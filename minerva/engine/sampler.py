@@ -286,6 +286,24 @@ def _penalizes(p: SamplingParams) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
+def plain_greedy(s: SamplerState) -> bool:
+    """Whether the row's token is its logits' argmax: greedy, no penalties or bias, no grammar."""
+    return s.params.greedy and s.matcher is None and not _penalizes(s.params)
+
+
+def greedy_tokens(logits: torch.Tensor, dtype: torch.dtype, cpu: bool) -> list[int]:
+    """Each row's argmax of float32 logits [B, vocab] that `check_logits` has not seen, refusing
+    NaN/+inf as it does; on a CPU (`cpu`, the runner's device) one native call does both."""
+    kernels = native.load() if cpu else None
+    if kernels is None or logits.dtype != torch.float32 or not logits.is_contiguous() or not logits.shape[-1]:
+        check_logits(logits, dtype)
+        return argmax_rows(logits.float()).tolist()
+    tokens = kernels.greedy_rows(logits)
+    if -1 in tokens:
+        check_logits(logits, dtype)  # raises, with its advice
+    return tokens
+
+
 def sample_batch(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
     """Pick each row's next token from float32 logits [B, vocab], each with its own generator.
 

@@ -45,6 +45,7 @@ torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit = 0.0, double 
 // sampling.cpp
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+std::vector<int64_t> greedy_rows(const torch::Tensor& x);
 torch::Tensor invert_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u);
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                           const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u);

@@ -438,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "seconds callers waited for helpers");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
   m.def("argmax_rows", &argmax_rows, "each row's index of its first largest value (torch.argmax over the last dim)");
+  m.def("greedy_rows", &greedy_rows, "argmax_rows as a list, -1 for a row whose largest value is NaN or +inf");
   m.def("sample_rows", &sample_rows,
         "each row's token after temperature, top-k, top-p and min-p, drawn at u (sampler.sample_batch)");
   m.def("invert_cdf_rows", &invert_cdf_rows, "each row's token where its float64 CDF first exceeds u times its total");

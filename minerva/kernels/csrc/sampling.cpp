@@ -332,6 +332,24 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+// argmax_rows for greedy decoding, with check_logits' test folded in: a list of each row's
+// token, or -1 for a row whose largest value is NaN or +inf (the model overflowed). One call
+// in place of a torch max, a float, the argmax and a tolist, each of them slow from cold
+// caches after a decode step's weights streamed through.
+std::vector<int64_t> greedy_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) > 0,
+              "x: contiguous float32 [N, V] with V > 0");
+  const int64_t N = x.size(0), V = x.size(1);
+  std::vector<int64_t> out(N);
+  const float* p = x.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t k = argmax_row(p + n * V, V);
+    const float top = p[n * V + k];  // the first NaN where there is one
+    out[n] = std::isnan(top) || top == std::numeric_limits<float>::infinity() ? -1 : k;
+  }
+  return out;
+}
+
 torch::Tensor invert_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u) {
   TORCH_CHECK((probs.scalar_type() == torch::kFloat32 || probs.scalar_type() == torch::kFloat64) &&
                   probs.is_contiguous() && probs.dim() == 2 && probs.size(1) > 0,

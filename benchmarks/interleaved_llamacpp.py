@@ -3,8 +3,9 @@
 `minerva bench latency --compare llama.cpp` measures all of Minerva's figures, then all of
 llama.cpp's; on a shared machine whose load drifts over minutes, that alone can move the
 ratio by 20%. Here each round runs one prefill and one decode on each engine, back to back,
-on the same random prompts, and the report gives the medians, the ratio of the medians and
-every round's ratio.
+on the same random prompts, the engine that goes first alternating from round to round (an
+odd number of rounds gives Minerva one more first place), and the report gives the medians,
+the ratio of the medians and every round's ratio.
 
     python benchmarks/interleaved_llamacpp.py FILE [--activations int8] [--rounds 5]
         [--prompt 512] [--gen 32] [--roofline]
@@ -66,10 +67,14 @@ def main() -> int:
     for r in range(args.rounds):
         prompt, short = random_prompt(rng, llm, args.prompt), random_prompt(rng, llm, 16)
         hw = probe(seconds=2.0, threads=threads) if args.roofline else None
-        res[f"minerva {pp}"].append(minerva_prefill(llm, prompt))
-        res[f"llama.cpp {pp}"].append(peer.prefill(prompt, 0))
-        res[f"minerva {tg}"].append(minerva_decode(llm, [short], args.gen + 1)[0])
-        res[f"llama.cpp {tg}"].append(peer.decode(short, args.gen))
+        # who goes first alternates: in A/B runs of two Minerva builds in one process, the
+        # one run first after a read-bandwidth probe came out 2-4% slower, whichever it was
+        runs = {"minerva": (lambda: minerva_prefill(llm, prompt), lambda: minerva_decode(llm, [short], args.gen + 1)[0]),
+                "llama.cpp": (lambda: peer.prefill(prompt, 0), lambda: peer.decode(short, args.gen))}
+        order = ("minerva", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "minerva")
+        for i, t in enumerate((pp, tg)):
+            for e in order:
+                res[f"{e} {t}"].append(runs[e][i]())
         line = f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items())
         if hw is not None:
             ceiling = {pp: prefill_ceiling(costs, hw, args.prompt, llm.dtype_name).tokens_per_second,

@@ -342,11 +342,14 @@ std::vector<int64_t> greedy_rows(const torch::Tensor& x) {
   const int64_t N = x.size(0), V = x.size(1);
   std::vector<int64_t> out(N);
   const float* p = x.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t k = argmax_row(p + n * V, V);
-    const float top = p[n * V + k];  // the first NaN where there is one
-    out[n] = std::isnan(top) || top == std::numeric_limits<float>::infinity() ? -1 : k;
-  }
+  int64_t* o = out.data();
+  minerva::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t n = lo; n < hi; ++n) {
+      const int64_t k = argmax_row(p + n * V, V);
+      const float top = p[n * V + k];  // the first NaN where there is one
+      o[n] = std::isnan(top) || top == std::numeric_limits<float>::infinity() ? -1 : k;
+    }
+  });
   return out;
 }
 

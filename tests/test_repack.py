@@ -205,11 +205,12 @@ def check_regrouped_kernel(kernels, qtype, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype, regrouped", [(QT.Q4_K, True), (QT.Q5_K, True), (QT.Q6_K, False), (QT.Q3_K, True),
-                                              (QT.Q3_K, False), (QT.Q2_K, True), (QT.Q2_K, False)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q3_K-gguf", "Q2_K", "Q2_K-gguf"])
+                                              (QT.Q3_K, False), (QT.Q2_K, True), (QT.Q2_K, False),
+                                              (QT.Q4_0, True), (QT.Q5_1, True), (QT.MXFP4, True)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q3_K-gguf", "Q2_K", "Q2_K-gguf", "Q4_0", "Q5_1", "MXFP4"])
 def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
     """The kernels make a few choices by the CPU's vendor (`cpu_choices`): one row of x takes
-    regrouped Q2_K..Q5_K one or two groups at a time and prefetches the K-quants into L2 or not,
+    regrouped Q2_K..Q5_K one or two groups at a time and prefetches into L2 or not,
     and the Q4_K/Q5_K tiles for many rows copy x per super-block or not. Every choice gives
     the same bits, whichever this CPU runs: one row against the batched kernel's row, the
     batch against itself under the other choices. The one choice that changes bits, Q4_K/Q5_K's

@@ -459,15 +459,20 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // results bit for bit (tests/test_repack.py runs every choice). Two are for one row of x
 // (decode), one for many (prefill).
 //
-// l2_ahead: the K-quant one-row kernels (regrouped Q2_K and Q3_K aside: tile_panel) also ask for the
-// weights this many bytes ahead of the ones they read, into L2, up to the end of the thread's
-// chunk of the matrix (0: no such prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
+// l2_ahead: the one-row kernels (regrouped Q2_K and Q3_K aside: tile_panel; and tile_x8, the
+// regrouped Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4) also ask for the weights this many bytes ahead of
+// the ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
+// prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
 // one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
 // file from memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
 // matrices 1.09-1.19x, three runs), Q5_K_M 1.14x, 7B Q4_K_M 1.06x (Q4_K 1.06-1.26x, its Q6_K
 // down projection 1.12x), 1.1B Q6_K 0.98x and 1.08x in two runs. 16 KB ahead was too short for
 // the 5632-column rows (1.03x), 32 and 64 KB alike. Without the bound at the chunk's end the
-// small matrices (256 rows) lost 10%. On the Zen 4 machine it made things slower: a plain
+// small matrices (256 rows) lost 10%. tile_x8 on an Intel Xeon with AMX (2 MiB L2 a core),
+// the 1.1B shape's matrices regrouped, 1.2 GB of them in turn from memory, 2 threads, the
+// choice alternating sweep by sweep (medians of 10): Q4_0 20.2 -> 25.3 GB/s (1.27x; 16 KB
+// ahead 1.29x, 64 KB 1.21x), Q4_1 1.28x, Q5_0 1.25x; its prefetch 40 blocks ahead into L1 kept
+// beside it, 1.06x and 1.02x (Q4_0, Q5_1). On the Zen 4 machine it made things slower: a plain
 // 512 MB read with prefetcht1 8-64 KB ahead ran at 21-23 GB/s on one thread against 30 without,
 // 31.5-32 against 34 on two; Q4_K matrices likewise (below).
 //
@@ -874,12 +879,17 @@ struct X8 {
 // operand against x, and 128 sum(x) subtracted: the same exact sum in fewer steps (x enters as
 // an embedded broadcast, where |w| against x given w's signs needs x in a register).
 template <int QT, int mr>
-void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy) {
+void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy,
+             const uint8_t* end = nullptr) {
   using X = X8<QT>;
   __m256 acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t FAR = choices.l2_ahead / X::BYTES * X::BYTES;
+  const int64_t far_g = mr > 1 || FAR == 0 || end == nullptr ? 0 : std::clamp<int64_t>((end - grp - FAR) / X::BYTES, 0, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * X::BYTES;
+    if (g < far_g)
+      for (int64_t o = 0; o < X::BYTES; o += 64) prefetch_l2(b + FAR + o);
     for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + X8_AHEAD * X::BYTES + o);
     const __m256 dw = X::scales(b);
     if constexpr (QT == Q8_0) {
@@ -1804,7 +1814,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       }
       else if constexpr (QT == Q2_K || QT == Q3_K)
         tile_panel<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
-      else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy);
+      else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
     }
   });
 }

@@ -96,3 +96,27 @@ def test_llama_cpp_peer_on_smollm2(smollm2_gguf):
         proc = run("bench", *args, str(smollm2_gguf), "--compare", "llama.cpp")
         assert proc.returncode == 0, proc.stderr
         assert "llama.cpp: loaded in" in proc.stdout and "vs llama.cpp" in proc.stdout
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_llama_cpp_built_with_amx_is_warned_of_before_it_runs(tmp_path, monkeypatch, capsys, amx):
+    """llama.cpp's AMX matmul can crash the process (llama.cpp issue 20824), which no handler
+    catches: the peer says so, with the rebuild command, before it loads anything. A stand-in
+    module answers the system-info call and refuses the model."""
+    import sys
+    import types
+
+    from minerva.bench.peers import load_peer
+    from minerva.errors import MinervaError
+
+    info = b"CPU : AVX512 = 1 | " + (b"AMX_INT8 = 1 | " if amx else b"") + b"REPACK = 1 |"
+    fake = types.SimpleNamespace(llama_print_system_info=lambda: info, llama_backend_init=lambda: None,
+                                 llama_model_default_params=lambda: None,
+                                 llama_model_load_from_file=lambda path, params: None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    with pytest.raises(MinervaError, match="could not load"):
+        load_peer("llama.cpp", model, 2, 256)
+    err = capsys.readouterr().err
+    assert ("issue 20824" in err and "-DGGML_NATIVE=OFF" in err) == amx, err

@@ -10,6 +10,7 @@ asking for one that is not installed is a one-line error saying what to install.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,13 @@ from minerva.errors import MinervaError
 from minerva.machine import rss_mb
 
 PEERS = ("llama.cpp", "transformers")
+# llama.cpp's AMX matmul (built where the CPU has AMX) crashed the process on a Xeon of this
+# project's: a segmentation fault in ggml_backend_amx_mul_mat at the first forward, on Q4_1 and
+# Q4_K_M files alike (llama.cpp issue 20824). A crash cannot be caught, so say what to do first.
+AMX_WARNING = ("warning: this llama.cpp was built with AMX, whose matmul crashes with a segmentation fault on "
+               "some machines (llama.cpp issue 20824); if it does, rebuild it without: CMAKE_ARGS='-DGGML_NATIVE=OFF "
+               "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX2=ON "
+               "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON' pip install --force-reinstall --no-deps llama-cpp-python")
 
 
 def load_peer(name: str, model_path: Path, threads: int, n_ctx: int, n_seq: int = 1):
@@ -41,6 +49,8 @@ class LlamaCpp:
         if Path(model_path).suffix != ".gguf":
             raise MinervaError("llama.cpp runs GGUF files only; give a .gguf model")
         self.lc = lc
+        if "AMX_INT8 = 1" in lc.llama_print_system_info().decode(errors="replace"):
+            print(AMX_WARNING, file=sys.stderr, flush=True)
         before = rss_mb()
         start = time.perf_counter()
         lc.llama_backend_init()

@@ -30,9 +30,19 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
     # chunk=256: prefill chunks over earlier keys; chunk=1: decode steps, one token at a time
     runs = [(ids, 256), (ids[:40], 1)]
 
+    pools = []  # the thread pool's counts over each configuration's runs, for a failure's message
+
     def logits():
-        return [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=llm.dtype, device=llm.device)
-                for x, c in runs]
+        before = native.pool_stats() or {}
+        out = [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=llm.dtype, device=llm.device)
+               for x, c in runs]
+        pools.append({k: v - before.get(k, 0) for k, v in (native.pool_stats() or {}).items()})
+        return out
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
+        for run, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x, y), (f"{what}, {'prefill' if run == 0 else 'decode'}: max difference "
+                                       f"{(x - y).abs().max().item():.3g}; thread pool per configuration: {pools}")
 
     stack, head, step_args = model.stack, model.head, model.step_args
     assert stack is not None, "a model whose layers all have C++ twins runs them in one call"
@@ -40,9 +50,9 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
     with_stack = logits()
     try:
         model.step_args = None  # the embedding and rotary tables from Python
-        assert torch.equal(logits()[1], with_stack[1])
+        same(logits(), with_stack, "embedding and rotary tables from Python")
         model.head = None  # and the final norm and the head
-        assert torch.equal(logits()[1], with_stack[1])
+        same(logits(), with_stack, "final norm and head from Python")
         model.stack = None
         per_layer = logits()
         for layer in model.layers:
@@ -52,6 +62,5 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
         model.stack, model.head, model.step_args = stack, head, step_args
         for layer, n in zip(model.layers, fused):
             layer.fused = n
-    for a, b, c in zip(with_stack, per_layer, without):
-        assert torch.equal(a, b), f"stack against one call a layer: max difference {(a - b).abs().max().item():.3g}"
-        assert torch.equal(b, c), f"native against Python: max difference {(b - c).abs().max().item():.3g}"
+    same(per_layer, with_stack, "one call a layer against the stack")
+    same(without, per_layer, "the Python layers against the native ones")

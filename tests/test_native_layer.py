@@ -27,8 +27,10 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
     assert all(n is not None for n in fused), "every layer of a packed GGUF model should have a C++ twin"
     rng = random.Random(0)
     ids = [rng.randrange(1000, 20000) for _ in range(600)]  # past Gemma's 512-token window
-    # chunk=256: prefill chunks over earlier keys; chunk=1: decode steps, one token at a time
-    runs = [(ids, 256), (ids[:40], 1)]
+    # chunk=256: prefill chunks over earlier keys; chunk=1: decode steps, one token at a time;
+    # chunk=5: steps of 5 tokens and a last of 3, the sizes a batched decode step has (the C++
+    # layers keep those outputs between calls and must take each new size)
+    runs = [(ids, 256), (ids[:40], 1), (ids[:23], 5)]
 
     pools = []  # the thread pool's counts over each configuration's runs, for a failure's message
 
@@ -41,7 +43,7 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
 
     def same(a: list[torch.Tensor], b: list[torch.Tensor], what: str) -> None:
         for run, (x, y) in enumerate(zip(a, b)):
-            assert torch.equal(x, y), (f"{what}, {'prefill' if run == 0 else 'decode'}: max difference "
+            assert torch.equal(x, y), (f"{what}, {('prefill', 'decode', 'steps of 5')[run]}: max difference "
                                        f"{(x - y).abs().max().item():.3g}; thread pool per configuration: {pools}")
 
     stack, head, step_args = model.stack, model.head, model.step_args

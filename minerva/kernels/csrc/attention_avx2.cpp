@@ -26,6 +26,7 @@
 
 #include "attention_parts.h"
 #include "kernels.h"
+#include "kernels.h"
 #include "parallel.h"
 #include "simd_avx2.h"
 
@@ -326,17 +327,29 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
                               double scale, torch::Tensor sinks) {
+  TORCH_CHECK(q.dim() == 3, "q must be [T, H, D]");
+  q = q.contiguous();
+  return paged_attention_into(q, k, v, k_scale, v_scale, block_tables, seq_lens, query_start_loc, positions, window, scale,
+                              sinks, torch::empty_like(q));
+}
+
+// paged_attention into `out` (contiguous, q's shape and dtype), which it returns
+torch::Tensor paged_attention_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
+                                   torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                   torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
+                                   double scale, torch::Tensor sinks, torch::Tensor out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.dim() == 4, "q must be [T, H, D] and k/v [blocks, block_size, Hkv, D]");
   q = q.contiguous();
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "paged_attention: out must be contiguous, of q's shape and dtype");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(2), bs = k.size(1);
   TORCH_CHECK(D % 16 == 0 && k.size(3) == D && v.size(3) == D && H % Hkv == 0, "bad head sizes");
   TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == D && v.stride(3) == 1 && v.stride(2) == D, "KV pools must be dense in [Hkv, D]");
-  auto i64 = [](const torch::Tensor& x) { return x.to(torch::kInt64).contiguous(); };
+  auto i64 = [](const torch::Tensor& x) { return minerva::as_int64(x); };
   block_tables = i64(block_tables), seq_lens = i64(seq_lens), query_start_loc = i64(query_start_loc),
   positions = i64(positions);
   const int64_t B = seq_lens.size(0);
   TORCH_CHECK(query_start_loc.size(0) == B + 1 && positions.size(0) == T && block_tables.size(0) == B, "bad batch layout");
-  auto out = torch::empty_like(q);
   Pool K = pool_of(k, k_scale), V = pool_of(v, v_scale);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t ts = block_tables.size(1);
@@ -391,14 +404,16 @@ void write_rows(const XT* x, int64_t x_stride, PT* pool, float* scales, const in
 
 }  // namespace
 
-// Store new K or V rows x [T, Hkv, D] (float32/bfloat16; any token stride) at pool slots
-// (pool [blocks, block_size, Hkv, D] of float32, bfloat16 or int8 + float32 scales).
-void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, Hkv, D], dense per token");
-  TORCH_CHECK(pool.is_contiguous() && pool.size(2) == x.size(1) && pool.size(3) == x.size(2), "pool does not match x");
-  const int64_t T = x.size(0), Hkv = x.size(1), D = x.size(2);
+namespace {
+
+// K or V rows of T tokens, Hkv heads of D = pool.size(3) each, at x (of dtype xt; token t at x +
+// t * x_stride elements, dense within), stored at pool slots (kv_write, kv_write_cols)
+void write_kv(at::ScalarType xt, void* x, int64_t x_stride, int64_t T, const torch::Tensor& pool,
+              const torch::Tensor& scales, torch::Tensor slots) {
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous(), "the pool must be contiguous [blocks, block_size, Hkv, D]");
+  const int64_t Hkv = pool.size(2), D = pool.size(3);
   TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
-  slots = slots.to(torch::kInt64).contiguous();
+  slots = minerva::as_int64(slots);
   TORCH_CHECK(slots.numel() == T, "one slot per token");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t num_slots = pool.size(0) * pool.size(1);
@@ -412,13 +427,31 @@ void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::
   auto go = [&](auto* xp) {
     using XT = std::remove_pointer_t<decltype(xp)>;
     switch (pool.scalar_type()) {
-      case torch::kFloat32: write_rows<XT, float>(xp, x.stride(0), pool.data_ptr<float>(), sc, sl, T, Hkv, D); break;
-      case torch::kBFloat16: write_rows<XT, at::BFloat16>(xp, x.stride(0), pool.data_ptr<at::BFloat16>(), sc, sl, T, Hkv, D); break;
-      case torch::kInt8: write_rows<XT, int8_t>(xp, x.stride(0), pool.data_ptr<int8_t>(), sc, sl, T, Hkv, D); break;
+      case torch::kFloat32: write_rows<XT, float>(xp, x_stride, pool.data_ptr<float>(), sc, sl, T, Hkv, D); break;
+      case torch::kBFloat16: write_rows<XT, at::BFloat16>(xp, x_stride, pool.data_ptr<at::BFloat16>(), sc, sl, T, Hkv, D); break;
+      case torch::kInt8: write_rows<XT, int8_t>(xp, x_stride, pool.data_ptr<int8_t>(), sc, sl, T, Hkv, D); break;
       default: TORCH_CHECK(false, "unsupported pool dtype ", pool.scalar_type());
     }
   };
-  if (x.scalar_type() == torch::kFloat32) go(x.data_ptr<float>());
-  else if (x.scalar_type() == torch::kBFloat16) go(x.data_ptr<at::BFloat16>());
+  if (xt == torch::kFloat32) go(static_cast<float*>(x));
+  else if (xt == torch::kBFloat16) go(static_cast<at::BFloat16*>(x));
   else TORCH_CHECK(false, "x must be float32 or bfloat16");
+}
+
+}  // namespace
+
+// Store new K or V rows x [T, Hkv, D] (float32/bfloat16; any token stride) at pool slots
+// (pool [blocks, block_size, Hkv, D] of float32, bfloat16 or int8 + float32 scales).
+void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [T, Hkv, D], dense per token");
+  TORCH_CHECK(pool.dim() == 4 && pool.size(2) == x.size(1) && pool.size(3) == x.size(2), "pool does not match x");
+  write_kv(x.scalar_type(), x.data_ptr(), x.stride(0), x.size(0), pool, scales, slots);
+}
+
+// kv_write of the pool's Hkv heads from column col of each row of x [T, width] (a layer's
+// Q/K/V output: no views of it to make)
+void kv_write_cols(torch::Tensor x, int64_t col, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && pool.dim() == 4 && col >= 0 && col + pool.size(2) * pool.size(3) <= x.size(1),
+              "kv_write_cols needs x [T, width] with the heads inside");
+  write_kv(x.scalar_type(), static_cast<char*>(x.data_ptr()) + col * x.element_size(), x.stride(0), x.size(0), pool, scales, slots);
 }

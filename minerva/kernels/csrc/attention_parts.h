@@ -30,6 +30,14 @@
 
 namespace minerva {
 
+// x as contiguous int64: itself when it already is (a decode step's block tables, lengths and
+// slots are; .to() and .contiguous() go through torch's dispatcher even when they change
+// nothing, and after a matmul has streamed its weights through the caches that costs
+// microseconds)
+inline torch::Tensor as_int64(const torch::Tensor& x) {
+  return x.scalar_type() == torch::kInt64 && x.is_contiguous() ? x : x.to(torch::kInt64).contiguous();
+}
+
 // What shapes every row's softmax: the sliding window (<= 0: none), the score scale, and
 // the sinks [H] (null: none)
 struct Softmax {

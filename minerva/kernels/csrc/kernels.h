@@ -33,15 +33,28 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                               torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
                               torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
                               double scale, torch::Tensor sinks);
+// paged_attention into `out` (contiguous, q's shape and dtype), which it returns
+torch::Tensor paged_attention_into(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
+                                   torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                   torch::Tensor query_start_loc, torch::Tensor positions, int64_t window,
+                                   double scale, torch::Tensor sinks, torch::Tensor out);
 void kv_write(torch::Tensor x, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots);
+// kv_write and rope_ on heads from column col of each row of x [T, width]
+void kv_write_cols(torch::Tensor x, int64_t col, torch::Tensor pool, torch::Tensor scales, torch::Tensor slots);
 // ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps);
+// rms_norm, add_rms_norm and act_mul into `out` (contiguous, the shape and dtype they would
+// allocate), which they return
+torch::Tensor rms_norm_into(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out);
+torch::Tensor add_rms_norm_into(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps, torch::Tensor out);
 torch::Tensor residual_add_(torch::Tensor h, const torch::Tensor& m);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+void rope_cols_(torch::Tensor x, int64_t col, int64_t heads, torch::Tensor cos, torch::Tensor sin);
 // act_mul's activations: 0 silu, 1 gelu (tanh), ACT_SWIGLU_LIMIT GPT-OSS's clamped SwiGLU (ops.py's ids)
 constexpr int64_t ACT_SWIGLU_LIMIT = 2;
 torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit = 0.0, double alpha = 0.0);
+torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out);
 // sampling.cpp
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask);
 torch::Tensor argmax_rows(const torch::Tensor& x);

@@ -64,9 +64,16 @@ void add_rows(T* h, const T* m, int64_t n) {
 // RMSNorm over the last dim: w * (x / sqrt(mean(x^2) + eps)); w float32 [D].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   x = x.contiguous();
+  return rms_norm_into(x, w, eps, torch::empty_like(x));
+}
+
+// rms_norm into `out` (contiguous, x's shape and dtype), which it returns
+torch::Tensor rms_norm_into(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out) {
+  x = x.contiguous();
   const int64_t D = x.size(-1);
   TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
-  auto out = torch::empty_like(x);
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: out must be contiguous, of x's shape and dtype");
   w = w.contiguous();
   by_dtype(x, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -77,30 +84,51 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 #include "ops_tensor.h"  // add_rms_norm and residual_add_ over the row functions above
 
-// Rotary embedding, half-split layout, in place on x [T, heads, D] with cos/sin float32 [T, D/2]:
-// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+namespace {
+
+// Rotary embedding, half-split layout, in place on Hn heads of D values per token at base +
+// t * ts (+ h * D), with cos/sin float32 [T, D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+template <typename T_>
+void rope_rows(T_* base, int64_t ts, int64_t T, int64_t Hn, int64_t D, const float* c, const float* s) {
+  const int64_t half = D / 2;
+  minerva::parallel_for(0, T * Hn, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / Hn, h = i % Hn;
+      T_* p = base + t * ts + h * D;
+      for (int64_t d = 0; d < half; d += 8) {
+        const __m256 x1 = load8(p + d, 1.0f), x2 = load8(p + half + d, 1.0f);
+        const __m256 cv = _mm256_loadu_ps(c + t * half + d), sv = _mm256_loadu_ps(s + t * half + d);
+        store8(p + d, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+        store8(p + half + d, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// rope_rows on x [T, heads, D]
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_ needs x [T, heads, D] dense per token");
   const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && cos.size(1) == half, "bad rope shapes");
   cos = cos.contiguous(), sin = sin.contiguous();
-  const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
-  const int64_t ts = x.stride(0);
   by_dtype(x, [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
-    T_* base = x.data_ptr<T_>();
-    minerva::parallel_for(0, T * Hn, 64, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t t = i / Hn, h = i % Hn;
-        T_* p = base + t * ts + h * D;
-        for (int64_t d = 0; d < half; d += 8) {
-          const __m256 x1 = load8(p + d, 1.0f), x2 = load8(p + half + d, 1.0f);
-          const __m256 cv = _mm256_loadu_ps(c + t * half + d), sv = _mm256_loadu_ps(s + t * half + d);
-          store8(p + d, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
-          store8(p + half + d, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
-        }
-      }
-    });
+    rope_rows<T_>(x.data_ptr<T_>(), x.stride(0), T, Hn, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+// rope_rows on `heads` heads of D = 2 cos.size(1) from column col of each row of x [T, width]
+// (a layer's Q/K/V output: no views of it to make)
+void rope_cols_(torch::Tensor x, int64_t col, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t T = x.size(0), half = cos.size(1), D = 2 * half;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && col >= 0 && col + heads * D <= x.size(1), "rope_cols_ needs x [T, width] with the heads inside");
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && sin.sizes() == cos.sizes(), "bad rope shapes");
+  cos = cos.contiguous(), sin = sin.contiguous();
+  by_dtype(x, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    rope_rows<T_>(x.data_ptr<T_>() + col, x.stride(0), T, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
   });
 }
 
@@ -108,10 +136,19 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // approximation), 2 = GPT-OSS's clamped SwiGLU (see ops.cpp).
 torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit, double alpha) {
   gu = gu.contiguous();
+  TORCH_CHECK(gu.dim() == 2, "act_mul needs [T, 2I]");
+  return act_mul_into(gu, act, limit, alpha, torch::empty({gu.size(0), gu.size(1) / 2}, gu.options()));
+}
+
+// act_mul into `out` (contiguous [T, I] of gu's dtype), which it returns
+torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out) {
+  gu = gu.contiguous();
   const int64_t T = gu.size(0), I = gu.size(1) / 2;
   TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
   TORCH_CHECK(act >= 0 && act <= ACT_SWIGLU_LIMIT, "act_mul: unknown activation ", act);
-  auto out = torch::empty({T, I}, gu.options());
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == T && out.size(1) == I &&
+                  out.scalar_type() == gu.scalar_type(),
+              "act_mul: out must be contiguous [T, I] of gu's dtype");
   by_dtype(gu, [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
     const T_* in = gu.data_ptr<T_>();

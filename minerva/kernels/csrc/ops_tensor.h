@@ -5,12 +5,18 @@
 
 // h += a (in place, rounded to h's dtype as torch's add_ rounds), then return rms_norm(h).
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps) {
+  return add_rms_norm_into(h, a, w, eps, torch::empty_like(h));
+}
+
+// add_rms_norm with the norm into `out` (contiguous, h's shape and dtype), which it returns
+torch::Tensor add_rms_norm_into(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps, torch::Tensor out) {
   TORCH_CHECK(h.is_contiguous() && h.sizes() == a.sizes() && h.scalar_type() == a.scalar_type(), "bad add_rms_norm args");
   const int64_t D = h.size(-1);
   TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == h.sizes() && out.scalar_type() == h.scalar_type(),
+              "add_rms_norm: out must be contiguous, of h's shape and dtype");
   const auto ac = a.contiguous();
   const auto wc = w.contiguous();
-  auto out = torch::empty_like(h);
   by_dtype(h, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     T* hp = h.data_ptr<T>();

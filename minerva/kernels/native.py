@@ -38,7 +38,8 @@ SOURCES = {
                                       "sampling.cpp", "module.cpp")],
 }
 HEADERS = [CSRC / name for name in (
-    "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h", "exchange.h", "ops_tensor.h")]
+    "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h", "exchange.h", "ops_tensor.h",
+    "attention_tensor.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]

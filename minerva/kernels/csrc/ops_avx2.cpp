@@ -59,33 +59,6 @@ void add_rows(T* h, const T* m, int64_t n) {
   });
 }
 
-}  // namespace
-
-// RMSNorm over the last dim: w * (x / sqrt(mean(x^2) + eps)); w float32 [D].
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  x = x.contiguous();
-  return rms_norm_into(x, w, eps, torch::empty_like(x));
-}
-
-// rms_norm into `out` (contiguous, x's shape and dtype), which it returns
-torch::Tensor rms_norm_into(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out) {
-  x = x.contiguous();
-  const int64_t D = x.size(-1);
-  TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
-              "rms_norm: out must be contiguous, of x's shape and dtype");
-  w = w.contiguous();
-  by_dtype(x, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    norm_rows<T>(x.data_ptr<T>(), w.data_ptr<float>(), out.data_ptr<T>(), x.numel() / D, D, static_cast<float>(eps));
-  });
-  return out;
-}
-
-#include "ops_tensor.h"  // add_rms_norm and residual_add_ over the row functions above
-
-namespace {
-
 // Rotary embedding, half-split layout, in place on Hn heads of D values per token at base +
 // t * ts (+ h * D), with cos/sin float32 [T, D/2]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
 template <typename T_>
@@ -107,30 +80,7 @@ void rope_rows(T_* base, int64_t ts, int64_t T, int64_t Hn, int64_t D, const flo
 
 }  // namespace
 
-// rope_rows on x [T, heads, D]
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_ needs x [T, heads, D] dense per token");
-  const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && cos.size(1) == half, "bad rope shapes");
-  cos = cos.contiguous(), sin = sin.contiguous();
-  by_dtype(x, [&](auto* tag) {
-    using T_ = std::remove_pointer_t<decltype(tag)>;
-    rope_rows<T_>(x.data_ptr<T_>(), x.stride(0), T, Hn, D, cos.data_ptr<float>(), sin.data_ptr<float>());
-  });
-}
-
-// rope_rows on `heads` heads of D = 2 cos.size(1) from column col of each row of x [T, width]
-// (a layer's Q/K/V output: no views of it to make)
-void rope_cols_(torch::Tensor x, int64_t col, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
-  const int64_t T = x.size(0), half = cos.size(1), D = 2 * half;
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && col >= 0 && col + heads * D <= x.size(1), "rope_cols_ needs x [T, width] with the heads inside");
-  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && sin.sizes() == cos.sizes(), "bad rope shapes");
-  cos = cos.contiguous(), sin = sin.contiguous();
-  by_dtype(x, [&](auto* tag) {
-    using T_ = std::remove_pointer_t<decltype(tag)>;
-    rope_rows<T_>(x.data_ptr<T_>() + col, x.stride(0), T, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
-  });
-}
+#include "ops_tensor.h"  // add_rms_norm, residual_add_ and the rotary entry points over the functions above
 
 // gate_up [T, 2I] (gate first) -> act(gate) * up [T, I]; act 0 = silu, 1 = gelu (tanh
 // approximation), 2 = GPT-OSS's clamped SwiGLU (see ops.cpp).

@@ -1,7 +1,29 @@
-// The tensor-level add_rms_norm and residual_add_, shared by both builds' ops (ops.cpp,
-// ops_avx2.cpp): each defines, before including this, by_dtype, norm_rows<T> (with the add) and
-// add_rows<T> (h += m over n values, n a multiple of 16) for its vector width.
+// The tensor-level rms_norm, add_rms_norm, residual_add_, rope_ and rope_cols_, shared by both builds'
+// ops (ops.cpp, ops_avx2.cpp): each defines, before including this, by_dtype, norm_rows<T> (with
+// the add), add_rows<T> (h += m over n values, n a multiple of 16) and rope_rows<T> for its
+// vector width.
 #pragma once
+
+// RMSNorm over the last dim: w * (x / sqrt(mean(x^2) + eps)); w float32 [D].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  x = x.contiguous();
+  return rms_norm_into(x, w, eps, torch::empty_like(x));
+}
+
+// rms_norm into `out` (contiguous, x's shape and dtype), which it returns
+torch::Tensor rms_norm_into(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor out) {
+  x = x.contiguous();
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(D % 16 == 0 && w.numel() == D && w.scalar_type() == torch::kFloat32, "bad rms_norm shapes");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type(),
+              "rms_norm: out must be contiguous, of x's shape and dtype");
+  w = w.contiguous();
+  by_dtype(x, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    norm_rows<T>(x.data_ptr<T>(), w.data_ptr<float>(), out.data_ptr<T>(), x.numel() / D, D, static_cast<float>(eps));
+  });
+  return out;
+}
 
 // h += a (in place, rounded to h's dtype as torch's add_ rounds), then return rms_norm(h).
 torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor w, double eps) {
@@ -36,4 +58,29 @@ torch::Tensor residual_add_(torch::Tensor h, const torch::Tensor& m) {
     add_rows<T>(h.data_ptr<T>(), mc.data_ptr<T>(), h.numel());
   });
   return h;
+}
+
+// rope_rows on x [T, heads, D]
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope_ needs x [T, heads, D] dense per token");
+  const int64_t T = x.size(0), Hn = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && cos.size(1) == half, "bad rope shapes");
+  cos = cos.contiguous(), sin = sin.contiguous();
+  by_dtype(x, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    rope_rows<T_>(x.data_ptr<T_>(), x.stride(0), T, Hn, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
+}
+
+// rope_rows on `heads` heads of D = 2 cos.size(1) from column col of each row of x [T, width]
+// (a layer's Q/K/V output: no views of it to make)
+void rope_cols_(torch::Tensor x, int64_t col, int64_t heads, torch::Tensor cos, torch::Tensor sin) {
+  const int64_t T = x.size(0), half = cos.size(1), D = 2 * half;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && col >= 0 && col + heads * D <= x.size(1), "rope_cols_ needs x [T, width] with the heads inside");
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == T && sin.sizes() == cos.sizes(), "bad rope shapes");
+  cos = cos.contiguous(), sin = sin.contiguous();
+  by_dtype(x, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    rope_rows<T_>(x.data_ptr<T_>() + col, x.stride(0), T, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
 }

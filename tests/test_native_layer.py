@@ -25,6 +25,8 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
     model = llm.loaded.model
     fused = [layer.fused for layer in model.layers]
     assert all(n is not None for n in fused), "every layer of a packed GGUF model should have a C++ twin"
+    # float activations: every step on the tensor path (the row path is the 8-bit one, below)
+    assert not any(n.row_path for n in fused)
     rng = random.Random(0)
     ids = [rng.randrange(1000, 20000) for _ in range(600)]  # past Gemma's 512-token window
     # chunk=256: prefill chunks over earlier keys; chunk=1: decode steps, one token at a time;
@@ -66,3 +68,56 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
             layer.fused = n
     same(per_layer, with_stack, "one call a layer against the stack")
     same(without, per_layer, "the Python layers against the native ones")
+
+
+@pytest.fixture(scope="module")
+def small_k_files(tmp_path_factory, smollm2_gguf):
+    """TinyLlama's shape shrunk 4 times, two layers, in llama.cpp's Q4_K_M, Q3_K_M and Q2_K
+    mixes: Q/K/V and gate/up of different types side by side (regrouped K-quants, Q6_K in the
+    GGUF layout), the matrices SmolLM2's Q4_1 file does not have."""
+    from benchmarks import synthetic as syn
+
+    shape = syn.adjust(syn.SHAPES["tinyllama-1.1b"], layers=2, shrink=4)
+    out = {}
+    for kind in ("Q4_K_M", "Q3_K_M", "Q2_K"):
+        path = tmp_path_factory.mktemp("synthetic") / f"tinyllama-small-{kind}.gguf"
+        syn.write(path, shape, kind, seed=5)
+        out[kind] = path
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("model_file", ["smollm2", "Q4_K_M", "Q3_K_M", "Q2_K"])
+def test_row_path_gives_the_python_layers_bits(request, model_file, kv, dtype):
+    """With 8-bit activations a decode step's one token goes through each C++ layer on raw
+    memory (DecoderLayer.forward_row: no tensors between the matmuls); its logits against the
+    Python layers over the same kernels, bit for bit, with prefill chunks (the tensor path)
+    before the decode steps."""
+    from minerva.models.loader import load_model
+
+    path = (request.getfixturevalue("smollm2_gguf") if model_file == "smollm2"
+            else request.getfixturevalue("small_k_files")[model_file])
+    model = load_model(path, device="cpu", dtype=dtype, activations="int8").model
+    fused = [layer.fused for layer in model.layers]
+    assert all(n is not None and n.row_path for n in fused), "every layer should take the row path"
+    rng = random.Random(1)
+    ids = [rng.randrange(1000, 20000) for _ in range(40)]
+    runs = [(ids, 16), (ids[:24], 1)]  # prefill chunks, then one token a step
+
+    def logits():
+        return [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=dtype) for x, c in runs]
+
+    with_rows = logits()
+    stack, head, step_args = model.stack, model.head, model.step_args
+    try:
+        model.stack = model.head = model.step_args = None
+        for layer in model.layers:
+            layer.fused = None
+        without = logits()
+    finally:
+        model.stack, model.head, model.step_args = stack, head, step_args
+        for layer, n in zip(model.layers, fused):
+            layer.fused = n
+    for run, (x, y) in enumerate(zip(with_rows, without)):
+        assert torch.equal(x, y), f"{('prefill', 'decode')[run]}: max difference {(x - y).abs().max().item():.3g}"

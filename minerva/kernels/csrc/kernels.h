@@ -21,6 +21,27 @@ torch::Tensor qmatmul_q8_parts(torch::Tensor x, const std::vector<torch::Tensor>
 torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch::Tensor>& w,
                                  const std::vector<int64_t>& starts, const std::vector<torch::Tensor>& bias,
                                  int64_t qtype, int64_t rows, int64_t cols);
+// A decode step's one row of float32 x against a layer's matrices, on raw memory: what
+// qmatmul_q8 (one matrix) or qmatmul_q8_parts (several) computes for that row, with the same
+// kernels in the same order, so the same bits, without a tensor (module.cpp's DecoderLayer).
+struct RowMatrix {
+  const uint8_t* w;
+  int64_t qtype, rows, first;  // the GGML type (| REGROUPED), rows, first output column
+};
+struct RowMatrices {
+  std::vector<RowMatrix> mats;
+  int64_t cols = 0, block = 0;  // block: the activation block of the one loop that takes them all,
+  bool together = false;        // when one does (qmatmul_q8_parts')
+  int64_t outputs() const { return mats.empty() ? 0 : mats.back().first + mats.back().rows; }
+};
+// the matrices as qmatmul_q8_row takes them, after qmatmul_q8's checks; nullopt when one of
+// them does not run with 8-bit activations (a float matrix)
+std::optional<RowMatrices> row_matrices(const std::vector<torch::Tensor>& packed, const std::vector<int64_t>& qtypes,
+                                        const std::vector<int64_t>& rows, int64_t cols);
+// x [cols] against the matrices, outputs side by side in y [outputs()]; for bfloat16 x, the
+// float32 outputs in scratch [outputs()], then rounded into y
+void qmatmul_q8_row(const float* x, const RowMatrices& m, float* y);
+void qmatmul_q8_row(const at::BFloat16* x, const RowMatrices& m, float* scratch, at::BFloat16* y);
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t block);
 double int8_peak_probe(int64_t chunks, int64_t steps);
 // the int8 kernels' per-CPU choices [one row of x: regrouped Q4_K/Q5_K groups per work item, L2
@@ -55,6 +76,18 @@ void rope_cols_(torch::Tensor x, int64_t col, int64_t heads, torch::Tensor cos, 
 constexpr int64_t ACT_SWIGLU_LIMIT = 2;
 torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit = 0.0, double alpha = 0.0);
 torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out);
+// one float32 or bfloat16 row in memory (ops_tensor.h; D, I multiples of 16, D the head size
+// for rope_row, cos/sin its D / 2 values at the row's position)
+template <typename T>
+void rms_norm_row(const T* x, const float* w, T* out, int64_t D, float eps);
+template <typename T>
+void add_rms_norm_row(T* h, const T* a, const float* w, T* out, int64_t D, float eps);
+template <typename T>
+void residual_add_row(T* h, const T* m, int64_t D);
+template <typename T>
+void rope_row(T* x, int64_t heads, int64_t D, const float* cos, const float* sin);
+template <typename T>
+void act_mul_row(const T* gu, T* out, int64_t I, int64_t act);
 // sampling.cpp
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask);
 torch::Tensor argmax_rows(const torch::Tensor& x);

@@ -78,53 +78,34 @@ void rope_rows(T_* base, int64_t ts, int64_t T, int64_t Hn, int64_t D, const flo
   });
 }
 
-}  // namespace
-
-#include "ops_tensor.h"  // add_rms_norm, residual_add_ and the rotary entry points over the functions above
-
 // gate_up [T, 2I] (gate first) -> act(gate) * up [T, I]; act 0 = silu, 1 = gelu (tanh
 // approximation), 2 = GPT-OSS's clamped SwiGLU: g = min(gate, limit), u = clamp(up, ±limit),
 // (u + 1) · g · σ(alpha · g). Computed in float32, rounded once to gu's dtype.
-torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit, double alpha) {
-  gu = gu.contiguous();
-  TORCH_CHECK(gu.dim() == 2, "act_mul needs [T, 2I]");
-  return act_mul_into(gu, act, limit, alpha, torch::empty({gu.size(0), gu.size(1) / 2}, gu.options()));
+template <typename T_>
+void act_rows(const T_* in, T_* o, int64_t T, int64_t I, int64_t act, double limit, double alpha) {
+  minerva::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 k0 = _mm512_set1_ps(0.7978845608028654f), k1 = _mm512_set1_ps(0.044715f);
+    const __m512 hi = _mm512_set1_ps(static_cast<float>(limit)), lo = _mm512_set1_ps(-static_cast<float>(limit));
+    const __m512 minus_alpha = _mm512_set1_ps(-static_cast<float>(alpha));
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < I; i += 16) {
+        __m512 g = load16(in + t * 2 * I + i, 1.0f), u = load16(in + t * 2 * I + I + i, 1.0f), a;
+        if (act == 0) {
+          a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        } else if (act == 1) {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
+          __m512 y = _mm512_mul_ps(k0, _mm512_fmadd_ps(_mm512_mul_ps(k1, g), _mm512_mul_ps(g, g), g));
+          a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y))));
+        } else {
+          g = _mm512_min_ps(g, hi);
+          u = _mm512_add_ps(_mm512_max_ps(_mm512_min_ps(u, hi), lo), one);
+          a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(minus_alpha, g))));
+        }
+        store16(o + t * I + i, _mm512_mul_ps(a, u));
+      }
+  });
 }
 
-// act_mul into `out` (contiguous [T, I] of gu's dtype), which it returns
-torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out) {
-  gu = gu.contiguous();
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
-  TORCH_CHECK(act >= 0 && act <= ACT_SWIGLU_LIMIT, "act_mul: unknown activation ", act);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == T && out.size(1) == I &&
-                  out.scalar_type() == gu.scalar_type(),
-              "act_mul: out must be contiguous [T, I] of gu's dtype");
-  by_dtype(gu, [&](auto* tag) {
-    using T_ = std::remove_pointer_t<decltype(tag)>;
-    const T_* in = gu.data_ptr<T_>();
-    T_* o = out.data_ptr<T_>();
-    minerva::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      const __m512 one = _mm512_set1_ps(1.0f);
-      const __m512 k0 = _mm512_set1_ps(0.7978845608028654f), k1 = _mm512_set1_ps(0.044715f);
-      const __m512 hi = _mm512_set1_ps(static_cast<float>(limit)), lo = _mm512_set1_ps(-static_cast<float>(limit));
-      const __m512 minus_alpha = _mm512_set1_ps(-static_cast<float>(alpha));
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t i = 0; i < I; i += 16) {
-          __m512 g = load16(in + t * 2 * I + i, 1.0f), u = load16(in + t * 2 * I + I + i, 1.0f), a;
-          if (act == 0) {
-            a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          } else if (act == 1) {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
-            __m512 y = _mm512_mul_ps(k0, _mm512_fmadd_ps(_mm512_mul_ps(k1, g), _mm512_mul_ps(g, g), g));
-            a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), y))));
-          } else {
-            g = _mm512_min_ps(g, hi);
-            u = _mm512_add_ps(_mm512_max_ps(_mm512_min_ps(u, hi), lo), one);
-            a = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_mul_ps(minus_alpha, g))));
-          }
-          store16(o + t * I + i, _mm512_mul_ps(a, u));
-        }
-    });
-  });
-  return out;
-}
+}  // namespace
+
+#include "ops_tensor.h"  // add_rms_norm, residual_add_ and the rotary entry points over the functions above

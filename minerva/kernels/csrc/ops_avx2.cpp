@@ -78,53 +78,34 @@ void rope_rows(T_* base, int64_t ts, int64_t T, int64_t Hn, int64_t D, const flo
   });
 }
 
+// gate_up [T, 2I] (gate first) -> act(gate) * up [T, I]; act 0 = silu, 1 = gelu (tanh
+// approximation), 2 = GPT-OSS's clamped SwiGLU (see ops.cpp).
+template <typename T_>
+void act_rows(const T_* in, T_* o, int64_t T, int64_t I, int64_t act, double limit, double alpha) {
+  minerva::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
+    const __m256 hi = _mm256_set1_ps(static_cast<float>(limit)), lo = _mm256_set1_ps(-static_cast<float>(limit));
+    const __m256 minus_alpha = _mm256_set1_ps(-static_cast<float>(alpha));
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < I; i += 8) {
+        __m256 g = load8(in + t * 2 * I + i, 1.0f), u = load8(in + t * 2 * I + I + i, 1.0f);
+        __m256 a;
+        if (act == 0) {
+          a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        } else if (act == 1) {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
+          const __m256 y = _mm256_mul_ps(k0, _mm256_fmadd_ps(_mm256_mul_ps(k1, g), _mm256_mul_ps(g, g), g));
+          a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y))));
+        } else {
+          g = _mm256_min_ps(g, hi);
+          u = _mm256_add_ps(_mm256_max_ps(_mm256_min_ps(u, hi), lo), one);
+          a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_mul_ps(minus_alpha, g))));
+        }
+        store8(o + t * I + i, _mm256_mul_ps(a, u));
+      }
+  });
+}
+
 }  // namespace
 
 #include "ops_tensor.h"  // add_rms_norm, residual_add_ and the rotary entry points over the functions above
-
-// gate_up [T, 2I] (gate first) -> act(gate) * up [T, I]; act 0 = silu, 1 = gelu (tanh
-// approximation), 2 = GPT-OSS's clamped SwiGLU (see ops.cpp).
-torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit, double alpha) {
-  gu = gu.contiguous();
-  TORCH_CHECK(gu.dim() == 2, "act_mul needs [T, 2I]");
-  return act_mul_into(gu, act, limit, alpha, torch::empty({gu.size(0), gu.size(1) / 2}, gu.options()));
-}
-
-// act_mul into `out` (contiguous [T, I] of gu's dtype), which it returns
-torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out) {
-  gu = gu.contiguous();
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
-  TORCH_CHECK(act >= 0 && act <= ACT_SWIGLU_LIMIT, "act_mul: unknown activation ", act);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == T && out.size(1) == I &&
-                  out.scalar_type() == gu.scalar_type(),
-              "act_mul: out must be contiguous [T, I] of gu's dtype");
-  by_dtype(gu, [&](auto* tag) {
-    using T_ = std::remove_pointer_t<decltype(tag)>;
-    const T_* in = gu.data_ptr<T_>();
-    T_* o = out.data_ptr<T_>();
-    minerva::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-      const __m256 one = _mm256_set1_ps(1.0f);
-      const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f);
-      const __m256 hi = _mm256_set1_ps(static_cast<float>(limit)), lo = _mm256_set1_ps(-static_cast<float>(limit));
-      const __m256 minus_alpha = _mm256_set1_ps(-static_cast<float>(alpha));
-      for (int64_t t = t0; t < t1; ++t)
-        for (int64_t i = 0; i < I; i += 8) {
-          __m256 g = load8(in + t * 2 * I + i, 1.0f), u = load8(in + t * 2 * I + I + i, 1.0f);
-          __m256 a;
-          if (act == 0) {
-            a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-          } else if (act == 1) {  // 0.5 g (1 + tanh(y)) = g * sigmoid(2y), which keeps the negative tail exact
-            const __m256 y = _mm256_mul_ps(k0, _mm256_fmadd_ps(_mm256_mul_ps(k1, g), _mm256_mul_ps(g, g), g));
-            a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), y))));
-          } else {
-            g = _mm256_min_ps(g, hi);
-            u = _mm256_add_ps(_mm256_max_ps(_mm256_min_ps(u, hi), lo), one);
-            a = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_mul_ps(minus_alpha, g))));
-          }
-          store8(o + t * I + i, _mm256_mul_ps(a, u));
-        }
-    });
-  });
-  return out;
-}

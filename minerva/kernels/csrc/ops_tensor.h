@@ -1,7 +1,7 @@
-// The tensor-level rms_norm, add_rms_norm, residual_add_, rope_ and rope_cols_, shared by both builds'
-// ops (ops.cpp, ops_avx2.cpp): each defines, before including this, by_dtype, norm_rows<T> (with
-// the add), add_rows<T> (h += m over n values, n a multiple of 16) and rope_rows<T> for its
-// vector width.
+// The tensor-level rms_norm, add_rms_norm, residual_add_, rope_, rope_cols_ and act_mul, and
+// their one-row forms on raw memory, shared by both builds' ops (ops.cpp, ops_avx2.cpp): each
+// defines, before including this, by_dtype, norm_rows<T> (with the add), add_rows<T> (h += m
+// over n values, n a multiple of 16), rope_rows<T> and act_rows<T> for its vector width.
 #pragma once
 
 // RMSNorm over the last dim: w * (x / sqrt(mean(x^2) + eps)); w float32 [D].
@@ -84,3 +84,60 @@ void rope_cols_(torch::Tensor x, int64_t col, int64_t heads, torch::Tensor cos, 
     rope_rows<T_>(x.data_ptr<T_>() + col, x.stride(0), T, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>());
   });
 }
+
+// gate_up [T, 2I] (gate first) -> act(gate) * up [T, I] (act_rows; ACT_SWIGLU_LIMIT takes
+// limit and alpha)
+torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit, double alpha) {
+  gu = gu.contiguous();
+  TORCH_CHECK(gu.dim() == 2, "act_mul needs [T, 2I]");
+  return act_mul_into(gu, act, limit, alpha, torch::empty({gu.size(0), gu.size(1) / 2}, gu.options()));
+}
+
+// act_mul into `out` (contiguous [T, I] of gu's dtype), which it returns
+torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out) {
+  gu = gu.contiguous();
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  TORCH_CHECK(gu.dim() == 2 && I % 16 == 0, "act_mul needs [T, 2I] with I a multiple of 16");
+  TORCH_CHECK(act >= 0 && act <= ACT_SWIGLU_LIMIT, "act_mul: unknown activation ", act);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == T && out.size(1) == I &&
+                  out.scalar_type() == gu.scalar_type(),
+              "act_mul: out must be contiguous [T, I] of gu's dtype");
+  by_dtype(gu, [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    act_rows<T_>(gu.data_ptr<T_>(), out.data_ptr<T_>(), T, I, act, limit, alpha);
+  });
+  return out;
+}
+
+// The same row kernels on one row in memory, as the functions above run them on a one-row
+// tensor (the same bits), for a decode step's decoder layer (module.cpp), where each tensor
+// made or checked costs microseconds after a matmul's weights have streamed through the caches.
+template <typename T>
+void rms_norm_row(const T* x, const float* w, T* out, int64_t D, float eps) {
+  norm_rows<T>(x, w, out, 1, D, eps);
+}
+template <typename T>
+void add_rms_norm_row(T* h, const T* a, const float* w, T* out, int64_t D, float eps) {
+  norm_rows<T>(h, w, out, 1, D, eps, h, a);
+}
+template <typename T>
+void residual_add_row(T* h, const T* m, int64_t D) {
+  add_rows<T>(h, m, D);
+}
+template <typename T>
+void rope_row(T* x, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  rope_rows<T>(x, heads * D, 1, heads, D, cos, sin);
+}
+template <typename T>
+void act_mul_row(const T* gu, T* out, int64_t I, int64_t act) {
+  act_rows<T>(gu, out, 1, I, act, 0.0, 0.0);
+}
+#define MINERVA_ROW_OPS(T)                                                                  \
+  template void rms_norm_row<T>(const T*, const float*, T*, int64_t, float);                \
+  template void add_rms_norm_row<T>(T*, const T*, const float*, T*, int64_t, float);        \
+  template void residual_add_row<T>(T*, const T*, int64_t);                                 \
+  template void rope_row<T>(T*, int64_t, int64_t, const float*, const float*);              \
+  template void act_mul_row<T>(const T*, T*, int64_t, int64_t);
+MINERVA_ROW_OPS(float)
+MINERVA_ROW_OPS(at::BFloat16)
+#undef MINERVA_ROW_OPS

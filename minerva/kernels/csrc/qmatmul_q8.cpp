@@ -1729,6 +1729,13 @@ inline __m128i bf16x8(__m256 v) {
 #endif
 }
 
+// n floats rounded to bf16, as Tensor.to rounds
+inline void round_bf16(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+
 // Output columns c0 .. c1 of all M rows, computed by `compute(out, ldy)` (column c0 + c of
 // row m at out[m * ldy + c]): into y (ldy N), or with yb into a float buffer of the thread's,
 // rounded to bf16 into yb at once. Against a float32 y rounded afterwards (as_dtype_of) the
@@ -1740,13 +1747,7 @@ void columns_out(int64_t M, int64_t N, int64_t c0, int64_t c1, float* y, at::BFl
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < M * w) buffer.resize(M * w);
   compute(buffer.data(), w);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* src = buffer.data() + m * w;
-    at::BFloat16* dst = yb + m * N + c0;
-    int64_t i = 0;
-    for (; i + 8 <= w; i += 8) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
-    for (; i < w; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
-  }
+  for (int64_t m = 0; m < M; ++m) round_bf16(buffer.data() + m * w, yb + m * N + c0, w);
 }
 
 // Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
@@ -1883,15 +1884,7 @@ torch::Tensor as_dtype_of(const torch::Tensor& y, const torch::Tensor& x) {
   at::BFloat16* dst = out.data_ptr<at::BFloat16>();
   const int64_t n = y.numel();
   minerva::parallel_for(0, (n + 4095) / 4096, 16, [&](int64_t c0, int64_t c1) {
-    for (int64_t i = c0 * 4096, end = std::min(n, c1 * 4096); i < end;) {
-      if (i + 8 <= end) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8(_mm256_loadu_ps(src + i)));
-        i += 8;
-      } else {
-        dst[i] = static_cast<at::BFloat16>(src[i]);
-        ++i;
-      }
-    }
+    round_bf16(src + c0 * 4096, dst + c0 * 4096, std::min(n, c1 * 4096) - c0 * 4096);
   });
   return out;
 }
@@ -1905,35 +1898,14 @@ torch::Tensor as_dtype_of(const torch::Tensor& y, const torch::Tensor& x) {
 class Quantized {
  public:
   Quantized(const torch::Tensor& x, int64_t block) {
-    TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
     TORCH_CHECK(x.is_contiguous() && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16),
                 "x must be contiguous float32 or bfloat16");
-    M_ = x.size(0), K_ = x.size(1), G_ = K_ / block, lp_ = block == 32 ? 0 : K_ / 16 + K_ / 32;
-    TORCH_CHECK(K_ % block == 0, "row length ", K_, " is not a multiple of ", block);
-    auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
-    const int64_t qb = up(M_ * K_), pb = up(M_ * lp_ * 2), fb = up(M_ * G_ * 4);
-    uint8_t* base = take(qb + pb + 3 * fb + 128);  // room to align, and for loads a little past the end
-    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
-    q_ = reinterpret_cast<int8_t*>(base);
-    p_ = reinterpret_cast<int16_t*>(base + qb);
-    d_ = reinterpret_cast<float*>(base + qb + pb);
-    s_ = reinterpret_cast<float*>(base + qb + pb + fb);
-    n_ = reinterpret_cast<int32_t*>(base + qb + pb + 2 * fb);
-    const int64_t M = M_, K = K_, G = G_, lp = lp_;
-    int8_t* qp = q_;
-    int16_t* pp = p_;
-    float *dp = d_, *sp = s_;
-    int32_t* np = n_;
-    auto rows = [&](const auto* xp) {
-      minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r)
-          if (block == 32) quantize_row<32>(xp + r * K, K, qp + r * K, pp, dp + r * G, sp + r * G, np + r * G);
-          else quantize_row<256>(xp + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G, np + r * G);
-      });
-    };
-    if (x.dtype() == torch::kBFloat16) rows(x.data_ptr<at::BFloat16>());
-    else rows(x.data_ptr<float>());
+    if (x.dtype() == torch::kBFloat16) init(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1), block);
+    else init(x.data_ptr<float>(), x.size(0), x.size(1), block);
   }
+  // x [M, K] float32 or bfloat16 in memory
+  template <typename XT>
+  Quantized(const XT* x, int64_t M, int64_t K, int64_t block) { init(x, M, K, block); }
   ~Quantized() {
     if (own_.empty()) --stack().depth;
   }
@@ -1953,6 +1925,32 @@ class Quantized {
   }
 
  private:
+  template <typename XT>
+  void init(const XT* xp, int64_t M, int64_t K, int64_t block) {
+    TORCH_CHECK(block == 32 || block == 256, "the activation block is 32 or 256, got ", block);
+    M_ = M, K_ = K, G_ = K_ / block, lp_ = block == 32 ? 0 : K_ / 16 + K_ / 32;
+    TORCH_CHECK(K_ % block == 0, "row length ", K_, " is not a multiple of ", block);
+    auto up = [](int64_t n) { return (n + 63) / 64 * 64; };
+    const int64_t qb = up(M_ * K_), pb = up(M_ * lp_ * 2), fb = up(M_ * G_ * 4);
+    uint8_t* base = take(qb + pb + 3 * fb + 128);  // room to align, and for loads a little past the end
+    base += (64 - reinterpret_cast<uintptr_t>(base) % 64) % 64;
+    q_ = reinterpret_cast<int8_t*>(base);
+    p_ = reinterpret_cast<int16_t*>(base + qb);
+    d_ = reinterpret_cast<float*>(base + qb + pb);
+    s_ = reinterpret_cast<float*>(base + qb + pb + fb);
+    n_ = reinterpret_cast<int32_t*>(base + qb + pb + 2 * fb);
+    const int64_t G = G_, lp = lp_;
+    int8_t* qp = q_;
+    int16_t* pp = p_;
+    float *dp = d_, *sp = s_;
+    int32_t* np = n_;
+    minerva::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        if (block == 32) quantize_row<32>(xp + r * K, K, qp + r * K, pp, dp + r * G, sp + r * G, np + r * G);
+        else quantize_row<256>(xp + r * K, K, qp + r * K, pp + r * lp, dp + r * G, sp + r * G, np + r * G);
+    });
+  }
+
   static constexpr int64_t SCRATCH_KEPT = 1 << 20;
   struct Stack {
     std::vector<std::vector<uint8_t>> buffers;
@@ -2162,6 +2160,8 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
   });
 }
 
+namespace {
+
 // One row of x against several matrices (a layer's Q/K/V or gate/up of different types),
 // their outputs side by side: one parallel loop over every matrix's work items instead of
 // one loop, one join of the threads and one concatenation per matrix. Each work item takes
@@ -2171,13 +2171,8 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
 // so that chunks of items weigh about the same. (1.1B Q4_K_M shape, Q4_K Q/K and Q6_K V:
 // greedy decode 1.017x and 1.021x in one process, this loop and one loop a matrix alternating;
 // Gemma 3 270M, Q5_0 Q/K and Q8_0 V: 1.025x.)
-struct Part {
-  const uint8_t* w;
-  int64_t qtype, rows, first;  // the GGML type (| REGROUPED), rows, first output
-};
-
 template <int QT>
-void part_items(const Q8& a, const Part& p, int64_t unit, int64_t i0, int64_t i1, float* y) {
+void part_items(const Q8& a, const RowMatrix& p, int64_t unit, int64_t i0, int64_t i1, float* y) {
   if constexpr (has_x8<QT>) {
     if (p.qtype & REGROUPED) {
       const int64_t groups = (p.rows + 7) / 8, per = x8_per<QT>(1), gb = 8 * row_bytes<QT>(a.K);
@@ -2207,12 +2202,112 @@ int64_t one_loop_block(int64_t qtype) {
   });
 }
 
+constexpr size_t PARTS_MOST = 8;  // matrices in one loop (a layer's Q/K/V or gate/up: no heap for their starts)
+
+// qmatmul_q8_parts's one loop over every matrix's work items, for x's one row quantized in `a`.
+// A regrouped matrix's work item is its group block (x8_per groups, a per-CPU choice that
+// tests change, so counted here); the others' the same rows.
+void parts_loop(const Q8& a, const RowMatrices& m, float* y) {
+  const auto& parts = m.mats;
+  const size_t n = parts.size();
+  TORCH_CHECK(n <= PARTS_MOST, "qmatmul_q8_parts: at most ", PARTS_MOST, " matrices in one loop");
+  const int64_t unit = 8 * x8_per<Q4_K>(1);
+  std::array<int64_t, PARTS_MOST + 1> starts{};  // each matrix's first work item
+  for (size_t i = 0; i < n; ++i)
+    starts[i + 1] = starts[i] + with_format(parts[i].qtype & ~REGROUPED, [&]<int QT>() -> int64_t {
+                      if constexpr (has_x8<QT>)
+                        if (parts[i].qtype & REGROUPED) return ((parts[i].rows + 7) / 8 + x8_per<QT>(1) - 1) / x8_per<QT>(1);
+                      return (parts[i].rows + unit - 1) / unit;
+                    });
+  minerva::parallel_for(0, starts[n], 2, [&](int64_t i0, int64_t i1) {
+    for (size_t p = 0; p < n; ++p) {
+      const int64_t lo = std::max(i0, starts[p]), hi = std::min(i1, starts[p + 1]);
+      if (lo >= hi) continue;
+      with_format(parts[p].qtype & ~REGROUPED, [&]<int QT>() {
+        part_items<QT>(a, parts[p], unit, lo - starts[p], hi - starts[p], y);
+        return 0;
+      });
+    }
+  });
+}
+
+// qmatmul_q8 of one matrix on x [M, K] quantized in `a`, float32 outputs into y (ldy = its rows)
+template <int QT>
+void one_matrix(const Q8& a, int64_t M, const RowMatrix& m, float* y) {
+  if constexpr (has_w8<QT>) {
+    if (m.qtype & REGROUPED) {
+      if constexpr (has_x8<QT>) matmul_x8<QT>(a, M, m.w, m.rows, y);
+    } else {
+      matmul<QT>(a, M, m.w, m.rows, y);
+    }
+  }
+}
+
+}  // namespace
+
+std::optional<RowMatrices> row_matrices(const std::vector<torch::Tensor>& packed, const std::vector<int64_t>& qtypes,
+                                        const std::vector<int64_t>& rows, int64_t cols) {
+  const size_t n = packed.size();
+  TORCH_CHECK(n > 0 && qtypes.size() == n && rows.size() == n, "row_matrices: one type and row count per matrix");
+  RowMatrices m;
+  m.cols = cols;
+  m.block = one_loop_block(qtypes[0]);
+  bool together = n > 1 && n <= PARTS_MOST && m.block > 0;
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const bool regrouped = qtypes[i] & REGROUPED;
+    const bool ok = with_format(qtypes[i] & ~REGROUPED, [&]<int QT>() -> bool {
+      if constexpr (has_w8<QT>) {
+        if (regrouped && !has_x8<QT>) return false;
+        check_args<QT>(packed[i], regrouped ? (rows[i] + 7) / 8 * 8 : rows[i], cols);
+        return true;
+      }
+      return false;
+    });
+    if (!ok) return std::nullopt;
+    together = together && one_loop_block(qtypes[i]) == m.block;
+    m.mats.push_back({packed[i].data_ptr<uint8_t>(), qtypes[i], rows[i], total});
+    total += rows[i];
+  }
+  m.together = together;
+  return m;
+}
+
+namespace {
+
+template <typename XT>
+void row_into(const XT* x, const RowMatrices& m, float* y) {
+  if (m.together) {
+    const Quantized a(x, 1, m.cols, m.block);
+    parts_loop(a.view(), m, y);
+    return;
+  }
+  for (const auto& p : m.mats)
+    with_format(p.qtype & ~REGROUPED, [&]<int QT>() {
+      if constexpr (has_w8<QT>) {
+        const Quantized a(x, 1, m.cols, is_k<QT> ? 256 : 32);
+        one_matrix<QT>(a.view(), 1, p, y + p.first);
+      }
+      return 0;
+    });
+}
+
+}  // namespace
+
+void qmatmul_q8_row(const float* x, const RowMatrices& m, float* y) { row_into(x, m, y); }
+
+// (the bf16 outputs: the float ones rounded, as qmatmul_q8's as_dtype_of and columns_out round them)
+void qmatmul_q8_row(const at::BFloat16* x, const RowMatrices& m, float* scratch, at::BFloat16* y) {
+  row_into(x, m, scratch);
+  round_bf16(scratch, y, m.outputs());
+}
+
 torch::Tensor qmatmul_q8_parts(torch::Tensor x, const std::vector<torch::Tensor>& packed,
                                const std::vector<int64_t>& qtypes, const std::vector<int64_t>& rows, int64_t cols) {
   const size_t n = packed.size();
   TORCH_CHECK(n > 0 && qtypes.size() == n && rows.size() == n, "qmatmul_q8_parts: one type and row count per matrix");
   const int64_t block = one_loop_block(qtypes[0]);
-  bool together = x.dim() == 2 && x.size(0) == 1 && block > 0;
+  bool together = x.dim() == 2 && x.size(0) == 1 && block > 0 && n <= PARTS_MOST;
   for (size_t i = 1; i < n && together; ++i) together = one_loop_block(qtypes[i]) == block;
   if (!together) {
     std::vector<torch::Tensor> outs;
@@ -2220,39 +2315,9 @@ torch::Tensor qmatmul_q8_parts(torch::Tensor x, const std::vector<torch::Tensor>
     return torch::cat(outs, 1);
   }
   const Quantized a(checked(x, cols), block);
-  // a regrouped matrix's work item is its group block (x8_per groups); the others' the same rows
-  const int64_t unit = 8 * x8_per<Q4_K>(1);
-  std::vector<Part> parts;
-  std::vector<int64_t> starts{0};  // each matrix's first work item
-  int64_t total = 0;
-  for (size_t i = 0; i < n; ++i) {
-    with_format(qtypes[i] & ~REGROUPED, [&]<int QT>() {
-      if constexpr (has_w8<QT>) {  // (one_loop_block took only these)
-        const bool regrouped = qtypes[i] & REGROUPED;
-        check_args<QT>(packed[i], regrouped ? (rows[i] + 7) / 8 * 8 : rows[i], cols);
-        int64_t items = (rows[i] + unit - 1) / unit;
-        if constexpr (has_x8<QT>)
-          if (regrouped) items = ((rows[i] + 7) / 8 + x8_per<QT>(1) - 1) / x8_per<QT>(1);
-        parts.push_back({packed[i].data_ptr<uint8_t>(), qtypes[i], rows[i], total});
-        starts.push_back(starts.back() + items);
-        total += rows[i];
-      }
-      return 0;
-    });
-  }
-  auto y = torch::empty({1, total}, torch::dtype(torch::kFloat32));
-  float* yp = y.data_ptr<float>();
-  const Q8 q = a.view();
-  minerva::parallel_for(0, starts.back(), 2, [&](int64_t i0, int64_t i1) {
-    for (size_t p = 0; p < n; ++p) {
-      const int64_t lo = std::max(i0, starts[p]), hi = std::min(i1, starts[p + 1]);
-      if (lo >= hi) continue;
-      with_format(parts[p].qtype & ~REGROUPED, [&]<int QT>() {
-        part_items<QT>(q, parts[p], unit, lo - starts[p], hi - starts[p], yp);
-        return 0;
-      });
-    }
-  });
+  const auto m = row_matrices(packed, qtypes, rows, cols);  // (one_loop_block took only 8-bit types)
+  auto y = torch::empty({1, m->outputs()}, torch::dtype(torch::kFloat32));
+  parts_loop(a.view(), *m, y.data_ptr<float>());
   return as_dtype_of(y, x);
 }
 

@@ -88,22 +88,24 @@ def small_k_files(tmp_path_factory, smollm2_gguf):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("kv", ["auto", "int8"])
-@pytest.mark.parametrize("model_file", ["smollm2", "Q4_K_M", "Q3_K_M", "Q2_K"])
+@pytest.mark.parametrize("model_file", ["smollm2", "gemma3", "Q4_K_M", "Q3_K_M", "Q2_K"])
 def test_row_path_gives_the_python_layers_bits(request, model_file, kv, dtype):
     """With 8-bit activations a decode step's one token goes through each C++ layer on raw
-    memory (DecoderLayer.forward_row: no tensors between the matmuls); its logits against the
-    Python layers over the same kernels, bit for bit, with prefill chunks (the tensor path)
-    before the decode steps."""
+    memory (DecoderLayer.forward_row: no tensors between the matmuls; Gemma 3's with its Q/K
+    and post norms, and past its 512-token sliding window); its logits against the Python
+    layers over the same kernels, bit for bit, with prefill chunks (the tensor path) before
+    the decode steps."""
     from minerva.models.loader import load_model
 
-    path = (request.getfixturevalue("smollm2_gguf") if model_file == "smollm2"
+    path = (request.getfixturevalue(f"{model_file}_gguf") if model_file in ("smollm2", "gemma3")
             else request.getfixturevalue("small_k_files")[model_file])
     model = load_model(path, device="cpu", dtype=dtype, activations="int8").model
     fused = [layer.fused for layer in model.layers]
     assert all(n is not None and n.row_path for n in fused), "every layer should take the row path"
     rng = random.Random(1)
-    ids = [rng.randrange(1000, 20000) for _ in range(40)]
-    runs = [(ids, 16), (ids[:24], 1)]  # prefill chunks, then one token a step
+    ids = [rng.randrange(1000, 20000) for _ in range(530)]
+    # prefill chunks, then one token a step (Gemma 3: from 512 prefilled, across its window's edge)
+    runs = [(ids[:40], 16), (ids[:24], 1)] if model_file != "gemma3" else [(ids[:40], 16), (ids, [512, 1])]
 
     def logits():
         return [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=dtype) for x, c in runs]

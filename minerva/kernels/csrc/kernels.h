@@ -77,9 +77,10 @@ constexpr int64_t ACT_SWIGLU_LIMIT = 2;
 torch::Tensor act_mul(torch::Tensor gu, int64_t act, double limit = 0.0, double alpha = 0.0);
 torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double alpha, torch::Tensor out);
 // one float32 or bfloat16 row in memory (ops_tensor.h; D, I multiples of 16, D the head size
-// for rope_row, cos/sin its D / 2 values at the row's position)
+// for rope_row, cos/sin its D / 2 values at the row's position; rms_norm_row: the n values as
+// rows of D, as rms_norm takes a row's heads)
 template <typename T>
-void rms_norm_row(const T* x, const float* w, T* out, int64_t D, float eps);
+void rms_norm_row(const T* x, const float* w, T* out, int64_t n, int64_t D, float eps);
 template <typename T>
 void add_rms_norm_row(T* h, const T* a, const float* w, T* out, int64_t D, float eps);
 template <typename T>

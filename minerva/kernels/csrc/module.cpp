@@ -74,12 +74,13 @@ struct Kept {
 
 // A decode step's one token through a layer on raw memory: the layer's matrices as
 // qmatmul_q8_row takes them, and its outputs kept as rows of the residual stream's dtype (q
-// and attn [1, heads, head_dim] tensors for the attention kernel, q a view of qkv_out's first
-// columns; scratch: the float32 matmul outputs of a bfloat16 stream).
+// and attn [1, heads, head_dim] tensors for the attention kernel: q a view of qkv_out's first
+// columns, or with Q/K norms their output, as k [1, kv_heads, head_dim] is; scratch: the
+// float32 matmul outputs of a bfloat16 stream).
 struct RowPath {
   RowMatrices qkv, o, gate_up, down;
   at::ScalarType dtype = at::ScalarType::Undefined;  // of the buffers below, made on first use
-  torch::Tensor norm, qkv_out, q, attn, out, gu, act, scratch;
+  torch::Tensor norm, qkv_out, q, k, attn, out, gu, act, scratch;
 };
 
 struct DecoderLayer {
@@ -95,12 +96,17 @@ struct DecoderLayer {
   mutable Kept kept;  // (one caller at a time: the engine's loop, or one tensor-parallel rank's)
   mutable std::optional<RowPath> row;  // (its buffers likewise)
 
-  // The row path when this layer can take it: no Q/K or post norms, float32 norms, every
-  // matrix with 8-bit activations (Packed::int8; others run the float kernels).
+  // The row path when this layer can take it: float32 norms, every matrix with 8-bit
+  // activations (Packed::int8; others run the float kernels).
   void plan_rows() {
-    if (q_norm || post_attn_norm || post_mlp_norm) return;
-    for (const auto* n : {&input_norm, &pre_mlp_norm})
-      if (n->scalar_type() != torch::kFloat32 || !n->is_contiguous()) return;
+    if (q_norm.has_value() != k_norm.has_value()) return;
+    const int64_t D = input_norm.numel();
+    auto fits = [](const torch::Tensor& n, int64_t size) {
+      return n.scalar_type() == torch::kFloat32 && n.is_contiguous() && n.numel() == size;
+    };
+    if (!fits(input_norm, D) || !fits(pre_mlp_norm, D) || (post_attn_norm && !fits(*post_attn_norm, D)) ||
+        (post_mlp_norm && !fits(*post_mlp_norm, D)) || (q_norm && (!fits(*q_norm, head_dim) || !fits(*k_norm, head_dim))))
+      return;
     auto mats = [](const std::vector<Packed>& ps) -> std::optional<RowMatrices> {
       std::vector<torch::Tensor> bytes;
       std::vector<int64_t> qtypes, rows;
@@ -112,10 +118,10 @@ struct DecoderLayer {
     };
     auto qkv_m = mats(qkv.parts), o_m = mats({o}), gu_m = mats(gate_up.parts), down_m = mats({down});
     if (!qkv_m || !o_m || !gu_m || !down_m) return;
-    const int64_t D = input_norm.numel(), qd = heads * head_dim, kd = kv_heads * head_dim, I = gu_m->outputs() / 2;
+    const int64_t qd = heads * head_dim, kd = kv_heads * head_dim, I = gu_m->outputs() / 2;
     if (qkv_m->cols != D || qkv_m->outputs() != qd + 2 * kd || o_m->cols != qd || o_m->outputs() != D ||
         gu_m->cols != D || gu_m->outputs() != 2 * I || down_m->cols != I || down_m->outputs() != D ||
-        pre_mlp_norm.numel() != D || D % 16 || I % 16 || head_dim % 32)
+        D % 16 || I % 16 || head_dim % 32)
       return;
     row = RowPath{*qkv_m, *o_m, *gu_m, *down_m};
   }
@@ -127,7 +133,11 @@ struct DecoderLayer {
     const int64_t D = input_norm.numel(), qd = heads * head_dim, kd = kv_heads * head_dim, I = r.down.cols;
     const auto t = torch::dtype(dtype);
     r.norm = torch::empty({1, D}, t), r.qkv_out = torch::empty({1, qd + 2 * kd}, t);
-    r.q = r.qkv_out.narrow(1, 0, qd).view({1, heads, head_dim});
+    if (q_norm) {
+      r.q = torch::empty({1, heads, head_dim}, t), r.k = torch::empty({1, kv_heads, head_dim}, t);
+    } else {
+      r.q = r.qkv_out.narrow(1, 0, qd).view({1, heads, head_dim});
+    }
     r.attn = torch::empty({1, heads, head_dim}, t), r.out = torch::empty({1, D}, t);
     r.gu = torch::empty({1, 2 * I}, t), r.act = torch::empty({1, I}, t);
     r.scratch = torch::empty({std::max({qd + 2 * kd, D, 2 * I})}, torch::dtype(torch::kFloat32));
@@ -152,8 +162,8 @@ struct DecoderLayer {
   }
 
   // forward for one token (T: float or at::BFloat16, h's dtype): the same kernels in the same
-  // order on the row path's buffers, with no tensor made and only the KV writes and attention
-  // taking tensors. After a matmul's weights have streamed through the caches, each torch
+  // order as attention(), feed_forward() and residual(), on the row path's buffers, with no
+  // tensor made and only the KV writes and attention taking tensors. After a matmul's weights have streamed through the caches, each torch
   // allocation, view and dispatch costs microseconds (Intel Xeon, 1.1B Q4_K_M shape: ~2.3 ms
   // of a ~26 ms token went to the steps between the matmuls before this path).
   template <typename T>
@@ -175,19 +185,31 @@ struct DecoderLayer {
     };
     const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
     const float e = static_cast<float>(eps);
-    rms_norm_row<T>(hp, input_norm.data_ptr<float>(), x, D, e);
+    rms_norm_row<T>(hp, input_norm.data_ptr<float>(), x, D, D, e);
     matmul(x, r.qkv, qkv_p);
-    rope_row<T>(qkv_p, heads, head_dim, c, s);
-    rope_row<T>(qkv_p + qd, kv_heads, head_dim, c, s);
-    kv_write_cols(r.qkv_out, qd, k_pool, k_scale, slots);
+    if (q_norm) {  // each head normed (rows of head_dim) into q and k
+      T *q = r.q.data_ptr<T>(), *k = r.k.data_ptr<T>();
+      rms_norm_row<T>(qkv_p, q_norm->data_ptr<float>(), q, qd, head_dim, e);
+      rms_norm_row<T>(qkv_p + qd, k_norm->data_ptr<float>(), k, kd, head_dim, e);
+      rope_row<T>(q, heads, head_dim, c, s);
+      rope_row<T>(k, kv_heads, head_dim, c, s);
+      kv_write(r.k, k_pool, k_scale, slots);
+    } else {
+      rope_row<T>(qkv_p, heads, head_dim, c, s);
+      rope_row<T>(qkv_p + qd, kv_heads, head_dim, c, s);
+      kv_write_cols(r.qkv_out, qd, k_pool, k_scale, slots);
+    }
     kv_write_cols(r.qkv_out, qd + kd, v_pool, v_scale, slots);
     paged_attention_into(r.q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens, qsl, positions, window, scale,
                          torch::Tensor(), r.attn);
     matmul(r.attn.data_ptr<T>(), r.o, out);
+    // (the post norms in place: each value comes from its own and the row's sum of squares)
+    if (post_attn_norm) rms_norm_row<T>(out, post_attn_norm->data_ptr<float>(), out, D, D, e);
     add_rms_norm_row<T>(hp, out, pre_mlp_norm.data_ptr<float>(), x, D, e);
     matmul(x, r.gate_up, gu);
     act_mul_row<T>(gu, act_p, I, act);
     matmul(act_p, r.down, out);
+    if (post_mlp_norm) rms_norm_row<T>(out, post_mlp_norm->data_ptr<float>(), out, D, D, e);
     residual_add_row<T>(hp, out, D);
     return h;
   }

@@ -113,8 +113,8 @@ torch::Tensor act_mul_into(torch::Tensor gu, int64_t act, double limit, double a
 // tensor (the same bits), for a decode step's decoder layer (module.cpp), where each tensor
 // made or checked costs microseconds after a matmul's weights have streamed through the caches.
 template <typename T>
-void rms_norm_row(const T* x, const float* w, T* out, int64_t D, float eps) {
-  norm_rows<T>(x, w, out, 1, D, eps);
+void rms_norm_row(const T* x, const float* w, T* out, int64_t n, int64_t D, float eps) {
+  norm_rows<T>(x, w, out, n / D, D, eps);
 }
 template <typename T>
 void add_rms_norm_row(T* h, const T* a, const float* w, T* out, int64_t D, float eps) {
@@ -133,7 +133,7 @@ void act_mul_row(const T* gu, T* out, int64_t I, int64_t act) {
   act_rows<T>(gu, out, 1, I, act, 0.0, 0.0);
 }
 #define MINERVA_ROW_OPS(T)                                                                  \
-  template void rms_norm_row<T>(const T*, const float*, T*, int64_t, float);                \
+  template void rms_norm_row<T>(const T*, const float*, T*, int64_t, int64_t, float);       \
   template void add_rms_norm_row<T>(T*, const T*, const float*, T*, int64_t, float);        \
   template void residual_add_row<T>(T*, const T*, int64_t);                                 \
   template void rope_row<T>(T*, int64_t, int64_t, const float*, const float*);              \

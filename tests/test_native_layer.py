@@ -5,6 +5,7 @@ with float and int8 KV pools, prefill chunks and decode steps."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -12,6 +13,20 @@ import torch
 
 from minerva.kernels import native
 from tests.helpers.paged import paged_logits
+
+@contextlib.contextmanager
+def restored(model):
+    """Puts back what a test takes away of the model's C++ path: the layer stack, the head and
+    step arguments that join it, each layer's C++ twin."""
+    saved = model.stack, model.head, model.step_args
+    fused = [layer.fused for layer in model.layers]
+    try:
+        yield
+    finally:
+        model.stack, model.head, model.step_args = saved
+        for layer, n in zip(model.layers, fused):
+            layer.fused = n
+
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not native.capable(),
@@ -48,11 +63,10 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
             assert torch.equal(x, y), (f"{what}, {('prefill', 'decode', 'steps of 5')[run]}: max difference "
                                        f"{(x - y).abs().max().item():.3g}; thread pool per configuration: {pools}")
 
-    stack, head, step_args = model.stack, model.head, model.step_args
-    assert stack is not None, "a model whose layers all have C++ twins runs them in one call"
-    assert head is not None and step_args is not None, "its packed LM head and embedding join that call"
+    assert model.stack is not None, "a model whose layers all have C++ twins runs them in one call"
+    assert model.head is not None and model.step_args is not None, "its packed LM head and embedding join that call"
     with_stack = logits()
-    try:
+    with restored(model):
         model.step_args = None  # the embedding and rotary tables from Python
         same(logits(), with_stack, "embedding and rotary tables from Python")
         model.head = None  # and the final norm and the head
@@ -62,10 +76,6 @@ def test_native_layer_gives_the_python_layers_bits(request, fixture, kv):
         for layer in model.layers:
             layer.fused = None
         without = logits()
-    finally:
-        model.stack, model.head, model.step_args = stack, head, step_args
-        for layer, n in zip(model.layers, fused):
-            layer.fused = n
     same(per_layer, with_stack, "one call a layer against the stack")
     same(without, per_layer, "the Python layers against the native ones")
 
@@ -111,15 +121,10 @@ def test_row_path_gives_the_python_layers_bits(request, model_file, kv, dtype):
         return [paged_logits(model, x, chunk=c, k_format=kv, v_format=kv, dtype=dtype) for x, c in runs]
 
     with_rows = logits()
-    stack, head, step_args = model.stack, model.head, model.step_args
-    try:
-        model.stack = model.head = model.step_args = None
+    with restored(model):
+        model.stack = model.head = model.step_args = None  # (they hold the C++ layers too)
         for layer in model.layers:
             layer.fused = None
         without = logits()
-    finally:
-        model.stack, model.head, model.step_args = stack, head, step_args
-        for layer, n in zip(model.layers, fused):
-            layer.fused = n
     for run, (x, y) in enumerate(zip(with_rows, without)):
         assert torch.equal(x, y), f"{('prefill', 'decode')[run]}: max difference {(x - y).abs().max().item():.3g}"

@@ -54,10 +54,17 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="token budget of one step (prompt chunks + decodes)")
+    g.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, metavar="N",
+                   help=DECODE_STEPS_HELP)
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     g.add_argument("--no-hybrid-kv-cache", action="store_true",
                    help="one block table for all layers: sliding-window layers keep K/V for the whole context")
     add_speculative_options(p)
+
+
+DECODE_STEPS_HELP = ("forwards a step of decodes may run in a row (a burst of at most ~0.1 s) while no request "
+                     "waits to start, each sampled token fed back in: streams then get up to N tokens at a "
+                     "time (default %(default)s; 1 = a token a step)")
 
 
 def add_speculative_options(p: argparse.ArgumentParser) -> None:
@@ -85,7 +92,7 @@ def engine_options(args) -> dict:
     return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, hybrid_kv_cache=not args.no_hybrid_kv_cache,
-                kv_cache_dtype_k=k, kv_cache_dtype_v=v,
+                kv_cache_dtype_k=k, kv_cache_dtype_v=v, decode_steps=args.decode_steps,
                 **speculative_options(args))
 
 

@@ -7,7 +7,8 @@ import argparse
 
 from minerva.bench.peers import PEERS
 from minerva.errors import MinervaError
-from minerva.options import ACTIVATIONS_HELP, TP_HELP
+from minerva.engine.engine import EngineConfig
+from minerva.options import ACTIVATIONS_HELP, DECODE_STEPS_HELP, TP_HELP
 
 
 def ints(text: str) -> list[int]:
@@ -40,6 +41,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N", help=TP_HELP)
     q.add_argument("--kv-cache-memory", type=float, default=0.2)
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    q.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, metavar="N", help=DECODE_STEPS_HELP)
     q.add_argument("--no-hybrid-kv-cache", action="store_true",
                    help="one block table for all layers: sliding-window layers keep K/V for the whole context")
     q.add_argument("--seed", type=int, default=0)

@@ -9,6 +9,7 @@ import random
 import time
 
 from minerva.bench.report import SystemInfo
+from minerva.engine.engine import EngineConfig
 from minerva.engine.sampler import SamplingParams
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb, rss_mb
@@ -24,6 +25,7 @@ def load_minerva(args) -> tuple[LLM, SystemInfo]:
               activations=args.activations, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens,
+              decode_steps=getattr(args, "decode_steps", EngineConfig.decode_steps),
               hybrid_kv_cache=not getattr(args, "no_hybrid_kv_cache", False),
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None), **speculative)
     args.dtype = llm.dtype_name  # what auto resolved to, for the report and the roofline

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,10 @@ class EngineConfig:
     speculative: str | None = None  # ngram | self[:LAYERS] | draft:MODEL (see engine/speculative.py)
     num_speculative_tokens: int = 3  # guesses per step
     speculative_max_batch: int = 4  # more running requests than this: no guesses this step
+    # forwards a step of decodes may run in a row while nothing waits to start (a burst of at
+    # most ~0.1 s: minerva/engine/scheduler.py, `_burst`); 1 = one token a step. Not with
+    # --speculative.
+    decode_steps: int = 8
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -47,7 +53,8 @@ class EngineConfig:
         if not self.kv_cache_memory > 0:
             raise MinervaError(f"--kv-cache-memory must be > 0 (bytes, or a fraction <= 1 of free memory), "
                                f"got {self.kv_cache_memory!r}")
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens)  # checks them before the KV pool is sized
+        # checks them before the KV pool is sized
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, decode_steps=self.decode_steps)
         if self.speculative:
             check_speculative(self.speculative, self.num_speculative_tokens, self.speculative_max_batch)
 
@@ -129,7 +136,8 @@ class Engine:
         self.max_model_len = self.cache.layout.max_tokens(num_blocks, config.block_size,
                                                           config.max_num_batched_tokens, mc.max_position)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.blocks)
+                                                   self.max_model_len,
+                                                   1 if config.speculative else config.decode_steps), self.blocks)
         self.runner = ModelRunner(model, self.cache, device, comm)
         self.speculator = None
         if config.speculative:
@@ -139,6 +147,8 @@ class Engine:
                                                config.block_size, dtype, device, draft, comm)
         self.requests: dict[str, Request] = {}
         self.grammars = Grammars(tokenizer, mc.vocab_size)
+        # true when a burst of decodes should end early (the server: a request arrived)
+        self.interrupt: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------ requests
 
@@ -199,7 +209,10 @@ class Engine:
                 if self.scheduler.has_work():
                     raise RuntimeError("scheduler made no progress with requests pending")
                 return []
-            result = self.scheduler.update_from_output(output, self.runner.execute(output))
+            start = time.perf_counter()
+            sampled = self.runner.execute(output, self.interrupt)
+            self.scheduler.timed(output, sampled, time.perf_counter() - start)
+            result = self.scheduler.update_from_output(output, sampled)
         for r in result.finished:
             del self.requests[r.request_id]
         if self.speculator is not None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from minerva.engine.rejection import probabilities, states_along, verify
-from minerva.engine.sampler import check_logits, greedy_tokens, plain_greedy, sample_batch, token_logprobs
-from minerva.engine.scheduler import Sampled, SchedulerOutput
+from minerva.engine.sampler import check_logits, greedy_tokens, plain, plain_greedy, sample_batch, token_logprobs
+from minerva.engine.scheduler import Sampled, Scheduled, SchedulerOutput
 from minerva.engine.structured import apply_mask_, fill_masks
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
 from minerva.models.causal_lm import CausalLM
@@ -85,6 +85,12 @@ class Seq:
     logit_rows: int = 0
 
 
+def burstable(r) -> bool:
+    """Whether a request's decode steps can run in a burst (`ModelRunner._burst`): each token
+    sampled from its logits alone (`plain`), no logprobs, not an embedding."""
+    return plain(r.sampler) and r.params.logprobs is None and not r.params.embedding
+
+
 STOP, FORWARD, DRAFT = 0, 1, 2  # the kinds of step a tensor-parallel leader broadcasts
 _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minerva-masks")  # see ModelRunner.execute
 HEADER = 5  # kind, T, B, table width, logit rows
@@ -101,6 +107,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device, comm=None,
                  kind: int = FORWARD):
         self.model, self.cache, self.device = model, cache, device
+        self._step: array | None = None  # the last forward's step buffer (`forward`)
+        self._last: tuple | None = None  # its token ids and context, when they view that buffer
         self.block_size = cache.block_size
         self.comm, self.kind = comm, kind
         self.hidden_rows: torch.Tensor | None = None
@@ -136,6 +144,7 @@ class ModelRunner:
                 step.extend(s.tables[g])
                 step.extend(ZERO * (width - len(s.tables[g])))
         step.extend(logit_rows)
+        self._step = step  # what a burst's next forwards change in place (`_next`)
         step = torch.frombuffer(step, dtype=torch.int64)
         if self.comm is not None:
             self.comm.broadcast(step)
@@ -155,6 +164,7 @@ class ModelRunner:
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)
             self.hidden_rows = hidden  # the final hidden states the logits come from (embeddings)
+            self._last = (ids, ctx) if body.data_ptr() == step[HEADER:].data_ptr() else None
         else:
             hidden = self.model(ids, ctx)
             if not L:
@@ -182,10 +192,11 @@ class ModelRunner:
             self.comm.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> list[Sampled | None]:
+    def execute(self, output: SchedulerOutput, interrupt=None) -> list[Sampled | None]:
         """Run the step; for each request that samples, its new tokens (with logprobs if
-        asked): one token, or with guesses (request.draft_token_ids) the accepted guesses
-        and one more."""
+        asked): one token, with guesses (request.draft_token_ids) the accepted guesses and
+        one more, in a burst (Scheduled.steps) one per forward. `interrupt()` true ends a
+        burst after the forward in progress (the server: a request arrived)."""
         batch = output.scheduled
         seqs = []
         for s, tables in zip(batch, output.block_tables):
@@ -193,6 +204,9 @@ class ModelRunner:
             lo = r.num_computed_tokens
             rows = (1 + len(r.draft_token_ids)) if s.samples else 0
             seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows))
+        steps = min(s.steps for s in batch)
+        if steps > 1 and self.comm is None and all(burstable(s.request) for s in batch):
+            return self._burst(batch, seqs, steps, interrupt)
         if all(seq.logit_rows == 1 and plain_greedy(s.request.sampler) and s.request.params.logprobs is None
                and not s.request.params.embedding for s, seq in zip(batch, seqs)):
             # plain greedy rows, nothing else asked (most decode steps): each its argmax, with the
@@ -250,6 +264,66 @@ class ModelRunner:
                 for a, lp in zip(asked, lps):
                     out[plain[a][0]] = [(tokens[a], lp)]
         return out
+
+    def _burst(self, batch: list[Scheduled], seqs: list[Seq], steps: int, interrupt) -> list[Sampled]:
+        """Up to `steps` forwards of one token per sequence, each sampled token fed back in,
+        until a sequence samples a stop id of any of them (stop strings are the scheduler's,
+        after the burst: tokens past one are computed and dropped) or `interrupt()`. The
+        forwards after the first change its step buffer in place (each sequence's token,
+        position, slots and length) and run on the tensors over it: greedy ones in one native
+        call where the model takes it (CausalLM.greedy_steps), others one by one from here."""
+        states = [s.request.sampler for s in batch]
+        greedy = all(plain_greedy(st) for st in states)
+        stops = set().union(*(s.stop_ids for s in batch))
+
+        def pick(logits: torch.Tensor) -> list[int]:
+            return greedy_tokens(logits, self.hidden_rows.dtype, self.cpu) if greedy else sample_batch(logits, states)
+
+        def ends(tokens: list[int]) -> bool:
+            return any(t in stops for t in tokens) or (interrupt is not None and interrupt())
+
+        tokens = pick(self.forward(seqs, check=not greedy))
+        out: list[Sampled] = [[(t, None)] for t in tokens]
+        if ends(tokens):
+            return out
+        if greedy and self._last is not None:
+            ran = self.model.greedy_steps(steps - 1, tokens, sorted(stops), self.block_size, interrupt, *self._last)
+            if ran is not None:
+                each, self.hidden_rows, logits = ran
+                if -1 in each[-1]:
+                    check_logits(logits, self.hidden_rows.dtype)  # raises, with its advice
+                for tokens in each:
+                    for o, t in zip(out, tokens):
+                        o.append((t, None))
+                return out
+        B, G, bs = len(seqs), self.cache.layout.num_groups, self.block_size
+        tables = [[seq.tables[g] for g in range(G)] for seq in seqs]
+        pos0, slot0, len0 = HEADER + B, HEADER + 2 * B, HEADER + 2 * B + G * B + B + 1
+        buf = self._step
+        for _ in range(steps - 1):
+            for b, token in enumerate(tokens):
+                p = buf[pos0 + b] + 1
+                buf[HEADER + b], buf[pos0 + b], buf[len0 + b] = token, p, p + 1
+                for g in range(G):
+                    buf[slot0 + g * B + b] = tables[b][g][p // bs] * bs + p % bs
+            tokens = pick(self._next(check=not greedy))
+            for o, t in zip(out, tokens):
+                o.append((t, None))
+            if ends(tokens):
+                break
+        return out
+
+    def _next(self, check: bool) -> torch.Tensor:
+        """The logits of the step buffer's forward again, after `_burst` changed it."""
+        if self._last is None:  # its tensors are copies (another device): made anew
+            return self._run(torch.frombuffer(self._step, dtype=torch.int64), None, check)
+        ids, ctx = self._last
+        ctx.rope.clear()  # cos/sin of the positions before
+        hidden, logits = self.model.forward_logits(ids, ctx)
+        self.hidden_rows = hidden
+        if check:
+            check_logits(logits, hidden.dtype)
+        return logits
 
     def _verify(self, r, logits: torch.Tensor) -> Sampled:
         drafts = r.draft_token_ids

@@ -286,9 +286,15 @@ def _penalizes(p: SamplingParams) -> bool:
     return bool(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias)
 
 
+def plain(s: SamplerState) -> bool:
+    """Whether the row's token depends on its logits (and generator) alone: no penalties or
+    bias, which read the tokens before it, and no grammar."""
+    return s.matcher is None and not _penalizes(s.params)
+
+
 def plain_greedy(s: SamplerState) -> bool:
     """Whether the row's token is its logits' argmax: greedy, no penalties or bias, no grammar."""
-    return s.params.greedy and s.matcher is None and not _penalizes(s.params)
+    return s.params.greedy and plain(s)
 
 
 def greedy_tokens(logits: torch.Tensor, dtype: torch.dtype, cpu: bool) -> list[int]:

@@ -107,6 +107,21 @@ class CausalLM(Layer):
         hidden = self._layers(h, ctx, len(self.layers))
         return hidden, self.logits(hidden)
 
+    def greedy_steps(self, steps: int, tokens: list[int], stop_ids: list[int], block_size: int, interrupt,
+                     input_ids: torch.Tensor, ctx: AttentionContext) -> tuple | None:
+        """Greedy decode steps after the one `input_ids` and `ctx` (views of the runner's step
+        buffer, changed in place) last ran: each row's token fed in one position on, the step
+        and its argmax, up to `steps` times (the native forward_steps; see its rules), or
+        None where a step does not run as one native call. Returns (each step's tokens, the
+        last step's hidden states, its logits)."""
+        if self.step_args is None or self.head is None:
+            return None
+        args = ctx.backend.stack_args(len(self.layers), self.layers[0].fused_dtype)
+        if not args:
+            return None
+        return self.stack[0].forward_steps(steps, tokens, stop_ids, block_size, interrupt, self.stack[1], input_ids,
+                                           *self.step_args, *args, self.norm.weight, self.norm.eps, self.head)
+
     def _layers(self, h: torch.Tensor, ctx: AttentionContext, n: int) -> torch.Tensor:
         """Layers 0 .. n - 1 over the embedded tokens h (in one native call where they can),
         then the final norm."""

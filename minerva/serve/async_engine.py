@@ -64,6 +64,8 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # a burst of decodes ends at the forward in progress when a request or an abort arrives
+        self.engine.interrupt = lambda: not self._commands.empty()
         self._live: dict[str, Tracked] = {}  # engine thread only
         self._lock = threading.Lock()
         self._not_started = 0  # requests submitted and not yet scheduled (guarded by _lock)

@@ -161,6 +161,7 @@ class ModelRunner:
         backend = PagedBackend(self.cache, slots.view(G, T), starts, seq_lens,
                                tables.clamp(min=0) if self.windowed else tables, pos)
         ctx = AttentionContext(pos, backend)
+        self._last = None
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)
             self.hidden_rows = hidden  # the final hidden states the logits come from (embeddings)

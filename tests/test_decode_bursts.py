@@ -168,3 +168,16 @@ def test_bursts_in_a_full_pool(tiny_dir):
 def test_decode_steps_must_be_positive(tiny_dir):
     with pytest.raises(MinervaError, match="--decode-steps must be an integer >= 1"):
         LLM(str(tiny_dir), device="cpu", decode_steps=0)
+
+
+def test_the_server_ends_a_burst_when_a_command_arrives(tiny_dir):
+    """The server's engine thread takes new requests and aborts between steps: one waiting in
+    its queue ends a burst (Engine.interrupt)."""
+    from minerva.serve.async_engine import AsyncEngine, Group
+    from minerva.serve.metrics import Metrics
+
+    llm = LLM(str(tiny_dir), device="cpu", dtype="float32", kv_cache_memory=32 << 20)
+    server = AsyncEngine(llm, Metrics("tiny"))
+    assert llm.engine.interrupt() is False
+    server.abort(Group([]))
+    assert llm.engine.interrupt() is True

@@ -42,9 +42,15 @@ class Script:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.drawn: dict[int, tuple] = {}  # id(state) -> (state, tokens drawn for it)
 
     def __call__(self, logits, states) -> list[int]:
-        return [self.tokens[min(sum(s.generated.values()), len(self.tokens) - 1)] for s in states]
+        out = []
+        for s in states:  # counted here: a decode burst draws several before the engine records them
+            i = self.drawn.get(id(s), (s, 0))[1]
+            self.drawn[id(s)] = (s, i + 1)  # the state kept, so its id is not reused
+            out.append(self.tokens[min(i, len(self.tokens) - 1)])
+        return out
 
     def say(self, tokenizer, text: str, stop: int | None = None) -> list[int]:
         """Script `text` (its special tokens as their ids), then `stop`; returns the ids."""

@@ -14,7 +14,8 @@ from tests.helpers.server import running_server
 
 @pytest.fixture(scope="module")
 def url(tiny):
-    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    # a token a step, so that each streamed chunk is one token (decode bursts send several)
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, decode_steps=1)
     with running_server(llm, served_model_name="tiny") as (base_url, _):
         yield base_url
 

@@ -165,7 +165,7 @@ class ModelRunner:
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)
             self.hidden_rows = hidden  # the final hidden states the logits come from (embeddings)
-            self._last = (ids, ctx) if body.data_ptr() == step[HEADER:].data_ptr() else None
+            self._last = (ids, ctx) if step.device == self.device else None  # else body is a copy
         else:
             hidden = self.model(ids, ctx)
             if not L:
@@ -208,8 +208,7 @@ class ModelRunner:
         steps = min(s.steps for s in batch)
         if steps > 1 and self.comm is None and all(burstable(s.request) for s in batch):
             return self._burst(batch, seqs, steps, interrupt)
-        if all(seq.logit_rows == 1 and plain_greedy(s.request.sampler) and s.request.params.logprobs is None
-               and not s.request.params.embedding for s, seq in zip(batch, seqs)):
+        if all(seq.logit_rows == 1 and s.request.params.greedy and burstable(s.request) for s, seq in zip(batch, seqs)):
             # plain greedy rows, nothing else asked (most decode steps): each its argmax, with the
             # NaN/inf check, in one native call (what the path below computes, with less Python)
             logits = self.forward(seqs, check=False)

@@ -166,8 +166,9 @@ def steps_choices(qtype):
 def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
     """Q4_0 .. MXFP4 and Q3_K: bit for bit the GGML layout's kernel. Q8_0, Q2_K, Q4_K, Q5_K (each output's block
     or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
-    Every type: a row's result does not depend on the batch or the threads (Q8_0's one-row
-    path takes 2, 3 or 4 groups of 8 rows at a time: 48 and 56 rows end on 2 and 3). Q4_K and
+    Every type: a row's result does not depend on the batch or the threads (the 32-weight block
+    types' one-row path takes 2, 3 or 4 groups of 8 rows at a time: 40 rows end on one, 37 on a
+    short one, 48 and 56 on 2 and 3). Q4_K and
     Q5_K: with their sub-blocks scaled in float and in i32 (`cpu_choices`), each."""
     for steps in steps_choices(qtype):
         if steps is None:

@@ -167,26 +167,28 @@ def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, 
     """Q4_0 .. MXFP4 and Q3_K: bit for bit the GGML layout's kernel. Q8_0, Q2_K, Q4_K, Q5_K (each output's block
     or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
     Every type: a row's result does not depend on the batch or the threads (the 32-weight block
-    types' one-row path takes 2, 3 or 4 groups of 8 rows at a time: 40 rows end on one, 37 on a
+    types' one-row path takes 2, 3 or 4 groups of 8 rows at a time where rows are long, 2048
+    columns here, one at a time where they are short, 512: 40 rows end on one group, 37 on a
     short one, 48 and 56 on 2 and 3). Q4_K and
     Q5_K: with their sub-blocks scaled in float and in i32 (`cpu_choices`), each."""
-    for steps in steps_choices(qtype):
-        if steps is None:
-            check_regrouped_kernel(kernels, qtype, rows)
-        else:
-            with cpu_choice(kernels, INT_STEPS, steps):
-                check_regrouped_kernel(kernels, qtype, rows)
+    for cols in (512, 2048) if qtype in EXACT else (512,):
+        for steps in steps_choices(qtype):
+            if steps is None:
+                check_regrouped_kernel(kernels, qtype, rows, cols)
+            else:
+                with cpu_choice(kernels, INT_STEPS, steps):
+                    check_regrouped_kernel(kernels, qtype, rows, cols)
 
 
-def check_regrouped_kernel(kernels, qtype, rows):
+def check_regrouped_kernel(kernels, qtype, rows, cols):
     rng = np.random.default_rng(3)
-    raw = torch.from_numpy(realistic_blocks(qtype, rows, 512, rng))
-    regrouped = repack.regroup(raw, qtype, rows, 512)
-    x = sample_x(23, 512, seed=4)
-    full = run_kernel(kernels, qtype, x, regrouped, rows, 512, True)
+    raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, rng))
+    regrouped = repack.regroup(raw, qtype, rows, cols)
+    x = sample_x(23, cols, seed=4)
+    full = run_kernel(kernels, qtype, x, regrouped, rows, cols, True)
     if qtype in EXACT:
-        assert torch.equal(full, run_kernel(kernels, qtype, x, raw, rows, 512, False))
-    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(rows, 512)).double()
+        assert torch.equal(full, run_kernel(kernels, qtype, x, raw, rows, cols, False))
+    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(rows, cols)).double()
     expected = act_quant.round_trip(x, act_quant.block_for(qtype)).double() @ dense.T
     err = (full.double() - expected).abs().max() / expected.abs().max()
     assert err < 1e-6
@@ -195,13 +197,13 @@ def check_regrouped_kernel(kernels, qtype, rows):
         for n in (1, 2, 3):
             kernels.set_num_threads(n)
             for lo, hi in [(0, 1), (5, 6), (2, 5), (0, 4), (3, 10), (0, 23)]:
-                assert torch.equal(run_kernel(kernels, qtype, x[lo:hi], regrouped, rows, 512, True), full[lo:hi])
+                assert torch.equal(run_kernel(kernels, qtype, x[lo:hi], regrouped, rows, cols, True), full[lo:hi])
     finally:
         kernels.set_num_threads(0)
         torch.set_num_threads(threads)
     bf = x[:3].bfloat16()
-    assert torch.equal(run_kernel(kernels, qtype, bf, regrouped, rows, 512, True),
-                       run_kernel(kernels, qtype, bf.float(), regrouped, rows, 512, True).bfloat16())
+    assert torch.equal(run_kernel(kernels, qtype, bf, regrouped, rows, cols, True),
+                       run_kernel(kernels, qtype, bf.float(), regrouped, rows, cols, True).bfloat16())
 
 
 @needs_kernels

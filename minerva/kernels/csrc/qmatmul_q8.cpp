@@ -460,8 +460,8 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // (decode), one for many (prefill).
 //
 // l2_ahead: the one-row kernels (regrouped Q2_K and Q3_K aside: tile_panel; and tile_x8, the
-// regrouped Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4, now for a matrix's last groups only: x8_rows
-// takes the rest without prefetches) also ask for the weights this many bytes ahead of
+// regrouped Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 where a group is short, and for a matrix's last
+// groups: x8_rows takes the rest without prefetches) also ask for the weights this many bytes ahead of
 // the ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
 // prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
 // one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
@@ -1012,6 +1012,11 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // Intel Xeon with AMX, 2 threads, the two ways alternating in one process: every matrix of the
 // 1.1B Q4_0 shape in turn from memory, 22.0 against 20.4 GB/s (medians of 10 sweeps, 1.075x);
 // its greedy decode 31.0 against 28.9 tokens/s (8 of 8 pairs faster, 1.064x).
+// Shorter groups are too short a stream each for the hardware prefetchers: Gemma 3 270M's Q5_0
+// matrices (640 columns, 3.5 KB a group) in four streams decoded 0.954x as fast as one
+// group at a time with tile_x8's prefetches (the two alternating in one process, medians of
+// 10); the 1.1B shape's Q4_0 groups (9.2 KB and 25 KB) gained as above.
+constexpr int64_t X8_STREAM_BYTES = 8192;
 template <int QT, int NG>
 void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
   using X = X8<QT>;
@@ -1666,13 +1671,15 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 
 // The regrouped types: groups of 8 weight rows (the padded rows' outputs dropped); for M > 1
 // PANEL rows (4 groups) at a time against tiles of x8_mr rows of x, as `matmul`.
-// Groups of 8 weight rows per work item; with one row of x four for the 32-weight block types
-// (q8_0_rows, x8_rows), else one, or two where V16 takes the K-quants two groups at a time
+// Groups of 8 weight rows per work item, rows K long; with one row of x four for Q8_0
+// (q8_0_rows) and for the other 32-weight block types where a group is X8_STREAM_BYTES or
+// longer (x8_rows), else one, or two where V16 takes the K-quants two groups at a time
 // (choices.groups, above).
 template <int QT>
-int64_t x8_per(int64_t M) {
+int64_t x8_per(int64_t M, int64_t K) {
   if (M > 1) return PANEL / 8;
-  if constexpr (!is_k<QT>) return 4;
+  if constexpr (QT == Q8_0) return 4;
+  if constexpr (!is_k<QT>) return 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES ? 4 : 1;
 #if defined(MINERVA_V16)
   if constexpr (is_k<QT>) return choices.groups;
 #endif
@@ -1890,7 +1897,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
 
 template <int QT>
 void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb = nullptr) {
-  const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M);
+  const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M, a.K);
   minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
     const uint8_t* end = W + std::min(groups, per * b1) * 8 * row_bytes<QT>(a.K);  // this chunk's weights
     for (int64_t blk = b0; blk < b1; ++blk) {
@@ -2150,7 +2157,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
       std::vector<std::pair<int64_t, int64_t>> items;
       int64_t most = 0;
       for (int64_t e = 0; e < E; ++e) {
-        const int64_t M = starts[e + 1] - starts[e], per = x8_per<QT>(M);
+        const int64_t M = starts[e + 1] - starts[e], per = x8_per<QT>(M, cols);
         TORCH_CHECK(M >= 0, "grouped_qmatmul_q8: starts must not decrease");
         if (M > 0) {
           check_args<QT>(w[e], 8 * groups, cols);
@@ -2163,7 +2170,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
       for (int64_t e = 0; e < E; ++e)
         for (int64_t blk = 0; blk < most; ++blk) {
           const int64_t M = starts[e + 1] - starts[e];
-          if (M > 0 && blk * x8_per<QT>(M) < groups) items.emplace_back(e, blk);
+          if (M > 0 && blk * x8_per<QT>(M, cols) < groups) items.emplace_back(e, blk);
         }
       std::vector<const uint8_t*> wp(E, nullptr);
       std::vector<const float*> bp(E, nullptr);
@@ -2176,7 +2183,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
         int64_t last = -1;  // the last item of the current expert's run in this chunk
         for (int64_t i = i0; i < i1; ++i) {
           const auto [e, blk] = items[i];
-          const int64_t r0 = starts[e], M = starts[e + 1] - r0, per = x8_per<QT>(M);
+          const int64_t r0 = starts[e], M = starts[e + 1] - r0, per = x8_per<QT>(M, cols);
           const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
           const Q8 part{all.q + r0 * all.K, all.p + r0 * all.lp, all.d + r0 * all.G, all.s + r0 * all.G,
                         all.n + r0 * all.G, all.K, all.G, all.lp};
@@ -2213,7 +2220,7 @@ template <int QT>
 void part_items(const Q8& a, const RowMatrix& p, int64_t unit, int64_t i0, int64_t i1, float* y) {
   if constexpr (has_x8<QT>) {
     if (p.qtype & REGROUPED) {
-      const int64_t groups = (p.rows + 7) / 8, per = x8_per<QT>(1), gb = 8 * row_bytes<QT>(a.K);
+      const int64_t groups = (p.rows + 7) / 8, per = x8_per<QT>(1, a.K), gb = 8 * row_bytes<QT>(a.K);
       const uint8_t* end = p.w + std::min(groups, per * i1) * gb;  // this chunk's weights
       for (int64_t blk = i0; blk < i1; ++blk) {
         const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
@@ -2249,12 +2256,12 @@ void parts_loop(const Q8& a, const RowMatrices& m, float* y) {
   const auto& parts = m.mats;
   const size_t n = parts.size();
   TORCH_CHECK(n <= PARTS_MOST, "qmatmul_q8_parts: at most ", PARTS_MOST, " matrices in one loop");
-  const int64_t unit = 8 * x8_per<Q4_K>(1);
+  const int64_t unit = 8 * x8_per<Q4_K>(1, a.K);
   std::array<int64_t, PARTS_MOST + 1> starts{};  // each matrix's first work item
   for (size_t i = 0; i < n; ++i)
     starts[i + 1] = starts[i] + with_format(parts[i].qtype & ~REGROUPED, [&]<int QT>() -> int64_t {
                       if constexpr (has_x8<QT>)
-                        if (parts[i].qtype & REGROUPED) return ((parts[i].rows + 7) / 8 + x8_per<QT>(1) - 1) / x8_per<QT>(1);
+                        if (parts[i].qtype & REGROUPED) return ((parts[i].rows + 7) / 8 + x8_per<QT>(1, a.K) - 1) / x8_per<QT>(1, a.K);
                       return (parts[i].rows + unit - 1) / unit;
                     });
   minerva::parallel_for(0, starts[n], 2, [&](int64_t i0, int64_t i1) {

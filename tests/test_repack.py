@@ -331,21 +331,23 @@ def test_model_logits_are_the_same_regrouped_or_not(smollm2_gguf, monkeypatch):
 def test_grouped_matmul_is_each_matrix_alone(kernels, qtype):
     """`grouped_qmatmul_q8` (a mixture of experts' matmuls in one parallel loop): each matrix's
     rows get the bits of that matrix's own qmatmul_q8 plus its bias; a matrix without rows is
-    skipped; bad row ranges and sizes are refused."""
-    rows, cols = 37, 512
+    skipped; bad row ranges and sizes are refused. (3072 columns: the 32-weight block types'
+    one-row work items of four groups, as GPT-OSS's 2880-column experts; 512: of one.)"""
+    rows = 37
     rng = np.random.default_rng(9)
-    mats = [repack.regroup(torch.from_numpy(realistic_blocks(qtype, rows, cols, rng)), qtype, rows, cols)
-            for _ in range(4)]
-    bias = [torch.randn(rows), torch.Tensor(), torch.randn(rows), torch.Tensor()]
-    starts = [0, 5, 5, 6, 12]  # matrix 1 has no rows, matrix 2 one
-    x = sample_x(12, cols, seed=2)
     qt = int(qtype) | repack.REGROUPED
-    got = kernels.grouped_qmatmul_q8(x, mats, starts, bias, qt, rows, cols)
-    for e in range(4):
-        lo, hi = starts[e], starts[e + 1]
-        if hi > lo:
-            alone = kernels.qmatmul_q8(x[lo:hi], mats[e], qt, rows, cols)
-            assert torch.equal(got[lo:hi], alone.add_(bias[e]) if bias[e].numel() else alone)
+    starts = [0, 5, 5, 6, 12]  # matrix 1 has no rows, matrix 2 one
+    for cols in (512, 3072):
+        mats = [repack.regroup(torch.from_numpy(realistic_blocks(qtype, rows, cols, rng)), qtype, rows, cols)
+                for _ in range(4)]
+        bias = [torch.randn(rows), torch.Tensor(), torch.randn(rows), torch.Tensor()]
+        x = sample_x(12, cols, seed=2)
+        got = kernels.grouped_qmatmul_q8(x, mats, starts, bias, qt, rows, cols)
+        for e in range(4):
+            lo, hi = starts[e], starts[e + 1]
+            if hi > lo:
+                alone = kernels.qmatmul_q8(x[lo:hi], mats[e], qt, rows, cols)
+                assert torch.equal(got[lo:hi], alone.add_(bias[e]) if bias[e].numel() else alone)
     with pytest.raises(RuntimeError, match="starts must run"):
         kernels.grouped_qmatmul_q8(x, mats, [0, 5, 5, 6, 11], bias, qt, rows, cols)
     with pytest.raises(RuntimeError, match="bytes, expected"):

@@ -461,8 +461,9 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 //
 // l2_ahead: the one-row kernels (regrouped Q2_K and Q3_K aside: tile_panel; and tile_x8, the
 // regrouped Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 where a group is short, and for a matrix's last
-// groups: x8_rows takes the rest without prefetches) also ask for the weights this many bytes ahead of
-// the ones they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
+// groups; x8_rows, which takes the rest, asks for its next work item's instead, at whatever
+// distance, where this is not 0) also ask for the weights this many bytes ahead of the ones
+// they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
 // prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
 // one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
 // file from memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
@@ -1007,27 +1008,44 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 
 // Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 regrouped, one row of x (decode): NG groups (8 NG weight rows)
 // at a time, block by block, each group read as its own stream; per output the same
-// operations as tile_x8<QT, 1>. No software prefetch, as q8_0_rows (below): four streams a
-// thread the hardware prefetchers follow read faster than one with tile_x8's prefetches.
-// Intel Xeon with AMX, 2 threads, the two ways alternating in one process: every matrix of the
-// 1.1B Q4_0 shape in turn from memory, 22.0 against 20.4 GB/s (medians of 10 sweeps, 1.075x);
-// its greedy decode 31.0 against 28.9 tokens/s (8 of 8 pairs faster, 1.064x).
+// operations as tile_x8<QT, 1>. Four streams a thread, which the hardware prefetchers follow,
+// read faster than one with tile_x8's prefetches: Intel Xeon with AMX, 2 threads, the two
+// ways alternating in one process, every matrix of the 1.1B Q4_0 shape in turn from memory,
+// 22.0 against 20.4 GB/s (medians of 10 sweeps, 1.075x); its greedy decode 31.0 against 28.9
+// tokens/s (8 of 8 pairs faster).
+// Where the CPU takes the L2 prefetch (choices.l2_ahead), each stream also asks for its lines
+// NG groups on, the same place in the next work item (the next 8 NG rows), into L2, up to the
+// end of the thread's chunk: the prefetchers do not start the next item's four streams before
+// they are read. The same machine, with and without, alternating in one process: the 1.1B
+// Q4_0 shape's greedy decode 42.45 against 36.69 tokens/s (10 of 10 pairs faster, 1.157x;
+// its matrices in turn from memory 1.09-1.13x), the 7B Q4_0 shape's 6.53 against 6.07
+// (1.088x), GPT-OSS-20B-shaped MXFP4 experts (4 of 32 a layer, from memory) 1.25x (5760 x
+// 2880) and 1.085x (2880 x 2880); Q4_1, Q5_0 and Q5_1 matrices of the 1.1B and 7B shapes
+// 1.1-1.2x; Gemma 3 270M's decode the same (1.003x). A fixed 16 KB ahead instead: 0.84x of
+// this; two items ahead, the same. (Q8_0's q8_0_rows, below, with it: 0.96x.)
 // Shorter groups are too short a stream each for the hardware prefetchers: Gemma 3 270M's Q5_0
 // matrices (640 columns, 3.5 KB a group) in four streams decoded 0.954x as fast as one
 // group at a time with tile_x8's prefetches (the two alternating in one process, medians of
 // 10); the 1.1B shape's Q4_0 groups (9.2 KB and 25 KB) gained as above.
 constexpr int64_t X8_STREAM_BYTES = 8192;
 template <int QT, int NG>
-void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
+void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y, const uint8_t* end) {
   using X = X8<QT>;
   __m256 acc[NG];
   for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < a.G; ++g)
+  const int64_t far = choices.l2_ahead > 0 ? NG * gb : 0;  // the next work item's same place
+  const int64_t far_g = far_blocks(grp, (NG - 1) * gb, far, X::BYTES, end, a.G);
+  for (int64_t g = 0; g < a.G; ++g) {
+    // each stream's lines that block g reaches for the first time, far bytes on
+    const int64_t lo = (g * X::BYTES + 63) & ~int64_t{63}, hi = ((g + 1) * X::BYTES + 63) & ~int64_t{63};
     for (int n = 0; n < NG; ++n) {
       const uint8_t* b = grp + n * gb + g * X::BYTES;
+      if (g < far_g)
+        for (int64_t o = lo; o < hi; o += 64) prefetch_l2(grp + n * gb + far + o);
       const X8Block<QT> blk(b);
       acc[n] = block_step<X>(a, 0, g, blk.dot(a.q + 32 * g), X::scales(b), blk.m, acc[n]);
     }
+  }
   for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
 }
 
@@ -1840,7 +1858,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
       const auto rows = [&]<int NG>() {
         if constexpr (QT == Q8_0) q8_0_rows<NG>(a, W + g0 * gb, gb, y);
-        else x8_rows<QT, NG>(a, W + g0 * gb, gb, y);
+        else x8_rows<QT, NG>(a, W + g0 * gb, gb, y, end);
       };
       if (g1 - g0 == 4) return rows.template operator()<4>();
       if (g1 - g0 == 3) return rows.template operator()<3>();

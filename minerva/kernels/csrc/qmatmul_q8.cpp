@@ -463,8 +463,8 @@ constexpr int PF_BLOCKS = 2;  // how many row blocks ahead the weights are prefe
 // regrouped Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 where a group is short, and for a matrix's last
 // groups; x8_rows, which takes the rest, asks for its next work item's instead, at whatever
 // distance, where this is not 0) also ask for the weights this many bytes ahead of the ones
-// they read, into L2, up to the end of the thread's chunk of the matrix (0: no such
-// prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
+// they read, into L2, up to the end of the thread's run of the matrix (ThreadPool::run_end;
+// 0: no such prefetch). On the Intel AVX-512 machine (2 MiB L2 a core) the hardware prefetchers alone left
 // one row of x well under a plain read's bandwidth. One call per matrix, all matrices of a
 // file from memory, 2 threads, interleaved sweeps with and without: 1.1B Q4_K_M 1.13x (its Q4_K
 // matrices 1.09-1.19x, three runs), Q5_K_M 1.14x, 7B Q4_K_M 1.06x (Q4_K 1.06-1.26x, its Q6_K
@@ -528,7 +528,7 @@ inline int64_t opaque(int64_t v) {
 
 // One row of x, the regrouped kernels: how many of a group's G blocks (super-blocks), `bytes`
 // each, may prefetch the weights `far` bytes on without passing `end`, the end of the
-// thread's chunk of the matrix (its last stream `last` bytes past the group's start; 0 when
+// thread's run of the matrix (its last stream `last` bytes past the group's start; 0 when
 // there is no such prefetch, or no end). Without the bound the small matrices (256 rows) lost
 // 10% (Intel AVX-512 machine).
 inline int64_t far_blocks(const uint8_t* grp, int64_t last, int64_t far, int64_t bytes, const uint8_t* end, int64_t G) {
@@ -1015,7 +1015,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // tokens/s (8 of 8 pairs faster).
 // Where the CPU takes the L2 prefetch (choices.l2_ahead), each stream also asks for its lines
 // NG groups on, the same place in the next work item (the next 8 NG rows), into L2, up to the
-// end of the thread's chunk: the prefetchers do not start the next item's four streams before
+// end of the thread's run: the prefetchers do not start the next item's four streams before
 // they are read. The same machine, with and without, alternating in one process: the 1.1B
 // Q4_0 shape's greedy decode 42.45 against 36.69 tokens/s (10 of 10 pairs faster, 1.157x;
 // its matrices in turn from memory 1.09-1.13x), the 7B Q4_0 shape's 6.53 against 6.07
@@ -1139,7 +1139,7 @@ void matmul(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y) {
   } else if (M == 1) {  // Q8_0: four independent weight rows keep the pipes busy
     constexpr int64_t nb = QT == Q8_0 ? 4 : ROW1_NB;
     minerva::parallel_for(0, (N + nb - 1) / nb, 16 / nb, [&](int64_t b0, int64_t b1) {
-      const uint8_t* end = W + std::min(N, nb * b1) * rb;  // this chunk's weights
+      const uint8_t* end = W + std::min(N, nb * minerva::ThreadPool::run_end(b1)) * rb;  // this thread's run's weights
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t n = nb * blk;
         if constexpr (QT == Q8_0) {
@@ -1544,7 +1544,7 @@ constexpr int64_t bit_matrix(int from, int to, int n) {
 // a 2048 x 5632 Q6_K matrix (the 1.1B shape's down projection) against 512 rows of x went from
 // 272-275 to 283-288 GMAC/s (AVX-512 machine, 2 threads, alternating runs), where a dot2 of
 // scale pairs against x's sums of 16 had taken it apart.
-// `end` (the end of the thread's chunk of a matrix regrouped at load; null for a run-time
+// `end` (the end of the thread's run of a matrix regrouped at load; null for a run-time
 // panel, already in cache): the weights are prefetched, with more than one row of x as
 // tile_xk does, with one into L2 PANEL_L2_AHEAD bytes ahead on every CPU (above; Q3_K
 // 65536 x 2048, 2 threads, one group at a time: 44.9, 47.1, 46.4, 46.0 GB/s 16, 32, 64 and
@@ -1917,7 +1917,7 @@ template <int QT>
 void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb = nullptr) {
   const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M, a.K);
   minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
-    const uint8_t* end = W + std::min(groups, per * b1) * 8 * row_bytes<QT>(a.K);  // this chunk's weights
+    const uint8_t* end = W + std::min(groups, per * minerva::ThreadPool::run_end(b1)) * 8 * row_bytes<QT>(a.K);  // this thread's run's weights
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t g0 = per * blk, g1 = std::min(groups, per * (blk + 1));
       columns_out(M, N, 8 * g0, std::min(N, 8 * g1), y, yb,
@@ -2235,11 +2235,11 @@ namespace {
 // greedy decode 1.017x and 1.021x in one process, this loop and one loop a matrix alternating;
 // Gemma 3 270M, Q5_0 Q/K and Q8_0 V: 1.025x.)
 template <int QT>
-void part_items(const Q8& a, const RowMatrix& p, int64_t unit, int64_t i0, int64_t i1, float* y) {
+void part_items(const Q8& a, const RowMatrix& p, int64_t unit, int64_t i0, int64_t i1, int64_t run, float* y) {
   if constexpr (has_x8<QT>) {
     if (p.qtype & REGROUPED) {
       const int64_t groups = (p.rows + 7) / 8, per = x8_per<QT>(1, a.K), gb = 8 * row_bytes<QT>(a.K);
-      const uint8_t* end = p.w + std::min(groups, per * i1) * gb;  // this chunk's weights
+      const uint8_t* end = p.w + std::min(groups, per * run) * gb;  // this thread's run's weights
       for (int64_t blk = i0; blk < i1; ++blk) {
         const int64_t g0 = per * blk, g1 = std::min(groups, g0 + per);
         x8_groups<QT>(a, 1, p.w, p.rows, y + p.first + 8 * g0, p.rows, g0, g1, end);
@@ -2249,7 +2249,7 @@ void part_items(const Q8& a, const RowMatrix& p, int64_t unit, int64_t i0, int64
   }
   if constexpr (is_k<QT>) {
     const int64_t rb = row_bytes<QT>(a.K), n0 = i0 * unit, n1 = std::min(p.rows, i1 * unit);
-    const uint8_t* end = p.w + n1 * rb;
+    const uint8_t* end = p.w + std::min(p.rows, run * unit) * rb;
     int64_t n = n0;
     for (; n + ROW1_NB <= n1; n += ROW1_NB) row1<QT, ROW1_NB>(a, p.w + n * rb, rb, y + p.first + n, end);
     for (; n < n1; ++n) row1<QT, 1>(a, p.w + n * rb, rb, y + p.first + n, end);
@@ -2283,11 +2283,12 @@ void parts_loop(const Q8& a, const RowMatrices& m, float* y) {
                       return (parts[i].rows + unit - 1) / unit;
                     });
   minerva::parallel_for(0, starts[n], 2, [&](int64_t i0, int64_t i1) {
+    const int64_t run = minerva::ThreadPool::run_end(i1);
     for (size_t p = 0; p < n; ++p) {
       const int64_t lo = std::max(i0, starts[p]), hi = std::min(i1, starts[p + 1]);
       if (lo >= hi) continue;
       with_format(parts[p].qtype & ~REGROUPED, [&]<int QT>() {
-        part_items<QT>(a, parts[p], unit, lo - starts[p], hi - starts[p], y);
+        part_items<QT>(a, parts[p], unit, lo - starts[p], hi - starts[p], std::min(run, starts[p + 1]) - starts[p], y);
         return 0;
       });
     }

@@ -1021,7 +1021,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // its matrices in turn from memory 1.09-1.13x), the 7B Q4_0 shape's 6.53 against 6.07
 // (1.088x), GPT-OSS-20B-shaped MXFP4 experts (4 of 32 a layer, from memory) 1.25x (5760 x
 // 2880) and 1.085x (2880 x 2880); Q4_1, Q5_0 and Q5_1 matrices of the 1.1B and 7B shapes
-// 1.1-1.2x; Gemma 3 270M's decode the same (1.003x). A fixed 16 KB ahead instead: 0.84x of
+// 1.11-1.24x; Gemma 3 270M's decode the same (1.003x). A fixed 16 KB ahead instead: 0.84x of
 // this; two items ahead, the same. (Q8_0's q8_0_rows, below, with it: 0.96x.)
 // Shorter groups are too short a stream each for the hardware prefetchers: Gemma 3 270M's Q5_0
 // matrices (640 columns, 3.5 KB a group) in four streams decoded 0.954x as fast as one

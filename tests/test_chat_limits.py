@@ -16,11 +16,17 @@ from pathlib import Path
 
 import jinja2.ext
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from minerva import LLM, SamplingParams
 from minerva.errors import MinervaError
-from minerva.formats.chat import (CHATML_TEMPLATE, GEMMA3_TEMPLATE, TemplateLimitError, TemplateLimits,
-                                  _GenerationTag, _Namespace, _raise_exception, _TemplateDict, _tojson, render_chat)
+from minerva.formats.chat import (CHATML_TEMPLATE, GEMMA3_TEMPLATE, MAX_TEMPLATE_CHARS, TemplateLimitError,
+                                  TemplateLimits, _GenerationTag, _Namespace, _raise_exception, _TemplateDict,
+                                  _tojson, render_chat)
+from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.tiny_gguf import write_tiny_llama
 
 MSGS = [{"role": "user", "content": "hi"}]
 HANG_GUARD_S = 30  # only against a hang: each case stops in about a second or less
@@ -232,3 +238,74 @@ def test_renders_through_asyncio_to_thread():
     ok, bad = asyncio.run(both())
     assert ok == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert isinstance(bad, TemplateLimitError)
+
+
+# ------------------------------------------------------------------ deep and wide templates
+
+# Pieces that nest: each wraps the template text `t` once more.
+_NESTINGS = [
+    lambda t: "{% if messages %}" + t + "{% endif %}",
+    lambda t: "{% for m in messages %}" + t + "{% endfor %}",
+    lambda t: "{% macro m() %}" + t + "{% endmacro %}{{ m() }}",
+    lambda t: "{% set x %}" + t + "{% endset %}{{ x }}",
+    lambda t: "{% filter upper %}" + t + "{% endfilter %}",
+]
+# Expressions that nest: each wraps the expression `e` once more.
+_EXPRESSIONS = [
+    lambda e: f"({e})", lambda e: f"{e}|list", lambda e: f"[{e}]", lambda e: f"not {e}", lambda e: f"-{e}",
+    lambda e: f"{e} + 1", lambda e: f"{e}[0]", lambda e: f"{e}.content", lambda e: f"{e} ~ 'x'",
+    lambda e: f"({e} if messages else 1)", lambda e: f"{{'k': {e}}}", lambda e: f"{e}|length",
+]
+
+
+def _deep(kinds: list[int], expression: bool) -> str:
+    text = "messages" if expression else "x"
+    for k in kinds:
+        text = _EXPRESSIONS[k % len(_EXPRESSIONS)](text) if expression else _NESTINGS[k % len(_NESTINGS)](text)
+    return "{{ " + text + " }}" if expression else text
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(depth=st.integers(1, 1500), seed=st.integers(0, 2**32), expression=st.booleans(), wide=st.integers(1, 3))
+def test_deep_and_wide_templates_render_or_are_refused_in_one_line(depth, seed, expression, wide):
+    """Whatever the nesting (of statements or expressions, up to 1,500 levels, mixed at random)
+    and repetition, a template renders or is refused with one line: never a RecursionError, a
+    SyntaxError from the compiled code, or any other traceback."""
+    kinds = random.Random(seed).choices(range(len(_EXPRESSIONS) * len(_NESTINGS)), k=depth)
+    template = _deep(kinds, expression) * wide
+    start = time.monotonic()
+    try:
+        out = render_chat(template, MSGS, bos_token="", eos_token="")
+    except MinervaError as e:
+        assert "\n" not in str(e) and str(e), repr(e)
+    else:
+        assert isinstance(out, str)
+    assert time.monotonic() - start < HANG_GUARD_S
+
+
+@pytest.mark.parametrize("depth", [200, 300, 5000])
+def test_a_template_nesting_filters_is_refused_in_one_line(depth):
+    """A hostile probe's template, `{{ messages|list|list|... }}`: 200 filters overflowed the
+    compiler's parentheses, 300 and more its recursion; both are one line now, every time."""
+    template = "{{ messages" + "|list" * depth + " }}"
+    for _ in range(2):  # the refusal is cached, and raised anew
+        with pytest.raises(TemplateLimitError, match="nests too deeply to compile") as e:
+            render_chat(template, MSGS, bos_token="", eos_token="")
+        assert "\n" not in str(e.value) and "<template>" not in str(e.value)
+
+
+def test_an_oversized_template_is_refused():
+    with pytest.raises(TemplateLimitError, match="characters, over the limit"):
+        render_chat("x" * (MAX_TEMPLATE_CHARS + 1), MSGS, bos_token="", eos_token="")
+
+
+def test_a_model_with_a_too_deep_template_loads_and_its_chat_is_one_error_line(tmp_path):
+    """The model loads (its completions need no template); a chat through it is one error line."""
+    path = write_tiny_llama(tmp_path / "deep.gguf", chat_template="{{ messages" + "|list" * 300 + " }}")
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    assert llm.tool_format.native is False
+    with pytest.raises(TemplateLimitError, match="nests too deeply"):
+        llm.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert llm.generate("ab", SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids
+    proc = run("generate", str(path), "hi", "--max-tokens", "2", "--device", "cpu")
+    assert_clean_error(proc, "nests too deeply to compile")

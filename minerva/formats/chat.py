@@ -189,9 +189,26 @@ def _environment() -> _Sandbox:
     return env
 
 
+MAX_TEMPLATE_CHARS = 1 << 20  # real chat templates are under 20K characters
+
+
 @lru_cache(maxsize=32)
-def _compile(template: str) -> jinja2.Template:
-    return _environment().from_string(template)
+def _compile(template: str) -> jinja2.Template | MinervaError:
+    """The compiled template, or the error that refuses it (kept too, so a broken template
+    is not compiled again for every request)."""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        return TemplateLimitError(f"the chat template has {len(template):,} characters, over the limit of "
+                                  f"{MAX_TEMPLATE_CHARS:,}")
+    try:
+        return _environment().from_string(template)
+    except TemplateError as e:
+        return MinervaError(f"invalid chat template: {_one_line(e)}")
+    except (RecursionError, SyntaxError, MemoryError) as e:  # Jinja's parser, or Python's compiler, ran out
+        why = {RecursionError: "past the recursion limit", MemoryError: "out of memory"}.get(
+            type(e), getattr(e, "msg", "") or type(e).__name__)  # a SyntaxError's line is the generated code's
+        return TemplateLimitError(f"the chat template nests too deeply to compile ({why})")
+    except Exception as e:  # noqa: BLE001 - a template is input; any failure to compile it is the input's
+        return MinervaError(f"invalid chat template: {type(e).__name__}: {_one_line(e)}")
 
 
 def _one_line(e: BaseException) -> str:
@@ -259,10 +276,9 @@ def render_chat(
     if not isinstance(template, str) or not template:
         raise MinervaError("chat template is empty")
     msgs = validate_messages(messages)
-    try:
-        compiled = _compile(template)
-    except TemplateError as e:
-        raise MinervaError(f"invalid chat template: {_one_line(e)}") from None
+    compiled = _compile(template)
+    if isinstance(compiled, MinervaError):
+        raise type(compiled)(str(compiled))
     context = {k: _plain(v) for k, v in variables.items()}
     context.update(
         messages=msgs,

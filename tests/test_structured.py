@@ -112,6 +112,38 @@ def test_bad_constraints_are_errors(smollm2_llm):
         StructuredOutput(regex="a", choice=("b",))
 
 
+ODD_CHOICES = ("a.b", "(x)|y", "[z]*", "back\\slash", "sl/ash", "new\nline", "tab\t", "$^{}?+", "café",
+               "😀 grin", "\"quoted\"", "", "x" * 300)
+
+
+def _accepts(grammars, tokenizer, spec, text: str) -> bool:
+    """Whether the constraint's matcher takes `text`'s tokens and then may stop."""
+    matcher = grammars.matcher(spec)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_choices_are_taken_literally(smollm2_llm):
+    """Every choice, whatever characters it holds, and nothing else (not a regex it might spell)."""
+    grammars, tok = smollm2_llm.engine.grammars, smollm2_llm.tokenizer
+    choices = tuple(c for c in ODD_CHOICES if c)
+    spec = StructuredOutput(choice=choices)
+    for c in choices:
+        assert _accepts(grammars, tok, spec, c), c
+    for other in ("ab", "acb", "x", "y", "z", "zz", "back\\\\slash", "cafe", "x" * 299, "a.bc"):
+        assert not _accepts(grammars, tok, spec, other), other
+
+
+def test_thousands_of_choices_give_a_whole_choice(smollm2_llm):
+    """More choices than llguidance's parser takes in one rule (2,000): the answer is one of them,
+    not its first letter (as when the rule's parse failed and only the end was left allowed)."""
+    choices = tuple(f"option {i:05d}" for i in range(5000))
+    p = prompt(smollm2_llm, "Pick an option.")
+    out = smollm2_llm.generate(p, SamplingParams(max_tokens=20, temperature=0,
+                                                 structured=StructuredOutput(choice=choices)))[0].outputs[0]
+    assert out.text in choices and out.finish_reason == "stop", out.text
+
+
 # ------------------------------------------------------------------ server
 
 

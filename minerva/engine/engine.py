@@ -163,8 +163,8 @@ class Engine:
         bad = [t for t in request.params.logit_bias if t >= vocab]
         if bad:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
-        if request.params.structured is not None:  # compiled (and cached) now: a bad one is refused here
-            self.grammars.compiled(request.params.structured)
+        if request.params.structured is not None and request.grammar is None:  # a bad one is refused here
+            request.grammar = self.grammars.compiled(request.params.structured)
         ctx = self.model.config.max_position
         if n >= ctx:
             raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "
@@ -181,7 +181,7 @@ class Engine:
             raise MinervaError(f"request id '{request.request_id}' is already in use")
         request.sampler = new_state(request.params, request.prompt_token_ids, self.device)
         if request.params.structured is not None:
-            request.sampler.matcher = self.grammars.matcher(request.params.structured)
+            request.sampler.matcher = request.grammar.deep_copy()
         self.requests[request.request_id] = request
         self.scheduler.add(request, OutputProcessor(request.request_id, self.tokenizer, request.params))
 

@@ -42,6 +42,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: object = None
     embedding: object = None  # float32 [hidden], with params.embedding: set when the prompt is computed
+    # The compiled start state of params.structured (an llguidance matcher), set when the engine
+    # checks the request; the request's sampler runs a copy of it.
+    grammar: object = None
     # The prompt, then every kept output token: one list that grows in place (read it, never
     # keep it: it changes as the request runs).
     all_token_ids: list[int] = field(init=False)

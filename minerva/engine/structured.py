@@ -9,16 +9,18 @@ the end-of-sequence tokens, so the request finishes with "stop"; cut short by ma
 finishes with "length" as any other. Speculative guesses are masked position by position,
 so a guess the grammar forbids has probability 0 and is rejected.
 
-Grammars are compiled once per distinct grammar and cached (`Grammars`); each request gets
-a copy of the compiled matcher. The tokenizer's view for llguidance is built on first use
+Constraints are compiled once per distinct constraint, on worker threads within a time and
+size budget, and cached (`Grammars`); each request gets a copy of the compiled matcher. The tokenizer's view for llguidance is built on first use
 (about 0.5 s for a 49k vocabulary, 4.5 s for Gemma 3's 262k).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import llguidance
@@ -30,6 +32,9 @@ from minerva.formats.tokenizer import Tokenizer
 from minerva.kernels import native
 
 CACHED_GRAMMARS = 256
+COMPILERS = 2  # worker threads compiling constraints
+GRAMMAR_SECONDS = 10.0  # the longest a constraint may take to compile, waiting included
+GRAMMAR_BYTES = 512 << 10  # the longest llguidance grammar a constraint may compile to
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace): small models given free
 # whitespace wander into runs of blank lines
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -71,6 +76,12 @@ class StructuredOutput:
     def kind(self) -> str:
         return self._given()[0]
 
+    def key(self) -> str:
+        """What identifies the constraint in a cache (a schema's key order is kept: it orders the output)."""
+        value = getattr(self, self.kind)
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=repr)
+        return f"{self.kind}:{isinstance(value, str)}:{text}"
+
     def llguidance_grammar(self) -> str:
         """The constraint as an llguidance grammar; a MinervaError naming what is wrong with it."""
         try:
@@ -78,7 +89,7 @@ class StructuredOutput:
         except MinervaError:
             raise
         except Exception as exc:  # noqa: BLE001 - llguidance's converters raise what their parsers hit
-            raise MinervaError(f"invalid {self.kind.replace('_', ' ')} constraint: {one_line(str(exc))}") from None
+            raise MinervaError(f"invalid {self.kind.replace('_', ' ')} constraint: {library_message(str(exc))}") from None
 
     def _grammar(self) -> str:
         if self.json_object:
@@ -98,72 +109,125 @@ class StructuredOutput:
                 raise MinervaError(f"invalid JSON schema: {exc}") from None
         if self.regex is not None:
             return llguidance.LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
+        if self.choice is not None:  # one lexeme: the parser's rows are limited to 2,000 alternatives
+            return llguidance.LLMatcher.grammar_from_regex("|".join(map(regex_literal, self.choice)))
         text = self.grammar
         if "::=" in text:  # GBNF (llama.cpp)
             try:
                 text = llguidance.gbnf_to_lark.gbnf_to_lark(text)
             except Exception as exc:  # noqa: BLE001 - the converter raises whatever its parser hit
-                raise MinervaError(f"invalid GBNF grammar: {one_line(str(exc))}") from None
+                raise MinervaError(f"invalid GBNF grammar: {library_message(str(exc))}") from None
         return llguidance.LLMatcher.grammar_from_lark(text)
 
 
 class Grammars:
     """The compiled constraints of one engine: llguidance's view of the tokenizer (built on
-    first use) and an LRU of compiled matchers by grammar."""
+    first use) and an LRU of compiled matchers by constraint.
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    A constraint is compiled on one of this object's worker threads, never on the caller's
+    (llguidance lets go of the GIL while it builds), within two budgets: its llguidance grammar
+    at most `max_bytes` long, its compilation (queueing included) at most `seconds`. Over
+    either it is refused with a MinervaError naming the limit, and the refusal is cached as a
+    result would be, so the same constraint sent again is refused at once. Every request with
+    the same constraint shares one compilation, even while it is running.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, seconds: float = GRAMMAR_SECONDS,
+                 max_bytes: int = GRAMMAR_BYTES):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.seconds, self.max_bytes = seconds, max_bytes
         self._ll: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._ll_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        if self._ll is None:
-            try:
-                self._ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
-                                                  eos_token=sorted(self.tokenizer.eos_token_ids))
-            except Exception as exc:  # noqa: BLE001 - llguidance's own message says what it could not read
-                raise MinervaError(f"structured output cannot use this model's tokenizer: {exc}") from None
-        return self._ll
+        with self._ll_lock:
+            if self._ll is None:
+                try:
+                    self._ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                      eos_token=sorted(self.tokenizer.eos_token_ids))
+                except Exception as exc:  # noqa: BLE001 - llguidance's own message says what it could not read
+                    raise MinervaError(f"structured output cannot use this model's tokenizer: {exc}") from None
+            return self._ll
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for `spec`, for one request."""
         return self.compiled(spec).deep_copy()
 
+    def submit(self, spec: StructuredOutput) -> Future:
+        """The compilation of `spec`: a future of (matcher in its start state, None) or (None,
+        the reason it was refused), shared with every other caller of the same constraint."""
+        key = spec.key()
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None or future.cancelled():
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(COMPILERS, thread_name_prefix="minerva-grammar")
+                future = self._cache[key] = self._pool.submit(self._compile, spec, time.monotonic())
+                done = [k for k, f in self._cache.items() if f.done()]
+                for k in done[:max(0, len(self._cache) - CACHED_GRAMMARS)]:  # the oldest finished ones
+                    del self._cache[k]
+            else:
+                self._cache.move_to_end(key)
+        return future
+
     def compiled(self, spec: StructuredOutput) -> llguidance.LLMatcher:
-        """The cached matcher of `spec` in its start state (copy it before use); a MinervaError
-        (a 400 in the server) when `spec` is invalid."""
-        grammar = spec.llguidance_grammar()
-        compiled = self._cache.get(grammar)
-        if compiled is None:
-            try:
-                ok, warnings_or_error = _validate(grammar, self.ll_tokenizer)
-            except Exception as exc:  # noqa: BLE001 - a grammar llguidance cannot even read
-                ok, warnings_or_error = False, str(exc)
-            if not ok:
-                raise MinervaError(f"invalid {spec.kind.replace('_', ' ')} constraint: {one_line(warnings_or_error)}")
+        """The cached matcher of `spec` in its start state (copy it before use), waiting for its
+        compilation at most `seconds`; a MinervaError (a 400 in the server) when `spec` is
+        invalid or over a budget."""
+        try:
+            matcher, error = self.submit(spec).result(timeout=self.seconds)
+        except FutureTimeout:
+            matcher, error = None, self.too_slow(spec)
+        if error is not None:
+            raise MinervaError(error)
+        return matcher
+
+    def too_slow(self, spec: StructuredOutput) -> str:
+        return (f"the {spec.kind.replace('_', ' ')} constraint did not compile within {self.seconds:g} s, "
+                f"this server's limit; simplify it")
+
+    def _compile(self, spec: StructuredOutput, submitted: float) -> tuple[llguidance.LLMatcher | None, str | None]:
+        if time.monotonic() - submitted > self.seconds:  # its callers have given up waiting
+            return None, self.too_slow(spec)
+        what = f"{spec.kind.replace('_', ' ')} constraint"
+        try:
+            grammar = spec.llguidance_grammar()
+            if len(grammar) > self.max_bytes:
+                return None, (f"the {what} compiles to a grammar of {len(grammar):,} bytes, over this server's "
+                              f"limit of {self.max_bytes:,}; simplify it")
             compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
             if compiled.is_error():
-                raise MinervaError(f"invalid {spec.kind.replace('_', ' ')} constraint: {one_line(compiled.get_error())}")
-            self._cache[grammar] = compiled
-            if len(self._cache) > CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(grammar)
-        return compiled
+                return None, f"invalid {what}: {library_message(compiled.get_error())}"
+        except MinervaError as exc:
+            return None, str(exc)
+        except Exception as exc:  # noqa: BLE001 - a grammar llguidance cannot even read
+            return None, f"invalid {what}: {library_message(str(exc))}"
+        if time.monotonic() - submitted > self.seconds:
+            return None, self.too_slow(spec)
+        return compiled, None
 
+
+def regex_literal(text: str) -> str:
+    """`text` as a regular expression (llguidance's, Rust's syntax) that matches it alone."""
+    return "".join(c if c.isalnum() or c == " " or not c.isascii() and c.isprintable() else f"\\x{{{ord(c):x}}}"
+                   for c in text)
+
+
+def library_message(text: str, limit: int = 500) -> str:
+    """llguidance's error as one line for a client, at most `limit` characters; a panic (an
+    internal limit of the library: the constraint was too large) without its backtrace."""
+    if text.lstrip().startswith("panic") or "<backtrace>" in text:
+        return "it is too large or too complex for the grammar compiler; simplify it"
+    text = one_line(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def one_line(text: str) -> str:
     return " ".join(text.split())
-
-
-def _validate(grammar: str, tokenizer: llguidance.LLTokenizer) -> tuple[bool, str]:
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    return not is_error, "; ".join(messages)
 
 
 @dataclass

@@ -150,11 +150,11 @@ class OpenAIRoutes:
         variables = convert.template_variables(body)
         tools = convert.tool_plan(body, self.llm.tool_format)
         if tools is not None and tools.forced:
-            self.check_parameters(tools)
+            await self.check_parameters(tools)
         prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, variables,
                                         tools.prompt_tools if tools else None)
         ids = await self.encode(prompt, "messages")
-        requests = self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
+        requests = await self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
                                  "messages", chat=True, tools=tools)
         fmt = self.llm.reasoning  # a model that reasons first: each choice split by a parser of its own
         if tools is not None and tools.held_to_json(self.llm.tool_format):
@@ -172,7 +172,7 @@ class OpenAIRoutes:
         convert.check_supported(body)
         prompts = convert.completion_prompts(body)
         ids = [await self.encode(p, "prompt") for p in prompts]
-        requests = self.requests(ids, body, body.max_tokens, body.logprobs, "prompt")
+        requests = await self.requests(ids, body, body.max_tokens, body.logprobs, "prompt")
         prefixes = [""] * len(requests)
         if body.echo:
             prefixes = [p if isinstance(p, str) else self.tokenizer.decode(i)
@@ -187,7 +187,7 @@ class OpenAIRoutes:
             raise APIError(400, f"this model's embeddings have {width} dimensions; leave out dimensions "
                                 f"(got {body.dimensions})", "dimensions")
         ids = [await self.encode(p, "input") for p in body.inputs()]
-        requests = self.requests(ids, body, 1, None, "input", fixed=convert.embedding_params())
+        requests = await self.requests(ids, body, 1, None, "input", fixed=convert.embedding_params())
         group = self.submit(requests)
         async for _ in self.whole(group, asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))):
             pass
@@ -243,16 +243,29 @@ class OpenAIRoutes:
             raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
                                 f"(see /v1/models)", "model")
 
-    def check_parameters(self, tools: ToolPlan) -> None:
+    async def check_parameters(self, tools: ToolPlan) -> None:
         """A 400 naming the function whose parameters schema a forced call cannot be held to."""
         for tool in tools.tools if tools.choice == "required" else [{"function": tools.function(tools.choice)}]:
             function = tool["function"]
             schema = function.get("parameters") or {"type": "object"}
             try:
-                self.llm.engine.grammars.compiled(StructuredOutput(json=schema))
+                await self.compile(StructuredOutput(json=schema))
             except MinervaError as exc:
                 raise APIError(400, f"the parameters of the function '{function['name']}' are not a usable JSON "
                                     f"schema: {exc}", "tools") from None
+
+    async def compile(self, spec: StructuredOutput | None) -> None:
+        """Compile an output constraint on the engine's grammar workers, within their budget,
+        while this request alone waits (neither the event loop nor the engine's steps do); a
+        MinervaError (a 400) when it is refused. The engine's own check then finds it cached."""
+        if spec is None:
+            return
+        grammars = self.llm.engine.grammars
+        compiling = asyncio.wrap_future(grammars.submit(spec))
+        done, _ = await asyncio.wait({compiling}, timeout=grammars.seconds)  # never cancels the compilation
+        _, error = compiling.result() if done else (None, grammars.too_slow(spec))
+        if error is not None:
+            raise MinervaError(error)
 
     async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                           variables: dict | None = None, tools: list[dict] | None = None) -> str:
@@ -284,15 +297,18 @@ class OpenAIRoutes:
         except MinervaError as exc:
             raise APIError(400, str(exc), param) from None
 
-    def requests(self, prompts: list[list[int]], body, max_tokens: int | None, logprobs: int | None, param: str,
-                 chat: bool = False, tools=None, fixed: SamplingParams | None = None) -> list[Request]:
+    async def requests(self, prompts: list[list[int]], body, max_tokens: int | None, logprobs: int | None,
+                       param: str, chat: bool = False, tools=None,
+                       fixed: SamplingParams | None = None) -> list[Request]:
         """Engine requests for every prompt (n each), checked by the API's rules and the engine's;
         `fixed` parameters instead of the body's sampling fields (an embedding's)."""
         requests = []
         forced = tools.output(self.llm.tool_format) if tools is not None else None
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
             params = fixed or convert.sampling_params(body, limit, logprobs, forced)
+            if i == 0:  # every prompt has the same constraint
+                await self.compile(params.structured)
             if chat:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
             requests += self.llm.make_requests(ids, params)

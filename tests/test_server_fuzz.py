@@ -42,8 +42,16 @@ def test_api_key(served):
         assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header}).status_code == 200
     for header in (KEY, f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", f"Bearer{KEY}"):
         assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": header}).status_code == 401
-    assert httpx.get(f"{url}/health").status_code == 200  # health and metrics stay open
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/health").status_code == 200  # only health (and the page) stay open
+    for route in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models", "/healthz", "/ui"):
+        r = httpx.get(f"{url}{route}")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", route
+    for route in ("/metrics", "/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{url}{route}", headers=AUTH).status_code == 200, route
+    twice = httpx.Headers([("Authorization", f"Bearer {KEY}"), ("Authorization", "Bearer other")])
+    for headers in (twice, httpx.Headers([("Authorization", f"Bearer {KEY}")] * 2)):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 400 and "more than one Authorization header" in r.json()["error"]["message"]
 
 
 def test_body_limit(served):
@@ -81,13 +89,13 @@ def test_queue_full_is_503_with_retry_after(served):
             assert retry and "max-waiting" in body["error"]["message"]
         else:
             assert body["usage"]["completion_tokens"] == 60
-    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0, what="KV blocks freed")
+    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks", headers=AUTH) == 0, what="KV blocks freed")
 
 
 @pytest.fixture(scope="module")
 def api_schema(served):
     url = served[0]
-    schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json").json())
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{url}/openapi.json", headers=AUTH).json())
     schema.config.update(base_url=url)
     return schema
 
@@ -129,8 +137,8 @@ def test_every_operation_is_fuzzed(api_schema):
 def test_still_healthy_after_fuzzing(served):
     url = served[0]
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
-    wait_for(lambda: metric(url, "minerva:num_requests_running") == 0
-             and metric(url, "minerva:kv_cache_used_blocks") == 0, what="an idle engine")
+    wait_for(lambda: metric(url, "minerva:num_requests_running", headers=AUTH) == 0
+             and metric(url, "minerva:kv_cache_used_blocks", headers=AUTH) == 0, what="an idle engine")
 
 
 def test_cli_serve_sigterm(tiny):
@@ -177,8 +185,8 @@ def test_engine_failure_fails_requests_not_server(served, monkeypatch):
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks") == 0, what="KV blocks freed")
-    assert metric(url, "minerva:request_success_total", 'finished_reason="error"') == 1
+    wait_for(lambda: metric(url, "minerva:kv_cache_used_blocks", headers=AUTH) == 0, what="KV blocks freed")
+    assert metric(url, "minerva:request_success_total", 'finished_reason="error"', headers=AUTH) == 1
 
 
 @pytest.mark.parametrize("flag,value", [("--max-waiting", "0"), ("--port", "70000"), ("--shutdown-timeout", "-1")])

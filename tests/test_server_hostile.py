@@ -16,8 +16,11 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from minerva import LLM
+from minerva.serve.guard import error_response
 from tests.helpers.server import free_port, is_up, metric, running_server, wait_for
 from tests.helpers.tiny_gguf import write_tiny_llama
 
@@ -70,6 +73,128 @@ def test_lone_surrogate_is_400(served, route, body):
 def test_surrogate_pair_is_fine(served):
     r = post(served[0], "/v1/completions", '{"prompt": "a\\ud83d\\ude00b", "max_tokens": 2}')
     assert r.status_code == 200, r.text
+
+
+# Bodies that succeed on every route, with strings in as many fields as the route takes.
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}
+RICH_BODIES = [
+    ("/v1/completions", {"model": "test-model", "prompt": "hi", "max_tokens": 2, "stop": ["zz"], "user": "u",
+                         "guided_choice": ["ab", "cd"]}),
+    ("/v1/completions", {"prompt": ["hi", "yo"], "max_tokens": 2, "stop": "zz", "guided_regex": "[a-z]+"}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_grammar": 'root ::= "a" | "b"'}),
+    ("/v1/chat/completions", {
+        "model": "test-model", "max_tokens": 2, "stop": "zz", "user": "u",
+        "messages": [{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "bob"}],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "n", "description": "d",
+            "schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "x+"}}}}}}),
+    ("/v1/chat/completions", {
+        "max_tokens": 2, "tool_choice": "auto",
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "ok"}],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+            "type": "object", "properties": {"a": {"type": "integer", "description": "an a"}}}}}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                              "tool_choice": {"type": "function", "function": {"name": "f"}},
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                                  "type": "object", "properties": {"b": {"enum": ["x", "y"]}}}}}]}),
+    ("/v1/embeddings", {"model": "test-model", "input": ["hi", "yo"], "encoding_format": "float", "user": "u"}),
+    ("/v1/embeddings", {"input": "hi", "encoding_format": "base64"}),
+    ("/tokenize", {"model": "test-model", "prompt": "hi"}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/detokenize", {"model": "test-model", "tokens": [65, 66]}),
+]
+LONE = ["\ud800", "\udfff", "a\udc00", "\ud83d", "x\ude00y", "\udbff\udbff"]  # lone halves, no pairs
+ODD = ["\x00", "\uffff", "\ufffe", "\U0010ffff", "\u202e", "\x7f\x1b[31m", "\ud83d\ude00", "\u0301"]
+
+
+def _string_places(value, where=()):
+    """Every path to a string in a JSON body, and to every key (as (*path, KEY, name))."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield (*where, "KEY", key)
+            yield from _string_places(item, (*where, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _string_places(item, (*where, i))
+    elif isinstance(value, str):
+        yield where
+
+
+def _with(body, place, text: str, at: int):
+    """A copy of `body` with `text` put into the string (or key) at `place`, at offset `at`."""
+    body = json.loads(json.dumps(body))
+    *parents, last = place
+    if len(parents) >= 1 and parents[-1] == "KEY":
+        *parents, _ = parents
+        holder = body
+        for p in parents:
+            holder = holder[p]
+        old = last
+        holder[old[:at] + text + old[at:]] = holder.pop(old)
+        return body
+    holder = body
+    for p in parents:
+        holder = holder[p]
+    old = holder[last]
+    holder[last] = old[:at] + text + old[at:]
+    return body
+
+
+PLACES = [(i, place) for i, (_, body) in enumerate(RICH_BODIES) for place in _string_places(body)]
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory):
+    """A server whose context holds the tool-calling conversations of RICH_BODIES."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("roomy") / "roomy.gguf", context=2048)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=8e6, max_num_seqs=4)
+    with running_server(llm, max_waiting=8) as (url, app):
+        yield url, app
+
+
+def test_rich_bodies_succeed(roomy):
+    """The property below starts from bodies that work: its 400s are the text's doing."""
+    for route, body in RICH_BODIES:
+        r = post(roomy[0], route, body)
+        assert r.status_code == 200, (route, r.text)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.sampled_from(PLACES), lone=st.booleans(), pick=st.integers(0, 100), at=st.integers(0, 8))
+def test_any_text_in_any_string_field_is_answered_4xx_or_2xx(roomy, where, lone, pick, at):
+    """A lone surrogate in any string (or key) of any route's body is a 400 with OpenAI's error
+    body, naming where it is; other unusual code points (NUL, noncharacters, U+10FFFF, escapes,
+    combining marks, a valid pair) never make a 500."""
+    i, place = where
+    route, body = RICH_BODIES[i]
+    text = (LONE if lone else ODD)[pick % len(LONE if lone else ODD)]
+    content = json.dumps(_with(body, place, text, at))  # ensure_ascii: a surrogate as its \\u escape
+    r = post(roomy[0], route, content)
+    assert r.status_code < 500, (route, content, r.status_code, r.text)
+    if lone:
+        error = assert_400(r, "lone surrogate", "not Unicode")
+        assert error["param"] is not None
+    elif r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["code"] == r.status_code and error["message"] and error["type"], r.text
+    r.content.decode("utf-8")  # every answer is UTF-8
+
+
+@pytest.mark.parametrize("route", ["/v1/models/%ED%A0%80", "/v1/models/%F4%90%80%80", "/v1/models/a%00b",
+                                   "/nothing/%ED%A0%80", "/v1/completions?x=%ED%A0%80"])
+def test_odd_paths_and_queries_are_4xx(served, route):
+    r = httpx.get(f"{served[0]}{route}", timeout=30)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"], r.text
+
+
+def test_an_error_echoing_a_surrogate_is_encodable():
+    """The one place errors are built makes what they echo encodable, whatever a route passes."""
+    response = error_response(404, "the model '\ud800' does not exist", "mo\udfffdel")
+    body = json.loads(response.body)
+    assert body["error"]["message"] == "the model '\\ud800' does not exist"
+    assert body["error"]["param"] == "mo\\udfffdel"
 
 
 # ------------------------------------------------------------------ hostile chat templates
@@ -343,3 +468,78 @@ def test_sigterm_ends_streams_cleanly(long_tiny, shutdown_timeout, finished):
             assert e[1] == [finished], e
         else:
             assert e[1] == "data: [DONE]" and e[2] == finished, (e, out)
+
+
+# ------------------------------------------------------------------ huge grammars
+
+
+def _choices(n: int) -> list[str]:
+    return [f"choice number {i}" for i in range(n)]
+
+
+def test_a_huge_grammar_stalls_no_one(roomy):
+    """While 20,000 choices compile (on the grammar workers, not the event loop nor the engine's
+    thread), another stream's tokens keep coming and /health answers at once; 100,000 choices
+    are over the size budget: a 400 naming the limit, without the grammar library's internals."""
+    url = roomy[0]
+    arrivals, outcome = [], {}
+
+    def stream() -> None:
+        body = {"prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    def huge() -> None:
+        outcome["start"] = time.monotonic()
+        outcome["r"] = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 40,
+                                                     "guided_choice": _choices(20_000)}, timeout=120)
+        outcome["end"] = time.monotonic()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    wait_for(lambda: len(arrivals) > 5, what="the stream's first tokens")
+    compiling = threading.Thread(target=huge)
+    compiling.start()
+    health = []
+    with httpx.Client(timeout=30) as client:  # one connection: the time is the server's, not a handshake's
+        while compiling.is_alive():
+            start = time.monotonic()
+            assert client.get(f"{url}/health").status_code == 200
+            health.append((start, time.monotonic() - start))
+            time.sleep(0.01)
+    compiling.join()
+    streaming.join()
+    assert outcome["r"].status_code == 200, outcome["r"].text
+    assert outcome["r"].json()["choices"][0]["text"] in _choices(20_000)
+    during = [took for when, took in health if outcome["start"] < when < outcome["end"]]
+    assert len(during) >= 3, health  # the compilation took long enough to be watched
+    assert max(during) < 0.2, during
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if outcome["start"] < b < outcome["end"]]
+    assert gaps and max(gaps) < 0.5, gaps
+
+    start = time.monotonic()
+    r = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_choice": _choices(100_000)},
+             timeout=120)
+    error = assert_400(r, "over this server's limit of 524,288")
+    assert "panic" not in error["message"] and "backtrace" not in error["message"]
+    assert time.monotonic() - start < 30
+
+
+def test_a_grammar_over_the_time_budget_is_a_400_and_stays_refused(roomy, monkeypatch):
+    grammars = roomy[1].state.llm.engine.grammars
+    monkeypatch.setattr(grammars, "seconds", 0.05)
+    body = {"prompt": "hi", "max_tokens": 2, "guided_choice": _choices(5_000) + ["timed"]}
+    assert_400(post(roomy[0], "/v1/completions", body), "did not compile within 0.05 s")
+    time.sleep(1.0)  # long after the worker has finished: still refused (the refusal is cached)
+    assert_400(post(roomy[0], "/v1/completions", body), "did not compile within 0.05 s")
+    monkeypatch.setattr(grammars, "seconds", 10.0)
+    assert post(roomy[0], "/v1/completions", {**body, "guided_choice": ["a", "b"]}).status_code == 200
+
+
+def test_a_panicking_grammar_library_is_one_plain_line():
+    from minerva.engine.structured import library_message
+    text = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: x\n"
+    assert library_message(text) == "it is too large or too complex for the grammar compiler; simplify it"
+    assert library_message("at 1(8): unknown name\n  1 | start: foo\n") == "at 1(8): unknown name 1 | start: foo"

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
+import re
 import time
 
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +26,53 @@ ACCESS = "minerva.access"  # the scope key of a request's access record, which t
 
 def error_response(status: int, message: str, param: str | None = None,
                    type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(convert.error_body(status, message, param, type), status_code=status, headers=headers)
+    """OpenAI's error body; what it echoes of a request is made encodable here, once for every
+    route (a lone surrogate is written as its escape, `\\ud800`)."""
+    body = convert.error_body(status, encodable(message), None if param is None else encodable(param), type)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def encodable(text: str) -> str:
+    """`text` with every code point UTF-8 cannot encode (a lone surrogate) as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\[uU][dD][89a-fA-F]")  # a JSON escape that may be half a pair
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(body: bytes) -> tuple[str, str | None] | None:
+    """The 400 message and field for a JSON body holding a lone surrogate (`"\\ud800"`, which is no Unicode
+    text: nothing could encode it, not a tokenizer, not a response), naming the field; None
+    for any other body (one that is not JSON is left to the routes' parser)."""
+    if not _SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[tuple, object]] = [((), value)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    return _surrogate_message((*where, key), key, "a key")
+                stack.append(((*where, key), item))
+        elif isinstance(value, list):
+            stack += [((*where, i), item) for i, item in enumerate(value)]
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            return _surrogate_message(where, value, "text")
+    return None
+
+
+def _surrogate_message(where: tuple, text: str, what: str) -> tuple[str, str | None]:
+    field = encodable(".".join(map(str, where)))
+    code = ord(_SURROGATE.search(text).group())
+    place = f"invalid field '{field}'" if field else "invalid request body"
+    subject = "its name" if what == "a key" else "its text"
+    return (f"{place}: {subject} holds a lone surrogate U+{code:04X}, which is not Unicode; "
+            f"send whole characters (a surrogate pair, or the character itself as UTF-8)"), field or None
 
 
 # ------------------------------------------------------------------ guards
@@ -39,7 +87,11 @@ class Guard:
     its connection, either.
     """
 
-    PUBLIC = ("/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/ui/")  # and the page at "/"
+    # What answers without the key: the health check, and the chat page with its files (they
+    # hold nothing; the page asks for the key). Everything else, /metrics and the API's own
+    # docs (/docs, /redoc, /openapi.json) included, needs it.
+    PUBLIC = frozenset({"/", "/health"})
+    PUBLIC_UNDER = "/ui/"
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
@@ -53,7 +105,11 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and not (scope["path"] == "/" or scope["path"].startswith(self.PUBLIC)):
+        if self.api_key and not (scope["path"] in self.PUBLIC or scope["path"].startswith(self.PUBLIC_UNDER)):
+            if sum(k.lower() == b"authorization" for k, _ in scope["headers"]) > 1:
+                return await error_response(400, "the request has more than one Authorization header; "
+                                                 "send one: 'Authorization: Bearer <key>'",
+                                            type="authentication_error")(scope, receive, send)
             if not self.authorized(headers.get("authorization", "")):
                 return await error_response(401, "missing or wrong API key: send the header "
                                                  "'Authorization: Bearer <key>' with the server's --api-key",
@@ -83,7 +139,11 @@ class Guard:
                 return await too_big(scope, receive, send)
             if not message.get("more_body", False):
                 break
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        unreadable = lone_surrogate(body)
+        if unreadable is not None:
+            return await error_response(400, *unreadable)(scope, receive, send)
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed():
             return replay.pop() if replay else await receive()

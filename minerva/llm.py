@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import time
+import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -83,6 +83,28 @@ def set_threads(threads: int | None) -> int:
     return threads
 
 
+class _Stop:
+    """Stops a tensor-parallel LLM's workers and leaves its process group. The LLM's finalizer
+    holds it, so it holds the group and the runner, never the LLM (which it would keep alive)."""
+
+    def __init__(self, group: launch.Group):
+        self.group = group
+        self.runner: ModelRunner | None = None  # once the engine exists: it tells the workers to stop
+
+    def __call__(self) -> None:
+        group = self.group
+        if group.closed:
+            return
+        stopped = False
+        try:
+            if self.runner is not None and not (group.comm is not None and group.comm.broken):
+                self.runner.stop()
+                stopped = True
+        except MinervaError:  # a worker already gone: nothing to tell it
+            pass
+        group.close(10.0 if stopped else 0.0)  # workers never told to stop are killed at once
+
+
 class LLM:
     """A loaded model with its tokenizer and a batching engine, ready to generate.
 
@@ -97,6 +119,10 @@ class LLM:
     starts the others, each with a 1/N share of the cores by default); under `torchrun`
     every rank constructs the same LLM, and on ranks other than 0 the constructor follows
     rank 0's steps and then exits the process.
+
+    A tensor-parallel LLM holds worker processes and this process's `torch.distributed` group
+    until `close()`, which runs by itself when the LLM is garbage-collected, at exit, and at
+    the end of `with LLM(...) as llm:`; one such LLM can be open at a time.
     """
 
     def __init__(self, model: str | None = None, *, device: str | None = None,
@@ -108,6 +134,8 @@ class LLM:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
         engine_config = EngineConfig(**engine_options)
         self.group: launch.Group | None = None
+        self._stop: _Stop | None = None
+        self._finalizer: weakref.finalize | None = None
         self.device = parse_device(device)
         # the model first: a wrong name is an error at once, before the kernels are built
         self.path = resolve(model, auto_pull=auto_pull)
@@ -127,6 +155,9 @@ class LLM:
                         quantize=quantize, activations=activations, tensor_parallel_size=tensor_parallel_size,
                         **engine_options)
             self.group = launch.join(tensor_parallel_size, spec)
+            if self.group is not None and self.group.leader:  # closed however this LLM goes, even half-built
+                self._stop = _Stop(self.group)
+                self._finalizer = weakref.finalize(self, self._stop)
         set_threads(threads)
         self.dtype_name = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[self.dtype_name]
@@ -149,7 +180,6 @@ class LLM:
                 ModelRunner(model, cache, self.device, comm).follow(draft)
                 group.close()
                 raise SystemExit(0)
-            atexit.register(self.close)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self.chat_template = self.tokenizer.resolved_chat_template
@@ -162,18 +192,20 @@ class LLM:
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
                              model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}:{activations}", draft=draft,
                              comm=comm)
+        if self._stop is not None:
+            self._stop.runner = self.engine.runner
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op for one process); the LLM cannot run after it."""
-        group, self.group = self.group, None
-        if group is None or group.closed:
-            return
-        try:
-            if hasattr(self, "engine") and not (group.comm is not None and group.comm.broken):
-                self.engine.runner.stop()
-        except MinervaError:  # a worker already gone: nothing to tell it
-            pass
-        group.close()
+        self.group = None
+        if self._finalizer is not None:
+            self._finalizer()  # once: a no-op after the first call, and at collection or exit
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------ prompts
 

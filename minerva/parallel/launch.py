@@ -16,13 +16,14 @@ shard (`ModelRunner.follow`) until rank 0 stops them.
 
 from __future__ import annotations
 
-import atexit
+import gc
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -35,6 +36,7 @@ from minerva.parallel.comm import Comm, connect
 log = logging.getLogger("minerva")
 
 SPAWNED = "MINERVA_TP_SPAWNED"  # set for the workers rank 0 starts itself
+PARENT = "MINERVA_TP_PARENT"  # the pid of the rank 0 that started a worker: it leaves when that one is gone
 
 
 def timeout() -> float:
@@ -76,18 +78,37 @@ class Group:
         return None
 
     def close(self, timeout: float = 10.0) -> None:
+        """Wait up to `timeout` s for rank 0's workers to exit (killing those that do not), then
+        leave the process group, so that this process can start or join another."""
         if self.closed:
             return
         self.closed = True
-        deadline = time.monotonic() + timeout
-        for p in self.workers:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if dist.is_initialized() and not (self.comm is not None and self.comm.broken):
-            dist.destroy_process_group()  # (gloo aborts the process tearing down a group whose peer is gone)
+        _reap(self.workers, timeout)
+        # gloo can abort a process tearing down a group whose peer is gone (torchrun's, across hosts);
+        # a group of workers this process started, all reaped now, tears down cleanly
+        if dist.is_initialized() and (self.workers or not (self.comm is not None and self.comm.broken)):
+            dist.destroy_process_group()
+
+
+def _reap(workers: list[subprocess.Popen], timeout: float = 0.0) -> None:
+    """Wait up to `timeout` s for `workers` to exit; kill those that do not."""
+    deadline = time.monotonic() + timeout
+    for p in workers:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def check_free() -> None:
+    """A MinervaError when this process is still in a process group: a second tensor-parallel LLM
+    needs the first one closed. Garbage-collects first, so an LLM already dropped closes now."""
+    if dist.is_initialized():
+        gc.collect()  # an unreachable LLM in a reference cycle: its finalizer closes its group
+    if dist.is_initialized():
+        raise MinervaError("another tensor-parallel LLM is still open in this process; close it first "
+                           "(llm.close(), or create it with `with LLM(...) as llm:`)")
 
 
 def torchrun_rank() -> tuple[int, int] | None:
@@ -124,18 +145,26 @@ def join(size: int | None, spec: dict) -> Group | None:
         rank, world = launched
         if size not in (None, 1, world):
             raise MinervaError(f"--tensor-parallel-size {size} differs from WORLD_SIZE={world} of the launcher")
+        check_free()
         _init_from_env(rank, world)
         return Group(rank, world)
     if not size or size == 1:
         return None
+    check_free()
     return _spawn(size, spec)
 
 
+def _waited(start: float, limit: float) -> str:
+    """How long a failed wait took, against its limit: a failure is not always a time-out."""
+    return f"after {time.monotonic() - start:.1f} s (limit {limit:.0f} s)"
+
+
 def _init_from_env(rank: int, world: int) -> None:
-    limit = timeout()
+    limit, start = timeout(), time.monotonic()
+    spawned = bool(os.environ.get(SPAWNED))
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     try:
-        if os.environ.get(SPAWNED):
+        if spawned:
             store = dist.TCPStore(addr, int(port), world, is_master=False, timeout=timedelta(seconds=limit))
             store.set(f"minerva/arrived/{rank}", "1")
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
@@ -147,9 +176,11 @@ def _init_from_env(rank: int, world: int) -> None:
                                     timeout=timedelta(seconds=limit))
     except (RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = ("rank 0, which started this worker, stopped or failed first" if spawned else
+                "check that every rank was started with the same MASTER_ADDR and MASTER_PORT "
+                "and that rank 0 can listen there")
         raise MinervaError(f"rank {rank} of {world} could not join the tensor-parallel group at {addr}:{port} "
-                           f"within {limit:.0f} s ({first}); check that every rank was started with the same "
-                           "MASTER_ADDR and MASTER_PORT and that rank 0 can listen there") from None
+                           f"{_waited(start, limit)}: {first}; {hint}") from None
 
 
 def _spawn(world: int, spec: dict) -> Group:
@@ -160,23 +191,31 @@ def _spawn(world: int, spec: dict) -> Group:
     except RuntimeError as exc:
         raise MinervaError(f"cannot open a local port for the tensor-parallel ranks: {exc}") from None
     group = Group(0, world)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
-               **{SPAWNED: "1"})
+    # (the C++ warnings with stack traces a worker's store prints when rank 0 goes away: its error says it)
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world), SPAWNED: "1", PARENT: str(os.getpid())}
     for r in range(1, world):
         group.workers.append(subprocess.Popen([sys.executable, "-m", "minerva.parallel.worker", json.dumps(spec)],
                                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                               stdin=subprocess.DEVNULL))
-    atexit.register(group.close, 2.0)
-    deadline = time.monotonic() + limit
+    # the workers go with the group (the LLM's finalizer closes it first) or at exit; the list, not the group
+    weakref.finalize(group, _reap, group.workers, 2.0)
+    start = time.monotonic()
     keys = [f"minerva/arrived/{r}" for r in range(1, world)]
     while not store.check(keys):
         broken = group.check_workers()
-        if broken is not None or time.monotonic() > deadline:
+        if broken is not None or time.monotonic() > start + limit:
             group.close(0.0)
             raise MinervaError(f"the tensor-parallel workers did not start: "
-                               f"{broken or f'not all arrived within {limit:.0f} s'}")
+                               f"{broken or 'not all arrived'} {_waited(start, limit)}")
         time.sleep(0.05)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timedelta(seconds=limit))
+    try:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timedelta(seconds=limit))
+    except (RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = group.check_workers() or first
+        group.close(0.0)
+        raise MinervaError(f"the tensor-parallel group did not form {_waited(start, limit)}: {why}") from None
     return group
 
 

@@ -1,5 +1,7 @@
 """Corrupt and hostile model files: every one must fail with one clean `MinervaError` that names
-what is wrong, quickly and without allocating what a corrupt length claims.
+what is wrong, quickly and without allocating what a corrupt length claims. That includes files
+that parse and would load but compute garbage: metadata out of range or at odds with the tensors
+(`GARBAGE_CASES`), refused before anything is built, by one line naming the key.
 
 The files are mutations of a tiny valid GGUF (tests/helpers/tiny_gguf.py) and hand-written
 config.json files; all of them are loaded by `load_model` in one subprocess whose address space
@@ -80,6 +82,102 @@ def base(tmp_path_factory):
     return path, path.read_bytes(), sites(path)
 
 
+def f32(x: float) -> int:
+    """The bits of `x` as a FLOAT32, to write over a 4-byte metadata value."""
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+F16, BF16 = int(gguf.GGMLQuantizationType.F16), int(gguf.GGMLQuantizationType.BF16)
+EPS, ROPE = "llama.attention.layer_norm_rms_epsilon", "llama.rope.freq_base"
+
+# (case, site, value, fragments): a value of the tiny file (1 layer, vocabulary 257, hidden 16,
+# feed-forward 32, 2 heads, 1 KV head) mutated into one that parses and would load but compute
+# garbage; the error must name the key (the first fragment). "two:" sites are in the two-layer file.
+GARBAGE_CASES = [
+    ("block-count-2", "kv:llama.block_count:value", 2, ["llama.block_count = 2", "no tensors of layer 1"]),
+    ("block-count-1-of-2", "two:kv:llama.block_count:value", 1, ["llama.block_count = 1", "tensors of layer 1"]),
+    ("block-count-3-of-2", "two:kv:llama.block_count:value", 3, ["llama.block_count = 3", "no tensors of layer 2"]),
+    *[(f"{what}-id-{value}", f"kv:tokenizer.ggml.{what}_token_id:value", value,
+       [f"tokenizer.ggml.{what}_token_id = {value}", "0 to 256"])
+      for what in ("bos", "eos") for value in (257, 10**6, M32)],
+    ("context-0", "kv:llama.context_length:value", 0, ["llama.context_length = 0", "plausible context"]),
+    *[(f"eps-{x}", f"kv:{EPS}:value", f32(x), [EPS, "> 0 and < 1"])
+      for x in (float("inf"), float("nan"), 0.0, -1e-5, 2.0)],
+    *[(f"rope-base-{x}", f"kv:{ROPE}:value", f32(x), [ROPE, "rope base"])
+      for x in (0.0, float("inf"), float("nan"), -1e4)],
+    ("kv-heads-0", "kv:llama.attention.head_count_kv:value", 0, ["llama.attention.head_count_kv = 0"]),
+    ("kv-heads-3", "kv:llama.attention.head_count_kv:value", 3,
+     ["llama.attention.head_count_kv = 3", "a divisor of llama.attention.head_count = 2"]),
+    ("heads-4", "kv:llama.attention.head_count:value", 4, ["llama.attention.head_count = 4", "blk.0.attn_k.weight"]),
+    ("hidden-0", "kv:llama.embedding_length:value", 0, ["llama.embedding_length = 0"]),
+    ("hidden-32", "kv:llama.embedding_length:value", 32, ["llama.embedding_length = 32", "token_embd.weight"]),
+    ("ffn-0", "kv:llama.feed_forward_length:value", 0, ["llama.feed_forward_length = 0"]),
+    ("ffn-64", "kv:llama.feed_forward_length:value", 64, ["llama.feed_forward_length = 64", "blk.0.ffn_gate.weight"]),
+    *[(f"{name}-f32-as-{label}", f"t:{name}:type", qtype, [f"tensor '{name}' of type {label}", "holds"])
+      for name in ("output_norm.weight", "blk.0.attn_norm.weight", "token_embd.weight", "blk.0.ffn_up.weight")
+      for qtype, label in ((F16, "F16"), (BF16, "BF16"))],
+]
+
+# (case, metadata entries (key, value, type) added to the tiny file or replacing its own, fragments)
+GARBAGE_KEYS = [
+    *[(f"vocab-size-{v}", [("llama.vocab_size", v, V.UINT32)], [f"llama.vocab_size = {v}", "allowed: 257"])
+      for v in (0, 256, 258, M32)],
+    *[(f"{what}-id-{v}", [(f"tokenizer.ggml.{what}_token_id", v, vtype)], [f"tokenizer.ggml.{what}_token_id = {v}"])
+      for what in ("padding", "unknown", "eot", "eom", "sep") for v, vtype in ((257, V.UINT32), (10**6, V.UINT32),
+                                                                          (M32, V.UINT32), (-2, V.INT32))],
+    ("key-length-0", [("llama.attention.key_length", 0, V.UINT32)], ["llama.attention.key_length = 0"]),
+    ("rope-dims-7", [("llama.rope.dimension_count", 7, V.UINT32)], ["llama.rope.dimension_count = 7", "even"]),
+    *[(f"rope-linear-factor-{x}", [("llama.rope.scaling.type", "linear", V.STRING),
+                                   ("llama.rope.scaling.factor", x, V.FLOAT32)], ["llama.rope.scaling.factor"])
+      for x in (0.0, float("inf"), -2.0)],
+    ("yarn-original-context-0", [("llama.rope.scaling.type", "yarn", V.STRING),
+                                 ("llama.rope.scaling.factor", 4.0, V.FLOAT32),
+                                 ("llama.rope.scaling.original_context_length", 0, V.UINT32)],
+     ["llama.rope.scaling.original_context_length = 0"]),
+]
+
+# (case, metadata entries as in GARBAGE_KEYS): legitimate variations that must still load
+LEGIT_KEYS = [
+    ("vocab-size-257", [("llama.vocab_size", 257, V.UINT32)]),
+    ("padding-none", [("tokenizer.ggml.padding_token_id", -1, V.INT32)]),
+    ("special-ids-in-vocab", [("tokenizer.ggml.padding_token_id", 256, V.UINT32),
+                              ("tokenizer.ggml.unknown_token_id", 0, V.UINT32),
+                              ("tokenizer.ggml.eot_token_id", 1, V.UINT32)]),
+    ("rope-dims-8", [("llama.rope.dimension_count", 8, V.UINT32)]),
+    ("rope-linear-2", [("llama.rope.scaling.type", "linear", V.STRING), ("llama.rope.scaling.factor", 2.0, V.FLOAT32)]),
+]
+
+
+def _with_keys(src: Path, dst: Path, entries) -> Path:
+    """A copy of the GGUF file `src` with each (key, value, type) of `entries` set."""
+    for key, value, vtype in entries:
+        retyped(src, dst.with_suffix(".tmp"), key, value, vtype)
+        src = dst.with_suffix(".tmp").replace(dst)
+    return dst
+
+
+def _two_layers(src: Path, dst: Path) -> Path:
+    """The tiny file with a second layer, a copy of its first, and block_count 2."""
+    reader = gguf.GGUFReader(src, "r")
+    w = gguf.GGUFWriter(str(dst), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "llama.block_count"):
+            continue
+        sub = field.types[-1] if field.types[0] == V.ARRAY else None
+        w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    w.add_block_count(2)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data)
+    for t in reader.tensors:
+        if t.name.startswith("blk.0."):
+            w.add_tensor("blk.1." + t.name.removeprefix("blk.0."), t.data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
 def _nested_arrays(path, depth: int):
     """A header-only GGUF file whose one metadata entry is an array nested `depth` deep."""
     data = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"a" + struct.pack("<I", V.ARRAY)
@@ -141,7 +239,22 @@ HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appen
     ("experts-1e9", {"model_type": "mixtral", "num_local_experts": 10**9, "num_experts_per_tok": 2},
      ["num_local_experts = 1000000000", "plausible expert count"]),
     ("experts-per-token-past-experts", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 9,
-                                        "moe_intermediate_size": 32}, ["num_experts_per_tok=9"]),
+                                        "moe_intermediate_size": 32},
+     ["num_experts_per_tok = 9", "1 to num_experts or num_local_experts = 4"]),
+    *[(f"eps-{x}", {"rms_norm_eps": x}, ["rms_norm_eps", "> 0 and < 1"]) for x in (0, float("inf"), float("nan"), 1)],
+    *[(f"rope-theta-{x}", {"rope_theta": x}, [f"rope_theta = {float(x)}", "rope base"]) for x in (0, float("inf"), -1)],
+    ("gemma3-local-rope-0", {"model_type": "gemma3_text", "sliding_window": 8, "rope_local_base_freq": 0},
+     ["rope_local_base_freq = 0.0", "local rope base"]),
+    ("rope-linear-factor-0", {"rope_scaling": {"rope_type": "linear", "factor": 0}}, ["rope_scaling.factor = 0.0"]),
+    ("llama3-freq-factors-equal", {"rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                                                    "high_freq_factor": 4, "original_max_position_embeddings": 64}},
+     ["rope_scaling.high_freq_factor = 4.0", "above rope_scaling.low_freq_factor = 4.0"]),
+    ("kv-heads-0", {"num_key_value_heads": 0}, ["num_key_value_heads = 0"]),
+    ("kv-heads-3", {"num_key_value_heads": 3}, ["num_key_value_heads = 3", "a divisor of num_attention_heads = 4"]),
+    ("head-dim-0", {"head_dim": 0}, ["head_dim = 0"]),
+    ("context-0", {"max_position_embeddings": 0}, ["max_position_embeddings = 0"]),
+    ("vocab-0", {"vocab_size": 0}, ["vocab_size = 0"]),
+    ("layers-without-tensors", {}, ["num_hidden_layers = 3", "no tensors of layer 0"]),
     ("model-type-list", {"model_type": ["llama"]}, ["not supported"]),
     ("quantized-gptq", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
      ["quantized with 'gptq'", "float checkpoint"]),
@@ -188,6 +301,15 @@ def results(base, tmp_path_factory):
     for case, site, value, _ in GGUF_CASES:
         paths[f"gguf:{case}"] = root / f"{case}.gguf"
         paths[f"gguf:{case}"].write_bytes(_mutated(data, where, site, value))
+    two = paths["two-layers"] = _two_layers(base[0], root / "two-layers.gguf")
+    two_data, two_where = two.read_bytes(), sites(two)
+    for case, site, value, _ in GARBAGE_CASES:
+        paths[f"garbage:{case}"] = root / f"garbage-{case}.gguf"
+        blob = (_mutated(two_data, two_where, site.removeprefix("two:"), value) if site.startswith("two:")
+                else _mutated(data, where, site, value))
+        paths[f"garbage:{case}"].write_bytes(blob)
+    for case, entries, *_ in GARBAGE_KEYS + LEGIT_KEYS:
+        paths[f"keys:{case}"] = _with_keys(base[0], root / f"keys-{case}.gguf", entries)
     for case, key, value, vtype, sub, _ in RETYPED:
         paths[f"retyped:{case}"] = retyped(base[0], root / f"{case}.gguf", key, value, vtype, sub)
     paths["nested-arrays"] = _nested_arrays(root / "nested.gguf", 100_000)
@@ -204,6 +326,7 @@ def results(base, tmp_path_factory):
 
 def _assert_clean(result: dict, fragments: list[str]):
     assert result["outcome"] == "MinervaError", result
+    assert "\n" not in result["message"], result  # the CLI prints it as one line
     assert result["seconds"] < SECONDS_PER_FILE, result
     assert result["rss_growth_mb"] < RSS_GROWTH_MB, result
     assert "MemoryError" not in result["message"] and "RecursionError" not in result["message"], result
@@ -214,6 +337,23 @@ def _assert_clean(result: dict, fragments: list[str]):
 @pytest.mark.parametrize("case,site,value,fragments", GGUF_CASES, ids=[c[0] for c in GGUF_CASES])
 def test_corrupt_gguf_is_one_clean_error(results, case, site, value, fragments):
     _assert_clean(results[f"gguf:{case}"], fragments)
+
+
+@pytest.mark.parametrize("case,site,value,fragments", GARBAGE_CASES, ids=[c[0] for c in GARBAGE_CASES])
+def test_metadata_that_would_compute_garbage_is_one_clean_error(results, case, site, value, fragments):
+    _assert_clean(results[f"garbage:{case}"], fragments)
+
+
+@pytest.mark.parametrize("case,entries,fragments", GARBAGE_KEYS, ids=[c[0] for c in GARBAGE_KEYS])
+def test_added_metadata_that_would_compute_garbage_is_one_clean_error(results, case, entries, fragments):
+    _assert_clean(results[f"keys:{case}"], fragments)
+
+
+@pytest.mark.parametrize("case", ["two-layers", *[f"keys:{c[0]}" for c in LEGIT_KEYS]])
+def test_legitimate_metadata_variations_load(results, case):
+    """The checks refuse only what is wrong: a stated vocab_size equal to the tokens, -1 for no
+    padding token, special ids inside the vocabulary, a rope dimension count, linear scaling."""
+    assert results[case]["outcome"] == "ok", results[case]
 
 
 @pytest.mark.parametrize("case,key,value,vtype,sub,fragments", RETYPED, ids=[c[0] for c in RETYPED])
@@ -249,6 +389,14 @@ def test_cli_reports_a_corrupt_array_length_on_one_line(base, tmp_path):
     proc = run("generate", str(bad), "hi", timeout=120)
     assert_clean_error(proc, "huge-vocab.gguf", "tokenizer.ggml.tokens", "re-download")
     assert time.perf_counter() - start < 60  # the command's start-up included; the old loader never ended
+
+
+def test_cli_reports_a_relabelled_norm_tensor_on_one_line(base, tmp_path):
+    _, data, where = base
+    bad = tmp_path / "relabelled.gguf"
+    bad.write_bytes(put(data, where["t:output_norm.weight:type"], F16))
+    assert_clean_error(run("generate", str(bad), "hi", timeout=120), "relabelled.gguf",
+                       "tensor 'output_norm.weight' of type F16", "takes 32 bytes")
 
 
 def test_cli_reports_a_deeply_nested_config_on_one_line(tmp_path):

@@ -164,14 +164,32 @@ class _Reader(gguf.GGUFReader):
         if fields and start_offs > size:
             raise _Corrupt(f"tensor data would start at byte {start_offs} (alignment {self.alignment}), "
                            f"past the end of the file ({size} bytes)")
-        for field in fields:
+        for i, field in enumerate(fields):
             start, end = self._tensor_span(start_offs, field, size)
-            spans.append((start, end, field.name))
+            spans.append((start, end, field.name, i))
         spans.sort()
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        for (_, end, a, _), (start, _, b, _) in zip(spans, spans[1:]):
             if start < end:
                 raise _Corrupt(f"the data of tensors '{a}' and '{b}' overlap")
+        self._check_tiling(start_offs, spans, fields, size)
         super()._build_tensors(start_offs, fields)
+
+    def _check_tiling(self, start_offs: int, spans: list, fields, size: int) -> None:
+        """The tensors' data fill the data section, each padded to the alignment, as llama.cpp
+        writes and requires them: more bytes before the next tensor (or the end of the file)
+        mean a tensor's type and dims claim fewer bytes than the file holds for it, as when an
+        F32 norm is relabelled F16 and would be read as half its bytes, all garbage."""
+        if spans and spans[0][0] != start_offs:
+            raise _Corrupt(f"the tensor data starts at byte {start_offs}, but its first tensor "
+                           f"'{spans[0][2]}' at byte {spans[0][0]}")
+        for (start, end, name, i), following in zip(spans, [s[0] for s in spans[1:]] + [size]):
+            if following > end + -(end - start_offs) % self.alignment:
+                _, _, _, dims, raw_type, _ = fields[i].parts
+                qtype = gguf.GGMLQuantizationType(int(raw_type[0])).name
+                raise _Corrupt(f"tensor '{name}' of type {qtype} and dims {[int(d) for d in dims]} takes "
+                               f"{end - start} bytes, but the file holds {following - start} for it (allowed: "
+                               f"what its type and dims take, padded to the alignment of {self.alignment}); "
+                               "its type or dims are wrong")
 
     def _tensor_span(self, start_offs: int, field, size: int) -> tuple[int, int]:
         """Where a tensor's bytes lie, once its dims, type and offset are known to be sane."""

@@ -8,6 +8,7 @@ Two vocabulary kinds: `gpt2` (byte-level BPE, with llama.cpp's pre-tokenizer reg
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import tokenizers
@@ -110,28 +111,43 @@ PRE_TOKENIZERS: dict[str, _Pre] = {
     "viking": _Pre([_BLOOM, r"\p{N}"]),
 }
 
-# The type llama.cpp reads each key as (and the type of a list's items); a value of
-# another type comes from a corrupt or hostile file and is refused by `_md_get`.
+# The type llama.cpp reads each key as (and the type of a list's items; every special token
+# id is an int); a value of another type comes from a corrupt or hostile file and is refused
+# by `_md_get`.
 _TYPES: dict[str, tuple[type, Any]] = {
     "tokenizer.ggml.model": (str, None), "tokenizer.ggml.pre": (str, None),
     "tokenizer.ggml.tokens": (list, str), "tokenizer.ggml.merges": (list, str),
     "tokenizer.ggml.token_type": (list, int), "tokenizer.ggml.scores": (list, (int, float)),
     "tokenizer.chat_template": (str, None),
-    **{f"tokenizer.ggml.{k}_token_id": (int, None)
-       for k in ("bos", "eos", "eot", "eom", "unknown", "padding")},
 }
+# Special token ids: tokenizer.ggml.{bos, eos, eot, eom, unknown, padding, sep, cls, mask,
+# fim_pre, ...}_token_id, each a token of the vocabulary or -1 for none (`check_token_ids`).
+TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
+NO_TOKEN = -1
 
 
 def _md_get(md: Mapping[str, Any], key: str, default: Any = None) -> Any:
     value = md.get(key)
     if value is None:
         return default
-    kind, item = _TYPES.get(key, (object, None))
+    kind, item = _TYPES.get(key, (int, None) if TOKEN_ID_KEY.fullmatch(key) else (object, None))
     if not isinstance(value, kind) or (item and not all(isinstance(v, item) for v in value)):
         want = f"a list of {getattr(item, '__name__', 'number')}" if item else f"of type {kind.__name__}"
         raise MinervaError(f"GGUF metadata {key} should be {want}, not {str(value)[:60]!r}; "
                            "the file is corrupt")
     return value
+
+
+def check_token_ids(md: Mapping[str, Any], n_vocab: int) -> None:
+    """Refuse a special token id (BOS, EOS, padding, ... any `tokenizer.ggml.*_token_id`) that
+    is no token of the `n_vocab`-token vocabulary: a corrupt id would end or pad generation
+    at a token that never comes, or index past the embedding."""
+    for key in md:
+        if TOKEN_ID_KEY.fullmatch(key):
+            value = _md_get(md, key)
+            if value is not None and value != NO_TOKEN and not 0 <= value < n_vocab:
+                raise MinervaError(f"GGUF metadata {key} = {value} is not a token of the {n_vocab}-token "
+                                   f"vocabulary (0 to {n_vocab - 1}, or {NO_TOKEN} for none); the file is corrupt")
 
 
 def _as_bool(value: Any, default: bool) -> bool:
@@ -160,12 +176,11 @@ def gguf_tokenizer_args(md: Mapping[str, Any]) -> dict[str, Any]:
     if len(token_types) != n_vocab:
         token_types = [TOKEN_NORMAL] * n_vocab
 
+    check_token_ids(md, n_vocab)
+
     def token_id(key: str) -> int | None:
         value = _md_get(md, f"tokenizer.ggml.{key}")
-        if value is None:
-            return None
-        value = int(value)
-        return value if 0 <= value < n_vocab else None
+        return None if value is None or value == NO_TOKEN else int(value)
 
     unk = token_id("unknown_token_id")
     build = _byte_level if model == "gpt2" else _sentencepiece

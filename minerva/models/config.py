@@ -1,9 +1,12 @@
-"""The model configuration: one frozen dataclass built from GGUF metadata or config.json."""
+"""The model configuration: one frozen dataclass built from GGUF metadata or config.json, and
+the ranges and agreements every config is checked against (`check_config`) before anything is
+built from it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, Mapping
 
 from minerva.errors import MinervaError
 
@@ -31,9 +34,59 @@ LIMITS: dict[str, tuple[int, str]] = {
     "num_experts": (4096, "expert count"),
     "num_experts_per_tok": (4096, "experts-per-token count"),
     "expert_intermediate_size": (1 << 20, "expert feed-forward size"),
+    "rope_scaling.original_max_position": (1 << 24, "original context length"),
 }
 
 MAY_BE_ZERO = {"num_experts", "num_experts_per_tok"}  # 0: a dense model
+
+
+def _positive(v: float) -> bool:
+    return v > 0
+
+
+# The real-valued fields (a RopeScaling field as "rope_scaling.<field>"): (holds, what, allowed).
+# A value must be a finite number that `holds`; None (where the field allows it) means unset.
+# An epsilon of 0 or inf, or a rope base of 0, makes every output NaN or garbage without an error.
+REALS: dict[str, tuple[Callable[[float], bool], str, str]] = {
+    "rms_norm_eps": (lambda v: 0 < v < 1, "norm epsilon", "finite, > 0 and < 1"),
+    "rope_theta": (lambda v: v > 1, "rope base", "finite, > 1"),
+    "rope_local_theta": (lambda v: v > 1, "local rope base", "finite, > 1"),
+    "attn_scale": (_positive, "attention scale", "finite, > 0"),
+    "final_logit_softcap": (lambda v: v >= 0, "logit soft-cap", "finite, >= 0; 0 for none"),
+    "rope_scaling.factor": (_positive, "rope scaling factor", "finite, > 0"),
+    "rope_scaling.low_freq_factor": (_positive, "rope low-frequency factor", "finite, > 0"),
+    "rope_scaling.high_freq_factor": (_positive, "rope high-frequency factor", "finite, > 0"),
+    "rope_scaling.beta_fast": (_positive, "YaRN beta_fast", "finite, > 0"),
+    "rope_scaling.beta_slow": (_positive, "YaRN beta_slow", "finite, > 0"),
+    "rope_scaling.attention_factor": (_positive, "YaRN attention factor", "finite, > 0"),
+}
+OPTIONAL = {"rope_local_theta", "attn_scale", "final_logit_softcap", "rope_scaling.attention_factor"}
+
+# Fields that must agree with others: (field, holds, allowed). `allowed` is formatted with the
+# values and, as `<field>_key`, the file's name for each field ("." in a field's name as "_").
+AGREEMENT: list[tuple[str, Callable[[Mapping[str, Any]], bool], str]] = [
+    ("num_kv_heads", lambda c: c["num_heads"] % c["num_kv_heads"] == 0,
+     "a divisor of {num_heads_key} = {num_heads}"),
+    ("head_dim", lambda c: c["head_dim"] % 2 == 0, "an even number (rotary pairs)"),
+    ("layer_types", lambda c: len(c["layer_types"]) == c["num_layers"] and set(c["layer_types"]) <= {FULL, SLIDING},
+     "{num_layers} entries, each 'full' or 'sliding'"),
+    ("sliding_window", lambda c: SLIDING not in c["layer_types"] or (c["sliding_window"] or 0) > 0,
+     "at least 1 where layers slide"),
+    ("num_experts_per_tok", lambda c: (c["num_experts"] == 0 and c["num_experts_per_tok"] == 0)
+     or 0 < c["num_experts_per_tok"] <= c["num_experts"],
+     "1 to {num_experts_key} = {num_experts}, or 0 for no experts"),
+    ("moe_routing", lambda c: c["moe_routing"] in (SOFTMAX_TOPK, TOPK_SOFTMAX), f"{SOFTMAX_TOPK} or {TOPK_SOFTMAX}"),
+    ("rope_scaling.high_freq_factor", lambda c: c["rope_scaling.kind"] != "llama3"
+     or c["rope_scaling.high_freq_factor"] > c["rope_scaling.low_freq_factor"],
+     "above {rope_scaling_low_freq_factor_key} = {rope_scaling_low_freq_factor}"),
+]
+
+_CORRUPT = "the file is corrupt or not a model Minerva can run"
+
+
+def real(value: Any) -> Any:
+    """float(value) for a number, else the value itself, for `check_config` to name."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
 def check_plausible(values: Mapping[str, Any], source: str, keys: Mapping[str, str]) -> None:
@@ -43,7 +96,46 @@ def check_plausible(values: Mapping[str, Any], source: str, keys: Mapping[str, s
         low = 0 if name in MAY_BE_ZERO else 1
         if value is not None and not (isinstance(value, int) and low <= value <= limit):
             raise MinervaError(f"{source}: {keys.get(name, name)} = {value!r} is not a plausible {what} "
-                               f"({low} to {limit}); the file is corrupt or not a model Minerva can run")
+                               f"({low} to {limit}); {_CORRUPT}")
+
+
+def check_config(values: Mapping[str, Any], source: str, keys: Mapping[str, str]) -> None:
+    """Refuse a config no model can have, before anything is built from it: a size out of
+    `LIMITS`, a real number out of `REALS` (NaN, inf, a zero epsilon or rope base), fields
+    that contradict each other (`AGREEMENT`). `values` are ModelConfig fields (unset ones take
+    their defaults); `keys` gives the file's own name for each field. One error, on one line,
+    names the first bad field, its value and what it may be."""
+    flat = {**_defaults(), **values}
+    scaling = flat["rope_scaling"]
+    if isinstance(scaling, RopeScaling):
+        flat.update({f"rope_scaling.{k}": v for k, v in vars(scaling).items()})
+    check_plausible(flat, source, keys)
+    if not flat["layer_types"]:
+        flat["layer_types"] = (FULL,) * flat["num_layers"]
+    for name, (holds, what, allowed) in REALS.items():
+        value = flat.get(name)
+        if value is None and name in OPTIONAL:
+            continue
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and holds(value)):
+            raise MinervaError(f"{source}: {keys.get(name, name)} = {value!r} is not a plausible {what} "
+                               f"({allowed}); {_CORRUPT}")
+    for name, holds, allowed in AGREEMENT:
+        if not holds(flat):
+            names = {**{k.replace(".", "_"): v for k, v in flat.items()},
+                     **{k.replace(".", "_") + "_key": keys.get(k, k) for k in flat}}
+            raise MinervaError(f"{source}: {keys.get(name, name)} = {flat[name]!r} should be "
+                               f"{allowed.format_map(names)}; {_CORRUPT}")
+
+
+def _defaults() -> dict[str, Any]:
+    out = {}
+    for f in fields(ModelConfig):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,27 +186,9 @@ class ModelConfig:
     moe_renormalize: bool = True
 
     def __post_init__(self):
-        check_plausible(vars(self), "invalid model config", {})
+        check_config(vars(self), "invalid model config", {})
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
-        checks = {
-            "num_layers": self.num_layers > 0,
-            "hidden_size": self.hidden_size > 0,
-            "num_heads": self.num_heads > 0,
-            "num_kv_heads": self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
-            "head_dim": self.head_dim > 0 and self.head_dim % 2 == 0,
-            "vocab_size": self.vocab_size > 0,
-            "layer_types": len(self.layer_types) == self.num_layers
-            and set(self.layer_types) <= {FULL, SLIDING},
-            "sliding_window": SLIDING not in self.layer_types or (self.sliding_window or 0) > 0,
-            "num_experts_per_tok": (self.num_experts == 0 and self.num_experts_per_tok == 0)
-            or 0 < self.num_experts_per_tok <= self.num_experts,
-            "moe_routing": self.moe_routing in (SOFTMAX_TOPK, TOPK_SOFTMAX),
-        }
-        bad = [f"{k}={getattr(self, k)!r}" for k, ok in checks.items() if not ok]
-        if bad:
-            raise MinervaError(f"invalid model config: {', '.join(bad)} "
-                               f"(heads={self.num_heads}, kv_heads={self.num_kv_heads})")
 
     @property
     def expert_ffn_size(self) -> int:

@@ -19,13 +19,14 @@ from minerva.formats.gguf import GGUFFile, GGUFTensor
 from minerva.formats.quant import QUANT_TYPES, mxfp4_from_blocks
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
+from minerva.formats.tokenizer_gguf import check_token_ids
 from minerva.kernels import act_quant
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
 from minerva.kernels.weights import PackedWeight, Weight, float_weight, into_hugepages
 from minerva.models.architectures import (
     GGUF_GLOBAL, HF_GLOBAL, HF_MODEL_TYPES, NORMS, Architecture, canonical, check_shape, find_architecture,
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
-from minerva.models.config import ModelConfig, check_plausible
+from minerva.models.config import ModelConfig, check_config, check_plausible, real
 from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import Linear, freeze
 from minerva.parallel.shard import Shard, plan
@@ -59,7 +60,22 @@ class GGUFWeights:
     def _permuted(self, name: str) -> bool:
         return self.arch.permute_qk and name.endswith(("q_proj", "k_proj"))
 
+    def check(self) -> None:
+        """The file's tensors against the config, before any is read: its layers are those
+        block_count says, and each tensor the model uses has a type Minerva reads and the shape
+        the config implies."""
+        keys = gguf_keys(self.f)
+        _check_layers(self.f.tensors, "blk.", self.config, keys, f"'{self.f.path}'")
+        for name in self.by_name:
+            t = self._typed(name)
+            _check_shape(name, t.name, t.shape, self.config, keys, f"'{self.f.path}'")
+
     def _find(self, name: str) -> GGUFTensor:
+        t = self._typed(name)
+        check_shape(name, t.name, t.shape, self.config, f"'{self.f.path}'")
+        return t
+
+    def _typed(self, name: str) -> GGUFTensor:
         if name not in self.by_name:
             raise MinervaError(f"'{self.f.path}' lacks the tensor for '{name}' "
                                f"that a {self.f.architecture} model needs; the file is incomplete")
@@ -67,7 +83,6 @@ class GGUFWeights:
         if t.qtype not in _FLOAT_TYPES and t.qtype not in QUANT_TYPES:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
                                "which Minerva cannot read")
-        check_shape(name, t.name, t.shape, self.config, f"'{self.f.path}'")
         return t
 
     def weight(self, name: str) -> Weight:
@@ -139,6 +154,14 @@ class SafeTensorsWeights:
 
     def has(self, name: str) -> bool:
         return name in self.by_name
+
+    def check(self) -> None:
+        """The checkpoint's tensors against config.json, from the headers alone: its layers are
+        those num_hidden_layers says, and each tensor the model uses has the shape the config implies."""
+        source = f"'{self.d.path}'"
+        _check_layers(self.d.tensor_names(), "model.layers.", self.config, HF_KEYS, f"'{self.d.path / 'config.json'}'")
+        for name, file_name in self.by_name.items():
+            _check_shape(name, file_name, tuple(self.d.dtype_and_shape(file_name)[1]), self.config, HF_KEYS, source)
 
     def _get(self, name: str, packed: bool = False) -> torch.Tensor:
         if name not in self.by_name:
@@ -226,26 +249,50 @@ class LoadedModel:
     shard: Shard | None = None  # under tensor parallelism, the part of the model this rank holds
 
 
-# The file's own name for each size field, for errors that name what to look at.
-GGUF_SIZE_KEYS = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
-                  "num_layers": "block_count", "num_heads": "attention.head_count",
-                  "num_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
-                  "max_position": "context_length", "sliding_window": "attention.sliding_window",
-                  "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
-                  "expert_intermediate_size": "expert_feed_forward_length"}
-HF_SIZE_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings",
-                "num_experts": "num_experts or num_local_experts", "expert_intermediate_size": "moe_intermediate_size"}
+# The file's own name for each config field, for errors that name what to look at.
+GGUF_KEYS = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
+             "num_layers": "block_count", "num_heads": "attention.head_count",
+             "num_kv_heads": "attention.head_count_kv", "head_dim": "attention.key_length",
+             "max_position": "context_length", "sliding_window": "attention.sliding_window",
+             "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+             "expert_intermediate_size": "expert_feed_forward_length",
+             "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+             "attn_scale": "attention.scale", "final_logit_softcap": "final_logit_softcapping",
+             "rope_scaling.factor": "rope.scaling.factor",
+             "rope_scaling.original_max_position": "rope.scaling.original_context_length",
+             "rope_scaling.beta_fast": "rope.scaling.yarn_beta_fast",
+             "rope_scaling.beta_slow": "rope.scaling.yarn_beta_slow"}
+HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+           "num_kv_heads": "num_key_value_heads", "max_position": "max_position_embeddings",
+           "num_experts": "num_experts or num_local_experts", "expert_intermediate_size": "moe_intermediate_size",
+           "rope_local_theta": "rope_local_base_freq", "attn_scale": "query_pre_attn_scalar ** -0.5",
+           "final_logit_softcap": "final_logit_softcapping",
+           "rope_scaling.original_max_position": "rope_scaling.original_max_position_embeddings"}
+# Config fields that tensor shapes come from, named in a shape mismatch's error.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                "num_experts", "expert_intermediate_size")
+
+
+def gguf_keys(f: GGUFFile) -> dict[str, str]:
+    """GGUF_KEYS under the file's architecture, with where its vocabulary and head size come from."""
+    keys = {k: f"{f.architecture}.{v}" for k, v in GGUF_KEYS.items()}
+    keys["vocab_size"] = "the row count of token_embd.weight"
+    if f.get("attention.key_length") is None:
+        keys["head_dim"] = (f"{f.architecture}.rope.dimension_count" if f.get("rope.dimension_count") is not None
+                            else f"the head size ({keys['hidden_size']} / {keys['num_heads']})")
+    return keys
+
+
+def _given(value: Any, default: Any) -> Any:
+    """`value`, or `default` where the file does not state it: a stated 0 stays 0 (and is refused)."""
+    return default if value is None else value
 
 
 def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
     embed = f.tensors.get("token_embd.weight")
     if embed is None:
         raise MinervaError(f"'{f.path}' has no token_embd.weight tensor")
-    keys = {k: f"{f.architecture}.{v}" for k, v in GGUF_SIZE_KEYS.items()}
-    keys["vocab_size"] = "the row count of token_embd.weight"
-    if f.get("attention.key_length") is None:
-        keys["head_dim"] = f"{f.architecture}.rope.dimension_count"
+    keys = gguf_keys(f)
     try:
         heads = whole(f.require("attention.head_count"))
         hidden = whole(f.require("embedding_length"))
@@ -255,30 +302,75 @@ def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
             intermediate_size=whole(f.require("feed_forward_length")),
             num_layers=whole(f.require("block_count")),
             num_heads=heads,
-            num_kv_heads=whole(f.get("attention.head_count_kv") or heads),
-            max_position=whole(f.get("context_length") or 4096),
+            num_kv_heads=whole(_given(f.get("attention.head_count_kv"), heads)),
+            max_position=whole(_given(f.get("context_length"), 4096)),
             # llama.cpp renormalises the chosen experts' weights for every architecture here
             # (Mixtral, Qwen3-MoE): its converter drops Qwen3-MoE's norm_topk_prob
-            num_experts=whole(f.get("expert_count") or 0),
-            num_experts_per_tok=whole(f.get("expert_used_count") or 0),
+            num_experts=whole(_given(f.get("expert_count"), 0)),
+            num_experts_per_tok=whole(_given(f.get("expert_used_count"), 0)),
             expert_intermediate_size=whole(f.get("expert_feed_forward_length")),
         )
         check_plausible(sizes, f"'{f.path}'", keys)  # before the layer count sizes anything
-        sizes["head_dim"] = whole(f.get("attention.key_length") or f.get("rope.dimension_count")
-                                  or hidden // heads)
+        sizes["head_dim"] = whole(_given(f.get("attention.key_length"),
+                                         _given(f.get("rope.dimension_count"), hidden // heads)))
         extra = arch.gguf_config(f)
-        check_plausible({**sizes, **extra}, f"'{f.path}'", keys)
-        return _named_config(f"'{f.path}'", {
+        config = _named_config(f"'{f.path}'", {
             "architecture": f.architecture,
             **sizes,
-            "rms_norm_eps": float(f.require("attention.layer_norm_rms_epsilon")),
-            "rope_theta": float(f.get("rope.freq_base") or 10000.0),
+            "rms_norm_eps": real(f.require("attention.layer_norm_rms_epsilon")),
+            "rope_theta": real(_given(f.get("rope.freq_base"), 10000.0)),
             "rope_scaling": gguf_rope_scaling(f),
             "tie_word_embeddings": "output.weight" not in f.tensors,
             **extra,  # an architecture's own rules win
-        })
+        }, keys)
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
         raise MinervaError(f"'{f.path}' has invalid model metadata ({exc})") from None
+    _check_vocabulary(f)
+    return config
+
+
+def _check_vocabulary(f: GGUFFile) -> None:
+    """One token per row of token_embd.weight, as `<arch>.vocab_size` says where the file has
+    it, and every special token id (BOS, EOS, padding, ...) a token of that vocabulary."""
+    rows, tokens = f.tensors["token_embd.weight"].shape[0], f.metadata.get("tokenizer.ggml.tokens")
+    stated = f.get("vocab_size")
+    if stated is not None and stated != rows:
+        raise MinervaError(f"'{f.path}': {f.architecture}.vocab_size = {stated!r} does not match the {rows} rows "
+                           f"of token_embd.weight (allowed: {rows}); the file is corrupt")
+    if not isinstance(tokens, list):
+        return  # no tokenizer, or one of the wrong type: the tokenizer says which
+    if len(tokens) != rows:
+        raise MinervaError(f"'{f.path}': tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight "
+                           f"has {rows} rows (allowed: one token per row); the file is corrupt")
+    try:
+        check_token_ids(f.metadata, rows)
+    except MinervaError as exc:
+        raise MinervaError(f"'{f.path}': {exc}") from None
+
+
+def _check_layers(names, prefix: str, config: ModelConfig, keys: dict[str, str], source: str) -> None:
+    """The layer count against the layers the tensors hold (`<prefix><i>.*`): each of
+    0..count-1 present, none past it."""
+    held = {int(i) for i in (n[len(prefix):].partition(".")[0] for n in names if n.startswith(prefix))
+            if i.isdigit()}
+    n, key = config.num_layers, keys.get("num_layers", "num_layers")
+    past, missing = sorted(held - set(range(n))), sorted(set(range(n)) - held)
+    if past or missing:
+        layer, what = (past[-1], "there are tensors") if past else (missing[0], "there are no tensors")
+        holds = f"{len(held)} layers, the last {max(held)}" if held else "no layers"
+        raise MinervaError(f"{source}: {key} = {n}, but {what} of layer {layer} ({prefix}{layer}.*); "
+                           f"{key} must be the count of layers the tensors hold, each of 0..count-1 present "
+                           f"(they hold {holds}); the file is corrupt")
+
+
+def _check_shape(name: str, file_name: str, shape: tuple[int, ...], config: ModelConfig, keys: dict[str, str],
+                 source: str) -> None:
+    """`check_shape`, its error naming the metadata the expected shape comes from."""
+    try:
+        check_shape(name, file_name, shape, config, source)
+    except MinervaError as exc:
+        given = ", ".join(f"{keys.get(k, k)} = {getattr(config, k)}" for k in SHAPE_FIELDS if getattr(config, k))
+        raise MinervaError(f"{exc} (from {given})") from None
 
 
 def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
@@ -300,30 +392,40 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
             intermediate_size=whole(cfg["intermediate_size"]),
             num_layers=whole(cfg["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=whole(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=whole(_given(cfg.get("num_key_value_heads"), heads)),
             max_position=whole(cfg.get("max_position_embeddings", 4096)),
         )
-        check_plausible(sizes, source, HF_SIZE_KEYS)  # before the layer count sizes anything
-        sizes["head_dim"] = whole(cfg.get("head_dim") or hidden // heads)
+        check_plausible(sizes, source, HF_KEYS)  # before the layer count sizes anything
+        sizes["head_dim"] = whole(_given(cfg.get("head_dim"), hidden // heads))
         theta, scaling = hf_rope(cfg)
         extra = arch.hf_config(cfg)
-        check_plausible({**sizes, **extra}, source, HF_SIZE_KEYS)
+        check_plausible({**sizes, **extra}, source, HF_KEYS)
         fields = dict(
             architecture=arch_name,
             **sizes,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=real(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             **extra,
         )
+        for name, key in _HF_STATED.items():
+            if name in fields and cfg.get(key) is not None:
+                fields[name] = real(cfg[key])
     except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as exc:
         raise MinervaError(f"{source} lacks or has a bad field ({type(exc).__name__}: {exc})") from None
-    return _named_config(source, fields), arch
+    return _named_config(source, fields, HF_KEYS), arch
 
 
-def _named_config(source: str, fields: dict[str, Any]) -> ModelConfig:
-    """ModelConfig(**fields), its inconsistencies reported under the file they came from."""
+# config.json fields read as `value or default` (a rope base of 0 would become the default):
+# where the file states one, its value is what `check_config` sees.
+_HF_STATED = {"rope_theta": "rope_theta", "rope_local_theta": "rope_local_base_freq"}
+
+
+def _named_config(source: str, fields: dict[str, Any], keys: dict[str, str]) -> ModelConfig:
+    """ModelConfig(**fields) once `check_config` passes them, its errors naming the file and
+    the file's own name for each field."""
+    check_config(fields, source, keys)
     try:
         return ModelConfig(**fields)
     except MinervaError as exc:
@@ -367,6 +469,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         d = SafeTensorsDir(path)
         config, arch = _config_from_hf(d.config, path)
         weights: Any = SafeTensorsWeights(d, arch, config, device, dtype, quantize)
+        weights.check()  # before anything is read or built
         tokenizer = Tokenizer.from_pretrained_dir(path)
     elif quantize:
         raise MinervaError(f"--quantize applies to SafeTensors checkpoints; '{path.name}' is a GGUF file, "
@@ -376,6 +479,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         arch = find_architecture(f.architecture, f"'{path}'")
         config = _config_from_gguf(f, arch)
         weights = GGUFWeights(f, arch, config, device, dtype)
+        weights.check()  # before anything is read or built
         try:
             tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         except MinervaError as exc:

@@ -19,13 +19,13 @@ from minerva.formats.gguf import GGUFFile, GGUFTensor
 from minerva.formats.quant import QUANT_TYPES, mxfp4_from_blocks
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
-from minerva.formats.tokenizer_gguf import check_token_ids
 from minerva.kernels import act_quant
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
 from minerva.kernels.weights import PackedWeight, Weight, float_weight, into_hugepages
 from minerva.models.architectures import (
     GGUF_GLOBAL, HF_GLOBAL, HF_MODEL_TYPES, NORMS, Architecture, canonical, check_shape, find_architecture,
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
+from minerva.models.checks import check_layers, check_shape_of, check_vocabulary
 from minerva.models.config import ModelConfig, check_config, check_plausible, real
 from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import Linear, freeze
@@ -65,10 +65,10 @@ class GGUFWeights:
         block_count says, and each tensor the model uses has a type Minerva reads and the shape
         the config implies."""
         keys = gguf_keys(self.f)
-        _check_layers(self.f.tensors, "blk.", self.config, keys, f"'{self.f.path}'")
+        check_layers(self.f.tensors, "blk.", self.config, keys, f"'{self.f.path}'")
         for name in self.by_name:
             t = self._typed(name)
-            _check_shape(name, t.name, t.shape, self.config, keys, f"'{self.f.path}'")
+            check_shape_of(name, t.name, t.shape, self.config, keys, f"'{self.f.path}'")
 
     def _find(self, name: str) -> GGUFTensor:
         t = self._typed(name)
@@ -159,9 +159,9 @@ class SafeTensorsWeights:
         """The checkpoint's tensors against config.json, from the headers alone: its layers are
         those num_hidden_layers says, and each tensor the model uses has the shape the config implies."""
         source = f"'{self.d.path}'"
-        _check_layers(self.d.tensor_names(), "model.layers.", self.config, HF_KEYS, f"'{self.d.path / 'config.json'}'")
+        check_layers(self.d.tensor_names(), "model.layers.", self.config, HF_KEYS, f"'{self.d.path / 'config.json'}'")
         for name, file_name in self.by_name.items():
-            _check_shape(name, file_name, tuple(self.d.dtype_and_shape(file_name)[1]), self.config, HF_KEYS, source)
+            check_shape_of(name, file_name, tuple(self.d.dtype_and_shape(file_name)[1]), self.config, HF_KEYS, source)
 
     def _get(self, name: str, packed: bool = False) -> torch.Tensor:
         if name not in self.by_name:
@@ -268,9 +268,6 @@ HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"
            "rope_local_theta": "rope_local_base_freq", "attn_scale": "query_pre_attn_scalar ** -0.5",
            "final_logit_softcap": "final_logit_softcapping",
            "rope_scaling.original_max_position": "rope_scaling.original_max_position_embeddings"}
-# Config fields that tensor shapes come from, named in a shape mismatch's error.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                "num_experts", "expert_intermediate_size")
 
 
 def gguf_keys(f: GGUFFile) -> dict[str, str]:
@@ -325,52 +322,8 @@ def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
         }, keys)
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
         raise MinervaError(f"'{f.path}' has invalid model metadata ({exc})") from None
-    _check_vocabulary(f)
+    check_vocabulary(f)
     return config
-
-
-def _check_vocabulary(f: GGUFFile) -> None:
-    """One token per row of token_embd.weight, as `<arch>.vocab_size` says where the file has
-    it, and every special token id (BOS, EOS, padding, ...) a token of that vocabulary."""
-    rows, tokens = f.tensors["token_embd.weight"].shape[0], f.metadata.get("tokenizer.ggml.tokens")
-    stated = f.get("vocab_size")
-    if stated is not None and stated != rows:
-        raise MinervaError(f"'{f.path}': {f.architecture}.vocab_size = {stated!r} does not match the {rows} rows "
-                           f"of token_embd.weight (allowed: {rows}); the file is corrupt")
-    if not isinstance(tokens, list):
-        return  # no tokenizer, or one of the wrong type: the tokenizer says which
-    if len(tokens) != rows:
-        raise MinervaError(f"'{f.path}': tokenizer.ggml.tokens has {len(tokens)} tokens but token_embd.weight "
-                           f"has {rows} rows (allowed: one token per row); the file is corrupt")
-    try:
-        check_token_ids(f.metadata, rows)
-    except MinervaError as exc:
-        raise MinervaError(f"'{f.path}': {exc}") from None
-
-
-def _check_layers(names, prefix: str, config: ModelConfig, keys: dict[str, str], source: str) -> None:
-    """The layer count against the layers the tensors hold (`<prefix><i>.*`): each of
-    0..count-1 present, none past it."""
-    held = {int(i) for i in (n[len(prefix):].partition(".")[0] for n in names if n.startswith(prefix))
-            if i.isdigit()}
-    n, key = config.num_layers, keys.get("num_layers", "num_layers")
-    past, missing = sorted(held - set(range(n))), sorted(set(range(n)) - held)
-    if past or missing:
-        layer, what = (past[-1], "there are tensors") if past else (missing[0], "there are no tensors")
-        holds = f"{len(held)} layers, the last {max(held)}" if held else "no layers"
-        raise MinervaError(f"{source}: {key} = {n}, but {what} of layer {layer} ({prefix}{layer}.*); "
-                           f"{key} must be the count of layers the tensors hold, each of 0..count-1 present "
-                           f"(they hold {holds}); the file is corrupt")
-
-
-def _check_shape(name: str, file_name: str, shape: tuple[int, ...], config: ModelConfig, keys: dict[str, str],
-                 source: str) -> None:
-    """`check_shape`, its error naming the metadata the expected shape comes from."""
-    try:
-        check_shape(name, file_name, shape, config, source)
-    except MinervaError as exc:
-        given = ", ".join(f"{keys.get(k, k)} = {getattr(config, k)}" for k in SHAPE_FIELDS if getattr(config, k))
-        raise MinervaError(f"{exc} (from {given})") from None
 
 
 def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -142,6 +143,25 @@ def test_thousands_of_choices_give_a_whole_choice(smollm2_llm):
     out = smollm2_llm.generate(p, SamplingParams(max_tokens=20, temperature=0,
                                                  structured=StructuredOutput(choice=choices)))[0].outputs[0]
     assert out.text in choices and out.finish_reason == "stop", out.text
+
+
+def test_building_the_tokenizer_view_counts_against_no_constraint(smollm2_llm, monkeypatch):
+    """llguidance's view of a large vocabulary takes seconds to build, once an engine: the first
+    constraint's budget starts after it (a schema refused for it would stay refused, cached)."""
+    import llguidance
+    from minerva.engine.structured import Grammars
+
+    real = llguidance.LLTokenizer
+
+    def slow(*args, **kwargs):
+        time.sleep(0.8)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", slow)
+    grammars = Grammars(smollm2_llm.tokenizer, smollm2_llm.config.vocab_size, seconds=0.5)
+    spec = StructuredOutput(json=SCHEMAS[0])
+    assert grammars.compiled(spec).is_accepting() is False  # compiled, in its start state
+    assert grammars.submit(spec).result()[1] is None  # and cached as a success
 
 
 # ------------------------------------------------------------------ server

@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout, wait
 from dataclasses import dataclass
 
 import llguidance
@@ -127,7 +127,8 @@ class Grammars:
     A constraint is compiled on one of this object's worker threads, never on the caller's
     (llguidance lets go of the GIL while it builds), within two budgets: its llguidance grammar
     at most `max_bytes` long, its compilation (queueing included) at most `seconds`. Over
-    either it is refused with a MinervaError naming the limit, and the refusal is cached as a
+    either it is refused with a MinervaError naming the limit (building llguidance's view of the
+    tokenizer, once, counts against no constraint), and the refusal is cached as a
     result would be, so the same constraint sent again is refused at once. Every request with
     the same constraint shares one compilation, even while it is running.
     """
@@ -138,6 +139,8 @@ class Grammars:
         self.seconds, self.max_bytes = seconds, max_bytes
         self._ll: llguidance.LLTokenizer | None = None
         self._ll_lock = threading.Lock()
+        self._ll_at = 0.0  # when the tokenizer's view was built: no constraint's time is counted before
+        self._ll_ready: Future | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
@@ -151,7 +154,21 @@ class Grammars:
                                                       eos_token=sorted(self.tokenizer.eos_token_ids))
                 except Exception as exc:  # noqa: BLE001 - llguidance's own message says what it could not read
                     raise MinervaError(f"structured output cannot use this model's tokenizer: {exc}") from None
+                self._ll_at = time.monotonic()
             return self._ll
+
+    def tokenizer_ready(self) -> Future:
+        """The building of llguidance's view of the tokenizer (once an engine, up to several
+        seconds for a large vocabulary), on the workers; a constraint's budget starts after it."""
+        with self._lock:
+            return self._start_tokenizer()
+
+    def _start_tokenizer(self) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COMPILERS, thread_name_prefix="minerva-grammar")
+        if self._ll_ready is None or self._ll_ready.cancelled():
+            self._ll_ready = self._pool.submit(lambda: self.ll_tokenizer)
+        return self._ll_ready
 
     def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         """A fresh matcher for `spec`, for one request."""
@@ -164,8 +181,7 @@ class Grammars:
         with self._lock:
             future = self._cache.get(key)
             if future is None or future.cancelled():
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(COMPILERS, thread_name_prefix="minerva-grammar")
+                self._start_tokenizer()  # first in the queue
                 future = self._cache[key] = self._pool.submit(self._compile, spec, time.monotonic())
                 done = [k for k, f in self._cache.items() if f.done()]
                 for k in done[:max(0, len(self._cache) - CACHED_GRAMMARS)]:  # the oldest finished ones
@@ -178,8 +194,10 @@ class Grammars:
         """The cached matcher of `spec` in its start state (copy it before use), waiting for its
         compilation at most `seconds`; a MinervaError (a 400 in the server) when `spec` is
         invalid or over a budget."""
+        future = self.submit(spec)
+        wait([self.tokenizer_ready()])  # (a tokenizer it cannot use: the compilation says so)
         try:
-            matcher, error = self.submit(spec).result(timeout=self.seconds)
+            matcher, error = future.result(timeout=self.seconds)
         except FutureTimeout:
             matcher, error = None, self.too_slow(spec)
         if error is not None:
@@ -191,15 +209,17 @@ class Grammars:
                 f"this server's limit; simplify it")
 
     def _compile(self, spec: StructuredOutput, submitted: float) -> tuple[llguidance.LLMatcher | None, str | None]:
-        if time.monotonic() - submitted > self.seconds:  # its callers have given up waiting
-            return None, self.too_slow(spec)
         what = f"{spec.kind.replace('_', ' ')} constraint"
         try:
+            tokenizer = self.ll_tokenizer
+            submitted = max(submitted, self._ll_at)
+            if time.monotonic() - submitted > self.seconds:  # its callers have given up waiting
+                return None, self.too_slow(spec)
             grammar = spec.llguidance_grammar()
             if len(grammar) > self.max_bytes:
                 return None, (f"the {what} compiles to a grammar of {len(grammar):,} bytes, over this server's "
                               f"limit of {self.max_bytes:,}; simplify it")
-            compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if compiled.is_error():
                 return None, f"invalid {what}: {library_message(compiled.get_error())}"
         except MinervaError as exc:

@@ -262,6 +262,7 @@ class OpenAIRoutes:
             return
         grammars = self.llm.engine.grammars
         compiling = asyncio.wrap_future(grammars.submit(spec))
+        await asyncio.wait({asyncio.wrap_future(grammars.tokenizer_ready())})  # once an engine: outside the budget
         done, _ = await asyncio.wait({compiling}, timeout=grammars.seconds)  # never cancels the compilation
         _, error = compiling.result() if done else (None, grammars.too_slow(spec))
         if error is not None:

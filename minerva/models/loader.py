@@ -67,15 +67,11 @@ class GGUFWeights:
         keys = gguf_keys(self.f)
         check_layers(self.f.tensors, "blk.", self.config, keys, f"'{self.f.path}'")
         for name in self.by_name:
-            t = self._typed(name)
+            t = self._find(name)
             check_shape_of(name, t.name, t.shape, self.config, keys, f"'{self.f.path}'")
 
     def _find(self, name: str) -> GGUFTensor:
-        t = self._typed(name)
-        check_shape(name, t.name, t.shape, self.config, f"'{self.f.path}'")
-        return t
-
-    def _typed(self, name: str) -> GGUFTensor:
+        """The file's tensor for `name`, of a type Minerva reads (its shape: `check`, at the start)."""
         if name not in self.by_name:
             raise MinervaError(f"'{self.f.path}' lacks the tensor for '{name}' "
                                f"that a {self.f.architecture} model needs; the file is incomplete")

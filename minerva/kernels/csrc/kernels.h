@@ -47,7 +47,7 @@ double int8_peak_probe(int64_t chunks, int64_t steps);
 // the int8 kernels' per-CPU choices [one row of x: regrouped Q4_K/Q5_K groups per work item, L2
 // prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1)]; returns them as they were,
 // then sets them when given (tests run every choice)
-std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set);
+std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_t qtype);
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,

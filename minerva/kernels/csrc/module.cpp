@@ -636,10 +636,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("block") = 32);
   m.def("int8_peak_probe", &int8_peak_probe,
         "(chunks, steps) -> multiply-adds done by the int8 dot-product instruction mix, on every thread");
-  m.def("cpu_choices", &cpu_choices, py::arg("set") = py::none(),
-        "the kernels' per-CPU choices [one row of x: Q4_K/Q5_K groups per work item, L2 prefetch bytes; "
-        "many rows: the Q4_K/Q5_K tiles copy x (0 or 1); the Q4_K/Q5_K tiles scale sub-blocks in i32 (1) or in float (0)]; "
-        "returns them, then sets them when given");
+  m.def("cpu_choices", &cpu_choices, py::arg("set") = py::none(), py::arg("qtype") = -1,
+        "the int8 kernels' choices for GGML type `qtype` (-1: every type; read: Q4_K's) [one row of x: groups "
+        "per work item, L2 prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1); the Q4_K/Q5_K tiles "
+        "scale sub-blocks in i32 (1) or in float (0), for every type]; returns them, then sets them when given");
   m.def("regroup_", &regroup_, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");

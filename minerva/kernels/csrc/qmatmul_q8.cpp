@@ -507,10 +507,38 @@ struct CpuChoices {
   int64_t x_copy;    // many rows: 1 = the V16 Q4_K/Q5_K tiles copy x per super-block (float steps)
   int64_t int_steps; // 1 = the Q4_K/Q5_K tiles scale sub-blocks in i32 (tile_xk's INT), 0 = in float
 };
-inline CpuChoices choices = [] {
+inline const CpuChoices vendor_choices = [] {
   const bool intel = __builtin_cpu_is("intel");
   return CpuChoices{intel ? 2 : 1, intel ? 32768 : 0, intel ? 1 : 0, intel ? 0 : 1};
 }();
+
+// The choices that keep the bits are kept per type, so that the planner
+// (minerva/kernels/tune.py), which times them on the machine they run on, can give each type
+// its fastest: `groups` is for the K-quants as above (1, or 2 with MINERVA_V16) and for the
+// 32-weight block types the groups of 8 rows one work item streams side by side with one row
+// of x (x8_rows, q8_0_rows: 2 to 4; 1: one at a time, tile_x8 and its prefetches), 4 by
+// default; `l2_ahead` and `x_copy` as above, from the vendor until the planner sets them.
+// int_steps, which changes the bits, stays one choice for every type.
+struct TypeChoices {
+  int64_t groups, l2_ahead, x_copy;
+};
+constexpr int CHOICE_TYPES = MXFP4 + 1;
+inline int64_t int_steps = vendor_choices.int_steps;
+inline bool is_k_type(int64_t qt) { return qt == Q2_K || qt == Q3_K || qt == Q4_K || qt == Q5_K || qt == Q6_K; }
+inline bool int8_type(int64_t qt) {
+  return is_k_type(qt) || qt == Q4_0 || qt == Q4_1 || qt == Q5_0 || qt == Q5_1 || qt == Q8_0 || qt == MXFP4;
+}
+inline std::array<TypeChoices, CHOICE_TYPES> type_choices = [] {
+  std::array<TypeChoices, CHOICE_TYPES> out{};
+  for (int qt = 0; qt < CHOICE_TYPES; ++qt)
+    out[qt] = {is_k_type(qt) ? vendor_choices.groups : 4, vendor_choices.l2_ahead, vendor_choices.x_copy};
+  return out;
+}();
+template <int QT>
+inline const TypeChoices& choices_of() {
+  static_assert(QT >= 0 && QT < CHOICE_TYPES);
+  return type_choices[QT];
+}
 
 // An accumulator kept as one register add after another. Integer adds associate, and with
 // the sub-block loop unrolled GCC otherwise computes all of a tile's products first, spills
@@ -719,8 +747,8 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y, const uint8_t* 
   [[maybe_unused]] float pscale[ONE_SUM ? nb : 1][8];
   const int64_t ahead = nb * rb, step = (nb * rb + a.G - 1) / a.G;
   // the tile l2_ahead or more bytes ahead (at least 2 tiles), while still in the chunk
-  const int64_t far = std::max<int64_t>(2, (choices.l2_ahead + ahead - 1) / ahead) * ahead;
-  const bool to_l2 = choices.l2_ahead > 0 && row + far + ahead <= end;
+  const int64_t far = std::max<int64_t>(2, (choices_of<QT>().l2_ahead + ahead - 1) / ahead) * ahead;
+  const bool to_l2 = choices_of<QT>().l2_ahead > 0 && row + far + ahead <= end;
   for (int64_t g = 0; g < a.G; ++g) {
     if (to_l2)
       for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch_l2(row + far + o);
@@ -965,7 +993,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
   using X = X8<QT>;
   __m256 acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t FAR = choices.l2_ahead / X::BYTES * X::BYTES;
+  const int64_t FAR = choices_of<QT>().l2_ahead / X::BYTES * X::BYTES;
   const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, 0, FAR, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * X::BYTES;
@@ -1033,7 +1061,7 @@ void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y, const uint8_
   using X = X8<QT>;
   __m256 acc[NG];
   for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
-  const int64_t far = choices.l2_ahead > 0 ? NG * gb : 0;  // the next work item's same place
+  const int64_t far = choices_of<QT>().l2_ahead > 0 ? NG * gb : 0;  // the next work item's same place
   const int64_t far_g = far_blocks(grp, (NG - 1) * gb, far, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     // each stream's lines that block g reaches for the first time, far bytes on
@@ -1374,7 +1402,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   // a super-block copied side by side, so that one base register addresses them all
   constexpr bool XCOPY = X_COPY && TWO && mr > 1;
   alignas(64) int8_t xt[XCOPY ? mr : 1][256];
-  const int64_t FAR = choices.l2_ahead / BYTES * BYTES;  // a super-block's place in a group further on
+  const int64_t FAR = choices_of<QT>().l2_ahead / BYTES * BYTES;  // a super-block's place in a group further on
   // the super-blocks whose weights FAR bytes on are still in the chunk (none without the prefetch)
   const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, TWO ? group_bytes : 0, FAR, BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
@@ -1575,7 +1603,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
   const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, TWO ? group_bytes : 0, FAR, BYTES, end, a.G);
   // Intel's choice (choices.l2_ahead): the prefetches sub-block by sub-block (prefetch_eighth);
   // elsewhere the L2 prefetch as measured on Zen 4 (above), all at the super-block's start
-  const bool spread = choices.l2_ahead > 0;
+  const bool spread = choices_of<QT>().l2_ahead > 0;
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     const int64_t gb = opaque(group_bytes);
@@ -1696,10 +1724,10 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 template <int QT>
 int64_t x8_per(int64_t M, int64_t K) {
   if (M > 1) return PANEL / 8;
-  if constexpr (QT == Q8_0) return 4;
-  if constexpr (!is_k<QT>) return 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES ? 4 : 1;
+  if constexpr (QT == Q8_0) return choices_of<QT>().groups;
+  if constexpr (!is_k<QT>) return 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES ? choices_of<QT>().groups : 1;
 #if defined(MINERVA_V16)
-  if constexpr (is_k<QT>) return choices.groups;
+  if constexpr (is_k<QT>) return choices_of<QT>().groups >= 2 ? 2 : 1;
 #endif
   return 1;
 }
@@ -1867,7 +1895,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
   }
 #if defined(MINERVA_V16)
   if constexpr (QT == Q4_K || QT == Q5_K) {
-    const bool x_copy = choices.x_copy;
+    const bool x_copy = choices_of<QT>().x_copy;
     const auto groups = [&]<bool INT>(int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
       int64_t grp = g0;
@@ -1880,7 +1908,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       }
       if (grp < g1) tile_xk<V8, QT, r, false, INT>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
     };
-    if (choices.int_steps)
+    if (int_steps)
       x_tiles<V16_INT_MR>(M, [&](int64_t m, auto rows) { groups.template operator()<true>(m, rows); });
     else
       x_tiles<V16_MR>(M, [&](int64_t m, auto rows) { groups.template operator()<false>(m, rows); });
@@ -1903,7 +1931,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
       if constexpr (QT == Q4_K || QT == Q5_K) {
         float* out = y + m * ldy + 8 * (grp - g0);
-        if (VNNI && choices.int_steps) tile_xk<V8, QT, decltype(rows)::value, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+        if (VNNI && int_steps) tile_xk<V8, QT, decltype(rows)::value, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
         else tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, out, ldy, end);
       }
       else if constexpr (QT == Q2_K || QT == Q3_K)
@@ -2091,14 +2119,24 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
   });
 }
 
-std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set) {
-  std::vector<int64_t> was{choices.groups, choices.l2_ahead, choices.x_copy, choices.int_steps};
+std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_t qtype) {
+  TORCH_CHECK(qtype == -1 || (qtype >= 0 && qtype < CHOICE_TYPES && int8_type(qtype)),
+              "cpu_choices: type ", qtype, " is not one the int8 kernels multiply (-1: every type)");
+  const TypeChoices& c = type_choices[qtype == -1 ? Q4_K : qtype];
+  std::vector<int64_t> was{c.groups, c.l2_ahead, c.x_copy, int_steps};
   if (set) {
     const auto& v = *set;
-    TORCH_CHECK(v.size() == 4 && (v[0] == 1 || v[0] == 2) && v[1] >= 0 && (v[2] == 0 || v[2] == 1) && (v[3] == 0 || v[3] == 1),
-                "cpu_choices takes [groups (1 or 2), L2 prefetch distance in bytes (>= 0), x copy (0 or 1), "
-                "int steps (0 or 1)]");
-    choices = {v[0], v[1], v[2], v[3]};
+    const int64_t most_groups = qtype == -1 || is_k_type(qtype) ? 2 : 4;
+    TORCH_CHECK(v.size() == 4 && v[0] >= 1 && v[0] <= most_groups && v[1] >= 0 && (v[2] == 0 || v[2] == 1) &&
+                    (v[3] == 0 || v[3] == 1),
+                "cpu_choices takes [groups (1 or 2 for the K-quants, 1 to 4 for the 32-weight block types), "
+                "L2 prefetch distance in bytes (>= 0), x copy (0 or 1), int steps (0 or 1)]");
+    int_steps = v[3];
+    for (int qt = 0; qt < CHOICE_TYPES; ++qt) {
+      if (!int8_type(qt) || (qtype != -1 && qt != qtype)) continue;
+      // every type (-1): the groups go to the K-quants; the 32-weight types' streams are set per type
+      type_choices[qt] = {qtype == -1 && !is_k_type(qt) ? type_choices[qt].groups : v[0], v[1], v[2]};
+    }
   }
   return was;
 }

@@ -1,4 +1,4 @@
-"""The `minerva` command: pull, list, show, rm, ps, generate, chat, serve, perplexity, bench, roofline."""
+"""The `minerva` command: pull, list, show, rm, ps, generate, chat, serve, perplexity, bench, roofline, tune."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
 from minerva.formats.reasoning import ReasoningParser
-from minerva.kernels import dispatch
+from minerva.kernels import dispatch, tune
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb
 from minerva.options import (
@@ -415,8 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-hash an already pulled file")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("list", help="show pulled models")
-    p.set_defaults(func=cmd_list)
+    sub.add_parser("list", help="show pulled models").set_defaults(func=cmd_list)
 
     manage.add_parsers(sub)
 
@@ -475,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_parser(sub)
     roofline.add_parser(sub)
+    tune.add_parser(sub)
     return parser
 
 

@@ -8,6 +8,7 @@ so `cli` and `bench` can both depend on it.
 from __future__ import annotations
 
 import argparse
+import os
 
 from minerva.engine.engine import EngineConfig
 from minerva.engine.sampler import SamplingParams
@@ -24,6 +25,21 @@ TP_HELP = ("split the model over N processes on this host (tensor parallelism; e
            "of the cores by default); under torchrun, every rank runs the same command")
 
 
+class NoTune(argparse.Action):
+    """--no-tune: the kernels' fixed defaults, not the choices measured for this machine
+    (`minerva.kernels.tune`); through the environment, so tensor-parallel workers take it too."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        os.environ["MINERVA_NO_TUNE"] = "1"
+        setattr(namespace, self.dest, True)
+
+
+def add_no_tune(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-tune", action=NoTune, nargs=0, default=False,
+                   help="use the CPU kernels' fixed choices, not those measured on this machine on first use "
+                        "(`minerva tune`; MINERVA_NO_TUNE=1 does the same)")
+
+
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="MODEL",
                    help="the model, as the MODEL argument takes it (a pulled name, a .gguf file or a Hugging "
@@ -33,6 +49,7 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
                         "GPUs, else float32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    add_no_tune(p)
     p.add_argument("--activations", default="auto", choices=["auto", "float", "int8"],
                    help=ACTIVATIONS_HELP)
     p.add_argument("--quantize", default=None, choices=["int8", "int4"],

@@ -8,7 +8,7 @@ import argparse
 from minerva.bench.peers import PEERS
 from minerva.errors import MinervaError
 from minerva.engine.engine import EngineConfig
-from minerva.options import ACTIVATIONS_HELP, DECODE_STEPS_HELP, TP_HELP
+from minerva.options import ACTIVATIONS_HELP, DECODE_STEPS_HELP, TP_HELP, add_no_tune
 
 
 def ints(text: str) -> list[int]:
@@ -33,6 +33,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("--compare", action="append", default=[], choices=PEERS,
                    help="also run this peer on the same model file (repeatable)")
     q.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    add_no_tune(q)
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="activation dtype (default auto: bfloat16 where the CPU has AVX-512 BF16)")
     q.add_argument("--quantize", default=None, choices=["int8", "int4"],

@@ -26,9 +26,10 @@ from minerva.bench.hardware import PRESETS, Hardware, hardware_from_args, probe
 from minerva.bench.measure import minerva_decode, minerva_prefill, random_prompt
 from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
+from minerva.kernels import tune
 from minerva.kernels.kv_quant import KV_FORMATS
 from minerva.kernels.weights import PackedWeight
-from minerva.options import ACTIVATIONS_HELP
+from minerva.options import ACTIVATIONS_HELP, add_no_tune
 from minerva.llm import LLM, resolve_dtype
 from minerva.machine import machine, peak_rss_mb
 from minerva.models.config import SLIDING
@@ -407,6 +408,10 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     out += _context_table(costs, hw, args)
     if args.tensor_parallel_size:
         out += ["", _parallel_table(costs, hw, config, args)]
+    source, chosen = tune.in_force()
+    out += ["", f"int8 kernel choices: {source}"]
+    if chosen is not None:
+        out += tune.table(chosen, hw.bandwidth if probed else None)
     if probed:
         out += ["", (f"peak RSS of the whole run: {peak_rss_mb():.0f} MB "
                      "(the probe's 512 MiB buffer included)")]
@@ -446,6 +451,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="bandwidth between the devices for --tensor-parallel-size (default 10)")
     p.add_argument("--link-latency", type=float, default=5.0, metavar="US",
                    help="latency of one message between the devices, microseconds (default 5)")
+    add_no_tune(p)
     p.add_argument("--measure", action="store_true",
                    help="run the engine here (prefill, batch-1 and batch-N decode) and report the "
                         "fraction of each ceiling reached")

@@ -7,7 +7,7 @@ import contextlib
 import gguf
 import torch
 
-from minerva.kernels import native
+from minerva.kernels import native, tune
 from minerva.kernels.base import KernelBackend
 
 Q = gguf.GGMLQuantizationType
@@ -27,6 +27,7 @@ class CpuBackend(KernelBackend):
     def __init__(self):
         self.module = native.load()
         self.unavailable_reason = native.unavailable_reason
+        tune.ensure(self.module)  # the kernel choices measured for this build (planned on its first use)
 
     def matmul_kernel(self, qtype, dtype: torch.dtype):
         return self.module if qtype in MATMUL_TYPES and dtype in ACTIVATIONS else None

@@ -56,6 +56,7 @@ _module: ModuleType | None = None
 _tried = False
 unavailable_reason: str | None = None
 built: str | None = None  # the build that loaded: "avx512" or "avx2"
+_build_dir: Path | None = None
 
 
 def cpu_flags() -> set[str]:
@@ -132,6 +133,12 @@ def _build_lock(build: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def build_dir() -> Path | None:
+    """The directory of the build that loaded (None where none did): what belongs to this
+    build on this machine, as the planner's choices (`minerva.kernels.tune`), goes there."""
+    return _build_dir if _module is not None else None
+
+
 def pool_stats() -> dict[str, float] | None:
     """The kernels' thread pool since the process started (parallel calls, calls run on one
     thread while backed off from helpers that kept losing their cores, stalls, back-offs,
@@ -147,7 +154,7 @@ def for_tensor(t) -> ModuleType | None:
 
 def load() -> ModuleType | None:
     """The compiled module, or None (see `unavailable_reason`)."""
-    global _module, _tried, unavailable_reason, built
+    global _module, _tried, unavailable_reason, built, _build_dir
     if _tried:
         return _module
     _tried = True
@@ -184,7 +191,7 @@ def load() -> ModuleType | None:
                                          extra_cflags=_cflags(which, flags), extra_ldflags=LDFLAGS,
                                          build_directory=str(build),
                                          verbose=False)
-        built = which
+        built, _build_dir = which, build
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
         log.warning("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)

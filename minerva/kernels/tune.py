@@ -1,0 +1,396 @@
+"""The kernel choices, measured on the machine they run on.
+
+The int8 kernels (`csrc/qmatmul_q8.cpp`) have knobs that do not change a single bit of a
+result, only how fast it comes: for one row of x (decode), how many regrouped K-quant groups
+of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with the AVX-512
+build) and how far ahead the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
+for many rows, whether the AVX-512 Q4_K/Q5_K tiles copy their rows of x side by side
+(`x_copy`). Which setting streams fastest depends on the CPU (the prefetch that makes an
+Intel Xeon 1.27x faster makes a Zen 4 slower), so rather than guess from the vendor the
+planner times them, as FFTW's planner and Triton's autotuner do:
+
+- for each packed type and each setting, one row of x against matrices of the 1.1B shape's
+  feed-forward sizes (5632 x 2048 and 2048 x 5632), as many as make three times the L3 cache
+  (at least 96 MB, so they come from memory as in decode), and, with the AVX-512 build, 64
+  rows of x against one matrix for `x_copy`;
+- the settings alternate round by round, and each one's median sweep counts; a setting
+  replaces the CPU's default only when it is more than `MARGIN` faster, so noise does not
+  pick;
+- the result, each type's choice and measured bandwidth, goes into `choices.json` beside
+  the kernel build (`native.build_dir()`), so a build is planned once (well under a minute)
+  and reused after; `minerva tune` plans again.
+
+`MINERVA_CHOICES=FILE` takes the choices from FILE (as `minerva tune --out FILE` writes);
+`MINERVA_NO_TUNE=1` (the commands' `--no-tune`) keeps the CPU's fixed defaults. The knob
+that changes the bits (the Q4_K/Q5_K tiles' integer or float sub-block steps, `int_steps`)
+is not planned: it stays the CPU's documented default, the same on every machine of a kind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import torch
+
+from minerva.errors import MinervaError
+from minerva.kernels import hugepages, native, repack
+
+log = logging.getLogger("minerva")
+
+Q = gguf.GGMLQuantizationType
+# every type the int8 kernels multiply, in the order a table shows them
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+K_TYPES = frozenset({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+X_COPY_TYPES = frozenset({Q.Q4_K, Q.Q5_K})
+# where each type's block keeps its fp16 scales (set to a small normal value, so random
+# blocks decode to finite weights of a trained model's size) or its E8M0 exponent
+FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q2_K: (80, 82),
+               Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+E8M0_FIELDS = {Q.MXFP4: (0,)}
+SHAPES = ((5632, 2048), (2048, 5632))  # (out, in): the 1.1B shape's gate/up and down projections
+MIN_STREAM_BYTES = 96 << 20
+L2_AHEAD = (0, 16384, 32768, 65536)
+ROUNDS = 11
+MARGIN = 0.03  # a setting other than the default must be this much faster to be chosen
+MANY_ROWS = 64
+FILE_NAME = "choices.json"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    groups: int
+    l2_ahead: int
+    x_copy: int
+
+    def label(self) -> str:
+        return f"groups {self.groups}, L2 ahead {self.l2_ahead // 1024} KB, x copy {self.x_copy}"
+
+
+_defaults: dict[int, list[int]] = {}  # the kernels' own choices per type, read before any is set
+_applied: dict | None = None  # what `ensure` put in force: the planner's file, or None for defaults
+_source = "not loaded"
+
+
+def defaults(kernels, qtype: Q | None = None) -> list[int]:
+    """The CPU's fixed choices for `qtype` (every type's as the build starts; None: Q4_K's):
+    groups, L2 prefetch distance, x copy, int steps."""
+    if not _defaults:
+        _defaults.update({int(t): list(kernels.cpu_choices(None, int(t))) for t in TYPES})
+    return list(_defaults[int(Q.Q4_K if qtype is None else qtype)])
+
+
+def reset(kernels) -> None:
+    """Every type back to the CPU's fixed choices."""
+    for t in TYPES:
+        kernels.cpu_choices(defaults(kernels, t), int(t))
+
+
+def _set(kernels, qtype: Q, s: Setting) -> None:
+    kernels.cpu_choices([s.groups, s.l2_ahead, s.x_copy, defaults(kernels, qtype)[3]], int(qtype))
+
+
+def _default_setting(kernels, qtype: Q) -> Setting:
+    g, l2, xc, _ = defaults(kernels, qtype)
+    return Setting(g, l2, xc)
+
+
+def _l3_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text[:-1]) << (10 if text.endswith("K") else 20) if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, IndexError):
+        return 32 << 20
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, row bytes] of random blocks of `qtype` whose fp16 scales are small normal
+    numbers: finite weights, no NaN, no subnormal (what the kernels' speed sees of a trained
+    matrix; the values themselves do not matter to it)."""
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (rows * cols // per, size), dtype=torch.uint8, generator=gen)
+    for off in FP16_FIELDS.get(qtype, ()):
+        blocks[:, off:off + 2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8)  # fp16 0.0101
+    for off in E8M0_FIELDS.get(qtype, ()):
+        blocks[:, off] = 120  # 2^-7
+    return blocks.reshape(rows, -1)
+
+
+@dataclass
+class Matrix:
+    packed: torch.Tensor  # as the int8 path keeps it: regrouped where the type has a layout for it
+    qtype_id: int
+    rows: int
+    cols: int
+
+
+def _matrices(kernels, qtype: Q, gen: torch.Generator, stream_bytes: int) -> list[Matrix]:
+    """`stream_bytes` of matrices of `SHAPES`, alternating, in 2 MiB pages as the loader
+    keeps them."""
+    firsts = {}
+    for rows, cols in SHAPES:
+        w = random_blocks(qtype, rows, cols, gen)
+        if qtype in repack.TYPES:
+            firsts[rows, cols] = repack.regroup_in_place(w, qtype, rows, cols, kernels), int(qtype) | repack.REGROUPED
+        else:
+            firsts[rows, cols] = w, int(qtype)
+    count, total = 0, 0
+    while total < stream_bytes:
+        total += firsts[SHAPES[count % len(SHAPES)]][0].numel()
+        count += 1
+    pages = hugepages.Pool(sum(hugepages.padded(firsts[SHAPES[i % len(SHAPES)]][0]) for i in range(count)))
+    out = []
+    for i in range(count):
+        (w, qtype_id), (rows, cols) = firsts[SHAPES[i % len(SHAPES)]], SHAPES[i % len(SHAPES)]
+        out.append(Matrix(pages.take(w), qtype_id, rows, cols))
+    return out
+
+
+def _sweep_seconds(kernels, matrices: list[Matrix], xs: dict) -> float:
+    start = time.perf_counter()
+    for m in matrices:
+        kernels.qmatmul_q8(xs[m.cols], m.packed, m.qtype_id, m.rows, m.cols)
+    return time.perf_counter() - start
+
+
+def settings_one_row(kernels, qtype: Q) -> list[Setting]:
+    """What the planner times for one row of x: the K-quants' groups (1, or 2 with the
+    AVX-512 build) or the 32-weight types' streams (1, 2 or 4 groups side by side), each with
+    every L2 prefetch distance."""
+    d = _default_setting(kernels, qtype)
+    groups = ((1, 2) if native.built == "avx512" else (1,)) if qtype in K_TYPES else (1, 2, 4)
+    return [Setting(g, l2, d.x_copy) for g in groups for l2 in L2_AHEAD]
+
+
+def _pick(medians: dict[Setting, float], default: Setting) -> Setting:
+    best = min(medians, key=medians.get)
+    if default in medians and medians[default] <= medians[best] * (1 + MARGIN):
+        return default
+    return best
+
+
+def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
+    gen = torch.Generator().manual_seed(int(qtype))
+    matrices = _matrices(kernels, qtype, gen, stream_bytes)
+    nbytes = sum(m.packed.numel() for m in matrices)
+    xs = {cols: torch.randn(1, cols, generator=gen) for _, cols in SHAPES}
+    default = _default_setting(kernels, qtype)
+    settings = settings_one_row(kernels, qtype)
+    times: dict[Setting, list[float]] = {s: [] for s in settings}
+    _sweep_seconds(kernels, matrices, xs)  # first touch: pages, caches
+    for _ in range(rounds):
+        for s in settings:
+            _set(kernels, qtype, s)
+            times[s].append(_sweep_seconds(kernels, matrices, xs))
+        step()
+    medians = {s: statistics.median(t) for s, t in times.items()}
+    chosen = _pick(medians, default)
+    x_copy = chosen.x_copy
+    many = {}
+    if native.built == "avx512" and qtype in X_COPY_TYPES:
+        x = torch.randn(MANY_ROWS, matrices[0].cols, generator=gen)
+        for xc in (0, 1):
+            s = Setting(chosen.groups, chosen.l2_ahead, xc)
+            _set(kernels, qtype, s)
+            _sweep_seconds(kernels, matrices[:1], {x.shape[1]: x})
+            many[s] = statistics.median(
+                _sweep_seconds(kernels, matrices[:1], {x.shape[1]: x}) for _ in range(rounds))
+        x_copy = _pick(many, Setting(chosen.groups, chosen.l2_ahead, default.x_copy)).x_copy
+    chosen = Setting(chosen.groups, chosen.l2_ahead, x_copy)
+    return {"groups": chosen.groups, "l2_ahead": chosen.l2_ahead, "x_copy": chosen.x_copy,
+            "gb_per_s": round(nbytes / medians[_pick(medians, default)] / 1e9, 2),
+            "default_gb_per_s": round(nbytes / medians[default] / 1e9, 2) if default in medians else None,
+            "measured": [{**vars(s), "gb_per_s": round(nbytes / m / 1e9, 2)} for s, m in medians.items()],
+            "stream_bytes": nbytes}
+
+
+def plan(kernels, rounds: int | None = None, types=None, progress: bool = True) -> dict:
+    """Time every setting for every type (module docstring) and return the choices file's
+    contents; the kernels are left with the chosen settings in force."""
+    from tqdm import tqdm
+    rounds, types = rounds or ROUNDS, types or TYPES
+    stream = max(MIN_STREAM_BYTES, 3 * _l3_bytes())
+    started = time.perf_counter()
+    result = {}
+    with tqdm(total=len(types) * rounds, desc="planning kernel choices", unit="round", disable=not progress,
+              leave=False) as bar:
+        for qtype in types:
+            bar.set_postfix_str(qtype.name)
+            result[qtype.name] = _plan_type(kernels, qtype, stream, rounds, lambda: bar.update(1))
+            _set(kernels, qtype, Setting(result[qtype.name]["groups"], result[qtype.name]["l2_ahead"],
+                                         result[qtype.name]["x_copy"]))
+    return {"version": VERSION, "build": native.built, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+            "made": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "seconds": round(time.perf_counter() - started, 1), "rounds": rounds,
+            "int_steps": defaults(kernels)[3],
+            "types": result}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def apply(kernels, data: dict, where: str) -> None:
+    """Put a choices file's settings in force, type by type; a file for another build, or
+    not a choices file, is an error naming it."""
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("types"), dict):
+        raise MinervaError(f"{where} is not a Minerva kernel choices file (version {VERSION}); "
+                           "write one with `minerva tune --out FILE`")
+    if data.get("build") != native.built:
+        raise MinervaError(f"{where} holds choices for the {data.get('build')} kernel build, this CPU runs the "
+                           f"{native.built} build; write one here with `minerva tune --out FILE`")
+    for name, c in data["types"].items():
+        qtype = getattr(Q, name, None) if name in {t.name for t in TYPES} else None
+        try:
+            if qtype is None:
+                raise KeyError(name)
+            _set(kernels, qtype, Setting(int(c["groups"]), int(c["l2_ahead"]), int(c["x_copy"])))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            if qtype is None:
+                raise MinervaError(f"{where}: {name!r} is not a type the int8 kernels multiply") from None
+            raise MinervaError(f"{where}: the choices for {name} are not valid ({exc}); "
+                               "write the file again with `minerva tune --out FILE`") from None
+
+
+def choices_path() -> Path | None:
+    build = native.build_dir()
+    return build / FILE_NAME if build is not None else None
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    """One planner at a time per build (tensor-parallel workers, test processes)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save(data: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def ensure(kernels) -> None:
+    """Once a process, as the CPU backend loads: the choices of MINERVA_CHOICES, else those
+    planned for this build (planning them first where there are none), else, with
+    MINERVA_NO_TUNE, the CPU's defaults."""
+    global _applied, _source
+    if _source != "not loaded" or kernels is None or not hasattr(kernels, "cpu_choices"):
+        return
+    defaults(kernels)
+    pinned = os.environ.get("MINERVA_CHOICES", "").strip()
+    if pinned:
+        data = _read(Path(pinned).expanduser())
+        if data is None:
+            raise MinervaError(f"MINERVA_CHOICES={pinned}: no such readable JSON file; "
+                               "write one with `minerva tune --out FILE`")
+        apply(kernels, data, f"MINERVA_CHOICES={pinned}")
+        _applied, _source = data, f"pinned: {pinned}"
+        return
+    if os.environ.get("MINERVA_NO_TUNE", "").strip() not in ("", "0"):
+        _source = "fixed defaults (MINERVA_NO_TUNE)"
+        return
+    path = choices_path()
+    if path is None:
+        _source = "fixed defaults (no kernel build directory)"
+        return
+    with _lock(path):
+        data = _read(path)
+        if data is None or data.get("version") != VERSION or data.get("build") != native.built:
+            log.warning("measuring this CPU's kernel choices (once per kernel build, well under a minute; "
+                        "--no-tune or MINERVA_NO_TUNE=1 skips it)...")
+            data = plan(kernels)
+            save(data, path)
+    try:
+        apply(kernels, data, str(path))
+    except MinervaError as exc:  # a damaged file beside the build: plan again next time
+        log.warning("%s; using the fixed defaults", exc)
+        path.unlink(missing_ok=True)
+        _source = "fixed defaults (damaged choices file removed)"
+        return
+    _applied, _source = data, f"planned: {path}"
+
+
+def in_force() -> tuple[str, dict | None]:
+    """Where the choices in force came from, and the file's contents (None: the defaults)."""
+    return _source, _applied
+
+
+def table(data: dict, bandwidth: float | None = None) -> list[str]:
+    """One line per type: the setting chosen, the one-row bandwidth it streamed at (and with
+    the CPU's defaults), and with `bandwidth` (bytes/s, a probe's) the share of it."""
+    share = bandwidth is not None
+    lines = [f"{'type':6} {'groups':>6} {'L2 ahead':>9} {'x copy':>6} {'GB/s':>7} {'default':>8}"
+             + ("  of probe" if share else "")]
+    for name, c in data["types"].items():
+        d = c.get("default_gb_per_s")
+        lines.append(f"{name:6} {c['groups']:>6} {c['l2_ahead'] // 1024:>6} KB {c['x_copy']:>6} "
+                     f"{c['gb_per_s']:>7.1f} {'' if d is None else f'{d:.1f}':>8}"
+                     + (f"  {c['gb_per_s'] * 1e9 / bandwidth:>7.0%}" if share else ""))
+    return lines
+
+
+def cmd_tune(args) -> int:
+    kernels = native.load()
+    if kernels is None:
+        raise MinervaError(f"the packed CPU kernels are not available here ({native.unavailable_reason}): "
+                           "there is nothing to tune")
+    path = Path(args.out).expanduser() if args.out else choices_path()
+    if args.show:
+        data = _read(path)
+        if data is None:
+            raise MinervaError(f"no choices at {path}: run `minerva tune` to measure them")
+    else:
+        data = plan(kernels, rounds=args.rounds)
+        save(data, path)
+    print(f"kernel choices for the {data['build']} build on {data['cpu']}, {data['threads']} threads "
+          f"(measured {data['made']} in {data['seconds']} s): {path}")
+    print("one row of x against matrices streamed from memory; GB/s with the choice, and with the CPU's defaults")
+    print("\n".join(table(data)))
+    return 0
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("tune", help="measure this CPU's kernel choices (planned once per kernel build)",
+                              description="Time the int8 kernels' result-neutral settings for every packed type "
+                                          "on this machine and keep the fastest beside the kernel build; "
+                                          "MINERVA_CHOICES=FILE pins a file, --no-tune uses the fixed defaults.")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the choices to FILE (for MINERVA_CHOICES) instead of beside the build")
+    p.add_argument("--rounds", type=int, default=ROUNDS,
+                   help=f"rounds each setting is timed, alternating; the median counts (default {ROUNDS})")
+    p.add_argument("--show", action="store_true", help="print the choices kept (or FILE's) without measuring")
+    p.set_defaults(func=cmd_tune)
+    return p

@@ -1,0 +1,185 @@
+"""The planner of the int8 kernels' choices (`minerva.kernels.tune`): what it measures is put
+in force type by type, changes no result, is kept beside the build and reused, can be
+pinned from a file or turned off, and a bad file is one clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import pytest
+import torch
+
+from minerva.errors import MinervaError
+from minerva.kernels import native, repack, tune
+
+Q = gguf.GGMLQuantizationType
+kernels = native.load()
+pytestmark = pytest.mark.skipif(kernels is None, reason=f"no CPU kernels: {native.unavailable_reason}")
+
+
+@pytest.fixture
+def restore():
+    """Every type back to the defaults afterwards."""
+    yield
+    tune.reset(kernels)
+
+
+@pytest.fixture
+def small(monkeypatch):
+    """A plan of toy size: matrices of a few MB, two rounds."""
+    monkeypatch.setattr(tune, "MIN_STREAM_BYTES", 4 << 20)
+    monkeypatch.setattr(tune, "_l3_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(tune, "SHAPES", ((512, 1024), (256, 2048)))
+
+
+def _product(qtype: Q, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    w = tune.random_blocks(qtype, rows, cols, torch.Generator().manual_seed(1))
+    qid = int(qtype)
+    if qtype in repack.TYPES:
+        w, qid = repack.regroup_in_place(w, qtype, rows, cols, kernels), qid | repack.REGROUPED
+    return kernels.qmatmul_q8(x, w, qid, rows, cols)
+
+
+def test_random_blocks_decode_to_finite_normal_weights():
+    for qtype in tune.TYPES:
+        w = tune.random_blocks(qtype, 16, 512, torch.Generator().manual_seed(0))
+        dense = torch.from_numpy(gguf.dequantize(w.numpy(), qtype)).float()
+        assert torch.isfinite(dense).all(), qtype.name
+        assert 1e-4 < dense.abs().mean() < 50, (qtype.name, dense.abs().mean())
+
+
+def test_choices_are_per_type_and_change_no_result(restore):
+    g, l2, xc, steps = tune.defaults(kernels, Q.Q4_0)
+    other = [1 if g != 1 else 2, 65536 if l2 == 0 else 0, xc, steps]
+    kernels.cpu_choices(other, int(Q.Q4_0))
+    assert kernels.cpu_choices(None, int(Q.Q4_0)) == other
+    assert kernels.cpu_choices(None, int(Q.Q4_K)) == tune.defaults(kernels, Q.Q4_K)  # the others keep theirs
+    x = torch.randn(1, 2048)
+    for qtype in tune.TYPES:
+        for setting in tune.settings_one_row(kernels, qtype)[::3]:
+            tune.reset(kernels)
+            before = _product(qtype, x, 256, 2048)
+            tune._set(kernels, qtype, setting)
+            assert torch.equal(_product(qtype, x, 256, 2048), before), (qtype.name, setting)
+
+
+def test_a_choice_for_a_type_the_kernels_do_not_take_is_refused(restore):
+    with pytest.raises(RuntimeError, match="cpu_choices"):
+        kernels.cpu_choices(tune.defaults(kernels), 1000)
+    with pytest.raises(RuntimeError, match="cpu_choices"):
+        kernels.cpu_choices(tune.defaults(kernels), int(Q.F16))
+    with pytest.raises(RuntimeError, match="cpu_choices"):
+        kernels.cpu_choices([5, 0, 0, 1], int(Q.Q4_0))
+    with pytest.raises(RuntimeError, match="cpu_choices"):
+        kernels.cpu_choices([3, 0, 0, 1], int(Q.Q4_K))
+
+
+def test_plan_measures_every_setting_and_puts_the_fastest_in_force(small, restore):
+    data = tune.plan(kernels, rounds=2, types=(Q.Q4_0, Q.Q4_K), progress=False)
+    assert data["version"] == tune.VERSION and data["build"] == native.built
+    for name in ("Q4_0", "Q4_K"):
+        c = data["types"][name]
+        measured = c["measured"]
+        assert len(measured) == len(tune.settings_one_row(kernels, getattr(Q, name)))
+        assert all(m["gb_per_s"] > 0 for m in measured)
+        fastest = max(m["gb_per_s"] for m in measured)
+        assert c["gb_per_s"] >= fastest / (1 + tune.MARGIN) - 0.01  # the best, or the default within the margin
+        in_force = kernels.cpu_choices(None, int(getattr(Q, name)))
+        assert in_force[:3] == [c["groups"], c["l2_ahead"], c["x_copy"]]
+        assert in_force[3] == tune.defaults(kernels)[3]  # the bits' choice is never planned
+
+
+def test_pick_keeps_the_default_unless_another_is_clearly_faster():
+    a, b = tune.Setting(1, 0, 0), tune.Setting(1, 32768, 0)
+    assert tune._pick({a: 1.0, b: 0.99}, a) == a
+    assert tune._pick({a: 1.0, b: 0.9}, a) == b
+
+
+def _fresh(monkeypatch):
+    monkeypatch.setattr(tune, "_source", "not loaded")
+    monkeypatch.setattr(tune, "_applied", None)
+
+
+def test_ensure_plans_once_beside_the_build_then_reuses(small, restore, monkeypatch, tmp_path):
+    _fresh(monkeypatch)
+    monkeypatch.delenv("MINERVA_CHOICES", raising=False)
+    monkeypatch.delenv("MINERVA_NO_TUNE", raising=False)
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    monkeypatch.setattr(tune, "TYPES", (Q.Q8_0,))
+    monkeypatch.setattr(tune, "ROUNDS", 1)
+    tune.ensure(kernels)
+    kept = json.loads((tmp_path / tune.FILE_NAME).read_text())
+    assert set(kept["types"]) == {"Q8_0"}
+    assert tune.in_force() == (f"planned: {tmp_path / tune.FILE_NAME}", kept)
+    # the next process reads it: no plan
+    _fresh(monkeypatch)
+    monkeypatch.setattr(tune, "plan", lambda *a, **k: pytest.fail("planned again"))
+    tune.ensure(kernels)
+    assert tune.in_force()[1] == kept
+
+
+def test_no_tune_keeps_the_defaults(monkeypatch, restore):
+    _fresh(monkeypatch)
+    monkeypatch.setenv("MINERVA_NO_TUNE", "1")
+    monkeypatch.delenv("MINERVA_CHOICES", raising=False)
+    monkeypatch.setattr(tune, "plan", lambda *a, **k: pytest.fail("planned"))
+    tune.ensure(kernels)
+    assert tune.in_force() == ("fixed defaults (MINERVA_NO_TUNE)", None)
+    assert kernels.cpu_choices(None, int(Q.Q4_0)) == tune.defaults(kernels, Q.Q4_0)
+
+
+def _choices_file(tmp_path, **changes):
+    g, l2, xc, _ = tune.defaults(kernels, Q.Q5_0)
+    data = {"version": tune.VERSION, "build": native.built,
+            "types": {"Q5_0": {"groups": g, "l2_ahead": 16384, "x_copy": xc, "gb_per_s": 1.0}}}
+    data.update(changes)
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_pinned_file_is_put_in_force(monkeypatch, restore, tmp_path):
+    _fresh(monkeypatch)
+    path = _choices_file(tmp_path)
+    monkeypatch.setenv("MINERVA_CHOICES", str(path))
+    tune.ensure(kernels)
+    assert kernels.cpu_choices(None, int(Q.Q5_0))[1] == 16384
+    assert tune.in_force()[0] == f"pinned: {path}"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"version": 99}, "not a Minerva kernel choices file"),
+    ({"build": "avx1"}, "holds choices for the avx1 kernel build"),
+    ({"types": {"Q9_9": {"groups": 1, "l2_ahead": 0, "x_copy": 0}}}, "'Q9_9' is not a type"),
+    ({"types": {"Q4_0": {"groups": 7, "l2_ahead": 0, "x_copy": 0}}}, "the choices for Q4_0 are not valid"),
+])
+def test_a_bad_pinned_file_is_one_clear_error(monkeypatch, restore, tmp_path, changes, message):
+    _fresh(monkeypatch)
+    monkeypatch.setenv("MINERVA_CHOICES", str(_choices_file(tmp_path, **changes)))
+    with pytest.raises(MinervaError, match=message):
+        tune.ensure(kernels)
+
+
+def test_cli_tune_writes_a_file_others_can_pin_and_bad_ones_fail_cleanly(tmp_path):
+    env = {**os.environ, "MINERVA_NO_TUNE": "1"}
+    out = tmp_path / "choices.json"
+    run = subprocess.run([sys.executable, "-m", "minerva.cli", "tune", "--rounds", "1", "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert set(data["types"]) == {q.name for q in tune.TYPES}
+    assert "Q4_0" in run.stdout and "GB/s" in run.stdout
+    shown = subprocess.run([sys.executable, "-m", "minerva.cli", "tune", "--show", "--out", str(out)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert shown.returncode == 0 and shown.stdout.splitlines()[2:] == run.stdout.splitlines()[2:]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    gen = subprocess.run([sys.executable, "-m", "minerva.cli", "generate", "smollm2-135m", "hi", "-n", "1"],
+                         capture_output=True, text=True, env={**env, "MINERVA_CHOICES": str(bad)}, timeout=300)
+    assert gen.returncode == 1
+    assert gen.stderr.strip().splitlines()[-1].startswith(f"minerva: error: MINERVA_CHOICES={bad}: no such readable")
+    assert "Traceback" not in gen.stderr

@@ -1,0 +1,262 @@
+"""The performance matrix: Minerva and llama.cpp on every packed type at real shapes, each
+engine in its own process, alternating, written as one generated page per machine.
+
+    python benchmarks/matrix.py                         # every file below, 2 rounds
+    python benchmarks/matrix.py --only 1.1b:Q4_0,1.1b:Q4_K_M --rounds 3
+    python benchmarks/matrix.py --list                  # the files, made or not
+
+Files (random weights in the real shapes, `benchmarks/synthetic.py` and
+`synthetic_gpt_oss.py`, made on first use under `~/.cache/minerva/synthetic/`): the
+TinyLlama-1.1B shape in every llama.cpp type the int8 kernels take (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K), the Mistral-7B shape in Q4_0, Q4_K_M and Q8_0,
+and the GPT-OSS-20B shape (MXFP4 experts).
+
+For each file and round a fresh process probes the machine's read bandwidth, then each engine
+runs in a process of its own (two engines' thread pools in one process fight over the same
+cores), the one going first alternating from round to round: a prefill of `--prompt` random
+tokens (tokens/s) and a decode of `--gen` tokens after a 16-token prompt (batch 1). The page
+gives the medians, the ratio of the medians, and each decode's share of the probed bandwidth
+(weight bytes a token reads, as `minerva roofline` counts them, times tokens/s): what
+neither engine can pass on this machine.
+
+The page goes to `docs/performance/MACHINE.md` with its JSON beside it (`--out DIR`), named
+after the CPU, its family and model, and its widest vector build; a later run on the same
+kind of machine replaces it. Needs llama-cpp-python (`pip install -e '.[bench]'`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from minerva.machine import machine  # noqa: E402
+
+SYNTHETIC = Path(os.environ.get("MINERVA_HOME", Path.home() / ".cache" / "minerva")).expanduser() / "synthetic"
+SHAPE_NAMES = {"1.1b": "tinyllama-1.1b", "7b": "mistral-7b"}
+FILES = ([f"1.1b:{t}" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K")]
+         + [f"7b:{t}" for t in ("Q4_0", "Q4_K_M", "Q8_0")] + ["gpt-oss-20b:MXFP4"])
+TARGET_DECODE, TARGET_PREFILL, TARGET_SHARE = 1.15, 1.5, 0.75
+
+
+def path_of(spec: str) -> Path:
+    shape, qtype = spec.split(":")
+    if shape == "gpt-oss-20b":
+        return SYNTHETIC / "gpt-oss-20b-MXFP4.gguf"
+    return SYNTHETIC / f"{SHAPE_NAMES[shape]}-{qtype}.gguf"
+
+
+def make(spec: str) -> Path:
+    path = path_of(spec)
+    if not path.exists():
+        shape, qtype = spec.split(":")
+        cmd = ([sys.executable, str(HERE / "synthetic_gpt_oss.py"), "-o", str(path)] if shape == "gpt-oss-20b" else
+               [sys.executable, str(HERE / "synthetic.py"), SHAPE_NAMES[shape], "--type", qtype, "-o", str(path)])
+        print(f"making {path.name}...", file=sys.stderr, flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def child(args) -> dict:
+    """One engine (or the probe) in this process: its figures as a dict."""
+    if args.child == "probe":
+        from minerva.bench.hardware import probe
+        return {"bandwidth": probe(seconds=2.0, threads=args.threads).bandwidth}
+    rng = random.Random(args.seed)
+    if args.child == "minerva":
+        from minerva.bench.measure import minerva_decode, minerva_prefill
+        from minerva.bench.roofline import model_costs
+        from minerva.kernels import tune
+        from minerva.llm import LLM
+        llm = LLM(args.model, threads=args.threads, kv_cache_memory=0.2,
+                  max_num_batched_tokens=max(2048, args.prompt))
+        vocab = min(llm.config.vocab_size, 32000)
+        prompt, short = ([rng.randrange(1, vocab) for _ in range(n)] for n in (args.prompt, 16))
+        minerva_prefill(llm, short)  # warm-up
+        pp = minerva_prefill(llm, prompt)
+        tg = minerva_decode(llm, [short], args.gen + 1)[0]
+        costs = model_costs(llm.loaded, dtype=llm.dtype)
+        out = {"pp": pp, "tg": tg, "bytes_per_token": costs.weight_bytes_read(1), "activations": llm.activations,
+               "dtype": llm.dtype_name, "choices": tune.in_force()[0].split(":")[0]}
+        llm.close()
+        return out
+    from minerva.bench.peers import load_peer
+    peer = load_peer("llama.cpp", Path(args.model), args.threads, n_ctx=args.prompt + args.gen + 64)
+    vocab = 32000
+    prompt, short = ([rng.randrange(1, vocab) for _ in range(n)] for n in (args.prompt, 16))
+    peer.prefill(short, 0)  # warm-up
+    out = {"pp": peer.prefill(prompt, 0), "tg": peer.decode(short, args.gen)}
+    peer.close()
+    return out
+
+
+def run_child(kind: str, path: Path, args, seed: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", kind, "--model", str(path), "--prompt", str(args.prompt),
+           "--gen", str(args.gen), "--threads", str(args.threads), "--seed", str(seed)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"{kind} exited {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def measure(spec: str, args) -> dict:
+    path = make(spec)
+    rounds = []
+    for r in range(args.rounds):
+        one = {"probe": run_child("probe", path, args, r)}
+        order = ("minerva", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "minerva")
+        for kind in order:
+            one[kind] = run_child(kind, path, args, r)
+        rounds.append(one)
+        print(f"{spec} round {r + 1}: " + ", ".join(
+            f"{k} pp {v['pp']:.1f} tg {v['tg']:.2f}" if "pp" in v else f"{k} {v.get('error', '')}"
+            for k, v in one.items() if k != "probe") + f", probe {one['probe'].get('bandwidth', 0) / 1e9:.1f} GB/s",
+            file=sys.stderr, flush=True)
+    return {"file": spec, "path": str(path), "bytes": path.stat().st_size, "rounds": rounds}
+
+
+def _median(rounds: list[dict], engine: str, key: str) -> float | None:
+    vals = [r[engine][key] for r in rounds if key in r.get(engine, {})]
+    return statistics.median(vals) if vals else None
+
+
+def summary(result: dict) -> dict:
+    rs = result["rounds"]
+    m_tg, l_tg = _median(rs, "minerva", "tg"), _median(rs, "llama.cpp", "tg")
+    m_pp, l_pp = _median(rs, "minerva", "pp"), _median(rs, "llama.cpp", "pp")
+    bw = _median(rs, "probe", "bandwidth")
+    per_token = _median(rs, "minerva", "bytes_per_token")
+    share = (lambda tg: tg * per_token / bw if tg and bw and per_token else None)
+    errors = sorted({v["error"] for r in rs for v in r.values() if "error" in v})
+    return {"file": result["file"], "minerva_tg": m_tg, "llama_tg": l_tg, "tg_ratio": m_tg / l_tg if m_tg and l_tg else None,
+            "minerva_share": share(m_tg), "llama_share": share(l_tg), "minerva_pp": m_pp, "llama_pp": l_pp,
+            "pp_ratio": m_pp / l_pp if m_pp and l_pp else None, "bandwidth": bw, "errors": errors}
+
+
+def _f(v, fmt: str) -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def page(results: list[dict], args, command: str) -> str:
+    host = machine()
+    rows = [summary(r) for r in results]
+    lines = [f"# {host.cpu} ({cpu_kind()})", "",
+             "Generated by `benchmarks/matrix.py`; do not edit by hand.", "",
+             f"- machine: {host.describe()}, {cpu_kind()}",
+             f"- date: {datetime.date.today().isoformat()}",
+             f"- command: `{command}`",
+             f"- each engine in its own process, alternating, {args.rounds} rounds; medians; {args.threads} threads; "
+             f"prefill of {args.prompt} random tokens, decode of {args.gen} tokens at batch 1",
+             f"- llama.cpp: llama-cpp-python {_llama_version()}; Minerva: its defaults ({_minerva_setup(results)})", "",
+             f"| file | decode tok/s Minerva | llama.cpp | ratio | Minerva % of probed bandwidth | "
+             f"llama.cpp % | pp{args.prompt} Minerva | llama.cpp | ratio | probe GB/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in rows:
+        lines.append(f"| {s['file']} | {_f(s['minerva_tg'], '.2f')} | {_f(s['llama_tg'], '.2f')} | "
+                     f"{_f(s['tg_ratio'], '.2f')}× | {_f(s['minerva_share'], '.0%')} | {_f(s['llama_share'], '.0%')} | "
+                     f"{_f(s['minerva_pp'], '.1f')} | {_f(s['llama_pp'], '.1f')} | {_f(s['pp_ratio'], '.2f')}× | "
+                     f"{_f(s['bandwidth'] and s['bandwidth'] / 1e9, '.1f')} |")
+    missed = [s for s in rows if s["tg_ratio"] is not None and (
+        s["tg_ratio"] < TARGET_DECODE or (s["pp_ratio"] or 0) < TARGET_PREFILL
+        or (s["minerva_share"] or 0) < TARGET_SHARE)]
+    lines += ["", f"Targets: decode ≥ {TARGET_DECODE}× llama.cpp and ≥ {TARGET_SHARE:.0%} of the probed bandwidth, "
+              f"prefill ≥ {TARGET_PREFILL}×. " + (
+                  "Not met here: " + ", ".join(s["file"] for s in missed) + "." if missed else "All met here.")]
+    errors = [f"- {s['file']}: {e}" for s in rows for e in s["errors"]]
+    if errors:
+        lines += ["", "Runs that failed:", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def _minerva_setup(results: list[dict]) -> str:
+    seen = sorted({f"{v['dtype']}, {v['activations']} activations, kernel choices {v['choices']}"
+                   for r in results for one in r["rounds"] for k, v in one.items() if k == "minerva" and "tg" in v})
+    return "; ".join(seen) or "no run finished"
+
+
+def _llama_version() -> str:
+    try:
+        import importlib.metadata
+        return importlib.metadata.version("llama-cpp-python")
+    except Exception:
+        return "not installed"
+
+
+def cpu_kind() -> str:
+    family = model = ""
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "cpu family" and not family:
+            family = value.strip()
+        elif key == "model" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    isa = ("AVX-512" + (" VNNI" if "avx512_vnni" in flags else "") + (" AMX" if "amx_int8" in flags else "")
+           if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"family {family} model {model}, {isa}"
+
+
+def slug() -> str:
+    text = f"{machine().cpu} {cpu_kind()}".lower()
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=None, help="comma-separated files of the list (e.g. 1.1b:Q4_0,7b:Q4_K_M)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one engine's run may take")
+    p.add_argument("--out", type=Path, default=HERE.parent / "docs" / "performance")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--child", choices=("probe", "minerva", "llama.cpp"), help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.threads = args.threads or machine().physical_cores
+    if args.child:
+        print(json.dumps(child(args)), flush=True)
+        return 0
+    specs = FILES if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in specs if s not in FILES]
+    if unknown:
+        p.error(f"not in the list: {', '.join(unknown)}; --list shows it")
+    if args.list:
+        for s in specs:
+            print(f"{s:22} {path_of(s)} {'(made)' if path_of(s).exists() else ''}")
+        return 0
+    if args.rounds < 1 or args.prompt < 1 or args.gen < 1:
+        p.error("--rounds, --prompt and --gen must be at least 1")
+    command = "python benchmarks/matrix.py " + " ".join(sys.argv[1:])
+    results = [measure(s, args) for s in specs]
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = slug()
+    text = page(results, args, command.strip())
+    (args.out / f"{name}.md").write_text(text)
+    (args.out / f"{name}.json").write_text(json.dumps(
+        {"machine": machine().describe(), "kind": cpu_kind(), "date": datetime.date.today().isoformat(),
+         "command": command.strip(), "results": results, "summary": [summary(r) for r in results]}, indent=1) + "\n")
+    print(text)
+    print(f"written: {args.out / (name + '.md')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""benchmarks/matrix.py's page: medians, ratios, the share of the probed bandwidth and the
+targets it names, from the figures of each engine's own process (no engine runs here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "matrix.py")
+matrix = importlib.util.module_from_spec(spec)
+sys.modules["matrix"] = matrix
+spec.loader.exec_module(matrix)
+
+
+def _round(m_tg, l_tg, m_pp, l_pp, bw=10e9):
+    return {"probe": {"bandwidth": bw},
+            "minerva": {"tg": m_tg, "pp": m_pp, "bytes_per_token": 5e8, "dtype": "float32", "activations": "int8",
+                        "choices": "planned"},
+            "llama.cpp": {"tg": l_tg, "pp": l_pp}}
+
+
+def test_summary_takes_medians_and_their_ratios():
+    r = {"file": "1.1b:Q4_0", "rounds": [_round(16, 10, 90, 60), _round(18, 12, 80, 50), _round(14, 11, 70, 40)]}
+    s = matrix.summary(r)
+    assert s["minerva_tg"] == 16 and s["llama_tg"] == 11
+    assert abs(s["tg_ratio"] - 16 / 11) < 1e-9
+    assert abs(s["pp_ratio"] - 80 / 50) < 1e-9
+    assert abs(s["minerva_share"] - 16 * 5e8 / 10e9) < 1e-9  # 80% of the probe
+
+
+def test_page_names_machine_command_and_the_targets_missed():
+    ok = {"file": "1.1b:Q4_0", "rounds": [_round(16, 10, 90, 50)]}
+    slow = {"file": "7b:Q4_0", "rounds": [_round(5, 10, 90, 50)]}
+    failed = {"file": "1.1b:Q8_0", "rounds": [{"probe": {"bandwidth": 1e10}, "minerva": {"error": "minerva exited 1: x"},
+                                               "llama.cpp": {"tg": 1, "pp": 1}}]}
+    args = types.SimpleNamespace(rounds=1, threads=2, prompt=512, gen=32)
+    text = matrix.page([ok, slow, failed], args, "python benchmarks/matrix.py --rounds 1")
+    assert "`python benchmarks/matrix.py --rounds 1`" in text
+    assert matrix.cpu_kind() in text
+    assert "| 1.1b:Q4_0 | 16.00 | 10.00 | 1.60× | 80% |" in text
+    assert "Not met here: 7b:Q4_0." in text
+    assert "- 1.1b:Q8_0: minerva exited 1: x" in text
+    assert "int8 activations, kernel choices planned" in text
+
+
+def test_every_file_has_a_maker_and_a_path():
+    for f in matrix.FILES:
+        assert matrix.path_of(f).suffix == ".gguf"
+    assert matrix.slug() == matrix.slug().lower() and " " not in matrix.slug()

@@ -61,3 +61,10 @@ def smollm2_hf(smollm2_gguf):
 @pytest.fixture(scope="session")
 def gemma3_hf(gemma3_gguf):
     return load_hf_reference(gemma3_gguf)
+
+
+def pytest_sessionstart(session):
+    """The kernels built and their choices planned (`minerva.kernels.tune`) once, before any
+    test, so no test's subprocess pays for the plan within its own time limit."""
+    from minerva.kernels import native, tune
+    tune.ensure(native.load())

@@ -55,9 +55,10 @@ def test_random_blocks_decode_to_finite_normal_weights():
 def test_choices_are_per_type_and_change_no_result(restore):
     g, l2, xc, steps = tune.defaults(kernels, Q.Q4_0)
     other = [1 if g != 1 else 2, 65536 if l2 == 0 else 0, xc, steps]
+    q4_k = kernels.cpu_choices(None, int(Q.Q4_K))
     kernels.cpu_choices(other, int(Q.Q4_0))
     assert kernels.cpu_choices(None, int(Q.Q4_0)) == other
-    assert kernels.cpu_choices(None, int(Q.Q4_K)) == tune.defaults(kernels, Q.Q4_K)  # the others keep theirs
+    assert kernels.cpu_choices(None, int(Q.Q4_K)) == q4_k  # the others keep theirs
     x = torch.randn(1, 2048)
     for qtype in tune.TYPES:
         for setting in tune.settings_one_row(kernels, qtype)[::3]:

@@ -1,8 +1,9 @@
 """The package's shape, read with `ast`: imports point one way (no cycle among minerva's
 modules, and no minerva import hidden inside a function, where one usually dodges a cycle),
 files a reader can hold in their head (<= 500 lines) and functions that fit on a screen
-(<= 80 lines). Lazy imports of optional third-party packages (llama_cpp, transformers,
-matplotlib, httpx, uvicorn) stay allowed: they keep `minerva --help` from loading them."""
+(<= 80 lines); the C++ kernels' files (minerva/kernels/csrc) at most 800 lines each. Lazy
+imports of optional third-party packages (llama_cpp, transformers, matplotlib, httpx, uvicorn)
+stay allowed: they keep `minerva --help` from loading them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "minerva"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
+CSRC = PACKAGE / "kernels" / "csrc"
+MAX_CSRC_LINES = 800
 
 
 def modules() -> dict[str, Path]:
@@ -119,3 +122,13 @@ def test_files_and_functions_stay_short():
                 if n > MAX_FUNCTION_LINES:
                     too_long.append(f"{where}:{fn.lineno} {fn.name}(): {n} lines")
     assert too_long == []
+
+
+def test_kernel_sources_stay_short():
+    """Every C++ source and header under minerva/kernels/csrc is at most 800 lines (split a longer
+    one along its seams, as the int8 matmul's q8_* files are)."""
+    sources = sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".h"))
+    assert len(sources) > 10, f"found only {len(sources)} C++ files under {CSRC}"
+    too_long = [f"{path.relative_to(PACKAGE.parent)}: {n} lines, more than {MAX_CSRC_LINES}"
+                for path in sources if (n := len(path.read_text().splitlines())) > MAX_CSRC_LINES]
+    assert too_long == [], "C++ files too long: " + "; ".join(too_long)

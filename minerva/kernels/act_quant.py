@@ -5,7 +5,7 @@ its dot products: 32 values against the 32-weight block types (its Q8_0), 256 ag
 K-quants' super-blocks (its Q8_K, so a super-block's integer sums need one float scale).
 Per block d = max|x| / 127, q = round(x / d) (x times the float32 reciprocal 1 / d, rounded
 to nearest even), x̃ = d * q. The packed kernels
-(csrc/qmatmul_q8.cpp) multiply the weights by x̃ with exact integer dot products per
+(csrc/q8_matmul.cpp and the q8_* files beside it) multiply the weights by x̃ with exact integer dot products per
 block; this module is their plain-torch counterpart: the tests' reference, and what the
 reference path runs when no kernel covers a weight, so a flag means the same numbers on
 every path.

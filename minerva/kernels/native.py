@@ -30,16 +30,18 @@ import torch
 log = logging.getLogger("minerva")
 
 CSRC = Path(__file__).parent / "csrc"
+# the int8 matmul (8-bit activations), the same sources in both builds: q8_matmul.cpp lists them
+Q8_SOURCES = ("q8_matmul.cpp", "q8_quant.cpp", "q8_cpu.cpp", "q8_repack_x8.cpp", "q8_repack_k.cpp")
 # the sources of each build, by instruction set; module.cpp (the Python module) is shared
 SOURCES = {
-    "avx512": [CSRC / name for name in ("qmatmul.cpp", "qmatmul_q8.cpp", "attention.cpp", "ops.cpp", "sampling.cpp",
+    "avx512": [CSRC / name for name in ("qmatmul.cpp", *Q8_SOURCES, "attention.cpp", "ops.cpp", "sampling.cpp",
                                         "module.cpp")],
-    "avx2": [CSRC / name for name in ("qmatmul_avx2.cpp", "qmatmul_q8.cpp", "attention_avx2.cpp", "ops_avx2.cpp",
+    "avx2": [CSRC / name for name in ("qmatmul_avx2.cpp", *Q8_SOURCES, "attention_avx2.cpp", "ops_avx2.cpp",
                                       "sampling.cpp", "module.cpp")],
 }
 HEADERS = [CSRC / name for name in (
     "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h", "exchange.h", "ops_tensor.h",
-    "attention_tensor.h")]
+    "attention_tensor.h", "q8_blocks.h", "q8_quant.h", "q8_cpu.h", "q8_kernels.h", "q8_repack.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]

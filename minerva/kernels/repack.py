@@ -14,7 +14,7 @@ block g holds its 8 rows' block g together, in the same bytes as the 8 GGML bloc
     Q2_K:          scale/min bytes 0-15 [128] | qs[512] | d[8] | dmin[8]
 
 (Q6_K stays in the GGML layout: one row of x reads it faster from memory as stored, see
-`tile_panel` in csrc/qmatmul_q8.cpp. For 8 or more rows of x the kernel regroups each panel
+`tile_panel` in csrc/q8_repack_k.cpp. For 8 or more rows of x the kernel regroups each panel
 of 32 rows into a buffer of its own, in the layout Q3_K has here, before the integer dot
 products: `matmul_panels`.)
 
@@ -28,7 +28,7 @@ blocks of 32, chunk k's low nibbles are weights 4k .. 4k + 3 and its high ones 1
 them at bit 4 of each byte: weight 4k + b (b = 0..3) at bit 8b + 4 + k, weight 16 + 4k + b
 at bit 8b + k.
 
-The kernels (`tile_x8`, `tile_xk`, `tile_panel` in csrc/qmatmul_q8.cpp) take the type id with
+The kernels (`tile_x8` in csrc/q8_repack_x8.cpp, `tile_xk`, `tile_panel` in csrc/q8_repack_k.cpp) take the type id with
 `REGROUPED` set. For Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and Q3_K the integer dot products and the
 float operations per output are those of the GGML layout, so the results are bit-identical; Q8_0, Q2_K, Q4_K and Q5_K sum a block
 (super-block) of an output in one lane instead of eight, so their float rounding differs

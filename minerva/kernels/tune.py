@@ -1,6 +1,6 @@
 """The kernel choices, measured on the machine they run on.
 
-The int8 kernels (`csrc/qmatmul_q8.cpp`) have knobs that do not change a single bit of a
+The int8 kernels (`csrc/q8_*.cpp`; their choices in `csrc/q8_cpu.h`) have knobs that do not change a single bit of a
 result, only how fast it comes: for one row of x (decode), how many regrouped K-quant groups
 of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with the AVX-512
 build) and how far ahead the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);

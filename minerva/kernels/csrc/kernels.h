@@ -9,7 +9,8 @@
 // qmatmul.cpp
 torch::Tensor qmatmul(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
 torch::Tensor dequantize_rows(torch::Tensor packed, int64_t qtype, int64_t cols);
-// qmatmul_q8.cpp
+// q8_matmul.cpp (8-bit activations; quantize_activations: q8_quant.cpp, int8_peak_probe and
+// cpu_choices: q8_cpu.cpp, regroup_: q8_repack_x8.cpp)
 constexpr int64_t REGROUPED = 0x100;  // added to the GGML type id of a regrouped matrix (repack.py)
 torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t rows, int64_t cols);
 // several matrices on the same x, outputs side by side (one parallel loop for one row of x

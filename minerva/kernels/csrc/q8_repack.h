@@ -1,0 +1,160 @@
+// The regrouped kernels' dispatch (x8_groups, matmul_x8), shared by q8_repack_x8.cpp (Q4_0, Q4_1,
+// Q5_0, Q5_1, MXFP4, Q8_0) and q8_repack_k.cpp (Q2_K .. Q5_K), as ggml-cpu's repack.cpp: each
+// defines its types' kernels and instantiates the dispatch for them (MINERVA_Q8_REGROUPED), so
+// the other file's kernels are only declared here (x8_groups takes a type's own kernels alone).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "parallel.h"
+#include "q8_kernels.h"
+
+namespace minerva::q8 {
+
+#if defined(MINERVA_V16)
+constexpr int V16_MR = 8;  // rows of x per tile with V16
+// ... and for the Q4_K/Q5_K tiles with int steps: Zen 4, 512 rows of x against 11264 x 2048
+// Q4_K, one thread, alternating builds: 161-167 GMAC/s with 6 rows against 145-162 with 8
+// (7 of 7 pairs; Q5_K the same), 10 rows 151-152
+constexpr int V16_INT_MR = 6;
+#endif
+
+// rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K (and Q3_K,
+// whose panel kernel is Q6_K's; not timed apart) and 6 for Q5_K (one dot product chain per row
+// of x); with VNNI too, V16 tiles of V16_MR rows take over for Q4_K and Q5_K (and for their
+// panels, more than one row of x). AVX-512 machine, 5632 x 2048, 512 rows of x, 2
+// threads, alternating runs: Q4_K 248-258 GMAC/s with 8 against 232-235 with 4 (242-245 with
+// 6); Q5_K 194-205 with 6 against 173-174 with 4 and 178-182 with 8; Q6_K 200-207 with 8
+// against 179-183 with 4 (the GGML layout's `tile`: 136-143).
+#if defined(__AVX512F__)
+template <int QT>
+constexpr int x8_mr = QT == Q4_K || QT == Q6_K || QT == Q3_K || QT == Q2_K ? 8 : QT == Q5_K ? 6 : 4;
+#else
+template <int QT>
+constexpr int x8_mr = 4;
+#endif
+
+// Output columns c0 .. c1 of all M rows, computed by `compute(out, ldy)` (column c0 + c of
+// row m at out[m * ldy + c]): into y (ldy N), or with yb into a float buffer of the thread's,
+// rounded to bf16 into yb at once. Against a float32 y rounded afterwards (as_dtype_of) the
+// same values, and the float results never leave the cache.
+template <class F>
+void columns_out(int64_t M, int64_t N, int64_t c0, int64_t c1, float* y, at::BFloat16* yb, const F& compute) {
+  if (yb == nullptr) return compute(y + c0, N);
+  const int64_t w = c1 - c0;
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < M * w) buffer.resize(M * w);
+  compute(buffer.data(), w);
+  for (int64_t m = 0; m < M; ++m) round_bf16(buffer.data() + m * w, yb + m * N + c0, w);
+}
+
+// The kernels: q8_repack_x8.cpp's for the 32-weight block types, q8_repack_k.cpp's for the
+// K-quants on one group of 8 rows per 256-bit register (V8) or, with AVX-512 VNNI, two per
+// 512-bit one (V16)
+struct V8;
+#if defined(MINERVA_V16)
+struct V16;
+#endif
+template <int QT, int mr>
+void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy,
+             const uint8_t* end = nullptr);
+template <int QT, int NG>
+void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y, const uint8_t* end);
+template <int NG>
+void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y);
+template <class V, int QT, int mr, bool X_COPY = false, bool INT = false>
+void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
+             const uint8_t* end);
+template <class V, int QT, int mr>
+void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
+                const uint8_t* end = nullptr);
+
+// one work item: groups g0 .. g1 against all M rows of x; output column 8 g0 + c of row m at
+// y[m * ldy + c]
+template <int QT>
+void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t ldy, int64_t g0, int64_t g1,
+               const uint8_t* end) {
+  const int64_t gb = 8 * row_bytes<QT>(a.K);
+  if constexpr (!is_k<QT>) {
+    if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
+      const auto rows = [&]<int NG>() {
+        if constexpr (QT == Q8_0) q8_0_rows<NG>(a, W + g0 * gb, gb, y);
+        else x8_rows<QT, NG>(a, W + g0 * gb, gb, y, end);
+      };
+      if (g1 - g0 == 4) return rows.template operator()<4>();
+      if (g1 - g0 == 3) return rows.template operator()<3>();
+      if (g1 - g0 == 2) return rows.template operator()<2>();
+    }
+  }
+#if defined(MINERVA_V16)
+  if constexpr (QT == Q4_K || QT == Q5_K) {
+    const bool x_copy = choices_of<QT>().x_copy;
+    const auto groups = [&]<bool INT>(int64_t m, auto rows) {
+      constexpr int r = decltype(rows)::value;
+      int64_t grp = g0;
+      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+      for (; grp + 2 <= g1; grp += 2) {
+        float* out = y + m * ldy + 8 * (grp - g0);
+        if constexpr (INT) tile_xk<V16, QT, r, false, true>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
+        else if (x_copy) tile_xk<V16, QT, r, true>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
+        else tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
+      }
+      if (grp < g1) tile_xk<V8, QT, r, false, INT>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+    };
+    if (int_steps)
+      x_tiles<V16_INT_MR>(M, [&](int64_t m, auto rows) { groups.template operator()<true>(m, rows); });
+    else
+      x_tiles<V16_MR>(M, [&](int64_t m, auto rows) { groups.template operator()<false>(m, rows); });
+    return;
+  }
+  if constexpr (QT == Q2_K || QT == Q3_K) {  // as matmul_panels, from the matrix itself
+    x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
+      constexpr int r = decltype(rows)::value;
+      int64_t grp = g0;
+      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+      for (; grp + 2 <= g1; grp += 2)
+        tile_panel<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
+      if (grp < g1) tile_panel<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+    });
+    return;
+  }
+#endif
+  x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
+      if constexpr (QT == Q4_K || QT == Q5_K) {
+        float* out = y + m * ldy + 8 * (grp - g0);
+        if (VNNI && int_steps) tile_xk<V8, QT, decltype(rows)::value, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+        else tile_xk<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+      }
+      else if constexpr (QT == Q2_K || QT == Q3_K)
+        tile_panel<V8, QT, decltype(rows)::value>(a, m, W + grp * gb, gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
+      else tile_x8<QT, decltype(rows)::value>(a, m, W + grp * gb, valid, y + m * ldy + 8 * (grp - g0), ldy, end);
+    }
+  });
+}
+
+template <int QT>
+void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb) {
+  const int64_t groups = (N + 7) / 8, per = x8_per<QT>(M, a.K);
+  minerva::parallel_for(0, (groups + per - 1) / per, M == 1 ? 2 : 1, [&](int64_t b0, int64_t b1) {
+    const uint8_t* end = W + std::min(groups, per * minerva::ThreadPool::run_end(b1)) * 8 * row_bytes<QT>(a.K);  // this thread's run's weights
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t g0 = per * blk, g1 = std::min(groups, per * (blk + 1));
+      columns_out(M, N, 8 * g0, std::min(N, 8 * g1), y, yb,
+                  [&](float* out, int64_t ldy) { x8_groups<QT>(a, M, W, N, out, ldy, g0, g1, end); });
+    }
+  });
+}
+
+// x8_groups and matmul_x8 for type QT (q8_kernels.h declares them), in the file of its kernels
+#define MINERVA_Q8_REGROUPED(QT)                                                                           \
+  template void x8_groups<QT>(const Q8&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t, \
+                              const uint8_t*);                                                             \
+  template void matmul_x8<QT>(const Q8&, int64_t, const uint8_t*, int64_t, float*, at::BFloat16*)
+
+}  // namespace minerva::q8

@@ -1,0 +1,289 @@
+// The 32-weight block types regrouped at load (Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q8_0;
+// minerva/kernels/repack.py): their kernels, the regrouped dispatch for them (q8_repack.h), and
+// regroup_, which regroups packed rows in place. q8_matmul.cpp describes the design.
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+#include "q8_repack.h"
+
+namespace minerva::q8 {
+
+// Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 regrouped at load (minerva/kernels/repack.py): a group of 8 weight
+// rows keeps their block g together, d[8] | m[8] | qh[8] | qs[128], qs chunk k of row j at
+// 32k + 4j. One 32-byte load gives chunk k of all 8 rows, one row per 32-bit lane, and
+// maddubs against x's 4 bytes broadcast to every lane sums each row in its own lane.
+// (has_x8, the types with a regrouped layout: q8_kernels.h)
+
+// MXFP4 regrouped: e[8] | qs[128], its nibbles looked up into values + 16 as W8<MXFP4> does.
+// Q8_0 regrouped: d[8] | qs[256], its signed bytes whole (chunks k = 0..7).
+// how many blocks of a group ahead the regrouped kernels prefetch (about 5 KB). GPT-OSS's
+// gate/up for one token's 4 experts, grouped matrix by matrix, on the AVX-512 machine: 0.84 ms
+// a layer with 40 blocks against 1.04 ms with 16 (round robin over the experts: 1.9 ms with
+// 4, 1.4 ms with 16); ad-hoc timings, one layer repeated.
+constexpr int64_t X8_AHEAD = 40;
+
+template <int QT>
+struct X8 {
+  static constexpr bool OFFSET = W8<QT>::OFFSET, FIFTH = QT == Q5_0 || QT == Q5_1, LOOKUP = QT == MXFP4;
+  static constexpr bool WIDE = FIFTH || LOOKUP;  // values past 4 bits: maddubs lanes up to 2 * 31 * 127
+  static constexpr int BIAS = W8<QT>::BIAS;
+  static constexpr int M_AT = 16, QH_AT = OFFSET ? 32 : 16, QS_AT = LOOKUP ? 8 : QH_AT + (FIFTH ? 32 : 0);
+  static constexpr int64_t BYTES = 8 * Layout<QT>::bytes, QS_BYTES = QT == Q8_0 ? 256 : 128;
+  static_assert(QS_AT + QS_BYTES == BYTES, "the regrouped block holds the 8 GGML blocks' bytes");
+  // the 8 rows' scales: 8 f16, or 8 E8M0 bytes as e8m0_half computes them
+  static __m256 scales(const uint8_t* b) {
+    if constexpr (LOOKUP) {
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+    } else {
+      return _mm256_cvtph_ps(load128(b));
+    }
+  }
+  // a chunk's 32 low or high nibbles as the values the dot products take
+  static __m256i values(__m256i nibbles) {
+    if constexpr (LOOKUP)
+      return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16))), nibbles);
+    else
+      return nibbles;
+  }
+};
+
+// One regrouped block of Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 (not Q8_0) at b: its 8 rows' values
+// unpacked once (lo[k], hi[k]: chunk k's low and high nibbles, with the fifth bit) and offsets
+// m (Q4_1/Q5_1); dot(xq) the 8 rows' exact integer dot products with x's 32 values at xq.
+template <int QT>
+struct X8Block {
+  using X = X8<QT>;
+  __m256i lo[4], hi[4];
+  __m256 m = _mm256_setzero_ps();
+  explicit X8Block(const uint8_t* b) {
+    if constexpr (X::OFFSET) m = _mm256_cvtph_ps(load128(b + X::M_AT));
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = load256(b + X::QS_AT + 32 * k);
+      lo[k] = X::values(low4(v));
+      hi[k] = X::values(high4(v));
+    }
+    if constexpr (X::FIFTH) {
+      const __m256i qh = load256(b + X::QH_AT), bit4 = _mm256_set1_epi8(0x10);
+      for (int k = 0; k < 4; ++k) {
+        lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_srli_epi32(qh, k), bit4));
+        hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_slli_epi32(qh, 4 - k), bit4));
+      }
+    }
+  }
+  __m256i dot(const int8_t* xq) const {
+    auto pairs = [&](int k) {
+      int32_t x0, x1;
+      std::memcpy(&x0, xq + 4 * k, 4);
+      std::memcpy(&x1, xq + 16 + 4 * k, 4);
+      return _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], _mm256_set1_epi32(x0)),
+                              _mm256_maddubs_epi16(hi[k], _mm256_set1_epi32(x1)));
+    };
+    if constexpr (VNNI) {  // low and high nibbles in two chains, widened as they go
+      __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+      for (int k = 0; k < 4; ++k) {
+        d0 = dot4x(d0, lo[k], xq + 4 * k);
+        d1 = dot4x(d1, hi[k], xq + 16 + 4 * k);
+      }
+      return _mm256_add_epi32(d0, d1);
+    } else if constexpr (X::WIDE) {
+      return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pairs(0), pairs(1)), ones16()),
+                              _mm256_madd_epi16(_mm256_add_epi16(pairs(2), pairs(3)), ones16()));
+    } else {
+      return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(pairs(0), pairs(1)),
+                                                _mm256_add_epi16(pairs(2), pairs(3))), ones16());
+    }
+  }
+};
+
+// The same outputs as tile8 on the GGML layout, bit for bit: per block the same exact
+// integer dot product per row (here summed in i16 before one madd: a lane of maddubs is at
+// most 2 * 15 * 127 = 3810 for 4-bit values, so 8 of them fit; 5-bit values, at most 7874,
+// and MXFP4's values + 16, at most 7112, go 4 at a time), then the same float operations.
+//
+// Q8_0 (its own float rounding, not the GGML layout's: a block's exact i32 dot product per
+// row in one lane, then one FMA, where the GGML layout keeps 8 partial lanes per output):
+// per chunk |w| against x's 4 bytes given w's signs, each chunk's pairs (up to 2 * 128 * 127)
+// widened to i32 on their own; with VNNI (no i16 pair sums to saturate) w + 128 as the unsigned
+// operand against x, and 128 sum(x) subtracted: the same exact sum in fewer steps (x enters as
+// an embedded broadcast, where |w| against x given w's signs needs x in a register).
+template <int QT, int mr>
+void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy,
+             const uint8_t* end) {
+  using X = X8<QT>;
+  __m256 acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t FAR = choices_of<QT>().l2_ahead / X::BYTES * X::BYTES;
+  const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, 0, FAR, X::BYTES, end, a.G);
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* b = grp + g * X::BYTES;
+    if (g < far_g)
+      for (int64_t o = 0; o < X::BYTES; o += 64) prefetch_l2(b + FAR + o);
+    for (int64_t o = 0; o < X::BYTES; o += 64) prefetch(b + X8_AHEAD * X::BYTES + o);
+    const __m256 dw = X::scales(b);
+    if constexpr (QT == Q8_0) {
+      __m256i dot[2][mr];  // the even and the odd chunks: two dependency chains per row
+      for (int i = 0; i < mr; ++i) dot[0][i] = dot[1][i] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        const __m256i w = load256(b + X::QS_AT + 32 * k);
+        if constexpr (VNNI) {  // w + 128 unsigned against x, 128 sum(x) taken off below
+          const __m256i wu = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+          for (int i = 0; i < mr; ++i) dot[k & 1][i] = dot4x(dot[k & 1][i], wu, a.q + (m0 + i) * a.K + 32 * g + 4 * k);
+        } else {
+          const __m256i wa = _mm256_abs_epi8(w);
+          for (int i = 0; i < mr; ++i) {
+            int32_t x4;
+            std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
+            dot[k & 1][i] = dot4(dot[k & 1][i], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
+          }
+        }
+      }
+      for (int i = 0; i < mr; ++i) {
+        __m256i dot_i = _mm256_add_epi32(dot[0][i], dot[1][i]);
+        if constexpr (VNNI) dot_i = _mm256_sub_epi32(dot_i, _mm256_set1_epi32(a.n[(m0 + i) * a.G + g] << 7));
+        acc[i] = block_step<X>(a, m0 + i, g, dot_i, dw, _mm256_setzero_ps(), acc[i]);
+      }
+      continue;
+    }
+    const X8Block<QT> blk(b);
+    for (int i = 0; i < mr; ++i) {
+      const int64_t r = m0 + i;
+      acc[i] = block_step<X>(a, r, g, blk.dot(a.q + r * a.K + 32 * g), dw, blk.m, acc[i]);
+    }
+  }
+  store_rows<mr>(acc, valid, y, ldy);
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 regrouped, one row of x (decode): NG groups (8 NG weight rows)
+// at a time, block by block, each group read as its own stream; per output the same
+// operations as tile_x8<QT, 1>. Four streams a thread, which the hardware prefetchers follow,
+// read faster than one with tile_x8's prefetches: Intel Xeon with AMX, 2 threads, the two
+// ways alternating in one process, every matrix of the 1.1B Q4_0 shape in turn from memory,
+// 22.0 against 20.4 GB/s (medians of 10 sweeps, 1.075x); its greedy decode 31.0 against 28.9
+// tokens/s (8 of 8 pairs faster).
+// Where the CPU takes the L2 prefetch (choices.l2_ahead), each stream also asks for its lines
+// NG groups on, the same place in the next work item (the next 8 NG rows), into L2, up to the
+// end of the thread's run: the prefetchers do not start the next item's four streams before
+// they are read. The same machine, with and without, alternating in one process: the 1.1B
+// Q4_0 shape's greedy decode 42.45 against 36.69 tokens/s (10 of 10 pairs faster, 1.157x;
+// its matrices in turn from memory 1.09-1.13x), the 7B Q4_0 shape's 6.53 against 6.07
+// (1.088x), GPT-OSS-20B-shaped MXFP4 experts (4 of 32 a layer, from memory) 1.25x (5760 x
+// 2880) and 1.085x (2880 x 2880); Q4_1, Q5_0 and Q5_1 matrices of the 1.1B and 7B shapes
+// 1.11-1.24x; Gemma 3 270M's decode the same (1.003x). A fixed 16 KB ahead instead: 0.84x of
+// this; two items ahead, the same. (Q8_0's q8_0_rows, below, with it: 0.96x.)
+// (The groups shorter than X8_STREAM_BYTES take tile_x8: q8_kernels.h.)
+template <int QT, int NG>
+void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y, const uint8_t* end) {
+  using X = X8<QT>;
+  __m256 acc[NG];
+  for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
+  const int64_t far = choices_of<QT>().l2_ahead > 0 ? NG * gb : 0;  // the next work item's same place
+  const int64_t far_g = far_blocks(grp, (NG - 1) * gb, far, X::BYTES, end, a.G);
+  for (int64_t g = 0; g < a.G; ++g) {
+    // each stream's lines that block g reaches for the first time, far bytes on
+    const int64_t lo = (g * X::BYTES + 63) & ~int64_t{63}, hi = ((g + 1) * X::BYTES + 63) & ~int64_t{63};
+    for (int n = 0; n < NG; ++n) {
+      const uint8_t* b = grp + n * gb + g * X::BYTES;
+      if (g < far_g)
+        for (int64_t o = lo; o < hi; o += 64) prefetch_l2(grp + n * gb + far + o);
+      const X8Block<QT> blk(b);
+      acc[n] = block_step<X>(a, 0, g, blk.dot(a.q + 32 * g), X::scales(b), blk.m, acc[n]);
+    }
+  }
+  for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
+}
+
+// Q8_0 regrouped, one row of x (decode): NG groups (8 NG weight rows) at a time, sharing x's
+// loads; per output the same operations as tile_x8<Q8_0, 1>. No software prefetch: four
+// groups are four streams the hardware prefetcher follows. (One thread, 65536 x 2880, from
+// memory: 8.7-9.8 ms with four groups and none, 11.7-18.4 ms with two groups and 40 blocks
+// ahead, as tile_x8 does, 9.8-12.8 ms (median 10.0) for the GGML layout's rows; `benchmarks/int8_kernels.py
+// --type Q8_0 --rows 65536 --cols 2880 --m 1 --threads 1`.)
+template <int NG>
+void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
+  using X = X8<Q8_0>;
+  __m256 acc[NG];
+  for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    const uint8_t* b[NG];
+    for (int n = 0; n < NG; ++n) b[n] = grp + n * gb + g * X::BYTES;
+    __m256i dot[NG][2];
+    for (int n = 0; n < NG; ++n) dot[n][0] = dot[n][1] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {  // the even and the odd chunks in two chains per group
+      int32_t x4;
+      std::memcpy(&x4, a.q + 32 * g + 4 * k, 4);
+      const __m256i xb = _mm256_set1_epi32(x4);
+      for (int n = 0; n < NG; ++n) {
+        const __m256i w = load256(b[n] + X::QS_AT + 32 * k);
+        if constexpr (VNNI)  // as tile_x8
+          dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), xb);
+        else
+          dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+      }
+    }
+    const __m256i bias = _mm256_set1_epi32(VNNI ? a.n[g] << 7 : 0);
+    for (int n = 0; n < NG; ++n)
+      acc[n] = block_step<X>(a, 0, g, _mm256_sub_epi32(_mm256_add_epi32(dot[n][0], dot[n][1]), bias), X::scales(b[n]),
+                             _mm256_setzero_ps(), acc[n]);
+  }
+  for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
+}
+
+MINERVA_Q8_REGROUPED(Q4_0);
+MINERVA_Q8_REGROUPED(Q4_1);
+MINERVA_Q8_REGROUPED(Q5_0);
+MINERVA_Q8_REGROUPED(Q5_1);
+MINERVA_Q8_REGROUPED(MXFP4);
+MINERVA_Q8_REGROUPED(Q8_0);
+
+}  // namespace minerva::q8
+
+// repack.py's regrouping of packed rows, in place, group by group: a group's regrouped bytes
+// fill exactly its 8 rows' bytes. `fields` lists a block's fields in order as (bytes, kind):
+// 0 the 8 rows' field side by side, 1 the same after moving Q5's fifth bits (repack.py's
+// _bit_moves, given as `moves`: 32 (from, to) bit pairs), 2 interleaved 4 bytes at a time.
+void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu() &&
+                  packed.dim() == 2 && packed.size(0) % 8 == 0 && packed.size(1) % block_bytes == 0,
+              "regroup_ takes a contiguous CPU uint8 [rows (a multiple of 8), row bytes] tensor");
+  TORCH_CHECK(fields.size() % 2 == 0 && moves.size() == 64, "regroup_: bad field or bit tables");
+  const int64_t rb = packed.size(1), blocks = rb / block_bytes, groups = packed.size(0) / 8;
+  uint8_t* base = packed.data_ptr<uint8_t>();
+  minerva::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> rows(8 * rb);
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      uint8_t* dst = base + grp * 8 * rb;
+      std::memcpy(rows.data(), dst, 8 * rb);
+      for (int64_t b = 0; b < blocks; ++b) {
+        int64_t at = 0;
+        for (size_t f = 0; f < fields.size(); f += 2) {
+          const int64_t width = fields[f], kind = fields[f + 1];
+          for (int r = 0; r < 8; ++r) {
+            const uint8_t* src = rows.data() + r * rb + b * block_bytes + at;
+            if (kind == 2) {
+              for (int64_t k = 0; k < width / 4; ++k) std::memcpy(dst + 32 * k + 4 * r, src + 4 * k, 4);
+            } else if (kind == 1) {
+              uint32_t word, out = 0;
+              std::memcpy(&word, src, 4);
+              for (int i = 0; i < 32; ++i) out |= ((word >> moves[2 * i]) & 1u) << moves[2 * i + 1];
+              std::memcpy(dst + 4 * r, &out, 4);
+            } else {
+              std::memcpy(dst + width * r, src, width);
+            }
+          }
+          dst += 8 * width;
+          at += width;
+        }
+      }
+    }
+  });
+}

@@ -5,14 +5,13 @@ no speeds."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 
 import pytest
 
 from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.peers import HAS_LLAMA_CPP, LLAMA_CPP_INSTALLED, LLAMA_CPP_PROBLEM
 
-HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
 def assert_report(out: str, *names: str) -> None:
@@ -73,10 +72,11 @@ def test_bad_arguments(tiny, args, fragment):
     assert_clean_error(run("bench", args[0], str(tiny), *args[1:]), fragment)
 
 
-@pytest.mark.skipif(HAS_LLAMA_CPP, reason="llama-cpp-python is installed")
+@pytest.mark.skipif(HAS_LLAMA_CPP, reason="llama-cpp-python is installed and imports")
 def test_missing_peer_is_a_clean_error(tiny):
+    """Not installed, or installed without what it imports: one line saying which and what to run."""
     assert_clean_error(run("bench", "latency", str(tiny), "-p", "8", "-n", "2", "-r", "1", "--compare", "llama.cpp"),
-                       "pip install llama-cpp-python")
+                       "does not import" if LLAMA_CPP_INSTALLED else "pip install llama-cpp-python")
 
 
 @pytest.mark.slow
@@ -88,7 +88,7 @@ def test_transformers_peer_on_smollm2(smollm2_gguf):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=str(LLAMA_CPP_PROBLEM))
 def test_llama_cpp_peer_on_smollm2(smollm2_gguf):
     for args in (["latency", "-p", "32", "-n", "4", "-r", "1", "-d", "0,16"],
                  ["throughput", "--num-prompts", "5", "--input-len", "8:40", "--output-len", "2:9",

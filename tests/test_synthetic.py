@@ -8,7 +8,6 @@ llama.cpp itself (through llama-cpp-python) where it is installed.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,9 +23,9 @@ from benchmarks import synthetic_gpt_oss as gpt_oss
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.tokenizer import Tokenizer
+from tests.helpers.peers import HAS_LLAMA_CPP, LLAMA_CPP_PROBLEM
 
 QT = gguf.GGMLQuantizationType
-HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 TEXTS = ["Hello world! The quick brown fox jumps over the lazy dog.",
          "def add(a, b):\n    return a + b  # 12345",
          "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"]
@@ -237,7 +236,7 @@ def test_cli_refuses_bad_input(tmp_path, args, fragment):
     assert not list(tmp_path.glob("*.gguf*"))
 
 
-@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=str(LLAMA_CPP_PROBLEM))
 def test_llama_cpp_loads_it(tinyllama_layer, smollm2_tokenizer):
     from llama_cpp import Llama
 
@@ -250,7 +249,7 @@ def test_llama_cpp_loads_it(tinyllama_layer, smollm2_tokenizer):
     assert out["usage"]["completion_tokens"] >= 1
 
 
-@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=str(LLAMA_CPP_PROBLEM))
 @pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K_M", "Q4_K_M"])
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_logits_match_llama_cpps(tmp_path, type_name, activations):
@@ -285,7 +284,7 @@ def test_gpt_oss_plan_is_the_published_files():
     assert 12.0e9 < size < 12.1e9
 
 
-@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=str(LLAMA_CPP_PROBLEM))
 @pytest.mark.parametrize("activations", ["float", "int8"])
 def test_gpt_oss_logits_match_llama_cpps(tmp_path, activations):
     """Two GPT-OSS layers (one sliding, one full; random sinks and biases, MXFP4 experts) through

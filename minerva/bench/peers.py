@@ -10,6 +10,7 @@ asking for one that is not installed is a one-line error saying what to install.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -44,8 +45,13 @@ class LlamaCpp:
     def __init__(self, model_path: Path, threads: int, n_ctx: int, n_seq: int):
         try:
             import llama_cpp as lc
-        except ImportError:
-            raise MinervaError("--compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python") from None
+        except Exception as e:  # not installed, installed without its dependencies, or a library that does not load
+            if importlib.util.find_spec("llama_cpp") is None:
+                raise MinervaError("--compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python") from None
+            name = getattr(e, "name", None)
+            missing = f"pip install {name}" if name and not name.startswith("llama_cpp") else "pip install llama-cpp-python"
+            raise MinervaError(f"--compare llama.cpp: llama-cpp-python is installed but does not import ({e}); "
+                               f"install what it needs: {missing}") from None
         if Path(model_path).suffix != ".gguf":
             raise MinervaError("llama.cpp runs GGUF files only; give a .gguf model")
         self.lc = lc

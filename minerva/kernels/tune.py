@@ -11,7 +11,9 @@ planner times them, as FFTW's planner and Triton's autotuner do:
 
 - for each packed type and each setting, one row of x against matrices of the 1.1B shape's
   feed-forward sizes (5632 x 2048 and 2048 x 5632), as many as make three times the L3 cache
-  (at least 96 MB, so they come from memory as in decode), and, with the AVX-512 build, 64
+  (at least 96 MB, so they come from memory as in decode; at most 512 MB, for a server's L3
+  of hundreds of MB is shared by all its cores, and three times it took 79 s to plan on an
+  Intel Xeon reporting 480 MB where 512 MB take well under a minute), and, with the AVX-512 build, 64
   rows of x against one matrix for `x_copy`;
 - the settings alternate round by round, and each one's median sweep counts; a setting
   replaces the CPU's default only when it is more than `MARGIN` faster, so noise does not
@@ -58,7 +60,7 @@ FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_
                Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 E8M0_FIELDS = {Q.MXFP4: (0,)}
 SHAPES = ((5632, 2048), (2048, 5632))  # (out, in): the 1.1B shape's gate/up and down projections
-MIN_STREAM_BYTES = 96 << 20
+MIN_STREAM_BYTES, MAX_STREAM_BYTES = 96 << 20, 512 << 20
 L2_AHEAD = (0, 16384, 32768, 65536)
 ROUNDS = 11
 MARGIN = 0.03  # a setting other than the default must be this much faster to be chosen
@@ -219,7 +221,7 @@ def plan(kernels, rounds: int | None = None, types=None, progress: bool = True) 
     contents; the kernels are left with the chosen settings in force."""
     from tqdm import tqdm
     rounds, types = rounds or ROUNDS, types or TYPES
-    stream = max(MIN_STREAM_BYTES, 3 * _l3_bytes())
+    stream = min(MAX_STREAM_BYTES, max(MIN_STREAM_BYTES, 3 * _l3_bytes()))
     started = time.perf_counter()
     result = {}
     with tqdm(total=len(types) * rounds, desc="planning kernel choices", unit="round", disable=not progress,

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.helpers.cli import assert_clean_error, run
-from tests.helpers.peers import HAS_LLAMA_CPP, LLAMA_CPP_INSTALLED, LLAMA_CPP_PROBLEM
+from tests.helpers.peers import HAS_LLAMA_CPP, LLAMA_CPP_IMPORTS, LLAMA_CPP_INSTALLED, LLAMA_CPP_PROBLEM
 
 
 
@@ -72,7 +72,7 @@ def test_bad_arguments(tiny, args, fragment):
     assert_clean_error(run("bench", args[0], str(tiny), *args[1:]), fragment)
 
 
-@pytest.mark.skipif(HAS_LLAMA_CPP, reason="llama-cpp-python is installed and imports")
+@pytest.mark.skipif(LLAMA_CPP_IMPORTS, reason="llama-cpp-python is installed and imports")
 def test_missing_peer_is_a_clean_error(tiny):
     """Not installed, or installed without what it imports: one line saying which and what to run."""
     assert_clean_error(run("bench", "latency", str(tiny), "-p", "8", "-n", "2", "-r", "1", "--compare", "llama.cpp"),

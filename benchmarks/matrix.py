@@ -4,6 +4,7 @@ engine in its own process, alternating, written as one generated page per machin
     python benchmarks/matrix.py                         # every file below, 2 rounds
     python benchmarks/matrix.py --only 1.1b:Q4_0,1.1b:Q4_K_M --rounds 3
     python benchmarks/matrix.py --list                  # the files, made or not
+    python benchmarks/matrix.py --only 7b:Q4_0 --update  # measure one again, keep the page's others
 
 Files (random weights in the real shapes, `benchmarks/synthetic.py` and
 `synthetic_gpt_oss.py`, made on first use under `~/.cache/minerva/synthetic/`): the
@@ -21,7 +22,8 @@ neither engine can pass on this machine.
 
 The page goes to `docs/performance/MACHINE.md` with its JSON beside it (`--out DIR`), named
 after the CPU, its family and model, and its widest vector build; a later run on the same
-kind of machine replaces it. Needs llama-cpp-python (`pip install -e '.[bench]'`).
+kind of machine replaces it; with `--update` only the files it measures, the others kept from
+the page's JSON (the page names both runs). Needs llama-cpp-python (`pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations
@@ -149,7 +151,8 @@ def _f(v, fmt: str) -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def page(results: list[dict], args, command: str) -> str:
+def page(results: list[dict], args, command: str, kept: list[dict] = ()) -> str:
+    """The page; `kept`: earlier runs (command, date, files) whose results it keeps."""
     host = machine()
     rows = [summary(r) for r in results]
     lines = [f"# {host.cpu} ({cpu_kind()})", "",
@@ -157,6 +160,7 @@ def page(results: list[dict], args, command: str) -> str:
              f"- machine: {host.describe()}, {cpu_kind()}",
              f"- date: {datetime.date.today().isoformat()}",
              f"- command: `{command}`",
+             *(f"- kept from an earlier run, `{k['command']}` ({k['date']}): {', '.join(k['files'])}" for k in kept),
              f"- each engine in its own process, alternating, {args.rounds} rounds; medians; {args.threads} threads; "
              f"prefill of {args.prompt} random tokens, decode of {args.gen} tokens at batch 1",
              f"- llama.cpp: llama-cpp-python {_llama_version()}; Minerva: its defaults ({_minerva_setup(results)})", "",
@@ -178,6 +182,30 @@ def page(results: list[dict], args, command: str) -> str:
     if errors:
         lines += ["", "Runs that failed:", *errors]
     return "\n".join(lines) + "\n"
+
+
+def merge(earlier: dict | None, results: list[dict]) -> tuple[list[dict], list[dict]]:
+    """This run's results with those of `earlier` (a page's JSON) for the files it did not
+    measure, in the list's order, and the earlier runs they come from (command, date, files)."""
+    measured = {r["file"] for r in results}
+    others = [r for r in (earlier or {}).get("results", []) if r["file"] not in measured]
+    if not others:
+        return results, []
+    kept = [{**k, "files": [f for f in k["files"] if f not in measured]} for k in earlier.get("kept", [])]
+    kept = [k for k in kept if k["files"]]
+    first = [r["file"] for r in others if not any(r["file"] in k["files"] for k in kept)]
+    if first:
+        kept.insert(0, {"command": earlier["command"], "date": earlier["date"], "files": first})
+    order = {f: i for i, f in enumerate(FILES)}
+    return sorted(results + others, key=lambda r: order.get(r["file"], len(order))), kept
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) and isinstance(data.get("results"), list) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _minerva_setup(results: list[dict]) -> str:
@@ -226,6 +254,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800, help="seconds one engine's run may take")
     p.add_argument("--out", type=Path, default=HERE.parent / "docs" / "performance")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--update", action="store_true",
+                   help="keep the results of the files this run does not measure from the page's JSON")
     p.add_argument("--child", choices=("probe", "minerva", "llama.cpp"), help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -245,14 +275,16 @@ def main() -> int:
     if args.rounds < 1 or args.prompt < 1 or args.gen < 1:
         p.error("--rounds, --prompt and --gen must be at least 1")
     command = "python benchmarks/matrix.py " + " ".join(sys.argv[1:])
-    results = [measure(s, args) for s in specs]
-    args.out.mkdir(parents=True, exist_ok=True)
     name = slug()
-    text = page(results, args, command.strip())
+    earlier = _read(args.out / f"{name}.json") if args.update else None
+    results, kept = merge(earlier, [measure(s, args) for s in specs])
+    args.out.mkdir(parents=True, exist_ok=True)
+    text = page(results, args, command.strip(), kept)
     (args.out / f"{name}.md").write_text(text)
     (args.out / f"{name}.json").write_text(json.dumps(
         {"machine": machine().describe(), "kind": cpu_kind(), "date": datetime.date.today().isoformat(),
-         "command": command.strip(), "results": results, "summary": [summary(r) for r in results]}, indent=1) + "\n")
+         "command": command.strip(), "kept": kept, "results": results,
+         "summary": [summary(r) for r in results]}, indent=1) + "\n")
     print(text)
     print(f"written: {args.out / (name + '.md')}", file=sys.stderr)
     return 0

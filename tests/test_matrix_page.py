@@ -50,3 +50,23 @@ def test_every_file_has_a_maker_and_a_path():
     for f in matrix.FILES:
         assert matrix.path_of(f).suffix == ".gguf"
     assert matrix.slug() == matrix.slug().lower() and " " not in matrix.slug()
+
+
+def test_update_keeps_the_files_it_did_not_measure_and_names_their_run():
+    old = {"command": "python benchmarks/matrix.py", "date": "2026-12-01", "kept": [],
+           "results": [{"file": f, "rounds": [_round(16, 10, 90, 50)]} for f in ("1.1b:Q4_0", "1.1b:Q8_0", "7b:Q4_0")]}
+    again = {"file": "1.1b:Q8_0", "rounds": [_round(20, 10, 90, 50)]}
+    results, kept = matrix.merge(old, [again])
+    assert [r["file"] for r in results] == ["1.1b:Q4_0", "1.1b:Q8_0", "7b:Q4_0"] and results[1] is again
+    assert kept == [{"command": "python benchmarks/matrix.py", "date": "2026-12-01", "files": ["1.1b:Q4_0", "7b:Q4_0"]}]
+    # a third run over one of the kept files: the first run keeps only the other
+    third = {"command": "python benchmarks/matrix.py --only 1.1b:Q8_0 --update", "date": "2026-12-02", "kept": kept,
+             "results": results}
+    results, kept = matrix.merge(third, [{"file": "7b:Q4_0", "rounds": [_round(5, 10, 90, 50)]}])
+    assert kept == [{"command": "python benchmarks/matrix.py --only 1.1b:Q8_0 --update", "date": "2026-12-02",
+                     "files": ["1.1b:Q8_0"]},
+                    {"command": "python benchmarks/matrix.py", "date": "2026-12-01", "files": ["1.1b:Q4_0"]}]
+    assert matrix.merge(None, [again]) == ([again], [])
+    args = types.SimpleNamespace(rounds=1, threads=2, prompt=512, gen=32)
+    text = matrix.page(results, args, "python benchmarks/matrix.py --only 7b:Q4_0 --update", kept)
+    assert "- kept from an earlier run, `python benchmarks/matrix.py` (2026-12-01): 1.1b:Q4_0" in text

@@ -53,7 +53,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     """The activation dtype `name` stands for; "auto" is bfloat16 where it is the fast choice
     (a CPU with the AVX-512 BF16 kernels, a CUDA GPU with bf16) and float32 (CPU) or float16
     (older GPUs) elsewhere. bf16 activations moved perplexity by under 0.4% on both real models
-    (see README, Performance)."""
+    (see docs/models.md and docs/performance/)."""
     if name != "auto":
         if name not in DTYPES:
             raise MinervaError(f"unknown dtype '{name}'; choose auto or one of {', '.join(DTYPES)}")
@@ -64,7 +64,7 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 def resolve_activations(name: str, device: torch.device) -> str:
     """What multiplies quantized weights: "float" activations or "int8" ones; "auto" is int8
     where the kernels' integer dot products are the fast choice (Minerva's CPU kernels, both
-    builds: see `CpuBackend.default_activations` and the README) and float elsewhere."""
+    builds: see `CpuBackend.default_activations` and docs/models.md) and float elsewhere."""
     if name == "auto":
         return dispatch.default_activations(device)
     act_quant.check_mode(name)

@@ -54,7 +54,7 @@ class CpuBackend(KernelBackend):
         # instruction, VNNI where the CPU has it) against the float path's decoding of every
         # weight to float32 (AVX2) or bf16 (AVX-512): 1.5-3x the decode speed on AVX2, and on
         # AVX-512 1.3-1.6x on the pulled models and 2.6x on a 1.1B Q4_K_M shape, prefill the
-        # same or faster (README, "--activations")
+        # same or faster (docs/models.md, `--activations`)
         return "int8" if self.module is not None else "float"
 
     @contextlib.contextmanager

@@ -215,11 +215,12 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
     """The kernels make a few choices by the CPU's vendor (`cpu_choices`): one row of x takes
     regrouped Q2_K..Q5_K one or two groups at a time and prefetches into L2 or not,
     and the Q4_K/Q5_K tiles for many rows copy x per super-block or not. Every choice gives
-    the same bits, whichever this CPU runs: one row against the batched kernel's row, the
+    the same bits, whichever this CPU runs: one row (or a few) against the batched kernel's rows, the
     batch against itself under the other choices. The one choice that changes bits, Q4_K/Q5_K's
     sub-block scaling in i32 or in float, is held at each in turn. 264 rows: an odd number of
     groups, so two at a time ends on one; 2048 columns, so a thread's chunk is longer than the
-    prefetch distance; 9 rows of x, tiles of 8 and 1 (6 and 3 with the int steps)."""
+    prefetch distance; 9 rows of x, tiles of 8 and 1 (6 and 3 with the int steps); 2 to 8 of
+    them, which the 32-weight block types take in the one-row streams up to `few rows`."""
     rows, cols = 264, 2048
     raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(5)))
     w = repack.regroup(raw, qtype, rows, cols) if regrouped else raw
@@ -229,19 +230,23 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
         for steps in (0, 1):
             kernels.cpu_choices([1, 0, 0, steps])
             batched = run_kernel(kernels, qtype, x, w, rows, cols, regrouped)
-            for choice in ([1, 0, 0], [2, 0, 1], [1, 32768, 1], [2, 32768, 0], [2, 4096, 0]):
-                choice = choice + [steps]
+            for choice, few in (([1, 0, 0], 1), ([2, 0, 1], 8), ([1, 32768, 1], 3), ([2, 32768, 0], 8),
+                                ([2, 4096, 0], 2)):
+                choice = choice + [steps, few]
                 kernels.cpu_choices(choice)
                 assert kernels.cpu_choices() == choice
                 for i in (0, 4, 8):
                     assert torch.equal(run_kernel(kernels, qtype, x[i:i + 1], w, rows, cols, regrouped),
                                        batched[i:i + 1]), choice
+                for lo, hi in ((0, 2), (1, 4), (2, 7), (0, 8)):  # few rows: the one-row streams where `few` allows
+                    assert torch.equal(run_kernel(kernels, qtype, x[lo:hi], w, rows, cols, regrouped),
+                                       batched[lo:hi]), (choice, lo, hi)
                 assert torch.equal(run_kernel(kernels, qtype, x, w, rows, cols, regrouped), batched), choice
                 if qtype == QT.Q3_K and regrouped:  # the same bits as the GGML layout
                     assert torch.equal(run_kernel(kernels, qtype, x[:1], raw, rows, cols, False), batched[:1]), choice
     finally:
         kernels.cpu_choices(was)
-    for bad in ([3, 0, 0, 1], [1, 0, 2, 1], [1, 0, 0, 2], [1, 0, 0]):
+    for bad in ([3, 0, 0, 1], [1, 0, 2, 1], [1, 0, 0, 2], [1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 1, 9]):
         with pytest.raises(RuntimeError, match="cpu_choices takes"):
             kernels.cpu_choices(bad)
 

@@ -53,8 +53,8 @@ def test_random_blocks_decode_to_finite_normal_weights():
 
 
 def test_choices_are_per_type_and_change_no_result(restore):
-    g, l2, xc, steps = tune.defaults(kernels, Q.Q4_0)
-    other = [1 if g != 1 else 2, 65536 if l2 == 0 else 0, xc, steps]
+    g, l2, xc, steps, few = tune.defaults(kernels, Q.Q4_0)
+    other = [1 if g != 1 else 2, 65536 if l2 == 0 else 0, xc, steps, 3 if few != 3 else 8]
     q4_k = kernels.cpu_choices(None, int(Q.Q4_K))
     kernels.cpu_choices(other, int(Q.Q4_0))
     assert kernels.cpu_choices(None, int(Q.Q4_0)) == other
@@ -90,14 +90,38 @@ def test_plan_measures_every_setting_and_puts_the_fastest_in_force(small, restor
         fastest = max(m["gb_per_s"] for m in measured)
         assert c["gb_per_s"] >= fastest / (1 + tune.MARGIN) - 0.01  # the best, or the default within the margin
         in_force = kernels.cpu_choices(None, int(getattr(Q, name)))
-        assert in_force[:3] == [c["groups"], c["l2_ahead"], c["x_copy"]]
+        assert in_force[:3] == [c["groups"], c["l2_ahead"], c["x_copy"]] and in_force[4] == c["few_rows"]
         assert in_force[3] == tune.defaults(kernels)[3]  # the bits' choice is never planned
+    few = data["types"]["Q4_0"]["few_measured"]  # the few-row paths, both timed at each count
+    assert [m["rows"] for m in few] == list(tune.FEW_ROWS) and all(m["streams_ms"] > 0 < m["panels_ms"] for m in few)
+    assert data["types"]["Q4_K"]["few_measured"] == [] and data["types"]["Q4_K"]["few_rows"] == tune.defaults(kernels, Q.Q4_K)[4]
 
 
 def test_pick_keeps_the_default_unless_another_is_clearly_faster():
     a, b = tune.Setting(1, 0, 0), tune.Setting(1, 32768, 0)
     assert tune._pick({a: 1.0, b: 0.99}, a) == a
     assert tune._pick({a: 1.0, b: 0.9}, a) == b
+
+
+@pytest.mark.parametrize("streams, panels, few", [
+    ((1.0, 1.0, 1.0), (2.0, 2.0, 2.0), 8),   # the streams faster at every count
+    ((1.0, 1.0, 3.0), (2.0, 2.0, 2.0), 4),   # ... up to 4 rows
+    ((1.0, 3.0, 1.0), (2.0, 2.0, 2.0), 2),   # a loss at 4 rows ends them there, whatever 8 gives
+    ((2.05, 1.0, 1.0), (2.0, 2.0, 2.0), 8),  # 2.5% slower at 2 rows, within MARGIN (3%): kept
+    ((3.0, 1.0, 1.0), (2.0, 2.0, 2.0), 1),   # slower at 2 rows: never
+])
+def test_few_rows_are_the_streams_up_to_their_first_loss(monkeypatch, restore, streams, panels, few):
+    def sweep(kernels_, matrices, xs):
+        rows = next(iter(xs.values())).shape[0]
+        in_force = kernels_.cpu_choices(None, int(Q.Q4_0))[4]
+        return (streams if in_force > 1 else panels)[tune.FEW_ROWS.index(rows)]
+
+    monkeypatch.setattr(tune, "_sweep_seconds", sweep)
+    m = tune.Matrix(torch.zeros(8, 18, dtype=torch.uint8), int(Q.Q4_0), 8, 32)
+    chosen, measured = tune._plan_few_rows(kernels, Q.Q4_0, tune._default_setting(kernels, Q.Q4_0), [m],
+                                           torch.Generator().manual_seed(0))
+    assert chosen.few_rows == few and kernels.cpu_choices(None, int(Q.Q4_0))[4] == few
+    assert [(r["streams_ms"], r["panels_ms"]) for r in measured] == [(a * 1e3, b * 1e3) for a, b in zip(streams, panels)]
 
 
 def _fresh(monkeypatch):
@@ -134,7 +158,7 @@ def test_no_tune_keeps_the_defaults(monkeypatch, restore):
 
 
 def _choices_file(tmp_path, **changes):
-    g, l2, xc, _ = tune.defaults(kernels, Q.Q5_0)
+    g, l2, xc, _, _ = tune.defaults(kernels, Q.Q5_0)
     data = {"version": tune.VERSION, "build": native.built,
             "types": {"Q5_0": {"groups": g, "l2_ahead": 16384, "x_copy": xc, "gb_per_s": 1.0}}}
     data.update(changes)

@@ -5,7 +5,9 @@ result, only how fast it comes: for one row of x (decode), how many regrouped K-
 of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with the AVX-512
 build) and how far ahead the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
 for many rows, whether the AVX-512 Q4_K/Q5_K tiles copy their rows of x side by side
-(`x_copy`). Which setting streams fastest depends on the CPU (the prefetch that makes an
+(`x_copy`); for a few rows (2 to 8: a speculative verification, a handful of sequences), up to
+how many the 32-weight block types take the one-row streams, a tile of rows at a time, rather
+than panels against tiles of rows (`few_rows`). Which setting streams fastest depends on the CPU (the prefetch that makes an
 Intel Xeon 1.27x faster makes a Zen 4 slower), so rather than guess from the vendor the
 planner times them, as FFTW's planner and Triton's autotuner do:
 
@@ -14,7 +16,9 @@ planner times them, as FFTW's planner and Triton's autotuner do:
   (at least 96 MB, so they come from memory as in decode; at most 512 MB, for a server's L3
   of hundreds of MB is shared by all its cores, and three times it took 79 s to plan on an
   Intel Xeon reporting 480 MB where 512 MB take well under a minute), and, with the AVX-512 build, 64
-  rows of x against one matrix for `x_copy`;
+  rows of x against one matrix for `x_copy`; for `few_rows`, 2, 4 and 8 rows of x against the
+  same matrices, both paths, and the one-row streams are taken up to the largest row count at
+  which they were not slower at that count and every smaller one;
 - the settings alternate round by round, and each one's median sweep counts; a setting
   replaces the CPU's default only when it is more than `MARGIN` faster, so noise does not
   pick;
@@ -65,8 +69,11 @@ L2_AHEAD = (0, 16384, 32768, 65536)
 ROUNDS = 11
 MARGIN = 0.03  # a setting other than the default must be this much faster to be chosen
 MANY_ROWS = 64
+FEW_ROWS = (2, 4, 8)  # rows of x the few-row path is timed at; its largest is the kernels' FEW_ROWS_MOST
+FEW_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.MXFP4})  # (not Q8_0, nor the K-quants)
+FEW_ROUNDS = 5
 FILE_NAME = "choices.json"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -74,9 +81,11 @@ class Setting:
     groups: int
     l2_ahead: int
     x_copy: int
+    few_rows: int = FEW_ROWS[-1]
 
     def label(self) -> str:
-        return f"groups {self.groups}, L2 ahead {self.l2_ahead // 1024} KB, x copy {self.x_copy}"
+        return (f"groups {self.groups}, L2 ahead {self.l2_ahead // 1024} KB, x copy {self.x_copy}, "
+                f"few rows {self.few_rows}")
 
 
 _defaults: dict[int, list[int]] = {}  # the kernels' own choices per type, read before any is set
@@ -86,7 +95,7 @@ _source = "not loaded"
 
 def defaults(kernels, qtype: Q | None = None) -> list[int]:
     """The CPU's fixed choices for `qtype` (every type's as the build starts; None: Q4_K's):
-    groups, L2 prefetch distance, x copy, int steps."""
+    groups, L2 prefetch distance, x copy, int steps, few rows."""
     if not _defaults:
         _defaults.update({int(t): list(kernels.cpu_choices(None, int(t))) for t in TYPES})
     return list(_defaults[int(Q.Q4_K if qtype is None else qtype)])
@@ -99,12 +108,12 @@ def reset(kernels) -> None:
 
 
 def _set(kernels, qtype: Q, s: Setting) -> None:
-    kernels.cpu_choices([s.groups, s.l2_ahead, s.x_copy, defaults(kernels, qtype)[3]], int(qtype))
+    kernels.cpu_choices([s.groups, s.l2_ahead, s.x_copy, defaults(kernels, qtype)[3], s.few_rows], int(qtype))
 
 
 def _default_setting(kernels, qtype: Q) -> Setting:
-    g, l2, xc, _ = defaults(kernels, qtype)
-    return Setting(g, l2, xc)
+    g, l2, xc, _, few = defaults(kernels, qtype)
+    return Setting(g, l2, xc, few)
 
 
 def _l3_bytes() -> int:
@@ -171,7 +180,7 @@ def settings_one_row(kernels, qtype: Q) -> list[Setting]:
     every L2 prefetch distance."""
     d = _default_setting(kernels, qtype)
     groups = ((1, 2) if native.built == "avx512" else (1,)) if qtype in K_TYPES else (1, 2, 4)
-    return [Setting(g, l2, d.x_copy) for g in groups for l2 in L2_AHEAD]
+    return [Setting(g, l2, d.x_copy, d.few_rows) for g in groups for l2 in L2_AHEAD]
 
 
 def _pick(medians: dict[Setting, float], default: Setting) -> Setting:
@@ -202,18 +211,47 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
     if native.built == "avx512" and qtype in X_COPY_TYPES:
         x = torch.randn(MANY_ROWS, matrices[0].cols, generator=gen)
         for xc in (0, 1):
-            s = Setting(chosen.groups, chosen.l2_ahead, xc)
+            s = Setting(chosen.groups, chosen.l2_ahead, xc, chosen.few_rows)
             _set(kernels, qtype, s)
             _sweep_seconds(kernels, matrices[:1], {x.shape[1]: x})
             many[s] = statistics.median(
                 _sweep_seconds(kernels, matrices[:1], {x.shape[1]: x}) for _ in range(rounds))
-        x_copy = _pick(many, Setting(chosen.groups, chosen.l2_ahead, default.x_copy)).x_copy
-    chosen = Setting(chosen.groups, chosen.l2_ahead, x_copy)
+        x_copy = _pick(many, Setting(chosen.groups, chosen.l2_ahead, default.x_copy, chosen.few_rows)).x_copy
+    chosen = Setting(chosen.groups, chosen.l2_ahead, x_copy, chosen.few_rows)
+    few = []
+    if qtype in FEW_TYPES:
+        chosen, few = _plan_few_rows(kernels, qtype, chosen, matrices, gen, step)
     return {"groups": chosen.groups, "l2_ahead": chosen.l2_ahead, "x_copy": chosen.x_copy,
+            "few_rows": chosen.few_rows,
             "gb_per_s": round(nbytes / medians[_pick(medians, default)] / 1e9, 2),
             "default_gb_per_s": round(nbytes / medians[default] / 1e9, 2) if default in medians else None,
             "measured": [{**vars(s), "gb_per_s": round(nbytes / m / 1e9, 2)} for s, m in medians.items()],
-            "stream_bytes": nbytes}
+            "few_measured": few, "stream_bytes": nbytes}
+
+
+def _plan_few_rows(kernels, qtype: Q, chosen: Setting, matrices: list[Matrix], gen,
+                   step=lambda: None) -> tuple[Setting, list]:
+    """`few_rows` for `chosen`: each of FEW_ROWS rows of x against the matrices with the
+    one-row streams (few rows at their most) and with panels (few rows 1), alternating; the
+    streams are kept up to the largest count where they were not slower (by MARGIN) there
+    and at every smaller count."""
+    on, off = (Setting(chosen.groups, chosen.l2_ahead, chosen.x_copy, f) for f in (FEW_ROWS[-1], 1))
+    measured, few = [], 1
+    for i, rows in enumerate(FEW_ROWS):
+        xs = {cols: torch.randn(rows, cols, generator=gen) for cols in {m.cols for m in matrices}}
+        times = {on: [], off: []}
+        for _ in range(FEW_ROUNDS):
+            for s in (on, off):
+                _set(kernels, qtype, s)
+                times[s].append(_sweep_seconds(kernels, matrices, xs))
+        t_on, t_off = statistics.median(times[on]), statistics.median(times[off])
+        measured.append({"rows": rows, "streams_ms": round(t_on * 1e3, 2), "panels_ms": round(t_off * 1e3, 2)})
+        step()
+        if few == (FEW_ROWS[i - 1] if i else 1) and t_on <= t_off * (1 + MARGIN):
+            few = rows
+    chosen = Setting(chosen.groups, chosen.l2_ahead, chosen.x_copy, few)
+    _set(kernels, qtype, chosen)
+    return chosen, measured
 
 
 def plan(kernels, rounds: int | None = None, types=None, progress: bool = True) -> dict:
@@ -224,13 +262,13 @@ def plan(kernels, rounds: int | None = None, types=None, progress: bool = True) 
     stream = min(MAX_STREAM_BYTES, max(MIN_STREAM_BYTES, 3 * _l3_bytes()))
     started = time.perf_counter()
     result = {}
-    with tqdm(total=len(types) * rounds, desc="planning kernel choices", unit="round", disable=not progress,
+    with tqdm(total=len(types) * rounds + len(FEW_ROWS) * len(FEW_TYPES & set(types)), desc="planning kernel choices", unit="round", disable=not progress,
               leave=False) as bar:
         for qtype in types:
             bar.set_postfix_str(qtype.name)
             result[qtype.name] = _plan_type(kernels, qtype, stream, rounds, lambda: bar.update(1))
-            _set(kernels, qtype, Setting(result[qtype.name]["groups"], result[qtype.name]["l2_ahead"],
-                                         result[qtype.name]["x_copy"]))
+            c = result[qtype.name]
+            _set(kernels, qtype, Setting(c["groups"], c["l2_ahead"], c["x_copy"], c["few_rows"]))
     return {"version": VERSION, "build": native.built, "cpu": cpu_name(), "threads": torch.get_num_threads(),
             "made": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(time.perf_counter() - started, 1), "rounds": rounds,
@@ -262,7 +300,8 @@ def apply(kernels, data: dict, where: str) -> None:
         try:
             if qtype is None:
                 raise KeyError(name)
-            _set(kernels, qtype, Setting(int(c["groups"]), int(c["l2_ahead"]), int(c["x_copy"])))
+            _set(kernels, qtype, Setting(int(c["groups"]), int(c["l2_ahead"]), int(c["x_copy"]),
+                                         int(c.get("few_rows", defaults(kernels, qtype)[4]))))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             if qtype is None:
                 raise MinervaError(f"{where}: {name!r} is not a type the int8 kernels multiply") from None
@@ -354,11 +393,12 @@ def table(data: dict, bandwidth: float | None = None) -> list[str]:
     """One line per type: the setting chosen, the one-row bandwidth it streamed at (and with
     the CPU's defaults), and with `bandwidth` (bytes/s, a probe's) the share of it."""
     share = bandwidth is not None
-    lines = [f"{'type':6} {'groups':>6} {'L2 ahead':>9} {'x copy':>6} {'GB/s':>7} {'default':>8}"
+    lines = [f"{'type':6} {'groups':>6} {'L2 ahead':>9} {'x copy':>6} {'few rows':>8} {'GB/s':>7} {'default':>8}"
              + ("  of probe" if share else "")]
     for name, c in data["types"].items():
         d = c.get("default_gb_per_s")
         lines.append(f"{name:6} {c['groups']:>6} {c['l2_ahead'] // 1024:>6} KB {c['x_copy']:>6} "
+                     f"{c['few_rows'] if c.get('few_measured') else '-':>8} "
                      f"{c['gb_per_s']:>7.1f} {'' if d is None else f'{d:.1f}':>8}"
                      + (f"  {c['gb_per_s'] * 1e9 / bandwidth:>7.0%}" if share else ""))
     return lines

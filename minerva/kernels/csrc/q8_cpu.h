@@ -43,7 +43,7 @@ namespace minerva::q8 {
 // 2048 from memory, 2 threads, alternating in one process, medians of 12: Q4_K 32-35 GB/s with
 // one group and no L2 prefetch against 19-25 with two groups and the prefetch (Q5_K 30 against
 // 23); every matrix of the 1.1B Q4_K_M shape in turn, 1.13-1.38x in two runs. Zen 5 decoded
-// at its README figures with neither, so CPUs other than Intel's get one group, no prefetch.
+// as fast with neither, so CPUs other than Intel's get one group, no prefetch.
 //
 // x_copy: the Q4_K/Q5_K prefill tiles (tile_xk, V16, more than one row of x) copy their rows of
 // x side by side per super-block so that one base register addresses them all. On the Intel
@@ -71,10 +71,14 @@ extern const CpuChoices vendor_choices;  // the CPU vendor's (q8_cpu.cpp)
 // 32-weight block types the groups of 8 rows one work item streams side by side with one row
 // of x (x8_rows, q8_0_rows: 2 to 4; 1: one at a time, tile_x8 and its prefetches), 4 by
 // default; `l2_ahead` and `x_copy` as above, from the vendor until the planner sets them.
+// few_rows: up to how many rows of x the 32-weight block types (Q8_0 aside) take the one-row
+// streams, a tile of rows at a time (x8_rows; q8_kernels.h's few_rows), rather than panels of
+// 4 groups against tiles of rows (tile_x8); 1 = never. 8 by default.
 // int_steps, which changes the bits, stays one choice for every type.
 struct TypeChoices {
-  int64_t groups, l2_ahead, x_copy;
+  int64_t groups, l2_ahead, x_copy, few_rows;
 };
+constexpr int64_t FEW_ROWS_MOST = 8;
 constexpr int CHOICE_TYPES = MXFP4 + 1;
 extern int64_t int_steps;  // vendor_choices.int_steps until cpu_choices sets it (q8_cpu.cpp)
 inline bool is_k_type(int64_t qt) { return qt == Q2_K || qt == Q3_K || qt == Q4_K || qt == Q5_K || qt == Q6_K; }

@@ -181,11 +181,18 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // 1.11-1.24x; Gemma 3 270M's decode the same (1.003x). A fixed 16 KB ahead instead: 0.84x of
 // this; two items ahead, the same. (Q8_0's q8_0_rows, below, with it: 0.96x.)
 // (The groups shorter than X8_STREAM_BYTES take tile_x8: q8_kernels.h.)
-template <int QT, int NG>
-void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y, const uint8_t* end) {
+//
+// With a few rows of x (2 to 8: a speculative verification, a handful of sequences) the same
+// streams meet MR rows at once: each block of the NG groups is decoded once and taken by every
+// row, so the weights are read from memory once and decoded once for all of them, where
+// tile_x8 reads a group at a time (no L2 prefetch) and decodes it once per tile of rows.
+// Per output the same operations as tile_x8<QT, 1>: a row's bits do not depend on MR.
+template <int QT, int NG, int MR>
+void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy, const uint8_t* end) {
   using X = X8<QT>;
-  __m256 acc[NG];
-  for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
+  __m256 acc[NG][MR];
+  for (int n = 0; n < NG; ++n)
+    for (int i = 0; i < MR; ++i) acc[n][i] = _mm256_setzero_ps();
   const int64_t far = choices_of<QT>().l2_ahead > 0 ? NG * gb : 0;  // the next work item's same place
   const int64_t far_g = far_blocks(grp, (NG - 1) * gb, far, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
@@ -196,10 +203,13 @@ void x8_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y, const uint8_
       if (g < far_g)
         for (int64_t o = lo; o < hi; o += 64) prefetch_l2(grp + n * gb + far + o);
       const X8Block<QT> blk(b);
-      acc[n] = block_step<X>(a, 0, g, blk.dot(a.q + 32 * g), X::scales(b), blk.m, acc[n]);
+      const __m256 dw = X::scales(b);
+      for (int i = 0; i < MR; ++i)
+        acc[n][i] = block_step<X>(a, m0 + i, g, blk.dot(a.q + (m0 + i) * a.K + 32 * g), dw, blk.m, acc[n][i]);
     }
   }
-  for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
+  for (int n = 0; n < NG; ++n)
+    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + i * ldy + 8 * n, acc[n][i]);
 }
 
 // Q8_0 regrouped, one row of x (decode): NG groups (8 NG weight rows) at a time, sharing x's

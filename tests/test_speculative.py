@@ -21,7 +21,7 @@ from scipy.stats import chi2_contingency, chisquare
 
 from minerva import LLM, SamplingParams
 from minerva.engine.rejection import verify
-from minerva.engine.speculative import NgramProposer
+from minerva.engine.speculative import Acceptance, NgramProposer, Speculator, StepCosts, expected_tokens
 from minerva.errors import MinervaError
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.server import metric, running_server
@@ -132,6 +132,68 @@ def test_sampling_distribution_is_unchanged(target_dir, draft_dir):
     common = table.sum(0) >= 10  # pool the rare tokens into one category
     table = np.concatenate([table[:, common], table[:, ~common].sum(1, keepdims=True)], axis=1)
     assert chi2_contingency(table).pvalue > ALPHA
+
+
+def test_acceptance_runs_are_a_kaplan_meier_estimate():
+    """Runs accepted to their end are cut short, not rejections: 3 of 4 guesses accepted and
+    then a rejection counts at position 4; 2 of 2 accepted says nothing past position 2."""
+    a = Acceptance(4, decay=1.0)
+    a.add(4, 3)  # rejected at 4
+    a.add(2, 2)  # censored at 2
+    a.add(4, 0)  # rejected at 1
+    assert a.risk[1:] == [3, 2, 1, 1] and a.rejected[1:] == [1, 0, 0, 1]
+    h = a.hazards([0.5] * 5, weight=0.0)
+    assert h[1:] == [pytest.approx(1 / 3), 0.0, 0.0, 1.0]
+    # expected tokens at k: 1 + P(run >= 1) + ... : 1 + 2/3 + 2/3 + 2/3 at k = 3, nothing more at 4
+    assert expected_tokens(h, 3) == pytest.approx(1 + 3 * 2 / 3) and expected_tokens(h, 4) == expected_tokens(h, 3)
+    assert expected_tokens(h, 0) == 1.0
+    # with no counts at a position, the prior stands
+    assert Acceptance(2, 0.9).hazards([0.3, 0.3, 0.3], weight=2.0)[1:] == [pytest.approx(0.3)] * 2
+    b = Acceptance(1, decay=0.5)  # older counts weigh less
+    b.add(1, 1)
+    b.add(1, 0)
+    assert (b.risk[1], b.rejected[1]) == (1.5, 1.0)
+
+
+def test_step_costs_interpolate_between_the_row_counts_seen():
+    c = StepCosts()
+    assert c.estimate(3) is None
+    c.add(1, 1.0)
+    c.add(5, 3.0)
+    assert c.estimate(3) == pytest.approx(2.0) and c.estimate(6) is None and c.estimate(1) == 1.0
+    c.add(1, 2.0)  # a moving average
+    assert 1.0 < c.estimate(1) < 2.0
+
+
+class _Req:
+    def __init__(self, rid):
+        self.request_id = rid
+
+
+def test_k_follows_acceptance_and_costs():
+    """Guesses that are always accepted, at a cost that grows slowly with the rows: the most k;
+    at a cost that grows as fast as the rows (each guess as dear as a plain step) and
+    acceptance of 1 in 2: none; one step in EXPLORE explores whatever the estimates say."""
+    def speculator(seconds_per_row, base, accepted_all):
+        spec = Speculator(None, 4, 8)
+        for rows in range(1, 6):
+            spec.costs.add(rows, base + seconds_per_row * rows)
+        r = _Req("a")
+        for _ in range(40):
+            if accepted_all:
+                spec._runs(r).add(4, 4)
+            else:
+                spec._runs(r).add(4, 0)
+                spec._runs(r).add(4, 1)
+        return spec, r
+
+    spec, r = speculator(0.01, 1.0, True)
+    picks = [spec.choose_k([r], 1) for _ in range(2 * Speculator.EXPLORE)]
+    assert [k for i, k in enumerate(picks, 1) if i % Speculator.EXPLORE] == [4] * (len(picks) - 2)
+    spec, r = speculator(1.0, 0.0, False)
+    picks = [spec.choose_k([r], 1) for _ in range(4 * Speculator.EXPLORE)]
+    explored = {k for i, k in enumerate(picks, 1) if i % Speculator.EXPLORE == 0}
+    assert {k for i, k in enumerate(picks, 1) if i % Speculator.EXPLORE} == {0} and 4 in explored and len(explored) > 1
 
 
 def test_stands_down_for_large_batches(target_dir):

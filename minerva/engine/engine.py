@@ -202,6 +202,7 @@ class Engine:
         """schedule -> execute -> update, inside the backend's step context (on CPU: torch's
         own ops on one thread, the kernels on theirs; see CpuBackend.step)."""
         with dispatch.step(self.device):
+            proposed = time.perf_counter()
             if self.speculator is not None:
                 self.speculator.propose(self.scheduler.running, self.scheduler.room)
             output = self.scheduler.schedule()
@@ -211,7 +212,12 @@ class Engine:
                 return []
             start = time.perf_counter()
             sampled = self.runner.execute(output, self.interrupt)
-            self.scheduler.timed(output, sampled, time.perf_counter() - start)
+            end = time.perf_counter()
+            self.scheduler.timed(output, sampled, end - start)
+            if self.speculator is not None:
+                rows = self.scheduler.decode_rows(output, sampled)
+                if rows:
+                    self.speculator.timed(rows, end - proposed)
             result = self.scheduler.update_from_output(output, sampled)
         for r in result.finished:
             del self.requests[r.request_id]

@@ -36,6 +36,21 @@ def probabilities(logits: torch.Tensor, states: list[SamplerState]) -> torch.Ten
     return probs
 
 
+def greedy_verify(logits: torch.Tensor, drafts: list[int], states: list[SamplerState]) -> list[int]:
+    """`verify` for a greedy request, whose p_i are one-hot at the argmax of its processed
+    logits (`probabilities`): the guesses while each is its row's argmax, then the argmax of
+    the first row that disagrees (or of the last row). The same tokens, without the softmax
+    over the vocabulary of every row (about 1 ms a step over 49152 tokens)."""
+    best = process_batch(logits, states).argmax(-1).tolist()
+    out = []
+    for d, b in zip(drafts, best):
+        if d != b:
+            break
+        out.append(d)
+    out.append(best[len(out)])
+    return out
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """A token from one (unnormalized) distribution row, by inverting its CDF at one uniform."""
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)

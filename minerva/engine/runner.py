@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.engine.rejection import probabilities, states_along, verify
+from minerva.engine.rejection import greedy_verify, probabilities, states_along, verify
 from minerva.engine.sampler import check_logits, greedy_tokens, plain, plain_greedy, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, Scheduled, SchedulerOutput
 from minerva.engine.structured import apply_mask_, fill_masks
@@ -336,8 +336,11 @@ class ModelRunner:
                     break  # a guess the grammar forbids has probability 0 in its row: rejected there
                 consumed += 1
             apply_mask_(logits[:len(masks)], torch.cat(masks))
-        p = probabilities(logits, states_along(r.sampler, drafts))
-        tokens = verify(p, drafts, r.draft_probs, r.sampler.generator)
+        states = states_along(r.sampler, drafts)
+        if r.params.greedy:
+            tokens = greedy_verify(logits, drafts, states)
+        else:
+            tokens = verify(probabilities(logits, states), drafts, r.draft_probs, r.sampler.generator)
         if matcher is not None:
             matcher.rollback(consumed - (len(tokens) - 1))
             matcher.consume_token(tokens[-1])

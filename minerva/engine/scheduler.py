@@ -241,6 +241,17 @@ class Scheduler:
         if all(s.num_new_tokens == 1 for s in output.scheduled):
             self.forward_seconds = seconds / max(1, max(len(t) for t in sampled if t) if any(sampled) else 1)
 
+    def decode_rows(self, output: SchedulerOutput, sampled: list[Sampled | None]) -> int:
+        """The rows of a step that decoded every running request once (each its pending token
+        and its guesses, no prompt chunk, no burst), else 0: what speculation's k is chosen by."""
+        rows = 0
+        for s, tokens in zip(output.scheduled, sampled):
+            drafts = len(s.request.draft_token_ids)
+            if tokens is None or s.num_new_tokens != 1 + drafts or len(tokens) > 1 + drafts:
+                return 0
+            rows += s.num_new_tokens
+        return rows if len(output.scheduled) == len(self.running) else 0
+
     def update_from_output(self, output: SchedulerOutput, sampled: list[Sampled | None]) -> StepResult:
         """Advance each scheduled request by what the step computed and, for those that
         sampled, by their new tokens (with guesses: the accepted ones and one more)."""

@@ -14,6 +14,14 @@ Proposers:
 - `self`: the target's own first layers with its final norm and head (early exit),
   as a draft model with its own KV for those layers.
 
+How many guesses a step verifies adapts to what they buy (`Speculator.choose_k`): for each
+request the engine keeps how far its runs of guesses got accepted (a Kaplan-Meier estimate,
+runs that were all accepted counting as cut short, with recent steps weighing most), and for
+the machine how long a step of so many rows took (guesses proposed and verified); it takes
+the k that gives the most tokens per second, k = 0 (no guesses) included. One step in
+EXPLORE verifies the most guesses allowed or, in turn, each smaller k, so both estimates keep
+reaching every k.
+
 Speculation stands down where it would cost throughput: for a request whose guesses
 are mostly rejected (it retries after a back-off), and for a step with more running
 requests than `speculative_max_batch` (a large batch already keeps the compute busy).
@@ -163,12 +171,73 @@ class SpecStats:
         return 1 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
 
 
+class Acceptance:
+    """How far runs of guesses get accepted: for each guess position i (1-based), the decayed
+    count of verifications that reached it (`risk`: the guesses before it all accepted) and of
+    those that rejected it there (`rejected`). A run accepted to its end is cut short (censored),
+    not a rejection, so the estimate of long runs does not depend on the k that was asked."""
+
+    def __init__(self, k: int, decay: float):
+        self.decay = decay
+        self.risk, self.rejected = [0.0] * (k + 1), [0.0] * (k + 1)
+
+    def add(self, drafts: int, accepted: int) -> None:
+        for i in range(1, len(self.risk)):
+            self.risk[i] *= self.decay
+            self.rejected[i] *= self.decay
+        for i in range(1, min(accepted + 1, drafts, len(self.risk) - 1) + 1):
+            self.risk[i] += 1.0
+        if accepted < drafts and accepted + 1 < len(self.risk):
+            self.rejected[accepted + 1] += 1.0
+
+    def hazards(self, prior: list[float], weight: float) -> list[float]:
+        """[i]: the chance that guess i is rejected given the ones before it were accepted,
+        `prior` counting as `weight` verifications at each position."""
+        return [0.0] + [(self.rejected[i] + weight * prior[i]) / (self.risk[i] + weight)
+                        for i in range(1, len(self.risk))]
+
+
+def expected_tokens(hazards: list[float], k: int) -> float:
+    """Tokens a verifying step of k guesses emits on average: the one drawn, plus guess i for
+    each i whose run survives (the product of 1 - hazard up to i)."""
+    total, alive = 1.0, 1.0
+    for i in range(1, k + 1):
+        alive *= 1.0 - hazards[i]
+        total += alive
+    return total
+
+
+class StepCosts:
+    """Seconds a step of so many rows takes (guesses proposed and verified), a moving average
+    per row count; counts never seen are interpolated between the nearest seen ones."""
+
+    ALPHA = 0.25
+
+    def __init__(self):
+        self.seconds: dict[int, float] = {}
+
+    def add(self, rows: int, seconds: float) -> None:
+        was = self.seconds.get(rows)
+        self.seconds[rows] = seconds if was is None else was + self.ALPHA * (seconds - was)
+
+    def estimate(self, rows: int) -> float | None:
+        if rows in self.seconds:
+            return self.seconds[rows]
+        below = [r for r in self.seconds if r < rows]
+        above = [r for r in self.seconds if r > rows]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
+        return None
+
+
 @dataclass
 class _Track:
     proposed: float = 0.0  # decayed counts of this request's guesses
     accepted: float = 0.0
     pause: int = 0  # steps to sit out
     backoffs: int = 0  # times in a row acceptance was poor: each doubles the next pause
+    runs: Acceptance | None = None  # how far its runs of guesses get accepted
 
 
 class Speculator:
@@ -178,11 +247,18 @@ class Speculator:
     MIN_ACCEPTANCE = 0.25  # below this (decayed) a request's guesses cost more than they give
     BACKOFF = 16  # steps a request sits out after poor acceptance, doubling each time up to
     MAX_BACKOFF = 512
+    RUN_DECAY = 0.95  # the acceptance runs' counts: the last ~20 verifications weigh most
+    PRIOR = 0.2  # the rejection chance at each position before a request's own counts, ...
+    PRIOR_WEIGHT = 2.0  # ... worth this many verifications
+    EXPLORE = 8  # one step in this many verifies the most guesses allowed
 
     def __init__(self, proposer, num_tokens: int, max_batch: int):
         self.proposer, self.k, self.max_batch = proposer, num_tokens, max_batch
         self.stats = SpecStats(accepted_length=[0] * (num_tokens + 1))
         self.tracks: dict[str, _Track] = {}
+        self.costs = StepCosts()
+        self.pooled = Acceptance(num_tokens, self.RUN_DECAY)  # every request's runs: the prior of a new one
+        self.steps = 0
 
     def propose(self, running: list[Request], room) -> None:
         """Set draft_token_ids on the eligible running requests. `room(r)` is how many more
@@ -203,8 +279,47 @@ class Speculator:
             if k > 0:
                 chosen.append(r)
                 ks.append(k)
+        if not chosen:
+            return
+        best = self.choose_k(chosen, len(running))
+        ks = [min(k, best) for k in ks]
+        chosen, ks = [r for r, k in zip(chosen, ks) if k > 0], [k for k in ks if k > 0]
         if chosen:
             self.proposer.propose(chosen, ks)
+
+    def choose_k(self, chosen: list[Request], running: int) -> int:
+        """The guesses per request (one k for the step's `chosen` among `running` decodes)
+        that emit the most tokens per second: expected tokens (each request's acceptance
+        runs) over the step's measured seconds at that many rows. The most allowed where its
+        cost is not known yet; one step in EXPLORE explores (the module's docstring)."""
+        self.steps += 1
+        if self.steps % self.EXPLORE == 0:  # the most guesses, then in turn each smaller k, 0 included
+            turn = self.steps // self.EXPLORE
+            return self.k if turn % 2 else (turn // 2) % self.k
+        prior = self.pooled.hazards([self.PRIOR] * (self.k + 1), self.PRIOR_WEIGHT)
+        hazards = [self._runs(r).hazards(prior, self.PRIOR_WEIGHT) for r in chosen]
+        best, best_rate = self.k, None
+        for k in range(self.k + 1):
+            seconds = self.costs.estimate(running + k * len(chosen))
+            if seconds is None or seconds <= 0:
+                continue
+            rate = (sum(expected_tokens(h, k) for h in hazards) + running - len(chosen)) / seconds
+            if best_rate is None or rate > best_rate:
+                best, best_rate = k, rate
+        if self.costs.estimate(running + self.k * len(chosen)) is None:
+            return self.k  # the most guesses' cost not known yet: measure it
+        return best
+
+    def _runs(self, r: Request) -> Acceptance:
+        t = self.tracks.setdefault(r.request_id, _Track())
+        if t.runs is None:
+            t.runs = Acceptance(self.k, self.RUN_DECAY)
+        return t.runs
+
+    def timed(self, rows: int, seconds: float) -> None:
+        """A step of decodes only (one row each, plus its guesses) took `seconds`, from the
+        guesses' proposal to the step's end."""
+        self.costs.add(rows, seconds)
 
     def verified(self, request: Request, drafts: int, accepted: int) -> None:
         s = self.stats
@@ -212,7 +327,9 @@ class Speculator:
         s.num_draft_tokens += drafts
         s.num_accepted_tokens += accepted
         s.accepted_length[accepted] += 1
-        t = self.tracks.setdefault(request.request_id, _Track())
+        self._runs(request).add(drafts, accepted)
+        self.pooled.add(drafts, accepted)
+        t = self.tracks[request.request_id]
         t.proposed = t.proposed * self.DECAY + drafts
         t.accepted = t.accepted * self.DECAY + accepted
         if t.proposed >= 4 and t.accepted < self.MIN_ACCEPTANCE * t.proposed:

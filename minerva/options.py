@@ -66,6 +66,9 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
                    help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start, then at most "
                         "what --max-num-seqs requests of the whole context can fill")
+    g.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=None, metavar="N",
+                   help="tokens a request may reach, prompt and output (default: the model's context); "
+                        "the KV pool is sized for it")
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block")
     g.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
                    help="most requests running at once")
@@ -110,7 +113,7 @@ def engine_options(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, hybrid_kv_cache=not args.no_hybrid_kv_cache,
                 kv_cache_dtype_k=k, kv_cache_dtype_v=v, decode_steps=args.decode_steps,
-                **speculative_options(args))
+                max_model_len=args.max_model_len, **speculative_options(args))
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,9 @@ class EngineConfig:
     # most ~0.1 s: minerva/engine/scheduler.py, `_burst`); 1 = one token a step. Not with
     # --speculative.
     decode_steps: int = 8
+    # prompt + output tokens a request may reach (--max-model-len, -c / --ctx-size): the
+    # model's context, or less; the KV pool is sized for it
+    max_model_len: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -57,6 +60,20 @@ class EngineConfig:
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, decode_steps=self.decode_steps)
         if self.speculative:
             check_speculative(self.speculative, self.num_speculative_tokens, self.speculative_max_batch)
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise MinervaError(f"--max-model-len must be an integer >= 2 (prompt and output tokens), "
+                               f"got {self.max_model_len!r}")
+
+    def context(self, model_config) -> int:
+        """The tokens a request may reach: the model's context, or --max-model-len when it is
+        less (more is an error naming both)."""
+        ctx = model_config.max_position
+        if self.max_model_len is None:
+            return ctx
+        if self.max_model_len > ctx:
+            raise MinervaError(f"--max-model-len {self.max_model_len} is more than the model's context of {ctx} "
+                               f"tokens; give at most {ctx}")
+        return self.max_model_len
 
     @property
     def draft_model(self) -> str | None:
@@ -95,7 +112,7 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
         budget = config.kv_cache_memory
         if budget <= 1:  # a fraction of memory, but no more than the running requests can fill
             budget = budget * available_memory(device)
-            per_seq = layout.blocks_for(mc.max_position, config.block_size, config.max_num_batched_tokens)
+            per_seq = layout.blocks_for(config.context(mc), config.block_size, config.max_num_batched_tokens)
             num_blocks = min(int(budget // per_block), config.max_num_seqs * per_seq)
         else:
             num_blocks = int(budget // per_block)
@@ -115,7 +132,7 @@ def layout_of(model: CausalLM, config: EngineConfig) -> KVLayout:
     mc = model.config
     if not config.hybrid_kv_cache:
         return single(mc.num_layers)
-    return kv_layout([mc.sliding_window if t == SLIDING else None for t in mc.layer_types], mc.max_position)
+    return kv_layout([mc.sliding_window if t == SLIDING else None for t in mc.layer_types], config.context(mc))
 
 
 class Engine:
@@ -134,7 +151,7 @@ class Engine:
                                    salt=model_id.encode(), layout=self.cache.layout,
                                    step_tokens=config.max_num_batched_tokens)
         self.max_model_len = self.cache.layout.max_tokens(num_blocks, config.block_size,
-                                                          config.max_num_batched_tokens, mc.max_position)
+                                                          config.max_num_batched_tokens, config.context(mc))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len,
                                                    1 if config.speculative else config.decode_steps), self.blocks)
@@ -165,9 +182,10 @@ class Engine:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
         if request.params.structured is not None and request.grammar is None:  # a bad one is refused here
             request.grammar = self.grammars.compiled(request.params.structured)
-        ctx = self.model.config.max_position
+        ctx = self.config.context(self.model.config)
         if n >= ctx:
-            raise MinervaError(f"the prompt has {n} tokens but the model's context is {ctx}; "
+            what = "the model's context" if self.config.max_model_len is None else "--max-model-len"
+            raise MinervaError(f"the prompt has {n} tokens but {what} is {ctx}; "
                                f"shorten it to at most {ctx - 1} tokens")
         need = n + min(request.params.max_tokens, ctx - n)
         if self.blocks.blocks_for(need) > self.blocks.num_blocks:  # then max_model_len < ctx: the pool's

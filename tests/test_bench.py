@@ -120,3 +120,28 @@ def test_llama_cpp_built_with_amx_is_warned_of_before_it_runs(tmp_path, monkeypa
         load_peer("llama.cpp", model, 2, 256)
     err = capsys.readouterr().err
     assert ("issue 20824" in err and "-DGGML_NATIVE=OFF" in err) == amx, err
+
+
+def test_a_peer_that_cannot_run_fails_before_anything_loads(monkeypatch):
+    """`--compare llama.cpp` without an importable llama-cpp-python: one error naming what to
+    install (the README's line among them), raised before Minerva loads the model."""
+    import sys
+    import types
+
+    from minerva.bench import latency, peers, throughput
+    from minerva.errors import MinervaError
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    with pytest.raises(MinervaError, match=r"pip install -e '\.\[bench\]'") as missing:
+        peers.check_peer("llama.cpp")
+    assert "llama-cpp-python" in str(missing.value)
+    with pytest.raises(MinervaError, match="unknown peer"):
+        peers.check_peer("vllm")
+    loaded = []
+    monkeypatch.setattr(latency, "load_minerva", lambda args: loaded.append(args))
+    monkeypatch.setattr(throughput, "load_minerva", lambda args: loaded.append(args))
+    args = types.SimpleNamespace(compare=["llama.cpp"], seed=0, sequential=0, num_prompts=1)
+    for command in (latency.cmd_latency, throughput.cmd_throughput):
+        with pytest.raises(MinervaError, match="llama-cpp-python"):
+            command(args)
+    assert loaded == []

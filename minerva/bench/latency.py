@@ -11,7 +11,7 @@ from dataclasses import asdict
 from minerva.bench.args import add_common_options, ints
 from minerva.bench.hardware import probe
 from minerva.bench.measure import load_minerva, minerva_decode, minerva_prefill, random_prompt
-from minerva.bench.peers import load_peer
+from minerva.bench.peers import check_peer, load_peer
 from minerva.bench.report import Figure, header, print_report, threads_used, write_json
 from minerva.bench.roofline import Row, ceiling_table, decode_ceiling, model_costs, prefill_ceiling
 from minerva.errors import MinervaError
@@ -19,6 +19,8 @@ from minerva.errors import MinervaError
 
 def cmd_latency(args) -> int:
     rng = random.Random(args.seed)
+    for peer in args.compare:
+        check_peer(peer)  # before loading anything
     llm, info = load_minerva(args)
     systems, figures = [info], []
     depths = args.depth or [0]

@@ -31,6 +31,34 @@ AMX_WARNING = ("warning: this llama.cpp was built with AMX, whose matmul crashes
                "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON' pip install --force-reinstall --no-deps llama-cpp-python")
 
 
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python (in a checkout: pip install -e '.[bench]')"
+
+
+def _llama_cpp():
+    """llama-cpp-python's module, or one clear error saying what to install."""
+    try:
+        import llama_cpp
+    except Exception as e:  # not installed, installed without its dependencies, or a library that does not load
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise MinervaError(f"--compare llama.cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}") from None
+        name = getattr(e, "name", None)
+        missing = f"pip install {name}" if name and not name.startswith("llama_cpp") else LLAMA_CPP_INSTALL
+        raise MinervaError(f"--compare llama.cpp: llama-cpp-python is installed but does not import ({e}); "
+                           f"install what it needs: {missing}") from None
+    return llama_cpp
+
+
+def check_peer(name: str) -> None:
+    """Before anything loads: a peer of --compare that cannot run here is one clear error."""
+    if name == "llama.cpp":
+        _llama_cpp()
+    elif name == "transformers":
+        if importlib.util.find_spec("transformers") is None:
+            raise MinervaError("--compare transformers needs transformers: pip install transformers accelerate")
+    else:
+        raise MinervaError(f"unknown peer '{name}'; choose llama.cpp or transformers")
+
+
 def load_peer(name: str, model_path: Path, threads: int, n_ctx: int, n_seq: int = 1):
     if name == "llama.cpp":
         return LlamaCpp(model_path, threads, n_ctx, n_seq)
@@ -43,15 +71,7 @@ class LlamaCpp:
     """llama.cpp's C API through llama-cpp-python's ctypes bindings."""
 
     def __init__(self, model_path: Path, threads: int, n_ctx: int, n_seq: int):
-        try:
-            import llama_cpp as lc
-        except Exception as e:  # not installed, installed without its dependencies, or a library that does not load
-            if importlib.util.find_spec("llama_cpp") is None:
-                raise MinervaError("--compare llama.cpp needs llama-cpp-python: pip install llama-cpp-python") from None
-            name = getattr(e, "name", None)
-            missing = f"pip install {name}" if name and not name.startswith("llama_cpp") else "pip install llama-cpp-python"
-            raise MinervaError(f"--compare llama.cpp: llama-cpp-python is installed but does not import ({e}); "
-                               f"install what it needs: {missing}") from None
+        lc = _llama_cpp()
         if Path(model_path).suffix != ".gguf":
             raise MinervaError("llama.cpp runs GGUF files only; give a .gguf model")
         self.lc = lc

@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from minerva.bench.args import add_common_options, int_range
 from minerva.bench.measure import load_minerva, random_prompt
-from minerva.bench.peers import load_peer
+from minerva.bench.peers import check_peer, load_peer
 from minerva.bench.report import Figure, header, print_report, threads_used, write_json
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
@@ -27,6 +27,8 @@ def cmd_throughput(args) -> int:
         raise MinervaError(f"--sequential must be between 0 and --num-prompts ({args.num_prompts}), "
                            f"got {args.sequential}")
     rng = random.Random(args.seed)
+    for peer in args.compare:
+        check_peer(peer)  # before loading anything
     llm, info = load_minerva(args)
     lo_in, hi_in = args.input_len
     lo_out, hi_out = args.output_len

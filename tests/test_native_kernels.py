@@ -174,6 +174,23 @@ def test_a_build_killed_midway_does_not_hang_later_loads(kernels):
         stale.unlink(missing_ok=True)
 
 
+def test_a_fresh_build_reports_its_progress_and_time(tmp_path, caplog):
+    """Without a terminal, a fresh build says every `every` seconds how many of its files
+    are compiled, and at the end how long it took (it was minutes of silence)."""
+    import logging
+    import time
+    caplog.set_level(logging.WARNING, logger="minerva")
+    (tmp_path / "old.o").touch()
+    import os
+    os.utime(tmp_path / "old.o", (0, 0))  # an object file of an earlier build does not count
+    with native.compile_progress(tmp_path, total=3, every=0.2):
+        (tmp_path / "a.o").touch()
+        time.sleep(1.2)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("still compiling: 1 of 3 files") for m in said), said
+    assert said[-1].startswith("compiled Minerva's CPU kernels in "), said
+
+
 @pytest.mark.parametrize("V", [1, 7, 8, 9, 49152, 49155])
 def test_argmax_rows_is_torch_argmax(kernels, V):
     """First index of the largest value, a NaN counting as the largest, rows of any length."""

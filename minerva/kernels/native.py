@@ -22,6 +22,8 @@ import os
 import platform
 import sys
 import sysconfig
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -154,6 +156,38 @@ def for_tensor(t) -> ModuleType | None:
     return load() if t.device.type == "cpu" else None
 
 
+@contextlib.contextmanager
+def compile_progress(build: Path, total: int, every: float = 30.0):
+    """While a fresh build compiles into `build`: a progress bar of its `total` translation
+    units on a terminal (the object files ninja has written, in parallel where there are
+    cores), else a line every `every` seconds; then the elapsed time."""
+    start, stop = time.time(), threading.Event()
+
+    def done() -> int:
+        return sum(1 for o in build.glob("*.o") if o.stat().st_mtime >= start - 1)
+
+    def watch() -> None:
+        from tqdm import tqdm
+        last = start
+        with tqdm(total=total, desc="compiling Minerva's CPU kernels", unit="file", leave=False,
+                  disable=not sys.stderr.isatty()) as bar:
+            while not stop.wait(0.5):
+                bar.n = min(done(), total)
+                bar.refresh()
+                if bar.disable and time.time() - last >= every:
+                    last = time.time()
+                    log.warning("still compiling: %d of %d files, %.0f s", min(done(), total), total, last - start)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        log.warning("compiled Minerva's CPU kernels in %.0f s", time.time() - start)
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None (see `unavailable_reason`)."""
     global _module, _tried, unavailable_reason, built, _build_dir
@@ -179,8 +213,9 @@ def load() -> ModuleType | None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils import cpp_extension
-        if not any(build.glob("*.so")):
-            log.warning("compiling Minerva's CPU kernels (once per machine, about a minute)...")
+        fresh = not any(build.glob("*.so"))
+        if fresh:
+            log.warning("compiling Minerva's CPU kernels (once per machine, a minute or two)...")
         # Build from a copy inside the cache directory: the build files name source paths, so
         # two checkouts of the same sources share one build instead of rebuilding in turn.
         src = build / "src"
@@ -188,7 +223,7 @@ def load() -> ModuleType | None:
         for f in sources + HEADERS:
             if not (src / f.name).exists() or (src / f.name).read_bytes() != f.read_bytes():
                 shutil.copyfile(f, src / f.name)
-        with _build_lock(build):
+        with _build_lock(build), compile_progress(build, len(sources)) if fresh else contextlib.nullcontext():
             _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in sources],
                                          extra_cflags=_cflags(which, flags), extra_ldflags=LDFLAGS,
                                          build_directory=str(build),

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
 import dataclasses
 import difflib
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from minerva import __version__, bench, manage
+from minerva import __version__, bench, chat, manage
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
+from minerva.chat import ReplyWriter
 from minerva.formats.reasoning import ReasoningParser
 from minerva.kernels import dispatch, tune
 from minerva.llm import LLM
@@ -34,18 +32,7 @@ from minerva.parallel import launch
 from minerva.serve.app import ServerConfig
 from minerva.serve.async_engine import on_own_thread
 from minerva.serve.server import bind, serve
-from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull, store_root
-
-CHAT_HELP = "\n".join([
-    "commands:",
-    "  /help          this help",
-    "  /reset         forget the conversation (also /clear)",
-    "  /bye           leave (also /exit, /quit, Ctrl-D)",
-    '  """            start and end a message of several lines',
-    "Ctrl-C stops a reply; at the prompt it clears the line.",
-])
-DIM, UNDIM = "\x1b[2m", "\x1b[0m"  # ANSI: faint text, and back to normal
-
+from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
 def _looks_like_model(arg: str) -> bool:
     return arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir()
@@ -86,41 +73,6 @@ def _load(model: str | None, args, engine: bool = True):
         print(f"note: Minerva's compiled kernels are unavailable ({missing}); running the plain-torch "
               f"reference path", file=sys.stderr)
     return llm
-
-
-def _color() -> bool:
-    """Whether to style the output: on a terminal, unless NO_COLOR is set; anywhere with FORCE_COLOR."""
-    if os.environ.get("NO_COLOR"):
-        return False
-    return bool(os.environ.get("FORCE_COLOR")) or sys.stdout.isatty()
-
-
-class ReplyWriter:
-    """Writes a reply as it streams. A reasoning model's reasoning comes first, dimmed on a
-    terminal; elsewhere it goes to stderr, so that stdout carries only answers. The answer
-    follows as it is; `answer` collects it."""
-
-    def __init__(self, parser: ReasoningParser | None):
-        self.parser, self.color = parser, _color()
-        self.thinking = False  # reasoning written, and no answer after it yet
-        self.answer: list[str] = []
-
-    def write(self, text: str, end: bool = False) -> None:
-        thought, answer = self.parser.feed(text, end) if self.parser else ("", text)
-        if thought:  # each piece undimmed at once: a Ctrl-C leaves the terminal as it was
-            self._reasoning(DIM + thought + UNDIM if self.color else thought)
-            self.thinking = True
-        if self.thinking and (answer or end):
-            self._reasoning("\n\n" if self.color else "\n")
-            self.thinking = False
-        sys.stdout.write(answer)
-        sys.stdout.flush()
-        self.answer.append(answer)
-
-    def _reasoning(self, text: str) -> None:
-        out = sys.stdout if self.color else sys.stderr
-        out.write(text)
-        out.flush()
 
 
 def _stream_one(llm, prompt, params, parser: ReasoningParser | None = None) -> None:
@@ -211,96 +163,27 @@ def _template_variables(args) -> dict:
     return {"reasoning_effort": args.reasoning_effort} if args.reasoning_effort else {}
 
 
-def _line_editing() -> None:
-    """Line editing and a history kept across sessions, where the terminal has readline."""
-    if not sys.stdin.isatty():
-        return
-    try:
-        import readline  # only for an interactive terminal; absent on some platforms
-    except ImportError:
-        return
-    path = store_root().parent / "chat_history"
-    with contextlib.suppress(OSError):
-        readline.read_history_file(path)
-    readline.set_history_length(1000)
-
-    def save() -> None:
-        with contextlib.suppress(OSError):
-            readline.write_history_file(path)
-
-    atexit.register(save)
-
-
-def _read_message() -> str | None:
-    """The next message typed, several lines between \"\"\" marks; None at the end of input.
-    Ctrl-C at the prompt clears the line instead of leaving."""
-    while True:
-        try:
-            line = input("> ")
-            if not line.strip().startswith('"""'):
-                return line
-            first = line.strip()[3:]
-            if first.strip() and first.rstrip().endswith('"""'):  # opened and closed on one line
-                return first.rstrip()[:-3]
-            lines = [first]
-            try:
-                while not (nxt := input(". ")).rstrip().endswith('"""'):
-                    lines.append(nxt)
-                lines.append(nxt.rstrip()[:-3])
-            except EOFError:  # the input ended inside the block: the block is the message
-                pass
-            return "\n".join(lines).strip("\n")
-        except EOFError:
-            print(file=sys.stderr)
-            return None
-        except KeyboardInterrupt:
-            print("\n(Ctrl-D or /bye leaves)", file=sys.stderr)
-
-
 def cmd_chat(args) -> int:
     model = _one_model(args, args.model, "chat")
+    if args.max_tokens is None:  # no -n: a reply runs to its end or the context's
+        args.max_tokens = chat.UNCAPPED
     params = sampling(args)  # checked before the model loads
     llm = _load(model, args)
-    params = llm.chat_params(params)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict] = []
-    _line_editing()
-    print("chat: type a message; /help for commands, /bye or Ctrl-D leaves", file=sys.stderr)
-    while True:
-        line = _read_message()
-        command = (line or "").strip()
-        if line is None or command in ("/bye", "/exit", "/quit"):
-            return 0
-        if command in ("/reset", "/clear"):
-            history = []
-            print("[history cleared]", file=sys.stderr)
-            continue
-        if command in ("/help", "/?"):
-            print(CHAT_HELP, file=sys.stderr)
-            continue
-        if re.fullmatch(r"/[a-z?]+", command):
-            print(f"unknown command {command}; /help lists them", file=sys.stderr)
-            continue
-        if not command:
-            continue
-        history.append({"role": "user", "content": line})
-        prompt = llm.apply_chat_template(system + history, **_template_variables(args))
-        writer = ReplyWriter(llm.reasoning.parser(prompt) if llm.reasoning else None)
-        try:
-            for delta in llm.stream(prompt, params):
-                writer.write(delta.text, end=delta.finish_reason is not None)
-                if delta.finish_reason == "length":
-                    print(f"\n[cut off: the reply reached {params.max_tokens} tokens (-n) or the context]",
-                          file=sys.stderr, end="")
-        except MinervaError as exc:  # e.g. the history outgrew the context: keep the session
-            history.pop()
-            print(f"\nerror: {exc} (use /reset)", file=sys.stderr)
-            continue
-        except KeyboardInterrupt:  # Ctrl-C stops this reply, not the session
-            print("\n[interrupted]", file=sys.stderr)
-        sys.stdout.write("\n")
-        # The answer only: templates leave earlier turns' reasoning out of the prompt anyway.
-        history.append({"role": "assistant", "content": "".join(writer.answer)})
+    return chat.chat(llm, llm.chat_params(params), args.system, _template_variables(args))
+
+
+def cmd_run(args) -> int:
+    """Ollama's `run`: MODEL alone (or nothing) on a terminal chats; with a PROMPT (or one
+    piped in) it answers that and ends."""
+    words = list(args.args)
+    chats = sys.stdin.isatty() and (not words or (len(words) == 1 and args.model_flag is None
+                                                 and _looks_like_model(words[0])))
+    if chats:
+        args.model = words
+        return cmd_chat(args)
+    if args.max_tokens is None:
+        args.max_tokens = chat.UNCAPPED
+    return cmd_generate(args)
 
 
 def cmd_serve(args) -> int:
@@ -405,20 +288,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
-    parser.add_argument("--version", action="version", version=f"minerva {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("pull", help="fetch a known model into the model store")
-    p.add_argument("name")
-    p.add_argument("--verify", action="store_true", help="re-hash an already pulled file")
-    p.set_defaults(func=cmd_pull)
-
-    sub.add_parser("list", help="show pulled models").set_defaults(func=cmd_list)
-
-    manage.add_parsers(sub)
-
+def _add_conversation_parsers(sub) -> None:
+    """`generate`, `chat` and `run` (the one or the other, as `ollama run`)."""
     p = sub.add_parser("generate", help="generate an answer to a prompt, streamed",
                        description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "
                                    "file or a Hugging Face directory (default smollm2-135m)")
@@ -436,7 +307,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reasoning_effort(p)
     add_model_options(p)
     add_sampling_options(p)
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, max_tokens=None)
+
+    p = sub.add_parser("run", help="chat with MODEL, or answer PROMPT and end (as `ollama run`)",
+                       description="minerva run [MODEL] [PROMPT]: with no PROMPT on a terminal, chat (as `minerva "
+                                   "chat`); with one, or one piped in, answer it (as `minerva generate`)")
+    p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]")
+    p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    _add_reasoning_effort(p)
+    add_model_options(p)
+    add_sampling_options(p)
+    p.set_defaults(func=cmd_run, max_tokens=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
+    parser.add_argument("--version", action="version", version=f"minerva {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="fetch a known model into the model store")
+    p.add_argument("name")
+    p.add_argument("--verify", action="store_true", help="re-hash an already pulled file")
+    p.set_defaults(func=cmd_pull)
+
+    sub.add_parser("list", help="show pulled models").set_defaults(func=cmd_list)
+
+    manage.add_parsers(sub)
+
+    _add_conversation_parsers(sub)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, metrics)",
                        description="minerva serve [MODEL]: serve MODEL (default smollm2-135m) over the "

@@ -116,6 +116,19 @@ def test_prompt_longer_than_context(tiny):
     assert_clean_error(run("generate", str(tiny), prompt, "--raw"), f"context is {TINY_CONTEXT}")
 
 
+@pytest.mark.parametrize("flag", ["--max-model-len", "--ctx-size", "-c"])
+def test_max_model_len_caps_the_context(tiny, flag):
+    """vLLM's --max-model-len and llama.cpp's -c / --ctx-size: a prompt within the model's
+    context but not within the cap is refused naming the cap; a cap past the model's context,
+    or below 2, is one clear error."""
+    prompt = "x" * 40  # one token per byte
+    assert run("generate", str(tiny), prompt, "--raw", "-n", "2", flag, "64").returncode == 0
+    assert_clean_error(run("generate", str(tiny), prompt, "--raw", flag, "32"), "--max-model-len is 32")
+    assert_clean_error(run("generate", str(tiny), "hi", flag, str(TINY_CONTEXT + 1)),
+                       f"more than the model's context of {TINY_CONTEXT}")
+    assert_clean_error(run("generate", str(tiny), "hi", flag, "1"), "--max-model-len must be an integer >= 2")
+
+
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "0"),
                                         ("--top-p", "1.5"), ("--max-tokens", "0"),
                                         ("--min-p", "2"), ("--top-k", "-3"),
@@ -186,6 +199,43 @@ def test_chat_commands_and_multiline(tiny):
     assert proc.returncode == 0, proc.stderr
     assert "/bye" in proc.stderr and "unknown command /nonsense" in proc.stderr
     assert proc.stderr.count("[cut off") == 1  # one reply: to the two-line message; /bye left before the last
+
+
+def test_chat_set_parameter_and_show(tiny):
+    """Ollama's /set parameter NAME VALUE and /show; a bad name or value is one error line and
+    the session goes on."""
+    typed = ("/show\n/set parameter temperature 0\n/set parameter num_predict 2\n/show parameters\n"
+             "/set parameter top_k lots\n/set parameter bogus 1\n/set parameter temperature -1\n/show nonsense\nhi\n")
+    proc = run("chat", str(tiny), input=typed)
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert f"model        {tiny}" in err and "num_predict the context" in err and "architecture" in err
+    assert "temperature 0.0" in err and "num_predict 2" in err  # /show parameters after the two /set
+    assert "error: top_k takes an integer, got 'lots'" in err and "usage: /set parameter NAME VALUE" in err
+    assert "error: invalid sampling parameter temperature" in err and "/show nonsense: show info or parameters" in err
+    assert "[cut off: the reply reached 2 tokens" in err  # num_predict took
+
+
+def test_chat_replies_are_not_capped_silently(tiny):
+    """Without -n a reply runs to its end or the context's (it was cut at 256 tokens)."""
+    proc = run("chat", str(tiny), "--temperature", "0", "--ignore-eos", input="hi\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "[cut off: the reply reached the context]" in proc.stderr
+
+
+def test_run_answers_a_prompt_or_chats(tiny, monkeypatch):
+    """`minerva run MODEL PROMPT` answers as generate does; `minerva run MODEL` on a terminal chats."""
+    flags = ("--raw", "-n", "3", "--temperature", "0", "--ignore-eos")
+    answered = run("run", str(tiny), "hello", *flags)
+    assert answered.returncode == 0, answered.stderr
+    assert answered.stdout == run("generate", str(tiny), "hello", *flags).stdout
+    assert run("run", str(tiny), *flags, input="hello").stdout == answered.stdout  # piped in
+    from minerva import cli
+    chats = []
+    monkeypatch.setattr(cli, "cmd_chat", lambda args: chats.append((list(args.model), args.max_tokens)) or 0)
+    monkeypatch.setattr(cli.sys.stdin, "isatty", lambda: True)
+    assert cli.main(["run", str(tiny)]) == 0 and cli.main(["run"]) == 0
+    assert chats == [([str(tiny)], None), ([], None)]  # chat's own default: no cap
 
 
 def test_list_empty_store(tmp_path):

@@ -18,6 +18,7 @@ from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.models.loader import read_config
+from minerva.serve.registry import urls
 from minerva.store import KNOWN_MODELS, hash_file, list_models, resolve, store_root
 
 
@@ -197,9 +198,12 @@ def cmd_rm(args) -> int:
 
 
 def cmd_ps(args) -> int:
-    shown = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{shown}:{args.port}"
-    print(ps_text(server_status(url, args.api_key), url))
+    """Every server running here (as each recorded itself), or the one at --host/--port."""
+    found = urls(args.host, args.port)
+    for i, url in enumerate(found):
+        if len(found) > 1:
+            print(("\n" if i else "") + url)
+        print(ps_text(server_status(url, args.api_key), url))
     return 0
 
 
@@ -216,7 +220,9 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("ps", help="what a running `minerva serve` is serving: requests and KV-cache use")
-    p.add_argument("--host", default="127.0.0.1", help="the server's address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="the server's port (default 8000)")
+    p.add_argument("--host", default=None,
+                   help="the server's address (default: every server running here, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None,
+                   help="the server's port (default: every server running here, else 8000)")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     p.set_defaults(func=cmd_ps)

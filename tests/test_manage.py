@@ -87,3 +87,28 @@ def test_hf_directory_is_shown(tmp_path):
         numel = sum(f.get_tensor(k).numel() for k in f.keys())
     assert info.parameters == numel and info.quantization == "BF16" and info.architecture == "llama"
     assert info.sha256.startswith("model.safetensors ") and len(info.sha256.split()[1]) == 64
+
+
+def test_ps_finds_the_servers_running_here_on_any_port(tiny, tmp_path, monkeypatch, capsys):
+    """Each server records itself under MINERVA_HOME while it runs (`minerva serve` does it
+    around its loop); `ps` without --host/--port reads them all, a record whose process is
+    gone is dropped, and `bench serve` takes the one server there is."""
+    import json
+    import os
+    import types
+
+    from minerva.serve import registry
+
+    monkeypatch.setenv("MINERVA_HOME", str(tmp_path))
+    assert registry.running() == [] and registry.urls(None, None) == [registry.DEFAULT_URL]
+    assert registry.urls("::1", 9000) == ["http://[::1]:9000"]
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, max_num_seqs=2)
+    with running_server(llm, served_model_name="tiny") as (url, _), registry.registered(url, "tiny"):
+        dead = registry.servers_dir() / "999999999.json"
+        dead.write_text(json.dumps({"url": "http://127.0.0.1:1", "model": "gone", "pid": 999999999, "started": 0}))
+        assert [r["url"] for r in registry.running()] == [url] and not dead.exists()
+        assert registry.urls(None, None) == [url]
+        manage.cmd_ps(types.SimpleNamespace(host=None, port=None, api_key=None))
+        assert capsys.readouterr().out.splitlines()[1].split()[0] == "tiny"
+        assert registry.running()[0]["pid"] == os.getpid()
+    assert registry.running() == []  # removed when the server stops

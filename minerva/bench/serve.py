@@ -25,6 +25,7 @@ from pathlib import Path
 
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
+from minerva.serve.registry import urls
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.tokenizer import Tokenizer
 from minerva.llm import LLM, set_threads
@@ -311,7 +312,11 @@ async def _model_name(args) -> str:
 
 def cmd_bench_serve(args) -> int:
     if args.base_url is None:
-        args.base_url = f"http://{args.host}:{args.port}"
+        found = urls(args.host, args.port)
+        if len(found) > 1:
+            raise MinervaError(f"{len(found)} Minerva servers run here ({', '.join(found)}); "
+                               "say which with --base-url or --host/--port")
+        args.base_url = found[0]
     if not 0 <= args.json_schemas <= len(SCHEMAS):
         raise MinervaError(f"--json-schemas must be in [0, {len(SCHEMAS)}], got {args.json_schemas}")
     for name in ("num_prompts", "random_input_len", "random_output_len"):
@@ -375,8 +380,8 @@ def add_parser(bsub) -> None:
                    help="tokenizer for the random prompts, and the model of --compare-offline "
                         "(default smollm2-135m)")
     q.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
-    q.add_argument("--host", default="127.0.0.1")
-    q.add_argument("--port", type=int, default=8000)
+    q.add_argument("--host", default=None, help="(default: the server running here, else 127.0.0.1)")
+    q.add_argument("--port", type=int, default=None, help="(default: the server running here, else 8000)")
     q.add_argument("--endpoint", default="/v1/completions")
     q.add_argument("--model-name", default=None, help="model name to send (default: the server's first)")
     q.add_argument("--api-key", default=None)

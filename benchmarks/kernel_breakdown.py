@@ -1,6 +1,11 @@
 """Where a batched run's time goes: every native kernel call timed, on the Python layer path.
 
     python benchmarks/kernel_breakdown.py --requests 32 --input-len 128 --output-len 128 --dtype bfloat16
+    python benchmarks/kernel_breakdown.py --model FILE --requests 1 --input-len 16 --output-len 64 --per-token
+
+With --per-token (batch-1 decode) each line is milliseconds per generated token, and the
+int8 matmuls are split by the matrix they multiply: the LM head (as many rows as the
+vocabulary) apart from the layers' matrices.
 
 The C++ decoder layer is switched off so each kernel is called (and timed) from Python;
 it runs the same kernels, so the split is the native layer's too, plus the Python between
@@ -25,6 +30,8 @@ class Timed:
     def __init__(self, module):
         self.module, self.seconds, self.calls = module, collections.Counter(), collections.Counter()
 
+    head_rows = None  # with it, a qmatmul_q8 of that many rows counts as the head
+
     def __getattr__(self, name):
         fn = getattr(self.module, name)
 
@@ -33,8 +40,11 @@ class Timed:
             try:
                 return fn(*args)
             finally:
-                self.seconds[name] += time.perf_counter() - start
-                self.calls[name] += 1
+                key = name
+                if name == "qmatmul_q8" and self.head_rows is not None and len(args) > 3 and args[3] == self.head_rows:
+                    key = "qmatmul_q8 (head)"
+                self.seconds[key] += time.perf_counter() - start
+                self.calls[key] += 1
         return timed
 
 
@@ -46,12 +56,16 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--activations", default="auto", choices=["auto", "float", "int8"])
+    ap.add_argument("--per-token", action="store_true",
+                    help="milliseconds per generated token, the LM head apart (for batch-1 decode)")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, activations=args.activations)
     cpu = dispatch.backend("cpu")
     if cpu.module is None:
         raise SystemExit(f"native kernels unavailable: {cpu.unavailable_reason}")
     timed = cpu.module = Timed(cpu.module)  # ops and attention ask the backend at each call
+    if args.per_token:
+        timed.head_rows = llm.config.vocab_size
     llm.engine.model.stack = None  # the layers one call at a time (see CausalLM.stack_layers) ...
     for layer in llm.engine.model.layers:
         layer.fused = None  # ... each kernel one call at a time
@@ -72,10 +86,11 @@ def main() -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in out)
     print(f"{args.requests} requests x ({args.input_len} in, {args.output_len} out), {args.dtype}: "
           f"{total:.2f} s, {tokens / total:.1f} output tokens/s")
+    scale, unit = (1e3 / tokens, "ms/token") if args.per_token else (1.0, "s")
     for name, secs in timed.seconds.most_common():
-        print(f"  {name:16s} {secs:7.2f} s  {100 * secs / total:5.1f}%  ({timed.calls[name]} calls)")
+        print(f"  {name:20s} {secs * scale:8.2f} {unit}  {100 * secs / total:5.1f}%  ({timed.calls[name]} calls)")
     rest = total - sum(timed.seconds.values())
-    print(f"  {'rest (Python)':16s} {rest:7.2f} s  {100 * rest / total:5.1f}%")
+    print(f"  {'rest (Python)':20s} {rest * scale:8.2f} {unit}  {100 * rest / total:5.1f}%")
 
 
 if __name__ == "__main__":

@@ -290,35 +290,28 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 
 def _add_conversation_parsers(sub) -> None:
     """`generate`, `chat` and `run` (the one or the other, as `ollama run`)."""
-    p = sub.add_parser("generate", help="generate an answer to a prompt, streamed",
-                       description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "
-                                   "file or a Hugging Face directory (default smollm2-135m)")
-    p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT")
-    p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
-    p.add_argument("--system", default=None, help="system message for the chat template")
-    _add_reasoning_effort(p)
-    add_model_options(p)
-    add_sampling_options(p)
-    p.set_defaults(func=cmd_generate)
+    def conversation(name: str, positional: str, metavar: str, raw: bool, **parser) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, **parser)
+        p.add_argument(positional, nargs="*", metavar=metavar)
+        if raw:
+            p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
+        p.add_argument("--system", default=None, help="system message for the chat template")
+        _add_reasoning_effort(p)
+        add_model_options(p)
+        add_sampling_options(p)
+        return p
 
-    p = sub.add_parser("chat", help="interactive chat with the model's template")
-    p.add_argument("model", nargs="*", metavar="MODEL")
-    p.add_argument("--system", default=None)
-    _add_reasoning_effort(p)
-    add_model_options(p)
-    add_sampling_options(p)
-    p.set_defaults(func=cmd_chat, max_tokens=None)
-
-    p = sub.add_parser("run", help="chat with MODEL, or answer PROMPT and end (as `ollama run`)",
-                       description="minerva run [MODEL] [PROMPT]: with no PROMPT on a terminal, chat (as `minerva "
-                                   "chat`); with one, or one piped in, answer it (as `minerva generate`)")
-    p.add_argument("args", nargs="*", metavar="[MODEL] [PROMPT]")
-    p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
-    p.add_argument("--system", default=None, help="system message for the chat template")
-    _add_reasoning_effort(p)
-    add_model_options(p)
-    add_sampling_options(p)
-    p.set_defaults(func=cmd_run, max_tokens=None)
+    conversation("generate", "args", "[MODEL] PROMPT", True, help="generate an answer to a prompt, streamed",
+                 description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "
+                             "file or a Hugging Face directory (default smollm2-135m)").set_defaults(func=cmd_generate)
+    # chat and run: no -n, no cap on a reply but the context's
+    conversation("chat", "model", "MODEL", False, help="interactive chat with the model's template"
+                 ).set_defaults(func=cmd_chat, max_tokens=None)
+    conversation("run", "args", "[MODEL] [PROMPT]", True,
+                 help="chat with MODEL, or answer PROMPT and end (as `ollama run`)",
+                 description="minerva run [MODEL] [PROMPT]: with no PROMPT on a terminal, chat (as `minerva "
+                             "chat`); with one, or one piped in, answer it (as `minerva generate`)"
+                 ).set_defaults(func=cmd_run, max_tokens=None)
 
 
 def build_parser() -> argparse.ArgumentParser:

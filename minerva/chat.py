@@ -125,6 +125,15 @@ def _read_message() -> str | None:
             print("\n(Ctrl-D or /bye leaves)", file=sys.stderr)
 
 
+def to_the_context(llm, prompt: str, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+    """The prompt's tokens and params; with no -n (UNCAPPED) the reply may take what the
+    context (or the KV pool, where it holds less) leaves after the prompt."""
+    ids = llm.encode_prompt(prompt)
+    if params.max_tokens >= UNCAPPED:
+        params = dataclasses.replace(params, max_tokens=max(1, llm.engine.max_model_len - len(ids)))
+    return ids, params
+
+
 def set_parameter(params: SamplingParams, words: list[str]) -> SamplingParams:
     """`/set parameter NAME VALUE`: params with NAME set (checked as any request's are)."""
     if len(words) < 2 or words[0] not in PARAMETERS:
@@ -196,11 +205,12 @@ def chat(llm, params: SamplingParams, system: str | None, template_variables: di
         history.append({"role": "user", "content": line})
         prompt = llm.apply_chat_template(system_turn + history, **template_variables)
         writer = ReplyWriter(llm.reasoning.parser(prompt) if llm.reasoning else None)
+        reached = "the context" if params.max_tokens >= UNCAPPED else f"{params.max_tokens} tokens (-n) or the context"
         try:
-            for delta in llm.stream(prompt, params):
+            ids, turn = to_the_context(llm, prompt, params)
+            for delta in llm.stream(ids, turn):
                 writer.write(delta.text, end=delta.finish_reason is not None)
                 if delta.finish_reason == "length":
-                    reached = "the context" if params.max_tokens >= UNCAPPED else f"{params.max_tokens} tokens (-n) or the context"
                     print(f"\n[cut off: the reply reached {reached}]", file=sys.stderr, end="")
         except MinervaError as exc:  # e.g. the history outgrew the context: keep the session
             history.pop()

@@ -81,7 +81,8 @@ def _stream_one(llm, prompt, params, parser: ReasoningParser | None = None) -> N
     n = 0
     finish = None
     writer = ReplyWriter(parser)
-    for delta in llm.stream(prompt, params):
+    ids, params = chat.to_the_context(llm, prompt, params)  # (`run` without -n: no cap but the context's)
+    for delta in llm.stream(ids, params):
         if first is None:
             first = time.perf_counter()
         n += len(delta.token_ids)

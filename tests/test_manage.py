@@ -102,6 +102,7 @@ def test_ps_finds_the_servers_running_here_on_any_port(tiny, tmp_path, monkeypat
     monkeypatch.setenv("MINERVA_HOME", str(tmp_path))
     assert registry.running() == [] and registry.urls(None, None) == [registry.DEFAULT_URL]
     assert registry.urls("::1", 9000) == ["http://[::1]:9000"]
+    assert registry.local_url("0.0.0.0", 8001) == "http://127.0.0.1:8001" and registry.local_url("::", 5) == "http://[::1]:5"
     llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, max_num_seqs=2)
     with running_server(llm, served_model_name="tiny") as (url, _), registry.registered(url, "tiny"):
         dead = registry.servers_dir() / "999999999.json"
@@ -111,4 +112,7 @@ def test_ps_finds_the_servers_running_here_on_any_port(tiny, tmp_path, monkeypat
         manage.cmd_ps(types.SimpleNamespace(host=None, port=None, api_key=None))
         assert capsys.readouterr().out.splitlines()[1].split()[0] == "tiny"
         assert registry.running()[0]["pid"] == os.getpid()
+        reused = registry.servers_dir() / "reused.json"  # this process's number, another start: not ours
+        reused.write_text(json.dumps({"url": "http://127.0.0.1:2", "pid": os.getpid(), "process_start": "1"}))
+        assert [r["url"] for r in registry.running()] == [url] and not reused.exists()
     assert registry.running() == []  # removed when the server stops

@@ -232,9 +232,9 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
             batched = run_kernel(kernels, qtype, x, w, rows, cols, regrouped)
             for choice, few in (([1, 0, 0], 1), ([2, 0, 1], 8), ([1, 32768, 1], 3), ([2, 32768, 0], 8),
                                 ([2, 4096, 0], 2)):
-                choice = choice + [steps, few]
-                kernels.cpu_choices(choice)
-                assert kernels.cpu_choices() == choice
+                kernels.cpu_choices(choice + [steps, few])  # every type (-1): few rows too
+                assert kernels.cpu_choices() == choice + [steps]  # (-1 reports the four shared ones)
+                assert kernels.cpu_choices(None, int(qtype))[4] == few
                 for i in (0, 4, 8):
                     assert torch.equal(run_kernel(kernels, qtype, x[i:i + 1], w, rows, cols, regrouped),
                                        batched[i:i + 1]), choice

@@ -196,6 +196,21 @@ def test_k_follows_acceptance_and_costs():
     assert {k for i, k in enumerate(picks, 1) if i % Speculator.EXPLORE} == {0} and 4 in explored and len(explored) > 1
 
 
+def test_k_keeps_adapting_under_a_request_cap():
+    """A request that may take only 2 guesses (its speculative_tokens, or its room) under
+    --num-speculative-tokens 8: the step's rows and expected tokens count its 2, so the
+    costs measured at 3 rows are found (it would otherwise wait forever for 9 rows' cost)."""
+    spec = Speculator(None, 8, 8)
+    for rows in (1, 2, 3):
+        spec.costs.add(rows, float(rows))  # each guess as dear as a plain step
+    r = _Req("a")
+    for _ in range(20):
+        spec._runs(r).add(2, 0)  # always rejected: no guesses pay
+    picks = [spec.choose_k([r], 1, [2]) for _ in range(Speculator.EXPLORE - 1)]
+    assert picks == [0] * (Speculator.EXPLORE - 1)
+    assert spec.choose_k([r], 1, [2]) in (0, 1, 2)  # an exploring step stays within the cap
+
+
 def test_stands_down_for_large_batches(target_dir):
     llm = make(target_dir, speculative="ngram", speculative_max_batch=2)
     llm.generate(repetitive_prompts(6), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

@@ -11,13 +11,15 @@ from pathlib import Path
 from minerva.bench.args import add_common_options, ints
 from minerva.bench.hardware import probe
 from minerva.bench.measure import load_minerva, minerva_decode, random_prompt
-from minerva.bench.peers import load_peer
+from minerva.bench.peers import check_peer, load_peer
 from minerva.bench.report import Figure, header, print_report, threads_used, write_json
 from minerva.bench.roofline import decode_ceiling, model_costs
 
 
 def cmd_sweep(args) -> int:
     rng = random.Random(args.seed)
+    for peer in args.compare:
+        check_peer(peer)  # before loading anything
     llm, info = load_minerva(args)
     sizes = args.batch_sizes
     rows = []

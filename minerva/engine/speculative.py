@@ -281,33 +281,40 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
-        best = self.choose_k(chosen, len(running))
+        best = self.choose_k(chosen, len(running), ks)
         ks = [min(k, best) for k in ks]
         chosen, ks = [r for r, k in zip(chosen, ks) if k > 0], [k for k in ks if k > 0]
         if chosen:
             self.proposer.propose(chosen, ks)
 
-    def choose_k(self, chosen: list[Request], running: int) -> int:
-        """The guesses per request (one k for the step's `chosen` among `running` decodes)
-        that emit the most tokens per second: expected tokens (each request's acceptance
-        runs) over the step's measured seconds at that many rows. The most allowed where its
-        cost is not known yet; one step in EXPLORE explores (the module's docstring)."""
+    def choose_k(self, chosen: list[Request], running: int, caps: list[int] | None = None) -> int:
+        """The guesses per request (one k for the step's `chosen` among `running` decodes, each
+        request taking at most its cap of `caps`) that emit the most tokens per second:
+        expected tokens (each request's acceptance runs) over the step's measured seconds at
+        that many rows. The most allowed where its cost is not known yet; one step in
+        EXPLORE explores (the module's docstring)."""
+        caps = caps or [self.k] * len(chosen)
+        most = max(caps)
         self.steps += 1
         if self.steps % self.EXPLORE == 0:  # the most guesses, then in turn each smaller k, 0 included
             turn = self.steps // self.EXPLORE
-            return self.k if turn % 2 else (turn // 2) % self.k
+            return most if turn % 2 else (turn // 2) % most
         prior = self.pooled.hazards([self.PRIOR] * (self.k + 1), self.PRIOR_WEIGHT)
         hazards = [self._runs(r).hazards(prior, self.PRIOR_WEIGHT) for r in chosen]
-        best, best_rate = self.k, None
-        for k in range(self.k + 1):
-            seconds = self.costs.estimate(running + k * len(chosen))
+
+        def rows(k: int) -> int:
+            return running + sum(min(k, c) for c in caps)
+
+        if self.costs.estimate(rows(most)) is None:
+            return most  # the most guesses' cost not known yet: measure it
+        best, best_rate = most, None
+        for k in range(most + 1):
+            seconds = self.costs.estimate(rows(k))
             if seconds is None or seconds <= 0:
                 continue
-            rate = (sum(expected_tokens(h, k) for h in hazards) + running - len(chosen)) / seconds
-            if best_rate is None or rate > best_rate:
-                best, best_rate = k, rate
-        if self.costs.estimate(running + self.k * len(chosen)) is None:
-            return self.k  # the most guesses' cost not known yet: measure it
+            tokens = sum(expected_tokens(h, min(k, c)) for h, c in zip(hazards, caps)) + running - len(chosen)
+            if best_rate is None or tokens / seconds > best_rate:
+                best, best_rate = k, tokens / seconds
         return best
 
     def _runs(self, r: Request) -> Acceptance:

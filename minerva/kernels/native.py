@@ -185,7 +185,18 @@ def compile_progress(build: Path, total: int, every: float = 30.0):
     finally:
         stop.set()
         watcher.join()
-        log.warning("compiled Minerva's CPU kernels in %.0f s", time.time() - start)
+    log.warning("compiled Minerva's CPU kernels in %.0f s", time.time() - start)  # (not when it failed)
+
+
+@contextlib.contextmanager
+def _first_build(build: Path, total: int):
+    """compile_progress where `build` holds no module yet (asked under the build lock)."""
+    if any(build.glob("*.so")):
+        yield
+        return
+    log.warning("compiling Minerva's CPU kernels (once per machine, a minute or two)...")
+    with compile_progress(build, total):
+        yield
 
 
 def load() -> ModuleType | None:
@@ -213,9 +224,7 @@ def load() -> ModuleType | None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils import cpp_extension
-        fresh = not any(build.glob("*.so"))
-        if fresh:
-            log.warning("compiling Minerva's CPU kernels (once per machine, a minute or two)...")
+
         # Build from a copy inside the cache directory: the build files name source paths, so
         # two checkouts of the same sources share one build instead of rebuilding in turn.
         src = build / "src"
@@ -223,7 +232,7 @@ def load() -> ModuleType | None:
         for f in sources + HEADERS:
             if not (src / f.name).exists() or (src / f.name).read_bytes() != f.read_bytes():
                 shutil.copyfile(f, src / f.name)
-        with _build_lock(build), compile_progress(build, len(sources)) if fresh else contextlib.nullcontext():
+        with _build_lock(build), _first_build(build, len(sources)):  # (a build another process made: silent)
             _module = cpp_extension.load(name="minerva_qmatmul", sources=[str(src / s.name) for s in sources],
                                          extra_cflags=_cflags(which, flags), extra_ldflags=LDFLAGS,
                                          build_directory=str(build),

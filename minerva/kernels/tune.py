@@ -219,8 +219,11 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
         x_copy = _pick(many, Setting(chosen.groups, chosen.l2_ahead, default.x_copy, chosen.few_rows)).x_copy
     chosen = Setting(chosen.groups, chosen.l2_ahead, x_copy, chosen.few_rows)
     few = []
-    if qtype in FEW_TYPES:
+    if qtype in FEW_TYPES and chosen.groups >= 2:  # (the streams take work items of 2 groups or more)
         chosen, few = _plan_few_rows(kernels, qtype, chosen, matrices, gen, step)
+    elif qtype in FEW_TYPES:
+        for _ in FEW_ROWS:
+            step()
     return {"groups": chosen.groups, "l2_ahead": chosen.l2_ahead, "x_copy": chosen.x_copy,
             "few_rows": chosen.few_rows,
             "gb_per_s": round(nbytes / medians[_pick(medians, default)] / 1e9, 2),

@@ -12,7 +12,7 @@ import uvicorn
 from minerva.errors import MinervaError
 from minerva.serve.app import ServerConfig, build_app
 from minerva.serve.connections import http_protocol
-from minerva.serve.registry import registered
+from minerva.serve.registry import local_url, registered
 
 # After the drain, how long uvicorn waits for clients to read the ends of their responses.
 CLOSE_GRACE = 5.0
@@ -100,7 +100,7 @@ def serve(llm, config: ServerConfig, sock: socket.socket, threads: int | None = 
     server = make_server(app, config, log_level=log_level)
     engine = app.state.engine
     engine.on_fatal = lambda: setattr(server, "should_exit", True)
-    with registered(f"http://{shown}:{port}", config.served_model_name):
+    with registered(local_url(host, port), config.served_model_name):
         server.run(sockets=[sock])
     if engine.fatal is not None:  # e.g. a tensor-parallel rank died: the requests failed, exit non-zero
         raise MinervaError(f"the server stopped: {engine.fatal}")

@@ -26,7 +26,7 @@ std::array<TypeChoices, CHOICE_TYPES> type_choices = [] {
   std::array<TypeChoices, CHOICE_TYPES> out{};
   for (int qt = 0; qt < CHOICE_TYPES; ++qt)
     out[qt] = {is_k_type(qt) ? vendor_choices.groups : 4, vendor_choices.l2_ahead, vendor_choices.x_copy,
-               FEW_ROWS_MOST};
+               FEW_ROWS_DEFAULT};
   return out;
 }();
 
@@ -39,7 +39,9 @@ std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_
   TORCH_CHECK(qtype == -1 || (qtype >= 0 && qtype < CHOICE_TYPES && int8_type(qtype)),
               "cpu_choices: type ", qtype, " is not one the int8 kernels multiply (-1: every type)");
   const TypeChoices& c = type_choices[qtype == -1 ? Q4_K : qtype];
-  std::vector<int64_t> was{c.groups, c.l2_ahead, c.x_copy, int_steps, c.few_rows};
+  // every type (-1): the four shared choices (each 32-weight type keeps its own few rows)
+  std::vector<int64_t> was{c.groups, c.l2_ahead, c.x_copy, int_steps};
+  if (qtype != -1) was.push_back(c.few_rows);
   if (set) {
     const auto& v = *set;
     const int64_t most_groups = qtype == -1 || is_k_type(qtype) ? 2 : 4;

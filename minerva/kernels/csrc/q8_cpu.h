@@ -73,12 +73,19 @@ extern const CpuChoices vendor_choices;  // the CPU vendor's (q8_cpu.cpp)
 // default; `l2_ahead` and `x_copy` as above, from the vendor until the planner sets them.
 // few_rows: up to how many rows of x the 32-weight block types (Q8_0 aside) take the one-row
 // streams, a tile of rows at a time (x8_rows; q8_kernels.h's few_rows), rather than panels of
-// 4 groups against tiles of rows (tile_x8); 1 = never. 8 by default.
+// 4 groups against tiles of rows (tile_x8); 1 = never. 8 by default with AVX-512; 1 with AVX2
+// until the planner measures it (4 groups' accumulators for FEW_MR rows and a block's values
+// outgrow AVX2's 16 registers).
 // int_steps, which changes the bits, stays one choice for every type.
 struct TypeChoices {
   int64_t groups, l2_ahead, x_copy, few_rows;
 };
 constexpr int64_t FEW_ROWS_MOST = 8;
+#if defined(__AVX512F__)
+constexpr int64_t FEW_ROWS_DEFAULT = FEW_ROWS_MOST;
+#else
+constexpr int64_t FEW_ROWS_DEFAULT = 1;
+#endif
 constexpr int CHOICE_TYPES = MXFP4 + 1;
 extern int64_t int_steps;  // vendor_choices.int_steps until cpu_choices sets it (q8_cpu.cpp)
 inline bool is_k_type(int64_t qt) { return qt == Q2_K || qt == Q3_K || qt == Q4_K || qt == Q5_K || qt == Q6_K; }

@@ -20,7 +20,8 @@ runs that were all accepted counting as cut short, with recent steps weighing mo
 the machine how long a step of so many rows took (guesses proposed and verified); it takes
 the k that gives the most tokens per second, k = 0 (no guesses) included. One step in
 EXPLORE verifies the most guesses allowed or, in turn, each smaller k, so both estimates keep
-reaching every k.
+reaching every k. A seeded sampling request keeps the k it was given, so that its output
+repeats run to run (which guesses meet which random draws depends on k).
 
 Speculation stands down where it would cost throughput: for a request whose guesses
 are mostly rejected (it retries after a back-off), and for a step with more running
@@ -281,19 +282,29 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
-        best = self.choose_k(chosen, len(running), ks)
-        ks = [min(k, best) for k in ks]
+        # A seeded sampling request takes its k as set: which random draws its guesses meet
+        # depends on k, and k chosen from timings would make its output differ run to run.
+        # (Greedy output is the same whatever k; an unseeded request promises no repeat.)
+        adapts = [r.params.greedy or r.params.seed is None for r in chosen]
+        if any(adapts):
+            fixed = sum(k for k, a in zip(ks, adapts) if not a)
+            best = self.choose_k([r for r, a in zip(chosen, adapts) if a], len(running) + fixed,
+                                 [k for k, a in zip(ks, adapts) if a], others=len(running) - sum(adapts))
+            ks = [min(k, best) if a else k for k, a in zip(ks, adapts)]
         chosen, ks = [r for r, k in zip(chosen, ks) if k > 0], [k for k in ks if k > 0]
         if chosen:
             self.proposer.propose(chosen, ks)
 
-    def choose_k(self, chosen: list[Request], running: int, caps: list[int] | None = None) -> int:
-        """The guesses per request (one k for the step's `chosen` among `running` decodes, each
-        request taking at most its cap of `caps`) that emit the most tokens per second:
-        expected tokens (each request's acceptance runs) over the step's measured seconds at
-        that many rows. The most allowed where its cost is not known yet; one step in
-        EXPLORE explores (the module's docstring)."""
+    def choose_k(self, chosen: list[Request], running: int, caps: list[int] | None = None,
+                 others: int | None = None) -> int:
+        """The guesses per request that emit the most tokens per second: one k for the step's
+        `chosen` requests, each taking at most its cap of `caps`, on top of `running` rows
+        (the step's rows without them); the tokens are their expected ones (each request's
+        acceptance runs) plus `others` (the other requests', one each by default), the
+        seconds those measured for the step's rows. The most allowed where its cost is not
+        known yet; one step in EXPLORE explores (the module's docstring)."""
         caps = caps or [self.k] * len(chosen)
+        others = running - len(chosen) if others is None else others
         most = max(caps)
         self.steps += 1
         if self.steps % self.EXPLORE == 0:  # the most guesses, then in turn each smaller k, 0 included
@@ -312,7 +323,7 @@ class Speculator:
             seconds = self.costs.estimate(rows(k))
             if seconds is None or seconds <= 0:
                 continue
-            tokens = sum(expected_tokens(h, min(k, c)) for h, c in zip(hazards, caps)) + running - len(chosen)
+            tokens = sum(expected_tokens(h, min(k, c)) for h, c in zip(hazards, caps)) + others
             if best_rate is None or tokens / seconds > best_rate:
                 best, best_rate = k, tokens / seconds
         return best

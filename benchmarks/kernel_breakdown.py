@@ -48,6 +48,21 @@ class Timed:
         return timed
 
 
+class TimedExperts:
+    """A mixture-of-experts layer's native expert loop (`MoE.fused`), its calls timed apart."""
+
+    def __init__(self, fused, timed: Timed):
+        self.fused, self.timed = fused, timed
+
+    def forward(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.fused.forward(*args)
+        finally:
+            self.timed.seconds["experts (native loop)"] += time.perf_counter() - start
+            self.timed.calls["experts (native loop)"] += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -72,6 +87,8 @@ def main() -> None:
     for m in llm.engine.model.modules():
         if isinstance(getattr(m, "weight", None), PackedWeight) and m.weight.kernel is not None:
             m.weight.kernel = timed
+        if hasattr(m, "experts") and getattr(m, "fused", None) is not None:
+            m.fused = TimedExperts(m.fused, timed)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)

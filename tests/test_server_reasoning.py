@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from minerva import LLM, SamplingParams, cli
+from minerva.chat import DIM, UNDIM
 from tests.helpers.scripted import scripted, write_harmony_model, write_think_model
 from tests.helpers.server import running_server
 
@@ -210,11 +211,11 @@ def test_cli_chat_dims_the_reasoning(harmony_llm, script, monkeypatch, capsys, c
                      "--reasoning-effort", "high"]) == 0
     out, err = capsys.readouterr()
     if color:
-        dimmed = re.findall(re.escape(cli.DIM) + "(.*?)" + re.escape(cli.UNDIM), out, re.S)
+        dimmed = re.findall(re.escape(DIM) + "(.*?)" + re.escape(UNDIM), out, re.S)
         assert "".join(dimmed) == REASONING  # all of it dimmed, and nothing else
-        assert out.replace(cli.DIM, "").replace(cli.UNDIM, "") == f"> {REASONING}\n\n{ANSWER}\n> "
+        assert out.replace(DIM, "").replace(UNDIM, "") == f"> {REASONING}\n\n{ANSWER}\n> "
     else:
-        assert out == f"> {ANSWER}\n> " and REASONING in err and cli.DIM not in out + err
+        assert out == f"> {ANSWER}\n> " and REASONING in err and DIM not in out + err
 
 
 def test_cli_generate_splits_unless_raw(harmony_llm, script, monkeypatch, capsys):

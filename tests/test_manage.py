@@ -105,6 +105,7 @@ def test_ps_finds_the_servers_running_here_on_any_port(tiny, tmp_path, monkeypat
     assert registry.local_url("0.0.0.0", 8001) == "http://127.0.0.1:8001" and registry.local_url("::", 5) == "http://[::1]:5"
     llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, max_num_seqs=2)
     with running_server(llm, served_model_name="tiny") as (url, _), registry.registered(url, "tiny"):
+        (registry.servers_dir() / "garbage.json").write_text("{not json")  # a damaged record: skipped
         dead = registry.servers_dir() / "999999999.json"
         dead.write_text(json.dumps({"url": "http://127.0.0.1:1", "model": "gone", "pid": 999999999, "started": 0}))
         assert [r["url"] for r in registry.running()] == [url] and not dead.exists()

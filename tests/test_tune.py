@@ -185,6 +185,8 @@ def test_a_pinned_file_is_put_in_force(monkeypatch, restore, tmp_path):
     ({"build": "avx1"}, "holds choices for the avx1 kernel build"),
     ({"types": {"Q9_9": {"groups": 1, "l2_ahead": 0, "x_copy": 0}}}, "'Q9_9' is not a type"),
     ({"types": {"Q4_0": {"groups": 7, "l2_ahead": 0, "x_copy": 0}}}, "the choices for Q4_0 are not valid"),
+    ({"types": {"Q4_0": {"groups": 4, "l2_ahead": 0, "x_copy": 0, "few_rows": 0}}}, "the choices for Q4_0 are not valid"),
+    ({"types": {"Q4_0": {"groups": 4, "l2_ahead": 0, "x_copy": 0, "few_rows": "lots"}}}, "the choices for Q4_0 are not valid"),
 ])
 def test_a_bad_pinned_file_is_one_clear_error(monkeypatch, restore, tmp_path, changes, message):
     _fresh(monkeypatch)

@@ -31,6 +31,7 @@ AMX_WARNING = ("warning: this llama.cpp was built with AMX, whose matmul crashes
                "-DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON' pip install --force-reinstall --no-deps llama-cpp-python")
 
 
+TRANSFORMERS_MISSING = "--compare transformers needs transformers: pip install transformers accelerate"
 LLAMA_CPP_INSTALL = "pip install llama-cpp-python (in a checkout: pip install -e '.[bench]')"
 
 
@@ -54,7 +55,7 @@ def check_peer(name: str) -> None:
         _llama_cpp()
     elif name == "transformers":
         if importlib.util.find_spec("transformers") is None:
-            raise MinervaError("--compare transformers needs transformers: pip install transformers accelerate")
+            raise MinervaError(TRANSFORMERS_MISSING)
     else:
         raise MinervaError(f"unknown peer '{name}'; choose llama.cpp or transformers")
 
@@ -218,7 +219,7 @@ class Transformers:
             import transformers
             from transformers import AutoModelForCausalLM
         except ImportError:
-            raise MinervaError("--compare transformers needs transformers: pip install transformers accelerate") from None
+            raise MinervaError(TRANSFORMERS_MISSING) from None
         torch.set_num_threads(threads)
         before = rss_mb()
         start = time.perf_counter()

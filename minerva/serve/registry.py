@@ -85,7 +85,5 @@ def urls(host: str | None, port: int | None) -> list[str]:
     """The servers a command means: the one at --host/--port when either is given, else every
     recorded one, else the default address."""
     if host is not None or port is not None:
-        host = host or "127.0.0.1"
-        shown = f"[{host}]" if ":" in host else host
-        return [f"http://{shown}:{port or 8000}"]
+        return [local_url(host or "127.0.0.1", port or 8000)]
     return [r["url"] for r in running()] or [DEFAULT_URL]

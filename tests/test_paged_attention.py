@@ -250,6 +250,28 @@ def check_batch_invariance(batch, window, impl):
         assert torch.equal(mixed[start:start + e - s], alone)
 
 
+
+@pytest.mark.skipif(not native.capable(), reason="CPU lacks the native kernels")
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_the_same_alone_as_among_its_requests_rows(dtype, window, impl="auto"):
+    """Each row of a request's several (a verification step, a prefill chunk) bitwise equals
+    that row asked alone, as the one-row decode step at its position asks it (the bf16 kernel
+    takes a request's rows together). The native kernel's promise: the torch path multiplies a
+    request's rows as one matrix."""
+    fmt = "auto" if dtype is torch.bfloat16 else "float32"
+    batch = Batch([(40, 9), (96, 3), (37, 37), (200, 70)], 16, fmt, fmt, dtype=dtype)
+    batch.q = batch.q.to(dtype)
+    full = batch.paged(window, impl=impl)
+    for b, (L, n) in enumerate(batch.specs):
+        s = batch.query_start_loc[b]
+        for i in range(n):
+            alone = paged_attention(batch.q[s + i:s + i + 1], batch.cache, batch.layer, query_start_loc=[0, 1],
+                                    seq_lens=[L], block_tables=[batch.tables[b]],
+                                    positions=batch.positions[s + i:s + i + 1], window=window, scale=SCALE,
+                                    impl=impl)
+            assert torch.equal(alone[0], full[s + i]), f"request {b} row {i} differs alone"
+
 # Rows longer than the kernel's part (1024 keys) are split into parts that run on different
 # threads and are merged; request 0 has enough long rows that their partial results are
 # held in two waves.

@@ -88,14 +88,14 @@ inline void up_to_8_heads(int64_t n, const F& f) {
   }
 }
 
-// The softmax numerators of G rows of scores (S16 apart; padding lanes hold -inf) in place,
-// and each row's 1 / sum in inv_sum (ml non-null: a part of a longer row, whose max and sum go
-// to ml [2G] and inv_sum is 1). A whole row with a sink: the sink's logit joins the max and
-// the sum. pb non-null: the numerators also rounded to bf16 there, and the sum is theirs.
-inline void softmax_rows(float* scores, int64_t G, int64_t S16, const float* sink, float* ml, float* inv_sum,
-                         at::BFloat16* pb) {
+// The softmax numerators of G rows of S16 scores (`stride` apart; padding lanes hold -inf) in
+// place, and each row's 1 / sum in inv_sum (ml non-null: a part of a longer row, whose max and
+// sum go to ml [2G] and inv_sum is 1). A whole row with a sink: the sink's logit joins the max
+// and the sum. pb non-null: the numerators also rounded to bf16 there, and the sum is theirs.
+inline void softmax_rows(float* scores, int64_t G, int64_t S16, int64_t stride, const float* sink, float* ml,
+                         float* inv_sum, at::BFloat16* pb) {
   for (int64_t g = 0; g < G; ++g) {
-    float* sc = scores + g * S16;
+    float* sc = scores + g * stride;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < S16; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j));
     const float mval = sink && !ml ? std::max(_mm512_reduce_max_ps(mx), sink[g]) : _mm512_reduce_max_ps(mx);
@@ -106,8 +106,8 @@ inline void softmax_rows(float* scores, int64_t G, int64_t S16, const float* sin
       __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
                                      exp512(_mm512_sub_ps(x, m)));
       if (pb) {
-        store16(pb + g * S16 + j, e);
-        e = load16(pb + g * S16 + j, 1.0f);
+        store16(pb + g * stride + j, e);
+        e = load16(pb + g * stride + j, 1.0f);
       }
       _mm512_storeu_ps(sc + j, e);
       sum = _mm512_add_ps(sum, e);
@@ -174,7 +174,7 @@ void attend_item(const QT* q, OT* out, const Pool& K, const Pool& V, const int64
   }
   // softmax numerators in place, and 1 / sum
   float inv_sum[64];
-  softmax_rows(scores.data(), G, S16, sink, ml, inv_sum, nullptr);
+  softmax_rows(scores.data(), G, S16, S16, sink, ml, inv_sum, nullptr);
   // out = (sum_j p_j v_j) / sum, one 16-wide slice of D and up to 8 heads at a time (a
   // widened V slice serves 8 FMAs)
   for (int64_t d = 0; d < D; d += 16) {
@@ -260,16 +260,30 @@ inline void weighted_sum_bf16(const at::BFloat16* pb, int64_t stride, const at::
   for (int g = 0; g < NG; ++g) lo[g] = a[g], hi[g] = b[g];
 }
 
+// Rows of one request that share their first key lo (a verification step's k + 1 rows, or a
+// prefill chunk's), each with its own end: row r, its G query heads at q + r q_stride, attends
+// to keys lo .. his[r] - 1 and writes out + r out_stride. Each block of 16 keys is loaded and
+// transposed once for all the rows and each pair of value rows loaded once, where one row at a
+// time would repeat both for every row (for 3 query heads a KV head, the transpose costs more
+// than the dot products). The bits are those of each row alone: a row's scores are the same
+// instructions on the same lanes, its softmax runs over its own keys, and its weighted sum over
+// keys past its end adds products with a zero numerator, which leave the sum as it is.
+// (ml non-null: one row that is a part of a longer row; see attend_item.)
+constexpr int64_t kMaxRowHeads = 64;  // rows x query heads of one item
+
 template <typename OT>
-void attend_item_bf16(const at::BFloat16* q, OT* out, const Pool& K, const Pool& V, const int64_t* table, int64_t lo,
-                      int64_t hi, int64_t G, int64_t D, int64_t block_size, int64_t hk, float scale, const float* sink,
+void attend_item_bf16(const at::BFloat16* q, int64_t q_stride, OT* out, int64_t out_stride, int64_t R,
+                      const int64_t* his, const Pool& K, const Pool& V, const int64_t* table, int64_t lo, int64_t G,
+                      int64_t D, int64_t block_size, int64_t hk, float scale, const float* sink,
                       std::vector<float>& scores, std::vector<at::BFloat16>& pb,
                       std::vector<const at::BFloat16*>& krows, std::vector<float>& kscale,
                       std::vector<const at::BFloat16*>& vrows, std::vector<float>& vscale, float* ml) {
   using BF = at::BFloat16;
-  const int64_t S = hi - lo, S16 = (S + 15) / 16 * 16;
-  scores.assign(G * S16, -INFINITY);
-  pb.resize(G * S16);
+  int64_t S = 0;
+  for (int64_t r = 0; r < R; ++r) S = std::max(S, his[r] - lo);
+  const int64_t S16 = (S + 15) / 16 * 16, RG = R * G;
+  scores.assign(RG * S16, -INFINITY);
+  pb.assign(RG * S16, BF(0.0f));  // zero past each row's own keys
   token_rows<BF>(K, table, lo, S, block_size, hk, D, krows, kscale);
   token_rows<BF>(V, table, lo, S, block_size, hk, D, vrows, vscale);
   const auto fetch = [D](const void* row) {  // as attend_item
@@ -287,26 +301,34 @@ void attend_item_bf16(const at::BFloat16* q, OT* out, const Pool& K, const Pool&
       transpose16(r);
       for (int p = 0; p < 16; ++p) _mm512_store_si512(kt + 16 * c + p, r[p]);
     }
-    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
-    for (int64_t g0 = 0; g0 < G; g0 += 8) {
-      const BF* qg = q + g0 * D;
-      float* o = scores.data() + g0 * S16 + j0;
-      up_to_8_heads(G - g0, [&]<int NG>() { scores_bf16<NG>(qg, D, kt, scale, o, S16, valid); });
+    for (int64_t row = 0; row < R; ++row) {
+      const int64_t nr = std::min<int64_t>(16, his[row] - lo - j0);  // this row's keys in the block
+      if (nr <= 0) continue;
+      const __mmask16 valid = static_cast<__mmask16>(nr == 16 ? 0xFFFF : (1u << nr) - 1);
+      for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const BF* qg = q + row * q_stride + g0 * D;
+        float* o = scores.data() + (row * G + g0) * S16 + j0;
+        up_to_8_heads(G - g0, [&]<int NG>() { scores_bf16<NG>(qg, D, kt, scale, o, S16, valid); });
+      }
     }
   }
-  float inv_sum[64];
-  softmax_rows(scores.data(), G, S16, sink, ml, inv_sum, pb.data());
+  float inv_sum[kMaxRowHeads];
+  for (int64_t row = 0; row < R; ++row) {
+    const int64_t Sr16 = (his[row] - lo + 15) / 16 * 16;
+    softmax_rows(scores.data() + row * G * S16, G, Sr16, S16, sink, ml, inv_sum + row * G, pb.data() + row * G * S16);
+  }
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t d = 0; d < D; d += 32) {
-    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    for (int64_t h0 = 0; h0 < RG; h0 += 8) {  // 8 (row, head) pairs at a time, across rows
       __m512 l[8], h[8];
-      const BF* p = pb.data() + g0 * S16;
-      up_to_8_heads(G - g0, [&]<int NG>() { weighted_sum_bf16<NG>(p, S16, vrows.data(), S, d, l, h); });
-      for (int64_t g = g0; g < std::min<int64_t>(G, g0 + 8); ++g) {
-        const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-        store16(out + g * D + d, _mm512_mul_ps(_mm512_permutex2var_ps(l[g - g0], first, h[g - g0]), inv));
-        store16(out + g * D + d + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l[g - g0], second, h[g - g0]), inv));
+      const BF* p = pb.data() + h0 * S16;
+      up_to_8_heads(RG - h0, [&]<int NG>() { weighted_sum_bf16<NG>(p, S16, vrows.data(), S, d, l, h); });
+      for (int64_t i = h0; i < std::min<int64_t>(RG, h0 + 8); ++i) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+        OT* o = out + (i / G) * out_stride + (i % G) * D + d;
+        store16(o, _mm512_mul_ps(_mm512_permutex2var_ps(l[i - h0], first, h[i - h0]), inv));
+        store16(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(l[i - h0], second, h[i - h0]), inv));
       }
     }
   }
@@ -337,23 +359,48 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
   constexpr bool all_bf16 = std::is_same_v<QT, at::BFloat16> && std::is_same_v<KT, at::BFloat16> &&
                             std::is_same_v<VT, at::BFloat16>;
   const bool use_bf16 = all_bf16 && D % 32 == 0 && D <= 256;
+  // the bf16 item takes consecutive rows of one request that start at the same key, each of
+  // one part, together (span[t]: the rows the item at t covers; 0: covered by an earlier one),
+  // in as many groups as keep the threads evenly busy: 4 rows of 3 KV heads on 2 threads in 2
+  // groups of 2 (6 items), not 1 of 4 (3 items, one thread idle a third of the time)
+  std::vector<int64_t> span;
+  if (use_bf16) {
+    span.assign(T, 1);
+    const int64_t most = std::max<int64_t>(1, kMaxRowHeads / G), threads = ThreadPool::get().threads();
+    for (int64_t t = 0; t < T;) {
+      int64_t e = t + 1;
+      if (parts_of(lo[t], hi[t]) == 1)
+        while (e < T && req[e] == req[t] && lo[e] == lo[t] && parts_of(lo[e], hi[e]) == 1) ++e;
+      const int64_t n = e - t;
+      int64_t groups = (n + most - 1) / most;
+      while (groups < n && (groups * Hkv) % threads != 0 && groups * Hkv < 4 * threads) ++groups;
+      for (int64_t g = 0, r = t; g < groups; ++g) {  // sizes differ by at most one
+        const int64_t size = n / groups + (g < n % groups);
+        span[r] = size;
+        for (int64_t i = 1; i < size; ++i) span[r + i] = 0;
+        r += size;
+      }
+      t = e;
+    }
+  }
   // small steps are cheaper on one thread than to fork; a decode step's keys come from memory
   // (out of cache), so from 64 keys at 32 heads it forks: 0.70 against 0.46-0.52 ms a token for
   // the 22 layers of the 1.1B shape at 16-176 keys (AVX-512 machine, 2 threads)
   minerva::attend_in_parts<Scratch>(
-      T, H, Hkv, D, lo.data(), hi.data(), work < (1 << 11), sm.sinks, out,
-      [&](Scratch& w, int64_t t, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial, float* ml) {
+      T, H, Hkv, D, lo.data(), hi.data(), span.empty() ? nullptr : span.data(), work < (1 << 11), sm.sinks, out,
+      [&](Scratch& w, int64_t t, int64_t rows, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial,
+          float* ml) {
         const QT* qt = q + (t * H + hk * G) * D;
         const int64_t* table = tables + req[t] * table_stride;
         const float* sink = sm.sinks ? sm.sinks + hk * G : nullptr;
         if constexpr (all_bf16) {
           if (use_bf16) {
             if (o)
-              attend_item_bf16(qt, o, K, V, table, plo, phi, G, D, block_size, hk, scale, sink, w.scores, w.pb,
-                               w.krows, w.kscale, w.vrows, w.vscale, nullptr);
+              attend_item_bf16(qt, H * D, o, H * D, rows, hi.data() + t, K, V, table, plo, G, D, block_size, hk,
+                               scale, sink, w.scores, w.pb, w.krows, w.kscale, w.vrows, w.vscale, nullptr);
             else
-              attend_item_bf16(qt, partial, K, V, table, plo, phi, G, D, block_size, hk, scale, sink, w.scores, w.pb,
-                               w.krows, w.kscale, w.vrows, w.vscale, ml);
+              attend_item_bf16(qt, H * D, partial, 0, 1, &phi, K, V, table, plo, G, D, block_size, hk, scale, sink,
+                               w.scores, w.pb, w.krows, w.kscale, w.vrows, w.vscale, ml);
             return;
           }
         }

@@ -285,8 +285,8 @@ void attend(const QT* q, QT* out, const Pool& K, const Pool& V, const int64_t* t
     }
   // small steps (a decode of a short context) are cheaper on one thread than to fork
   minerva::attend_in_parts<Scratch>(
-      T, H, Hkv, D, lo.data(), hi.data(), work < (1 << 14), sm.sinks, out,
-      [&](Scratch& w, int64_t t, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial, float* ml) {
+      T, H, Hkv, D, lo.data(), hi.data(), nullptr, work < (1 << 14), sm.sinks, out,
+      [&](Scratch& w, int64_t t, int64_t, int64_t hk, int64_t plo, int64_t phi, QT* o, float* partial, float* ml) {
         const QT* qt = q + (t * H + hk * G) * D;
         const int64_t* table = tables + req[t] * table_stride;
         const float* sink = sm.sinks ? sm.sinks + hk * G : nullptr;

@@ -81,14 +81,16 @@ void merge_parts(const float* s, int64_t stride, int64_t np, int64_t G, int64_t 
   }
 }
 
-// Runs item(scratch, t, hk, part_lo, part_hi, out, partial, ml) for every (row, KV head,
-// part), in KV-head-major order (consecutive items read the same keys) and merges the rows
-// of several parts. out is where a one-part row's result goes (then partial and ml are
+// Runs item(scratch, t, rows, hk, part_lo, part_hi, out, partial, ml) for every (row, KV
+// head, part), in KV-head-major order (consecutive items read the same keys) and merges the
+// rows of several parts. out is where a one-part row's result goes (then partial and ml are
 // null), else out is null and the item leaves acc [G, D] in partial and m, l [2G] in ml.
+// span (null: every row alone): an item for a one-part row t covers rows t .. t + span[t] - 1
+// (`rows`; part_hi is row t's), and rows with span 0 have no item of their own.
 // one_thread: the whole step is too small to be worth forking.
 template <typename Scratch, typename QT, typename Item>
 void attend_in_parts(int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t* lo, const int64_t* hi,
-                     bool one_thread, const float* sinks, QT* out, const Item& item) {
+                     const int64_t* span, bool one_thread, const float* sinks, QT* out, const Item& item) {
   const int64_t G = H / Hkv, slot = G * D + 2 * G;
   std::vector<float> partial;
   // a row's first partial slot in its wave (part p, KV head hk: + p Hkv + hk), -1 for one part
@@ -109,7 +111,7 @@ void attend_in_parts(int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t
     for (int64_t hk = 0; hk < Hkv; ++hk)
       for (int64_t p = 0; p < max_parts; ++p)
         for (int64_t t = t0; t < t1; ++t)
-          if (p < parts_of(lo[t], hi[t])) items.push_back({t, hk, p});
+          if (p < parts_of(lo[t], hi[t]) && (!span || span[t] > 0)) items.push_back({t, hk, p});
     const int64_t n = static_cast<int64_t>(items.size());
     parallel_for(0, n, one_thread ? n : 1, [&](int64_t i0, int64_t i1) {
       Scratch w;
@@ -117,10 +119,10 @@ void attend_in_parts(int64_t T, int64_t H, int64_t Hkv, int64_t D, const int64_t
         const auto [t, hk, p] = items[i];
         const int64_t plo = lo[t] + p * kPartKeys, phi = std::min(hi[t], plo + kPartKeys);
         if (first[t - t0] < 0) {
-          item(w, t, hk, plo, phi, out + (t * H + hk * G) * D, nullptr, nullptr);
+          item(w, t, span ? span[t] : 1, hk, plo, phi, out + (t * H + hk * G) * D, nullptr, nullptr);
         } else {
           float* s = partial.data() + (first[t - t0] + p * Hkv + hk) * slot;
-          item(w, t, hk, plo, phi, nullptr, s, s + G * D);
+          item(w, t, int64_t(1), hk, plo, phi, nullptr, s, s + G * D);
         }
       }
     });

@@ -60,6 +60,10 @@ class ThreadPool {
   // Threads for the kernels (the caller included); 0 = torch's setting. Set apart from
   // torch's so the engine can run torch's own small ops on one thread (see runner.py).
   void set_threads(int n) { wanted_.store(std::max(0, n)); }
+  int threads() const {
+    const int wanted = wanted_.load(std::memory_order_relaxed);
+    return wanted > 0 ? wanted : at::get_num_threads();
+  }
 
   // Counts since the process started, for the engine's metrics: calls run on the helpers
   // too, calls run on the caller alone while backed off, waits judged stalls, back-offs, and
@@ -82,8 +86,7 @@ class ThreadPool {
   void run(int64_t begin, int64_t end, int64_t grain, const F& f) {
     const int64_t n = end - begin;
     if (n <= 0) return;
-    const int wanted = wanted_.load(std::memory_order_relaxed);
-    const int threads = wanted > 0 ? wanted : at::get_num_threads();
+    const int threads = this->threads();
     thread_local bool inside = false;  // a nested call, or one from a helper, runs serially
     if (threads <= 1 || n <= grain || inside) return serial(begin, end, f);
     if (now_ns() < serial_until_.load(std::memory_order_relaxed)) {

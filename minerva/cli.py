@@ -53,7 +53,7 @@ def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[st
 
 def _load(model: str | None, args, engine: bool = True):
     options = engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
-    llm = LLM(model, device=args.device, dtype=args.dtype, threads=args.threads,
+    llm = LLM(model, device=args.device, kernels=args.kernels, dtype=args.dtype, threads=args.threads,
               quantize=args.quantize, activations=args.activations,
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None), **options)
     c = llm.config
@@ -72,7 +72,37 @@ def _load(model: str | None, args, engine: bool = True):
     if missing:  # say so: the reference path is several times slower
         print(f"note: Minerva's compiled kernels are unavailable ({missing}); running the plain-torch "
               f"reference path", file=sys.stderr)
+    for line in device_notes(llm.device, llm.kernels, asked=args.device is not None):
+        print(line, file=sys.stderr)
     return llm
+
+
+class Version(argparse.Action):
+    """--version: the version, then a line per kernel backend (where it runs, where it is the
+    default), worked out only when asked."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"minerva {__version__}")
+        for line in dispatch.describe():
+            print(f"  kernels {line}")
+        parser.exit()
+
+
+def device_notes(device, kernels: str, asked: bool) -> list[str]:
+    """What a GPU user is told at start-up: which kernels run on the GPU, or why the CPU was
+    chosen though a GPU is present."""
+    if device.type == "cuda":
+        what = {"reference": "the plain-torch reference (dequantized weights, torch matmuls)",
+                "triton": "Minerva's Triton kernels, not yet checked on a GPU"}.get(kernels, kernels)
+        notes = [f"device {device}: kernels {kernels}, {what}"]
+        if kernels == "reference" and dispatch.available("triton"):
+            notes.append("note: --kernels triton runs Minerva's Triton kernels instead (not yet checked on a GPU)")
+        return notes
+    if not asked and torch.cuda.is_available():
+        return ["note: a CUDA GPU is present, but no GPU backend has passed its GPU tests yet, so Minerva runs "
+                "on the CPU; --device cuda runs the plain-torch reference on it (--kernels triton: the Triton "
+                "kernels)"]
+    return []
 
 
 def _stream_one(llm, prompt, params, parser: ReasoningParser | None = None) -> None:
@@ -317,7 +347,8 @@ def _add_conversation_parsers(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="minerva", description="LLM inference for GGUF and SafeTensors models")
-    parser.add_argument("--version", action="version", version=f"minerva {__version__}")
+    parser.add_argument("--version", action=Version, nargs=0,
+                        help="show the version and the kernel backends by device, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="fetch a known model into the model store")

@@ -33,7 +33,9 @@ Prompt = str | list[int]
 
 
 def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The CPU, unless a GPU is present and a GPU backend that has passed its GPU tests is
+    registered (`dispatch.gpu_ready`): the plain-torch reference on a GPU is no default."""
+    return "cuda" if dispatch.gpu_ready() else "cpu"
 
 
 def parse_device(device: str | None) -> torch.device:
@@ -114,7 +116,10 @@ class LLM:
     quantizes activations to 8 bits for integer dot products (`minerva.kernels.act_quant`),
     "float" keeps them float, "auto" (the default) picks int8 where it is the fast choice. Engine options (KV budget and
     precision, batch limits, prefix caching) are the fields of `EngineConfig`;
-    `threads` defaults to the number of physical cores. `tensor_parallel_size` N > 1 splits
+    `threads` defaults to the number of physical cores. `kernels` names the backend that runs
+    on the device (`minerva.kernels.dispatch`: "auto", "reference", "cpu", "triton"); `device`
+    defaults to the CPU unless a GPU backend that has passed its GPU tests is registered.
+    `tensor_parallel_size` N > 1 splits
     the model over N processes on this host (`minerva.parallel`; this process is rank 0 and
     starts the others, each with a 1/N share of the cores by default); under `torchrun`
     every rank constructs the same LLM, and on ranks other than 0 the constructor follows
@@ -128,7 +133,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str = "auto", auto_pull: bool = True, threads: int | None = None,
                  quantize: str | None = None, activations: str = "auto",
-                 tensor_parallel_size: int | None = None, **engine_options):
+                 tensor_parallel_size: int | None = None, kernels: str = "auto", **engine_options):
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
@@ -137,6 +142,7 @@ class LLM:
         self._stop: _Stop | None = None
         self._finalizer: weakref.finalize | None = None
         self.device = parse_device(device)
+        self.kernels = dispatch.choose(self.device.type, kernels)
         # the model first: a wrong name is an error at once, before the kernels are built
         self.path = resolve(model, auto_pull=auto_pull)
         launch.check_size(tensor_parallel_size)
@@ -153,7 +159,7 @@ class LLM:
             threads = launch.threads_per_rank(threads, world)
             spec = dict(model=str(self.path), device=device, dtype=dtype, auto_pull=False, threads=threads,
                         quantize=quantize, activations=activations, tensor_parallel_size=tensor_parallel_size,
-                        **engine_options)
+                        kernels=kernels, **engine_options)
             self.group = launch.join(tensor_parallel_size, spec)
             if self.group is not None and self.group.leader:  # closed however this LLM goes, even half-built
                 self._stop = _Stop(self.group)

@@ -12,6 +12,7 @@ import os
 
 from minerva.engine.engine import EngineConfig
 from minerva.engine.sampler import SamplingParams
+from minerva.kernels import dispatch
 from minerva.kernels.kv_quant import KV_FORMATS
 
 
@@ -40,11 +41,22 @@ def add_no_tune(p: argparse.ArgumentParser) -> None:
                         "(`minerva tune`; MINERVA_NO_TUNE=1 does the same)")
 
 
+def add_device_options(p: argparse.ArgumentParser) -> None:
+    """--device and --kernels: where the model runs and which backend's kernels run it."""
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cpu, unless a GPU is present and a GPU backend that "
+                        "has passed its GPU tests is registered; `minerva --version` lists them)")
+    p.add_argument("--kernels", default="auto", choices=["auto", *dispatch.BACKENDS],
+                   help="the kernels that run on the device: auto (the device's checked backend, else the "
+                        "reference), reference (plain torch), cpu (Minerva's C++ kernels) or triton (the GPU "
+                        "kernels; not yet checked on a GPU, so only when asked for)")
+
+
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="MODEL",
                    help="the model, as the MODEL argument takes it (a pulled name, a .gguf file or a Hugging "
                         "Face directory), for those used to vLLM's --model")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if present, else cpu)")
+    add_device_options(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
                         "GPUs, else float32)")

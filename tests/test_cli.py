@@ -43,6 +43,21 @@ def test_reference_path_is_announced(tiny):
     assert "reference path" in proc.stderr
 
 
+
+def test_kernels_by_name(tiny):
+    """--kernels reference runs the plain-torch path, greedy text as the C++ kernels' (float
+    activations on the tiny model); a backend the device cannot run is one error line;
+    --version lists the backends and where each is the default."""
+    common = ("generate", str(tiny), "hello", "--raw", "-n", "8", "--temperature", "0", "--ignore-eos",
+              "--dtype", "float32", "--activations", "float")
+    ref, cpu = run(*common, "--kernels", "reference"), run(*common, "--kernels", "cpu")
+    assert ref.returncode == 0 and cpu.returncode == 0, (ref.stderr, cpu.stderr)
+    assert ref.stdout == cpu.stdout and ref.stdout.strip()
+    assert_clean_error(run(*common, "--kernels", "triton"), "--kernels triton runs on cuda, not on --device cpu")
+    version = run("--version")
+    assert version.returncode == 0 and "kernels cpu: runs on cpu; default on cpu" in version.stdout, version.stdout
+    assert "kernels reference: runs on cpu, cuda" in version.stdout
+
 def test_missing_file(tmp_path):
     assert_clean_error(run("generate", str(tmp_path / "nope.gguf"), "hi"), "nope.gguf")
 

@@ -74,3 +74,69 @@ def test_a_device_type_without_a_backend_covers_nothing():
     assert b.op_kernel(torch.empty(2, 64, device="meta")) is None
     assert b.default_dtype(torch.device("meta")) == "float32"
     assert PackedWeight(packed.to("meta"), Q8_0, (8, 64), torch.float32).kernel is None
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No backend chosen or loaded yet; both put back afterwards."""
+    monkeypatch.setattr(dispatch, "_chosen", {})
+    monkeypatch.setattr(dispatch, "_loaded", {})
+
+
+def test_backends_by_name_and_the_default_on_each_device(fresh, monkeypatch):
+    from minerva import llm as llm_module
+    assert set(dispatch.BACKENDS) == {"reference", "cpu", "triton"}
+    assert dispatch.auto_name("cpu") == "cpu"
+    assert dispatch.auto_name("cuda") == "reference"  # the Triton kernels have not run on a GPU yet
+    assert dispatch.auto_name("meta") == "reference"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU present ...
+    assert not dispatch.gpu_ready() and llm_module.default_device() == "cpu"  # ... is not the default
+    if dispatch.available("triton"):  # once the GPU backend has passed on a GPU, it is
+        monkeypatch.setattr(dispatch.backend_class("triton"), "checked", ("cuda",))
+        assert dispatch.auto_name("cuda") == "triton" and dispatch.gpu_ready()
+        assert llm_module.default_device() == "cuda"
+
+
+def test_a_named_backend_runs_and_auto_puts_the_default_back(fresh):
+    assert dispatch.choose("cpu", "reference") == "reference"
+    assert type(dispatch.backend("cpu")) is KernelBackend
+    packed, _ = q8_weight()
+    assert PackedWeight(packed, Q8_0, (8, 64), torch.float32).kernel is None  # the reference multiplies
+    assert dispatch.choose("cpu", None) == "cpu" and dispatch.backend("cpu").name == "cpu"
+    if dispatch.available("triton"):
+        assert dispatch.choose("cuda", "triton") == "triton"  # asked for by name, on the device it runs on
+        assert dispatch.backend_class("triton").name == "triton"
+
+
+@pytest.mark.parametrize("kind, name, message", [
+    ("cpu", "triton", "--kernels triton runs on cuda, not on --device cpu"),
+    ("cuda", "cpu", "--kernels cpu runs on cpu, not on --device cuda"),
+    ("cpu", "fast", "unknown --kernels 'fast'; choose auto, reference, cpu, triton"),
+])
+def test_a_backend_the_device_cannot_run_is_one_clear_error(fresh, kind, name, message):
+    from minerva.errors import MinervaError
+    if name == "triton" and not dispatch.available("triton"):
+        pytest.skip("Triton is not installed")
+    with pytest.raises(MinervaError, match=message.replace("(", r"\(")):
+        dispatch.choose(kind, name)
+    assert kind not in dispatch._chosen
+
+
+def test_a_backend_whose_package_is_missing_says_what_to_install(fresh, monkeypatch):
+    from minerva.errors import MinervaError
+    monkeypatch.setitem(dispatch.NEEDS, "triton", "no_such_package_here")
+    with pytest.raises(MinervaError, match="--kernels triton needs the no_such_package_here package: pip install"):
+        dispatch.choose("cuda", "triton")
+    assert any(line.startswith("triton: not installed") for line in dispatch.describe())
+
+
+def test_the_gpu_user_is_told_what_runs(fresh, monkeypatch):
+    from minerva import cli
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    [note] = cli.device_notes(torch.device("cpu"), "cpu", asked=False)
+    assert "a CUDA GPU is present" in note and "--device cuda" in note
+    assert cli.device_notes(torch.device("cpu"), "cpu", asked=True) == []
+    lines = cli.device_notes(torch.device("cuda"), "reference", asked=True)
+    assert lines[0] == "device cuda: kernels reference, the plain-torch reference (dequantized weights, torch matmuls)"
+    assert cli.device_notes(torch.device("cuda"), "triton", asked=True)[0].startswith(
+        "device cuda: kernels triton, Minerva's Triton kernels, not yet checked on a GPU")

@@ -8,7 +8,7 @@ import argparse
 from minerva.bench.peers import PEERS
 from minerva.errors import MinervaError
 from minerva.engine.engine import EngineConfig
-from minerva.options import ACTIVATIONS_HELP, DECODE_STEPS_HELP, TP_HELP, add_no_tune
+from minerva.options import ACTIVATIONS_HELP, DECODE_STEPS_HELP, TP_HELP, add_device_options, add_no_tune
 
 
 def ints(text: str) -> list[int]:
@@ -32,6 +32,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
                    help="pulled name, .gguf file or Hugging Face directory (default smollm2-135m)")
     q.add_argument("--compare", action="append", default=[], choices=PEERS,
                    help="also run this peer on the same model file (repeatable)")
+    add_device_options(q)
     q.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     add_no_tune(q)
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],

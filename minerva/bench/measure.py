@@ -21,7 +21,8 @@ def load_minerva(args) -> tuple[LLM, SystemInfo]:
     # Prompts are random, so the prefix cache only ever hits where a test puts context
     # first on purpose (pp at a depth).
     speculative = speculative_options(args) if getattr(args, "speculative", None) is not None else {}
-    llm = LLM(args.model, dtype=args.dtype, threads=args.threads, quantize=args.quantize,
+    llm = LLM(args.model, device=args.device, kernels=args.kernels, dtype=args.dtype, threads=args.threads,
+              quantize=args.quantize,
               activations=args.activations, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(64, getattr(args, "max_batch", 0)),
               max_num_batched_tokens=args.max_num_batched_tokens,

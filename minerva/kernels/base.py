@@ -30,6 +30,8 @@ class KernelBackend:
     the plain-torch reference."""
 
     name = "reference"
+    devices: tuple[str, ...] = ("cpu", "cuda")  # the device types it runs on
+    checked: tuple[str, ...] = ("cpu", "cuda")  # those where it passed its tests on real hardware
     unavailable_reason: str | None = None
 
     def matmul_kernel(self, qtype, dtype: torch.dtype):

@@ -23,6 +23,7 @@ class CpuBackend(KernelBackend):
     float32 or bfloat16 activations; the compiled module is loaded once (`native.load`)."""
 
     name = "cpu"
+    devices = checked = ("cpu",)
 
     def __init__(self):
         self.module = native.load()

@@ -1,9 +1,10 @@
 """The GPU backend: the Triton kernels of this package behind `KernelBackend`'s questions.
 
-Not registered in `dispatch.BACKENDS` yet: its kernels have run under Triton's interpreter
-only (tests/test_triton_backend.py runs a whole model through them on the CPU), and
-`--device cuda` keeps the plain-torch reference path until they have been checked and
-measured on a GPU. Registering it is then one line in dispatch.py.
+Registered in `dispatch.BACKENDS` as `triton`, but not yet the default on a GPU: its kernels
+have run under Triton's interpreter only (tests/test_triton_backend.py runs a whole model
+through them on the CPU), so `--device cuda` runs the plain-torch reference unless
+`--kernels triton` asks for these. Once benchmarks/gpu_check.py has passed on a GPU, "cuda"
+joins `checked` and they become the default there.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class TritonBackend(KernelBackend):
     Python `forward` over these kernels."""
 
     name = "triton"
+    devices = ("cuda",)
+    checked = ()  # not yet run on a GPU
 
     def __init__(self):
         self.kernels = TritonKernels()

@@ -98,7 +98,7 @@ class PackedWeight:
         embedding, whose row lookups each step would have to undo it."""
         self.int8 = act_quant.applies(self.qtype)
         if (self.int8 and regroup and not self.regrouped and self.kernel is not None
-                and self.qtype in repack.TYPES and self.packed.device.type == "cpu"):
+                and self.qtype in repack.TYPES and hasattr(self.kernel, "regroup_")):  # the C++ kernels
             self.packed = repack.regroup_in_place(self.packed, self.qtype, *self.shape, self.kernel)
             self.qtype_id = int(self.qtype) | repack.REGROUPED
             self.regrouped = True

@@ -14,7 +14,7 @@ import sys
 
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
-from minerva.formats.reasoning import ReasoningParser
+from minerva.parsers.reasoning import ReasoningParser
 from minerva.store import store_root
 
 # /set parameter NAME: the SamplingParams field it sets and how its value is read (Ollama's

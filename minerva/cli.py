@@ -17,7 +17,7 @@ from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
 from minerva.chat import ReplyWriter
-from minerva.formats.reasoning import ReasoningParser
+from minerva.parsers.reasoning import ReasoningParser
 from minerva.kernels import dispatch, tune
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb

@@ -17,9 +17,9 @@ from minerva.engine.request import CompletionOutput, Request, RequestOutput, Str
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import render_chat
-from minerva.formats.reasoning import reasoning_for
-from minerva.formats.tool_parsers import join_pieces
-from minerva.formats.tools import make_plan, tools_for
+from minerva.parsers.reasoning import reasoning_for
+from minerva.parsers.tool_calls import join_pieces
+from minerva.parsers.tools import make_plan, tools_for
 from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
 from minerva.models.loader import LoadedModel, load_model, read_config
@@ -219,7 +219,7 @@ class LLM:
                             tools: list[dict] | None = None, **variables) -> str:
         """The prompt of a conversation; `tools` (OpenAI's function tools) and `variables` (e.g.
         reasoning_effort) go to the template too. Tools, tool calls and tool results are rendered
-        by the template when it supports them, else in the built-in format (`formats.tools`)."""
+        by the template when it supports them, else in the built-in format (`parsers.tools`)."""
         if tools or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
             messages, extra = self.tool_format.render(messages, tools)
             variables = {**variables, **extra}

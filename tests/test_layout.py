@@ -103,6 +103,22 @@ def test_no_import_cycle():
     assert cycles(graph) == []
 
 
+
+# packages that import none of the packages named beside them (the layers below the engine)
+BELOW = {
+    "minerva.formats": ("minerva.engine", "minerva.parsers", "minerva.serve", "minerva.llm", "minerva.cli"),
+    "minerva.kernels": ("minerva.engine", "minerva.parsers", "minerva.serve", "minerva.llm", "minerva.models"),
+    "minerva.engine": ("minerva.parsers", "minerva.serve", "minerva.llm", "minerva.cli"),
+}
+
+
+def test_the_lower_layers_import_nothing_above_them():
+    graph, _ = import_graph()
+    climbs = [f"{m} imports {d}" for m, deps in sorted(graph.items()) for low, above in BELOW.items()
+              if m == low or m.startswith(low + ".") for d in sorted(deps)
+              if any(d == a or d.startswith(a + ".") for a in above)]
+    assert climbs == []
+
 def test_no_minerva_import_inside_a_function():
     _, inside = import_graph()
     assert inside == []

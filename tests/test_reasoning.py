@@ -1,4 +1,4 @@
-"""Reasoning parsers (minerva/formats/reasoning.py) on recorded output streams, and how a model's
+"""Reasoning parsers (minerva/parsers/reasoning.py) on recorded output streams, and how a model's
 format, decoding and stop tokens are chosen from its tokenizer.
 
 The streams are written the way the models write them: harmony as OpenAI's harmony format
@@ -12,7 +12,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from minerva.formats.reasoning import (HARMONY, HARMONY_MARKERS, THINK, format_for, reasoning_for, route,
+from minerva.parsers.reasoning import (HARMONY, HARMONY_MARKERS, THINK, format_for, reasoning_for, route,
                                        split_text)
 from minerva.formats.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from minerva import LLM
-from minerva.formats.tools import make_plan
+from minerva.parsers.tools import make_plan
 from tests.helpers.scripted import HARMONY_TEMPLATE, HARMONY_TOKENS, scripted
 from tests.helpers.server import running_server
 from tests.helpers.tiny_gguf import write_tiny_llama

@@ -16,10 +16,10 @@ from transformers import PreTrainedTokenizerFast
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import GEMMA3_TEMPLATE, render_chat
-from minerva.formats.reasoning import HarmonyParser
-from minerva.formats.tool_parsers import (HarmonyCallParser, HermesParser, Llama3Parser, MistralParser, NamedParser,
+from minerva.parsers.reasoning import HarmonyParser
+from minerva.parsers.tool_calls import (HarmonyCallParser, HermesParser, Llama3Parser, MistralParser, NamedParser,
                                           RequiredParser, join_pieces)
-from minerva.formats.tools import ToolFormat, detect, make_plan
+from minerva.parsers.tools import ToolFormat, detect, make_plan
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",

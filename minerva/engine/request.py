@@ -96,7 +96,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None  # one per token when asked for
     reasoning: str | None = None  # what `LLM.chat` split off as reasoning (text is then the answer)
-    tool_calls: list | None = None  # the `formats.tools.ToolCall`s `LLM.chat` read out of the reply
+    tool_calls: list | None = None  # the `parsers.tools.ToolCall`s `LLM.chat` read out of the reply
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative_tokens: int | None = None  # guesses per step: None = the engine's setting, 0 = off
     # Leave special tokens out of the text; a chat reply whose reasoning parser reads markers
-    # that are special tokens (harmony's) keeps them (see minerva/formats/reasoning.py).
+    # that are special tokens (harmony's) keeps them (see minerva/parsers/reasoning.py).
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrain the output (JSON schema, regex, choice, grammar)
     # Keep the last prompt token's final hidden state, L2-normalized, as Request.embedding

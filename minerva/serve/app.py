@@ -28,9 +28,9 @@ from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.errors import MinervaError
 from minerva.formats.chat import TemplateLimitError
 from minerva.engine.structured import StructuredOutput
-from minerva.formats.reasoning import ReasoningParser
-from minerva.formats.tool_parsers import ToolParser, join_pieces
-from minerva.formats.tools import ToolPlan
+from minerva.parsers.reasoning import ReasoningParser
+from minerva.parsers.tool_calls import ToolParser, join_pieces
+from minerva.parsers.tools import ToolPlan
 from minerva.serve import convert
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine, EngineDead, Group, QueueFull

@@ -23,8 +23,8 @@ from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import RESERVED_VARIABLES
-from minerva.formats.tool_parsers import CallPiece, ToolCall
-from minerva.formats.tools import ToolFormat, ToolPlan, make_plan
+from minerva.parsers.tool_calls import CallPiece, ToolCall
+from minerva.parsers.tools import ToolFormat, ToolPlan, make_plan
 from minerva.serve import protocol as P
 
 DONE = "data: [DONE]\n\n"

@@ -20,7 +20,7 @@ import json
 import uuid
 from typing import Any, ClassVar, Sequence
 
-from minerva.formats.reasoning import partial_marker
+from minerva.parsers.reasoning import partial_marker
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -333,7 +333,7 @@ class RequiredParser(ToolParser):
 
 class HarmonyCallParser(ToolParser):
     """GPT-OSS: a call is a harmony message addressed to `functions.NAME`, which the reply's
-    reasoning parser (`formats.reasoning.HarmonyParser`, fed first) keeps out of the reasoning
+    reasoning parser (`parsers.reasoning.HarmonyParser`, fed first) keeps out of the reasoning
     and the answer and collects in its `calls`; the content passes through unchanged."""
 
     def __init__(self, source, parallel: bool = True, names: frozenset[str] | None = None) -> None:

@@ -14,7 +14,7 @@ does not (SmolLM2's, Gemma 3's) gets the **built-in format**, Hermes' (the one Q
 - tool results become a user message of `<tool_response>...</tool_response>` blocks (one
   message for a run of results, so templates that insist on alternating roles accept it).
 
-**The reply** is read by the parsers of `formats.tool_parsers`.
+**The reply** is read by the parsers of `parsers.tool_calls`.
 
 **Forced calls.** `tool_choice: "required"` and a named function are enforced with structured
 output, so the arguments always parse against the function's schema: a named function's reply
@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from minerva.engine.structured import JSON_OPTIONS, StructuredOutput
 from minerva.errors import MinervaError
-from minerva.formats.tool_parsers import (MISTRAL_CALLS, PARSERS, PYTHON_TAG, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
+from minerva.parsers.tool_calls import (MISTRAL_CALLS, PARSERS, PYTHON_TAG, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
                                           HarmonyCallParser, NamedParser, RequiredParser, ToolParser)
 
 BUILTIN_INSTRUCTIONS = (

@@ -9,7 +9,7 @@ Two formats, chosen per model by `reasoning_for(tokenizer)`:
   about what it is doing (a "preamble"), not the answer, so it goes with the reasoning. A
   message addressed to a recipient (` to=functions.x`, ` to=python`) is a tool call, neither
   reasoning nor answer: a call of one of the request's functions (`to=functions.NAME`) is
-  kept in the parser's `calls` for the tool-call parser (`formats.tool_parsers`), one to a
+  kept in the parser's `calls` for the tool-call parser (`parsers.tool_calls`), one to a
   built-in tool (python, browser), which this server does not run, is dropped. So are
   messages of any role other than the assistant's, and text outside a message body (a header
   the output cut short, stray text between messages).

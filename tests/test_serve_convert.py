@@ -238,7 +238,7 @@ def test_reasoning_replies_carry_reasoning_content():
     assert P.ChatCompletionResponse.model_validate(body).choices[0].message.reasoning_content == "They greet me."
     deltas = [reply.delta(0, "", None, [], reasoning="They"), reply.delta(0, "Hi", None, [], reasoning=" greet."),
               reply.delta(0, "!", None, []), reply.delta(0, "", "stop", [])]
-    assert [d["delta"] for d in deltas] == [{"reasoning_content": "They"},
+    assert [d.model_dump(exclude_unset=True)["delta"] for d in deltas] == [{"reasoning_content": "They"},
                                             {"reasoning_content": " greet.", "content": "Hi"},
                                             {"content": "!"}, {}]
     for d in deltas:

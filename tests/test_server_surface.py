@@ -84,7 +84,9 @@ def test_port_in_use_is_refused_before_loading(tmp_path):
 
 def test_version():
     r = subprocess.run([sys.executable, "-m", "minerva", "--version"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.strip() == f"minerva {__version__}" and re.match(r"\d+\.\d+", __version__)
+    first, *backends = r.stdout.splitlines()
+    assert r.returncode == 0 and first == f"minerva {__version__}" and re.match(r"\d+\.\d+", __version__)
+    assert [b.split(":")[0] for b in backends] == ["  kernels reference", "  kernels cpu", "  kernels triton"]
 
 
 def test_the_chat_page_is_served_without_the_api_key(tiny):

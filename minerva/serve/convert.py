@@ -309,7 +309,8 @@ class Reply:
                 "choices": choices, "usage": usage, "timings": timings}
 
     def delta(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-              offset: int = 0, reasoning: str = "", pieces: Sequence[CallPiece] = ()) -> dict:
+              offset: int = 0, reasoning: str = "", pieces: Sequence[CallPiece] = ()
+              ) -> P.ChatChunkChoice | P.CompletionChoice:
         """One choice of a stream chunk (a chat delta carries no content once it has finished;
         with reasoning or tool calls, only the fields that have something new)."""
         lp = self.logprobs(items, offset)
@@ -321,20 +322,23 @@ class Reply:
                 delta["content"] = text
             if pieces:
                 delta["tool_calls"] = [piece_delta(p) for p in pieces]
-            return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            return P.ChatChunkChoice(index=index, delta=P.ChatDelta(**delta), logprobs=lp,
+                                            finish_reason=finish)
+        return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
 
-    def opening(self, prefixes: list[str]) -> list[dict]:
+    def opening(self, prefixes: list[str]) -> list:
         """The choices of the first chunk: the assistant role of every chat choice, or the echoed
         prompts of a text completion; none when there is nothing to say yet."""
         if self.chat:
-            return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None} for i in range(len(prefixes))]
+            return [P.ChatChunkChoice(index=i, delta=P.ChatDelta(role="assistant", content=""),
+                                             logprobs=None, finish_reason=None) for i in range(len(prefixes))]
         return [self.delta(i, p, None, []) for i, p in enumerate(prefixes) if p]
 
-    def chunk(self, choices: list[dict], **extra) -> str:
-        """A server-sent event with one chunk."""
-        return f"data: {json.dumps({**self.head, 'choices': choices, **extra}, allow_nan=False)}\n\n"
+    def chunk(self, choices: list, **extra) -> str:
+        """A server-sent event with one chunk (`extra`: usage and timings, with no choices)."""
+        kind = P.ChatCompletionChunk if self.chat else P.CompletionChunk
+        body = kind(**self.head, choices=choices, **extra).model_dump(exclude_unset=True)
+        return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
 
 def finish_reason(finish: str | None, calls: Sequence | bool) -> str | None:
@@ -342,11 +346,12 @@ def finish_reason(finish: str | None, calls: Sequence | bool) -> str | None:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-def piece_delta(p: CallPiece) -> dict:
+def piece_delta(p: CallPiece) -> P.ToolCallDelta:
     """A stream's tool-call delta: the id, type and name with the first piece of a call."""
-    function = {"arguments": p.arguments} if p.name is None else {"name": p.name, "arguments": p.arguments}
-    head = {"id": p.id, "type": "function"} if p.name is not None else {}
-    return {"index": p.index, **head, "function": function}
+    if p.name is None:
+        return P.ToolCallDelta(index=p.index, function=P.FunctionCallDelta(arguments=p.arguments))
+    return P.ToolCallDelta(index=p.index, id=p.id, type="function",
+                                  function=P.FunctionCallDelta(name=p.name, arguments=p.arguments))
 
 
 def stream_error(exc: Exception) -> str:

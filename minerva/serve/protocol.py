@@ -379,6 +379,61 @@ class CompletionResponse(BaseModel):
     timings: Timings | None = None
 
 
+
+# ------------------------------------------------------------------ stream chunks
+# Each is written with exclude_unset: a chunk holds the fields given to it, no more (a chat
+# delta only what is new; logprobs and finish_reason always, null or not).
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(None, description="With the first piece of a call")
+    arguments: str = Field(description="The next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(BaseModel):
+    index: int = Field(description="Which call of the reply this piece belongs to")
+    id: str | None = Field(None, description="With the first piece of a call")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(None, description="In the first chunk")
+    content: str | None = None
+    reasoning_content: str | None = Field(None, description="New thoughts of a reasoning model")
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="In a last chunk with no choices, with stream_options.include_usage")
+    timings: Timings | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One server-sent event of a streamed text completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -8,8 +8,6 @@ speculative verification (1 + k tokens) all take this same path.
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -18,6 +16,7 @@ import torch
 from minerva.engine.rejection import greedy_verify, probabilities, states_along, verify
 from minerva.engine.sampler import check_logits, greedy_tokens, plain, plain_greedy, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, Scheduled, SchedulerOutput
+from minerva.engine.step_batch import DRAFT, FORWARD, STOP, Seq, StepBatch
 from minerva.engine.structured import apply_mask_, fill_masks
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
 from minerva.models.causal_lm import CausalLM
@@ -73,29 +72,26 @@ class PagedBackend:
         return None if args is None else (*(per_layer[layer] for per_layer in args[:6]), *args[6:])
 
 
-@dataclass
-class Seq:
-    """One sequence's part of a forward: tokens at positions start.., its block table per
-    group of the cache's layout (`BlockManager.block_tables`), and how many of its last
-    rows need logits."""
-
-    token_ids: list[int]
-    start: int
-    tables: list[Sequence[int]]  # int64 arrays from the block manager, or lists
-    logit_rows: int = 0
-
-
 def burstable(r) -> bool:
     """Whether a request's decode steps can run in a burst (`ModelRunner._burst`): each token
     sampled from its logits alone (`plain`), no logprobs, not an embedding."""
     return plain(r.sampler) and r.params.logprobs is None and not r.params.embedding
 
 
-STOP, FORWARD, DRAFT = 0, 1, 2  # the kinds of step a tensor-parallel leader broadcasts
 _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minerva-masks")  # see ModelRunner.execute
-HEADER = 5  # kind, T, B, table width, logit rows
-ZERO = array("q", [0])
+__all__ = ["DRAFT", "FORWARD", "ModelRunner", "PagedBackend", "Seq"]
 
+
+def prepare(output: SchedulerOutput) -> list[Seq]:
+    """Each scheduled request's part of the forward: its new tokens from where its KV stops,
+    its block tables, and the rows that need logits (1 + its guesses when it samples)."""
+    seqs = []
+    for s, tables in zip(output.scheduled, output.block_tables):
+        r = s.request
+        lo = r.num_computed_tokens
+        rows = (1 + len(r.draft_token_ids)) if s.samples else 0
+        seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows))
+    return seqs
 
 class ModelRunner:
     """Runs forwards over the paged pool. Under tensor parallelism (`comm`) the leader
@@ -107,7 +103,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: PagedKVCache, device: torch.device, comm=None,
                  kind: int = FORWARD):
         self.model, self.cache, self.device = model, cache, device
-        self._step: array | None = None  # the last forward's step buffer (`forward`)
+        self._step: StepBatch | None = None  # the last forward's batch (`forward`)
         self._last: tuple | None = None  # its token ids and context, when they view that buffer
         self.block_size = cache.block_size
         self.comm, self.kind = comm, kind
@@ -119,53 +115,25 @@ class ModelRunner:
     def forward(self, seqs: list[Seq], check: bool = True) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
         order (None if none), refused if NaN/+inf unless `check` is False (the caller checks)."""
-        ids, pos, starts, seq_lens, logit_rows = [], [], [0], [], []
-        groups = self.cache.layout.num_groups
-        slots: list[list[int]] = [[] for _ in range(groups)]
-        bs = self.block_size
-        for s in seqs:
-            lo, hi = s.start, s.start + len(s.token_ids)
-            ids += s.token_ids
-            pos += range(lo, hi)
-            for g, table in enumerate(s.tables):
-                slots[g] += [table[p // bs] * bs + p % bs for p in range(lo, hi)]
-            starts.append(starts[-1] + len(s.token_ids))
-            seq_lens.append(hi)
-            logit_rows += range(starts[-1] - s.logit_rows, starts[-1])
-        width = max(len(t) for s in seqs for t in s.tables)
-        header = [self.kind, len(ids), len(seqs), width, len(logit_rows)]
-        # one int64 buffer, filled in C (the tables copied whole from the block manager's
-        # arrays: O(context) in C, not Python), and one tensor over it
-        step = array("q", header)
-        for part in (ids, pos, *slots, starts, seq_lens):
-            step.extend(part)
-        for g in range(groups):
-            for s in seqs:
-                step.extend(s.tables[g])
-                step.extend(ZERO * (width - len(s.tables[g])))
-        step.extend(logit_rows)
-        self._step = step  # what a burst's next forwards change in place (`_next`)
-        step = torch.frombuffer(step, dtype=torch.int64)
+        batch = self._step = StepBatch.pack(seqs, self.cache.layout.num_groups, self.block_size, self.kind)
         if self.comm is not None:
-            self.comm.broadcast(step)
-        return self._run(step, header, check)
+            self.comm.broadcast(batch.tensor)
+        return self._run(batch.tensor, batch.header, check)
 
     @torch.inference_mode()
     def _run(self, step: torch.Tensor, header: list[int] | None = None, check: bool = True) -> torch.Tensor | None:
-        _, T, B, width, L = step[:HEADER].tolist() if header is None else header
-        G = self.cache.layout.num_groups
-        body = step[HEADER:] if step.device == self.device else step[HEADER:].to(self.device)
-        ids, pos, slots, starts, seq_lens, tables, logit_rows = body.split([T, T, G * T, B + 1, B, G * B * width, L])
+        """prepare (the step's views and attention metadata) -> forward -> the logits asked for."""
+        v = StepBatch.unpack(step, self.cache.layout.num_groups, self.device, header)
+        ids, pos, logit_rows, T, L = v.ids, v.positions, v.logit_rows, v.ids.shape[0], v.logit_rows.shape[0]
         # a windowed group's entries behind its window (NULL) are never read: 0 stands in
-        tables = tables.view(G, B, width)
-        backend = PagedBackend(self.cache, slots.view(G, T), starts, seq_lens,
-                               tables.clamp(min=0) if self.windowed else tables, pos)
+        backend = PagedBackend(self.cache, v.slots, v.query_start_loc, v.seq_lens,
+                               v.tables.clamp(min=0) if self.windowed else v.tables, pos)
         ctx = AttentionContext(pos, backend)
         self._last = None
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)
             self.hidden_rows = hidden  # the final hidden states the logits come from (embeddings)
-            self._last = (ids, ctx) if step.device == self.device else None  # else body is a copy
+            self._last = None if v.copied else (ids, ctx)  # views of the buffer a burst advances
         else:
             hidden = self.model(ids, ctx)
             if not L:
@@ -182,7 +150,7 @@ class ModelRunner:
         runners = {FORWARD: self, DRAFT: draft}
         while True:
             step = self.comm.broadcast(None)
-            kind = int(step[0])
+            kind = StepBatch.kind_of(step)
             if kind == STOP:
                 return
             runners[kind]._run(step)
@@ -190,7 +158,7 @@ class ModelRunner:
     def stop(self) -> None:
         """The leader's last broadcast: the followers leave `follow`."""
         if self.comm is not None:
-            self.comm.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.int64))
+            self.comm.broadcast(StepBatch.stop())
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, interrupt=None) -> list[Sampled | None]:
@@ -199,12 +167,7 @@ class ModelRunner:
         one more, in a burst (Scheduled.steps) one per forward. `interrupt()` true ends a
         burst after the forward in progress (the server: a request arrived)."""
         batch = output.scheduled
-        seqs = []
-        for s, tables in zip(batch, output.block_tables):
-            r = s.request
-            lo = r.num_computed_tokens
-            rows = (1 + len(r.draft_token_ids)) if s.samples else 0
-            seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows))
+        seqs = prepare(output)
         steps = min(s.steps for s in batch)
         if steps > 1 and self.comm is None and all(burstable(s.request) for s in batch):
             return self._burst(batch, seqs, steps, interrupt)
@@ -227,9 +190,15 @@ class ModelRunner:
             if early is not None:  # the matchers are the worker's until it is done with them
                 early.exception()
             raise
+        return self._sample(batch, seqs, logits, early)
+
+    def _sample(self, batch: list[Scheduled], seqs: list[Seq], logits: torch.Tensor | None, early) -> list[Sampled | None]:
+        """Each sampling request's tokens from its rows of `logits`: one row sampled (masked by
+        its grammar, whose masks `early` computed during the forward), several verified."""
         out: list[Sampled | None] = [None] * len(batch)
         if logits is None:
             return out
+        width = self.model.config.vocab_size
         plain, row = [], 0  # (batch index, logits row)
         for i, (s, seq) in enumerate(zip(batch, seqs)):
             if seq.logit_rows == 1:
@@ -296,16 +265,8 @@ class ModelRunner:
                     for o, t in zip(out, tokens):
                         o.append((t, None))
                 return out
-        B, G, bs = len(seqs), self.cache.layout.num_groups, self.block_size
-        tables = [[seq.tables[g] for g in range(G)] for seq in seqs]
-        pos0, slot0, len0 = HEADER + B, HEADER + 2 * B, HEADER + 2 * B + G * B + B + 1
-        buf = self._step
         for _ in range(steps - 1):
-            for b, token in enumerate(tokens):
-                p = buf[pos0 + b] + 1
-                buf[HEADER + b], buf[pos0 + b], buf[len0 + b] = token, p, p + 1
-                for g in range(G):
-                    buf[slot0 + g * B + b] = tables[b][g][p // bs] * bs + p % bs
+            self._step.advance(tokens, self.block_size)
             tokens = pick(self._next(check=not greedy))
             for o, t in zip(out, tokens):
                 o.append((t, None))
@@ -316,7 +277,7 @@ class ModelRunner:
     def _next(self, check: bool) -> torch.Tensor:
         """The logits of the step buffer's forward again, after `_burst` changed it."""
         if self._last is None:  # its tensors are copies (another device): made anew
-            return self._run(torch.frombuffer(self._step, dtype=torch.int64), None, check)
+            return self._run(self._step.tensor, self._step.header, check)
         ids, ctx = self._last
         ctx.rope.clear()  # cos/sin of the positions before
         hidden, logits = self.model.forward_logits(ids, ctx)

@@ -3,7 +3,7 @@
 Where the device's backend covers them (on CPU: the C++ kernels, float32 or bfloat16
 activations), RMSNorm, the residual add fused into the next norm, rotary embedding and
 the gated activations each take one kernel call instead of several torch ops; elsewhere
-the torch code below runs. tests/test_ops.py holds the two to each other.
+the torch code below runs. tests/kernels/test_ops.py holds the two to each other.
 """
 
 from __future__ import annotations

@@ -258,7 +258,7 @@ class MoE(Layer):
         """Run the loop over the chosen experts as one call of the backend's kernel (on CPU
         `Experts` in minerva/kernels/csrc/module.cpp) when every expert matmul has a packed
         kernel: the same kernels and ops in the same order as `forward`, so the same bits
-        (tests/test_moe.py), without tens of Python ops per expert."""
+        (tests/models/test_moe.py), without tens of Python ops per expert."""
         lins = [lin for e in self.experts for lin in (*e.gate_up.linears(), e.down)]
         ws = [lin.weight for lin in lins]
         first = self.experts[0]
@@ -335,7 +335,7 @@ class DecoderLayer(Layer):
         """Build this layer as one call of the backend's layer kernel (on CPU the C++
         `DecoderLayer` in minerva/kernels/csrc/module.cpp) when every matmul has a packed
         kernel and the norms and head size suit the kernel's ops. It runs the same kernels
-        in the same order as `forward`, which tests/test_native_layer.py checks bit for bit."""
+        in the same order as `forward`, which tests/kernels/test_native_layer.py checks bit for bit."""
         attn, mlp = self.attn, self.mlp
         if isinstance(mlp, MoE):
             mlp.make_fused()

@@ -12,7 +12,7 @@
 namespace minerva::q8 {
 
 // Choices that differ between CPUs, made once per process from the CPU's vendor; each keeps the
-// results bit for bit (tests/test_repack.py runs every choice). Two are for one row of x
+// results bit for bit (tests/kernels/test_repack.py runs every choice). Two are for one row of x
 // (decode), one for many (prefill).
 //
 // l2_ahead: the one-row kernels (regrouped Q2_K and Q3_K aside: tile_panel; and tile_x8, the

@@ -1,7 +1,7 @@
 """The GPU backend: the Triton kernels of this package behind `KernelBackend`'s questions.
 
 Registered in `dispatch.BACKENDS` as `triton`, but not yet the default on a GPU: its kernels
-have run under Triton's interpreter only (tests/test_triton_backend.py runs a whole model
+have run under Triton's interpreter only (tests/kernels/test_triton_backend.py runs a whole model
 through them on the CPU), so `--device cuda` runs the plain-torch reference unless
 `--kernels triton` asks for these. Once benchmarks/gpu_check.py has passed on a GPU, "cuda"
 joins `checked` and they become the default there.

@@ -2,7 +2,7 @@
 (`minerva/kernels/base.py`): `rms_norm`, `add_rms_norm`, `rope_` and `act_mul`.
 
 Each computes in float32 and rounds once to x's dtype, as the C++ kernels do; one program
-per row (per token and head for the rotary embedding). tests/test_triton_ops.py holds them
+per row (per token and head for the rotary embedding). tests/kernels/test_triton_ops.py holds them
 to the plain-torch references in `minerva.kernels.ops`.
 """
 

@@ -21,7 +21,7 @@ from minerva.models.loader import load_model
 from tests.helpers.paged import paged_logits
 from tests.helpers.tiny_gguf import write_gguf_from_hf
 from tests.helpers.tiny_hf import VOCAB, save, to_mxfp4
-from tests.test_engine import GREEDY, SAMPLED, make_llm, prompts, run_alone
+from tests.engine.test_engine import GREEDY, SAMPLED, make_llm, prompts, run_alone
 
 Q = gguf.GGMLQuantizationType
 

@@ -14,7 +14,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from minerva.kernels import act_quant, repack
 from tests.helpers.quant_blocks import realistic_blocks
-from tests.test_act_quant import kernels, needs_kernels, sample_x  # noqa: F401 (kernels: a fixture)
+from tests.kernels.test_act_quant import kernels, needs_kernels, sample_x  # noqa: F401 (kernels: a fixture)
 
 SMALL = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.MXFP4]  # blocks of 32: the GGML layout's bits exactly
 BLOCKS_OF_32 = SMALL + [QT.Q8_0]

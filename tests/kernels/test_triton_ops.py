@@ -79,7 +79,7 @@ def test_act_mul(dtype, act):
         want = ops.ACTIVATIONS[act](g) * u
     assert got.shape == (6, 1500) and got.dtype == dtype
     # torch's tanh reaches -1 exactly in float32 where the sigmoid form keeps a tail of about
-    # 1e-7: the tolerance tests/test_ops.py gives the C++ kernel, which computes it the same way
+    # 1e-7: the tolerance tests/kernels/test_ops.py gives the C++ kernel, which computes it the same way
     tol = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(got.cpu().float(), want.to(dtype).float(), atol=tol, rtol=tol)
 

@@ -197,7 +197,7 @@ def test_ordinary_templates_render_as_jinja_sandbox(template):
 
 def _long_conversation(n: int = 200) -> list[dict]:
     rng = random.Random(0)
-    words = (Path(__file__).parent / "data" / "prose.txt").read_text().split()
+    words = (Path(__file__).parents[1] / "data" / "prose.txt").read_text().split()
     conversation = [{"role": "system", "content": " ".join(rng.choices(words, k=300))}]
     for i in range(n):
         conversation.append({"role": "user" if i % 2 == 0 else "assistant",

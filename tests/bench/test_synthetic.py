@@ -212,7 +212,7 @@ def test_same_seed_same_bytes(tmp_path):
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     return subprocess.run([sys.executable, "benchmarks/synthetic.py", *args], capture_output=True, text=True,
                           cwd=root, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
 
@@ -293,7 +293,7 @@ def test_gpt_oss_logits_match_llama_cpps(tmp_path, activations):
     sensitivity, not a difference between the engines: Minerva with int8 activations differs
     from Minerva with float activations by the same 2% -> 3.3% (medians over 20 positions),
     with an f32 KV cache in llama.cpp it is unchanged, and Minerva matches transformers to
-    1e-4 on the same layers (tests/test_moe.py). A few positions are further off (measured 6
+    1e-4 on the same layers (tests/models/test_moe.py). A few positions are further off (measured 6
     of 160, 15-40%): there a router's 4th and 5th logits nearly tie (margins below 0.03,
     against a median of 0.25) and the two engines' roundings pick different experts. A block read with the wrong layout is off by about 100%."""
     from llama_cpp import Llama

@@ -1,5 +1,5 @@
 """The Triton paged attention (minerva/kernels/cuda/attention.py) against the float64 dense
-reference of tests/test_paged_attention.py, over pools whose blocks are shuffled across
+reference of tests/kernels/test_paged_attention.py, over pools whose blocks are shuffled across
 requests: prefill from position 0, prefill chunks after a cached prefix, decode; GQA,
 sliding windows, sinks, int8 pools. Without a GPU under Triton's interpreter."""
 
@@ -10,7 +10,7 @@ import torch
 
 from minerva.errors import MinervaError
 from minerva.kernels.attention import as_table_tensor
-from tests.test_paged_attention import HKV, SCALE, Batch, H
+from tests.kernels.test_paged_attention import HKV, SCALE, Batch, H
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[test]')")
 from minerva.kernels.cuda import attention as tattn  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "matrix.py")
 matrix = importlib.util.module_from_spec(spec)
 sys.modules["matrix"] = matrix

@@ -267,7 +267,7 @@ def test_bench_speculative_reports_both_sides(target_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "self:8"])
 def test_greedy_is_unchanged_on_smollm2(smollm2_gguf, smollm2_llm, method):
-    text = (Path(__file__).parent / "data" / "prose.txt").read_text()[:900]
+    text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()[:900]
     prompt = smollm2_llm.apply_chat_template(
         [{"role": "user", "content": f"Repeat this text exactly:\n\n{text}"}])
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

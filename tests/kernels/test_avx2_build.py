@@ -18,11 +18,12 @@ from gguf import GGMLQuantizationType as QT
 
 from minerva.kernels import native, repack
 from tests.helpers.quant_blocks import realistic_blocks
-from tests.test_act_quant import sample_x
+from tests.kernels.test_act_quant import sample_x
 
-ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["test_native_kernels.py", "test_native_layer.py", "test_repack.py", "test_act_quant.py", "test_moe.py",
-           "test_paged_attention.py", "test_ops.py", "test_linear.py"]
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = ["kernels/test_native_kernels.py", "kernels/test_native_layer.py", "kernels/test_repack.py",
+           "kernels/test_act_quant.py", "models/test_moe.py", "kernels/test_paged_attention.py", "kernels/test_ops.py",
+           "kernels/test_linear.py"]
 
 
 @pytest.mark.slow
@@ -61,7 +62,7 @@ def test_int_steps_give_the_bits_of_the_avx2_build(tmp_path):
     kernels = native.load()
     if kernels is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason}")
-    script = ("import sys, torch; from minerva.kernels import native; from tests.test_avx2_build import products; "
+    script = ("import sys, torch; from minerva.kernels import native; from tests.kernels.test_avx2_build import products; "
               "torch.save(products(native.load()), sys.argv[1]); print(native.built)")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "avx2.pt")], cwd=ROOT,
                           env={**os.environ, "MINERVA_ISA": "avx2"}, capture_output=True, text=True, timeout=1200)

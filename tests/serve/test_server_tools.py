@@ -17,7 +17,7 @@ from minerva.parsers.tools import make_plan
 from tests.helpers.scripted import HARMONY_TEMPLATE, HARMONY_TOKENS, scripted
 from tests.helpers.server import running_server
 from tests.helpers.tiny_gguf import write_tiny_llama
-from tests.test_tools import TIME, WEATHER
+from tests.parsers.test_tools import TIME, WEATHER
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import torch
 from minerva.kernels import act_quant, dispatch, native, ops, tune
 from minerva.kernels.attention import attention_kernel
 from minerva.kernels.weights import PackedWeight
-from tests.test_paged_attention import MIXED_BATCH, TOLERANCE, Batch
+from tests.kernels.test_paged_attention import MIXED_BATCH, TOLERANCE, Batch
 
 Q = gguf.GGMLQuantizationType
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

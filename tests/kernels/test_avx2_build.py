@@ -23,7 +23,7 @@ from tests.kernels.test_act_quant import sample_x
 ROOT = Path(__file__).resolve().parents[2]
 MODULES = ["kernels/test_native_kernels.py", "kernels/test_native_layer.py", "kernels/test_repack.py",
            "kernels/test_act_quant.py", "models/test_moe.py", "kernels/test_paged_attention.py", "kernels/test_ops.py",
-           "kernels/test_linear.py"]
+           "kernels/test_linear.py", "kernels/test_backend_ops.py"]
 
 
 @pytest.mark.slow

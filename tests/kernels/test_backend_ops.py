@@ -2,7 +2,8 @@
 test-backend-ops): each backend is chosen by name (`dispatch.choose`), the test checks that
 it, not the reference, covered the case, and compares with an independent reference: the
 `gguf` package's dequantization and a float64 matmul for the packed matrices (float and 8-bit
-activations), the torch formulas of `ops.py` for the small ops, and a dense float64
+activations), the torch formulas of `ops.py` for the small ops (each kernel's own edge
+cases and errors stay in tests/kernels/test_ops.py and test_triton_ops.py), and a dense float64
 attention for the paged attention. The Triton backend runs through Triton's interpreter where
 there is no GPU (conftest.py sets TRITON_INTERPRET)."""
 
@@ -75,30 +76,77 @@ def test_packed_matmuls(backend, activations):
         assert err < 1e-4, (backend.name, qtype.name, activations, float(err))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_ops(backend, dtype):
-    gen = torch.Generator().manual_seed(4)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    x = torch.randn(6, 256, generator=gen).to(dtype).to(DEVICE)
+# the small ops' activation dtypes a backend takes here (Triton's interpreter casts float32 to
+# bfloat16 by truncation, where a GPU rounds to nearest even: bf16 on a GPU only)
+OP_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
+             "triton": (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE == "cuda" else ())}
+TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+G = torch.Generator().manual_seed(0)
+
+
+def _op_input(backend, dtype, *shape, scale=3.0):
+    if dtype not in OP_DTYPES[backend.name]:
+        pytest.skip(f"{backend.name} runs its small ops in {', '.join(map(str, OP_DTYPES[backend.name]))} here")
+    x = (torch.randn(*shape, generator=G) * scale).to(dtype).to(DEVICE)
     assert backend.op_kernel(x) is not None, f"{backend.name} covers no small op for {dtype}"
-    w = (torch.rand(256, generator=gen) + 0.5).to(DEVICE)
-    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), ops.rms_norm_torch(x, w, 1e-6), **tol)
-    a = torch.randn(6, 256, generator=gen).to(dtype).to(DEVICE)
-    h1, h2 = x.clone(), x.clone()
-    got = ops.add_rms_norm(h1, a, w, 1e-6)
-    want = ops.add_rms_norm(h2, a, w, 1e-6, impl="torch")
-    torch.testing.assert_close(h1, h2, **tol)  # the residual stream, updated in place
-    torch.testing.assert_close(got, want, **tol)
-    q = torch.randn(6, 4, 64, generator=gen).to(dtype).to(DEVICE)
-    cos, sin = ops.rope_cos_sin(torch.arange(10, 16, device=DEVICE), 1e4 ** -(torch.arange(32, device=DEVICE) / 32))
-    want = ops.rope_torch(q, cos, sin)
-    torch.testing.assert_close(ops.rope(q.clone(), cos, sin), want, **tol)
-    gate_up = torch.randn(6, 512, generator=gen).to(dtype).to(DEVICE)
-    for act in ("silu", "gelu_tanh"):
-        torch.testing.assert_close(ops.act_mul(gate_up, act), ops.act_mul(gate_up, act, impl="torch"), **tol)
-    if backend.name == "cpu":  # GPT-OSS's clamped SwiGLU: the C++ kernels' only
-        torch.testing.assert_close(ops.act_mul(gate_up, "swiglu_limit", limit=(7.0, 1.702)),
-                                   ops.act_mul(gate_up, "swiglu_limit", impl="torch", limit=(7.0, 1.702)), **tol)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 640), (3, 4, 256)])
+def test_rms_norm(backend, shape, dtype):
+    x = _op_input(backend, dtype, *shape)
+    w = torch.randn(shape[-1], generator=G).to(DEVICE)
+    ours = ops.rms_norm(x, w, 1e-6)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours.float().cpu(), ops.rms_norm_torch(x, w, 1e-6).float().cpu(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_add_rms_norm_updates_the_residual(backend, dtype):
+    h, a = _op_input(backend, dtype, 5, 576, scale=1.0), _op_input(backend, dtype, 5, 576, scale=1.0)
+    w = torch.randn(576, generator=G).to(DEVICE)
+    h_ref = h.clone()
+    ref = ops.add_rms_norm(h_ref, a, w, 1e-5, impl="torch")
+    ours = ops.add_rms_norm(h, a, w, 1e-5)
+    assert torch.equal(h, h_ref)  # the add itself is one elementwise op either way, in h's dtype
+    torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), **TOL[dtype])
+    # one pass adds and normalizes: the norm of the stored (rounded) sums, as rms_norm gives it
+    torch.testing.assert_close(ours, ops.rms_norm(h, w, 1e-5), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("heads,dim", [(9, 64), (4, 256), (1, 32)])
+def test_rope_on_a_strided_view(backend, heads, dim, dtype):
+    """Rotates q inside a fused QKV output (a view with a wider token stride), like the model
+    does, in place; the rest of the row is untouched."""
+    T = 6
+    qkv = _op_input(backend, dtype, T, heads * dim + 2 * dim)
+    q = qkv[:, :heads * dim].view(T, heads, dim)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))).to(DEVICE)
+    cos, sin = ops.rope_cos_sin(torch.tensor([0, 1, 5, 17, 300, 4095], device=DEVICE), inv_freq)
+    ref = ops.rope_torch(q.clone(), cos, sin)
+    rest = qkv[:, heads * dim:].clone()
+    ours = ops.rope(q, cos, sin)
+    assert ours.data_ptr() == q.data_ptr()
+    torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), **TOL[dtype])
+    assert torch.equal(qkv[:, heads * dim:], rest)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swiglu_limit"])
+def test_act_mul(backend, activation, dtype):
+    gu = _op_input(backend, dtype, 9, 2 * 1536, scale=4.0)
+    gu[0, :8] = torch.tensor([-100.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 100.0, 8.0])  # tails of exp
+    gu[1, 1536:1544] = torch.tensor([-100.0, -7.5, -7.0, -6.9, 6.9, 7.0, 7.5, 100.0])  # up around GPT-OSS's limit
+    limit = (7.0, 1.702) if activation == "swiglu_limit" else None
+    ours = ops.act_mul(gu, activation, limit=limit)
+    ref = ops.act_mul(gu.float(), activation, impl="torch", limit=limit).to(dtype)  # in float32, rounded once
+    # gelu_tanh's kernels take the sigmoid form of tanh, whose float32 tail torch's tanh rounds
+    # to -1: a few ulps apart
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), **tol)
 
 
 @pytest.mark.parametrize("window", [None, 5])

@@ -47,33 +47,58 @@ def backend(request, monkeypatch):
     return b
 
 
-def _covered_types(b) -> list[Q]:
-    types = [q for q in tune.TYPES if b.matmul_kernel(q, torch.float32) is not None]
-    assert types, f"{b.name} multiplies no packed type"
+def _covered_types(b, dtype: torch.dtype) -> list[Q]:
+    types = [q for q in tune.TYPES if b.matmul_kernel(q, dtype) is not None]
+    assert types, f"{b.name} multiplies no packed type by {dtype}"
     return types
 
 
-@pytest.mark.parametrize("activations", ["float", "int8"])
-def test_packed_matmuls(backend, activations):
+# the activation dtypes of a backend's float matmuls here (Triton's interpreter's tl.dot is
+# wrong on bfloat16: bf16 on a GPU only)
+MATMUL_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
+                 "triton": (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE == "cuda" else ())}
+EPS = {torch.float32: 2 ** -20, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_packed_matmuls_with_float_activations(backend, dtype):
+    """Each packed type the backend takes against x @ W in float64, W from gguf's dequantization:
+    within the rounding of x's type (float32: products and sums in float32; half types: the
+    weights rounded to x's type, the output rounded once more), at 1, 5 and 40 rows of x."""
+    if dtype not in MATMUL_DTYPES[backend.name]:
+        pytest.skip(f"{backend.name} multiplies {', '.join(map(str, MATMUL_DTYPES[backend.name]))} here")
     gen = torch.Generator().manual_seed(3)
+    rows, cols = 37, 512  # rows past a tile, more than one slice of the row
+    for qtype in _covered_types(backend, dtype):
+        packed = tune.random_blocks(qtype, rows, cols, gen)
+        dense = torch.from_numpy(gguf.dequantize(packed.numpy(), qtype)).reshape(rows, cols).double()
+        w = PackedWeight(packed.to(DEVICE), qtype, (rows, cols), dtype)
+        assert w.kernel is not None, qtype.name
+        for m in (1, 5, 40):  # one row (decode), a few, past a tile of rows
+            x = torch.randn(m, cols, generator=gen).to(dtype)
+            y = w.matmul(x.to(DEVICE))
+            assert y.dtype == dtype and y.shape == (m, rows)
+            ref, mag = x.double() @ dense.T, x.double().abs() @ dense.abs().T
+            assert ((y.cpu().double() - ref).abs() <= EPS[dtype] * mag + 1e-6).all(), (backend.name, qtype.name, m)
+
+
+def test_packed_matmuls_with_int8_activations(backend):
+    """The 8-bit activation path: x rounded to 8 bits a block as `act_quant` does, against
+    that rounded x @ W in float64."""
+    gen = torch.Generator().manual_seed(5)
     rows, cols = 40, 512
-    for qtype in _covered_types(backend):
+    for qtype in _covered_types(backend, torch.float32):
         packed = tune.random_blocks(qtype, rows, cols, gen)
         dense = torch.from_numpy(gguf.dequantize(packed.numpy(), qtype)).reshape(rows, cols).double()
         w = PackedWeight(packed.to(DEVICE), qtype, (rows, cols), torch.float32)
-        assert w.kernel is not None, qtype.name
+        w.use_int8_activations()
+        if not w.int8:
+            continue
         x = torch.randn(5, cols, generator=gen)
-        if activations == "int8":
-            w.use_int8_activations()
-            if not w.int8:
-                continue
-            x_ref = act_quant.round_trip(x, act_quant.block_for(qtype)).double()
-        else:
-            x_ref = x.double()
-        ref = x_ref @ dense.T
+        ref = act_quant.round_trip(x, act_quant.block_for(qtype)).double() @ dense.T
         out = w.matmul(x.to(DEVICE)).double().cpu()
         err = (out - ref).abs().max() / ref.abs().max()
-        assert err < 1e-4, (backend.name, qtype.name, activations, float(err))
+        assert err < 1e-4, (backend.name, qtype.name, float(err))
 
 
 # the small ops' activation dtypes a backend takes here (Triton's interpreter casts float32 to
@@ -149,11 +174,14 @@ def test_act_mul(backend, activation, dtype):
     torch.testing.assert_close(ours.float().cpu(), ref.float().cpu(), **tol)
 
 
+@pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("fmt, dtype", [("float32", torch.float32), ("int8", torch.float32),
                                         ("auto", torch.bfloat16)])
-def test_paged_attention(backend, fmt, dtype, window):
-    batch = Batch(MIXED_BATCH, 16, fmt, fmt, dtype=dtype, device=DEVICE)
+def test_paged_attention(backend, fmt, dtype, window, block_size):
+    """Prefill from 0, chunks after a cached prefix and decodes, over a pool whose blocks are
+    shuffled across requests, against a dense float64 attention."""
+    batch = Batch(MIXED_BATCH, block_size, fmt, fmt, dtype=dtype, device=DEVICE)
     batch.q = batch.q.to(dtype)
     assert attention_kernel(dtype, batch.cache) is not None, f"{backend.name} does not attend over {fmt} pools"
     ours = batch.paged(window).double()

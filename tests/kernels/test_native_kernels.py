@@ -8,9 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
-from gguf.quants import quantize as gguf_quantize
 
 from minerva.kernels import native
 from tests.helpers.quant_blocks import bits, random_blocks, realistic_blocks

@@ -1,6 +1,6 @@
-"""The Triton packed-weight kernels (minerva/kernels/cuda/qmatmul.py) against the references:
-the gguf package's dequantization, bit for bit, and a float64 matmul of the dequantized
-weights. Without a GPU they run under Triton's interpreter on the CPU (float16 and float32
+"""The Triton packed-weight kernels' own cases (minerva/kernels/cuda/qmatmul.py): their
+dequantization against the gguf package's, bit for bit, and their argument errors (their
+matmuls against a float64 one are tests/kernels/test_backend_ops.py's, for every backend). Without a GPU they run under Triton's interpreter on the CPU (float16 and float32
 x there: the interpreter's tl.dot is wrong on bfloat16); on a GPU, bfloat16 too."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize
 
 from minerva.errors import MinervaError
-from tests.helpers.quant_blocks import bits, random_blocks, realistic_blocks
+from tests.helpers.quant_blocks import bits, random_blocks
 
 GPU = torch.cuda.is_available()  # without one, conftest.py has set TRITON_INTERPRET before triton's import
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[test]')")
@@ -20,7 +20,6 @@ from minerva.kernels.cuda import qmatmul as tq  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 TYPES = sorted(tq.TYPES)
-DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if GPU else [])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -33,26 +32,6 @@ def test_dequantize_rows_is_the_reference(qtype):
         np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-30)
     else:
         np.testing.assert_array_equal(bits(ours), bits(ref))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matmul_matches_float64_reference(qtype, dtype):
-    rng = np.random.default_rng(int(qtype) + 7)
-    rows, cols = 37, 512  # rows past a tile, more than one slice of the row
-    raw = realistic_blocks(qtype, rows, cols, rng)
-    w = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(rows, cols)).double()
-    packed = torch.from_numpy(raw).to(DEVICE)
-    for m in (1, 5, 40):  # one row (decode), a few, past a tile of rows
-        x = torch.randn(m, cols, generator=torch.Generator().manual_seed(m)).to(dtype)
-        y = tq.qmatmul(x.to(DEVICE), packed, qtype, rows, cols)
-        assert y.dtype == dtype and y.shape == (m, rows)
-        ref = x.double() @ w.T
-        mag = x.double().abs() @ w.abs().T
-        # float32: products and sums in float32; half types: the weights rounded to x's type
-        # (2^-11 or 2^-8 of each), the output rounded once more
-        eps = {torch.float32: 2 ** -20, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6}[dtype]
-        assert ((y.cpu().double() - ref).abs() <= eps * mag + 1e-6).all()
 
 
 def test_bad_arguments_are_one_clear_error():

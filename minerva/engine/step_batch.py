@@ -51,8 +51,8 @@ class Views:
 class StepBatch:
     """A step's buffer (`pack`), the views of it (`unpack`) and a burst's next step (`advance`)."""
 
-    def __init__(self, buf: array, groups: int, tables: list[list[Sequence[int]]]):
-        self.buf, self.groups, self.tables = buf, groups, tables
+    def __init__(self, buf: array, groups: int, seqs: list[Seq]):
+        self.buf, self.groups, self.seqs = buf, groups, seqs  # the sequences: their tables, for `advance`
         self.header = list(buf[:HEADER])
         self.tensor = torch.frombuffer(buf, dtype=torch.int64)  # shares the buffer's memory
 
@@ -81,7 +81,7 @@ class StepBatch:
                 buf.extend(s.tables[g])
                 buf.extend(ZERO * (width - len(s.tables[g])))
         buf.extend(logit_rows)
-        return cls(buf, groups, [[s.tables[g] for g in range(groups)] for s in seqs])
+        return cls(buf, groups, seqs)
 
     @staticmethod
     def stop() -> torch.Tensor:
@@ -113,4 +113,4 @@ class StepBatch:
             p = buf[pos0 + b] + 1
             buf[HEADER + b], buf[pos0 + b], buf[len0 + b] = token, p, p + 1
             for g in range(G):
-                buf[slot0 + g * B + b] = self.tables[b][g][p // bs] * bs + p % bs
+                buf[slot0 + g * B + b] = self.seqs[b].tables[g][p // bs] * bs + p % bs

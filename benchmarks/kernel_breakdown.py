@@ -81,7 +81,8 @@ def main() -> None:
     timed = cpu.module = Timed(cpu.module)  # ops and attention ask the backend at each call
     if args.per_token:
         timed.head_rows = llm.config.vocab_size
-    llm.engine.model.stack = None  # the layers one call at a time (see CausalLM.stack_layers) ...
+    model = llm.engine.model
+    model.stack = model.head = model.step_args = None  # the layers one call at a time (see CausalLM.stack_layers) ...
     for layer in llm.engine.model.layers:
         layer.fused = None  # ... each kernel one call at a time
     for m in llm.engine.model.modules():

@@ -41,7 +41,13 @@ def greedy_verify(logits: torch.Tensor, drafts: list[int], states: list[SamplerS
     logits (`probabilities`): the guesses while each is its row's argmax, then the argmax of
     the first row that disagrees (or of the last row). The same tokens, without the softmax
     over the vocabulary of every row (about 1 ms a step over 49152 tokens)."""
-    best = process_batch(logits, states).argmax(-1).tolist()
+    return accepted(process_batch(logits, states).argmax(-1).tolist(), drafts)
+
+
+def accepted(best: list[int], drafts: list[int]) -> list[int]:
+    """A greedy request's tokens from its rows' argmax `best` (1 + len(drafts) of them, or
+    one when it has no guesses): the guesses while each is its row's argmax, then the argmax
+    of the row that disagrees (or of the last row)."""
     out = []
     for d, b in zip(drafts, best):
         if d != b:

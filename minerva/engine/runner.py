@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.engine.rejection import greedy_verify, probabilities, states_along, verify
+from minerva.engine.rejection import accepted, greedy_verify, probabilities, states_along, verify
 from minerva.engine.sampler import check_logits, greedy_tokens, plain, plain_greedy, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, Scheduled, SchedulerOutput
 from minerva.engine.step_batch import DRAFT, FORWARD, STOP, Seq, StepBatch
@@ -171,13 +171,21 @@ class ModelRunner:
         steps = min(s.steps for s in batch)
         if steps > 1 and self.comm is None and all(burstable(s.request) for s in batch):
             return self._burst(batch, seqs, steps, interrupt)
-        if all(seq.logit_rows == 1 and s.request.params.greedy and burstable(s.request) for s, seq in zip(batch, seqs)):
-            # plain greedy rows, nothing else asked (most decode steps): each its argmax, with the
-            # NaN/inf check, in one native call (what the path below computes, with less Python)
+        if all(seq.logit_rows >= 1 and s.request.params.greedy and burstable(s.request) for s, seq in zip(batch, seqs)):
+            # plain greedy rows, nothing else asked (most decode steps, and greedy verification):
+            # each row's argmax, with the NaN/inf check, in one native call, and a request's
+            # guesses kept while each is its row's argmax (what the path below computes, with
+            # less Python)
             logits = self.forward(seqs, check=False)
             if logits is None:
                 return [None] * len(batch)
-            return [[(t, None)] for t in greedy_tokens(logits, self.hidden_rows.dtype, self.cpu)]
+            best = greedy_tokens(logits, self.hidden_rows.dtype, self.cpu)
+            out, row = [], 0
+            for s, seq in zip(batch, seqs):
+                drafts = s.request.draft_token_ids if seq.logit_rows > 1 else []
+                out.append([(t, None) for t in accepted(best[row:row + seq.logit_rows], drafts)])
+                row += seq.logit_rows
+            return out
         # Structured output: the masks of this step's sampling rows depend only on the tokens
         # before it, so llguidance fills them on a worker thread while the forward runs.
         masked = [s.request.sampler.matcher for s, seq in zip(batch, seqs)

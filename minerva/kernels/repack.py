@@ -65,6 +65,9 @@ FIELDS = {
     Q.Q2_K: [(16, "chunks"), (64, "chunks"), (2, "rows"), (2, "rows")],
 }
 TYPES = frozenset(FIELDS)
+# regrouped types whose rows the kernels look up in place (`regrouped_rows`): a tied LM head of
+# one of these is regrouped too, and the embedding reads its rows from that layout
+LOOKUP_TYPES = frozenset({Q.Q8_0})
 
 
 def _bit_moves() -> list[tuple[int, int]]:

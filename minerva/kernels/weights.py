@@ -95,7 +95,8 @@ class PackedWeight:
         on the CPU kernels is regrouped for them (`minerva.kernels.repack`: fewer
         instructions; the same results for the 4- and 5-bit blocks of 32, float rounding
         aside for Q8_0/Q4_K/Q5_K); the loader leaves out a matrix that is also the
-        embedding, whose row lookups each step would have to undo it."""
+        embedding, whose row lookups each step would have to undo it, unless the kernels
+        look its rows up in place (`repack.LOOKUP_TYPES`)."""
         self.int8 = act_quant.applies(self.qtype)
         if (self.int8 and regroup and not self.regrouped and self.kernel is not None
                 and self.qtype in repack.TYPES and hasattr(self.kernel, "regroup_")):  # the C++ kernels
@@ -108,6 +109,8 @@ class PackedWeight:
         if not self.regrouped:
             return self.packed if ids is None else self.packed[ids]
         rows, cols = self.shape
+        if ids is not None and self.qtype in repack.LOOKUP_TYPES and hasattr(self.kernel, "regrouped_rows"):
+            return self.kernel.regrouped_rows(self.packed, self.qtype_id, ids, cols)
         if ids is None:
             return repack.restore(self.packed, self.qtype, rows, cols)
         groups = self.packed.reshape(-1, repack.GROUP, self.packed.shape[1])[ids // repack.GROUP]

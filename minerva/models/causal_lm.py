@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minerva.kernels import repack
 from minerva.kernels.weights import PackedWeight, Weight
 from minerva.models.config import ModelConfig
 from minerva.models.layers import AttentionContext, DecoderLayer, Layer, Linear, RMSNorm, Rotary
@@ -61,10 +62,12 @@ class CausalLM(Layer):
                 and not self.config.final_logit_softcap):
             self.head = kernel.Packed(w.packed, w.qtype_id, *w.shape, w.int8)
         # and the embedding rows and rotary tables too (forward_step) where they are what
-        # `_embedded` and Rotary.cos_sin compute: a packed embedding in the GGML layout with a
-        # kernel, or a plain matrix, in the layers' dtype
+        # `_embedded` and Rotary.cos_sin compute: a packed embedding in the GGML layout (or
+        # regrouped, of a type whose rows the kernel looks up in place) with a kernel, or a
+        # plain matrix, in the layers' dtype
         e = self.embed
-        if isinstance(e, PackedWeight) and (e.kernel is None or e.regrouped or e.dtype != dtype):
+        if isinstance(e, PackedWeight) and (e.kernel is None or e.dtype != dtype
+                                            or (e.regrouped and e.qtype not in repack.LOOKUP_TYPES)):
             return
         if not isinstance(e, PackedWeight) and (e.tensor.dtype != dtype or e.tensor.dim() != 2):
             return

@@ -19,7 +19,7 @@ from minerva.formats.gguf import GGUFFile, GGUFTensor
 from minerva.formats.quant import QUANT_TYPES, mxfp4_from_blocks
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.formats.tokenizer import Tokenizer
-from minerva.kernels import act_quant
+from minerva.kernels import act_quant, repack
 from minerva.kernels.quantize import check_scheme, qtype_for, quantizable, quantize
 from minerva.kernels.weights import PackedWeight, Weight, float_weight, into_hugepages
 from minerva.models.architectures import (
@@ -444,7 +444,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         embedding = getattr(model, "embed", None)  # a tied LM head keeps the layout its lookups read
         for m in model.modules():
             if isinstance(m, Linear) and isinstance(m.weight, PackedWeight):
-                m.weight.use_int8_activations(regroup=m.weight is not embedding)
+                m.weight.use_int8_activations(
+                    regroup=m.weight is not embedding or m.weight.qtype in repack.LOOKUP_TYPES)
     into_hugepages(m.weight for m in model.modules() if isinstance(m, Linear))
     for layer in model.layers:
         layer.make_fused()

@@ -209,8 +209,9 @@ def check_regrouped_kernel(kernels, qtype, rows, cols):
 @needs_kernels
 @pytest.mark.parametrize("qtype, regrouped", [(QT.Q4_K, True), (QT.Q5_K, True), (QT.Q6_K, False), (QT.Q3_K, True),
                                               (QT.Q3_K, False), (QT.Q2_K, True), (QT.Q2_K, False),
-                                              (QT.Q4_0, True), (QT.Q5_1, True), (QT.MXFP4, True)],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q3_K-gguf", "Q2_K", "Q2_K-gguf", "Q4_0", "Q5_1", "MXFP4"])
+                                              (QT.Q4_0, True), (QT.Q5_1, True), (QT.MXFP4, True), (QT.Q8_0, True)],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q3_K-gguf", "Q2_K", "Q2_K-gguf", "Q4_0", "Q5_1", "MXFP4",
+                              "Q8_0"])
 def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
     """The kernels make a few choices by the CPU's vendor (`cpu_choices`): one row of x takes
     regrouped Q2_K..Q5_K one or two groups at a time and prefetches into L2 or not,
@@ -278,11 +279,34 @@ def test_regrouped_q8_0_at_the_extremes(kernels):
     x = torch.from_numpy(rng.choice(np.array([-127.0, 127.0], dtype=np.float32), size=(3, cols)))
     x[0] = -127.0
     expected = x.double() @ torch.from_numpy(q.astype(np.float64)).T
-    got = run_kernel(kernels, QT.Q8_0, x, repack.regroup(raw, QT.Q8_0, rows, cols), rows, cols, True)
-    assert got[0, 0].item() == 256 * 128 * 127  # -127 * -128 over the whole row
-    assert torch.equal(got.double(), expected)
-    assert torch.equal(run_kernel(kernels, QT.Q8_0, x[:1], repack.regroup(raw, QT.Q8_0, rows, cols), rows, cols, True),
-                       got[:1])  # one row of x: the decode kernel, two groups at a time
+    w = repack.regroup(raw, QT.Q8_0, rows, cols)
+    was = kernels.cpu_choices(None, int(QT.Q8_0))
+    try:
+        for few in (1, 8):  # 3 rows of x: panels, then the one-row streams (two groups a work item)
+            kernels.cpu_choices([4, 0, 0, was[3], few], int(QT.Q8_0))
+            got = run_kernel(kernels, QT.Q8_0, x, w, rows, cols, True)
+            assert got[0, 0].item() == 256 * 128 * 127  # -127 * -128 over the whole row
+            assert torch.equal(got.double(), expected), few
+            assert torch.equal(run_kernel(kernels, QT.Q8_0, x[:1], w, rows, cols, True),
+                               got[:1])  # one row of x: the decode kernel, two groups at a time
+    finally:
+        kernels.cpu_choices(was, int(QT.Q8_0))
+
+
+@needs_kernels
+def test_regrouped_q8_0_rows_are_the_ggml_rows(kernels):
+    """`regrouped_rows` (a tied Q8_0 LM head regrouped, its embedding's lookups) gives the GGML
+    bytes of each row asked for, repeats and the last, partial group's rows included; other
+    types and rows past the matrix are one clear error."""
+    rows, cols = 21, 96
+    raw = torch.from_numpy(realistic_blocks(QT.Q8_0, rows, cols, np.random.default_rng(7)))
+    w = repack.regroup(raw, QT.Q8_0, rows, cols)
+    ids = torch.tensor([20, 0, 7, 8, 8, 15, 16, 3])
+    assert torch.equal(kernels.regrouped_rows(w, int(QT.Q8_0) | repack.REGROUPED, ids, cols), raw[ids])
+    with pytest.raises(RuntimeError, match="regrouped Q8_0"):
+        kernels.regrouped_rows(w, int(QT.Q8_0), ids, cols)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.regrouped_rows(w, int(QT.Q8_0) | repack.REGROUPED, torch.tensor([24]), cols)
 
 
 @needs_kernels
@@ -310,15 +334,24 @@ def test_packed_weight_regroups_and_still_looks_up_rows(kernels, qtype):
 @needs_kernels
 @pytest.mark.slow
 def test_model_logits_are_the_same_regrouped_or_not(smollm2_gguf, monkeypatch):
-    """SmolLM2's Q4_1 layers regrouped (its tied Q8_0 embedding and head are not) give the
-    same logits, bit for bit, through the fused C++ layers."""
+    """SmolLM2's Q4_1 layers regrouped give the same logits, bit for bit, through the fused C++
+    layers (its tied Q8_0 embedding and head held in the GGUF layout). By default the tied head
+    is regrouped too and the embedding looks its rows up there: the same rows, and logits within
+    Q8_0's regrouped rounding (one float step per block, not per 4 products) of the others."""
     from minerva.kernels.weights import PackedWeight
     from minerva.models.layers import Linear
     from minerva.models.loader import load_model
     from tests.helpers.paged import paged_logits
 
     ids = [int(i) for i in torch.randint(1000, 40000, (40,), generator=torch.Generator().manual_seed(1))]
-    model = load_model(smollm2_gguf, activations="int8").model
+    both = load_model(smollm2_gguf, activations="int8").model
+    weights = {id(m.weight): m.weight for m in both.modules() if isinstance(m, Linear)}.values()
+    assert len([w for w in weights if isinstance(w, PackedWeight) and w.regrouped]) == 30 * 4 + 1
+    assert both.embed.regrouped and both.lm_head.weight is both.embed and both.step_args is not None
+    tied_regrouped = paged_logits(both, ids, chunk=16)
+    with monkeypatch.context() as m:
+        m.setattr(repack, "TYPES", repack.TYPES - {QT.Q8_0})
+        model = load_model(smollm2_gguf, activations="int8").model
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, Linear)}.values()
     regrouped = [w for w in weights if isinstance(w, PackedWeight) and w.regrouped]
     assert len(regrouped) == 30 * 4  # qkv, o, gate_up, down (fused); Q4_1
@@ -329,6 +362,9 @@ def test_model_logits_are_the_same_regrouped_or_not(smollm2_gguf, monkeypatch):
     plain = load_model(smollm2_gguf, activations="int8").model
     assert not any(getattr(m.weight, "regrouped", False) for m in plain.modules() if isinstance(m, Linear))
     assert torch.equal(got, paged_logits(plain, ids, chunk=16))
+    lookup = torch.tensor(ids[:8] + [0, 49151])
+    assert torch.equal(both.embed.rows(lookup), plain.embed.rows(lookup))
+    assert (tied_regrouped - got).abs().max() <= 1e-3 * got.abs().max()
 
 
 @needs_kernels

@@ -50,6 +50,8 @@ double int8_peak_probe(int64_t chunks, int64_t steps);
 // then sets them when given (tests run every choice)
 std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_t qtype);
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
+// rows `ids` of a regrouped Q8_0 matrix in the GGML layout (q8_repack_x8.cpp)
+torch::Tensor regrouped_rows(const torch::Tensor& packed, int64_t qtype, const torch::Tensor& ids, int64_t cols);
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_scale,
                               torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,

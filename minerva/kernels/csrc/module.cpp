@@ -302,10 +302,10 @@ std::vector<torch::Tensor> forward_logits(const std::vector<const DecoderLayer*>
   return {h, head(h).to(torch::kFloat32)};
 }
 
-// A whole decode step from its token ids: the embedding's rows of `ids` (packed GGML rows, or
-// a plain float matrix's with qtype -1, as `dtype`, times `embed_scale` when given), each
-// rotary's cos and sin tables at `positions` (inv_freqs[r], scaled by factors[r] unless 1;
-// `which` names each layer's), then forward_logits. The ATen ops of CausalLM._embedded and
+// A whole decode step from its token ids: the embedding's rows of `ids` (packed GGML rows, a
+// regrouped Q8_0 matrix's (qtype | REGROUPED), or a plain float matrix's with qtype -1, as
+// `dtype`, times `embed_scale` when given), each rotary's cos and sin tables at `positions`
+// (inv_freqs[r], scaled by factors[r] unless 1; `which` names each layer's), then forward_logits. The ATen ops of CausalLM._embedded and
 // Rotary.cos_sin in their order, so the same bits, without their Python.
 std::vector<torch::Tensor> forward_step(const std::vector<const DecoderLayer*>& layers, const torch::Tensor& ids,
                                         const torch::Tensor& embed, int64_t embed_qtype, int64_t cols,
@@ -319,8 +319,9 @@ std::vector<torch::Tensor> forward_step(const std::vector<const DecoderLayer*>& 
                                         const torch::Tensor& norm, double eps, const Packed& head) {
   TORCH_CHECK(inv_freqs.size() == factors.size() && which.size() == layers.size(),
               "forward_step: one factor per rotary and one rotary index per layer");
-  const auto picked = embed.index_select(0, ids);
-  auto h = (embed_qtype < 0 ? picked : dequantize_rows(picked, embed_qtype, cols)).to(dtype);
+  const auto picked = embed_qtype >= 0 && (embed_qtype & REGROUPED) ? regrouped_rows(embed, embed_qtype, ids, cols)
+                                                                     : embed.index_select(0, ids);
+  auto h = (embed_qtype < 0 ? picked : dequantize_rows(picked, embed_qtype & ~REGROUPED, cols)).to(dtype);
   if (embed_scale) h = h * torch::scalar_tensor(*embed_scale, torch::dtype(h.scalar_type()));
   std::vector<torch::Tensor> rc, rs;
   const auto p = positions.to(torch::kFloat32).unsqueeze(1);
@@ -641,6 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per work item, L2 prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1); the Q4_K/Q5_K tiles "
         "scale sub-blocks in i32 (1) or in float (0), for every type]; returns them, then sets them when given");
   m.def("regroup_", &regroup_, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
+  m.def("regrouped_rows", &regrouped_rows, "rows of a regrouped Q8_0 matrix in the GGML layout");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
   m.def("pool_stats", [] {

@@ -71,8 +71,8 @@ extern const CpuChoices vendor_choices;  // the CPU vendor's (q8_cpu.cpp)
 // 32-weight block types the groups of 8 rows one work item streams side by side with one row
 // of x (x8_rows, q8_0_rows: 2 to 4; 1: one at a time, tile_x8 and its prefetches), 4 by
 // default; `l2_ahead` and `x_copy` as above, from the vendor until the planner sets them.
-// few_rows: up to how many rows of x the 32-weight block types (Q8_0 aside) take the one-row
-// streams, a tile of rows at a time (x8_rows; q8_kernels.h's few_rows), rather than panels of
+// few_rows: up to how many rows of x the 32-weight block types take the one-row
+// streams, a tile of rows at a time (x8_rows, q8_0_rows; q8_kernels.h's few_rows), rather than panels of
 // 4 groups against tiles of rows (tile_x8); 1 = never. 8 by default with AVX-512; 1 with AVX2
 // until the planner measures it (4 groups' accumulators for FEW_MR rows and a block's values
 // outgrow AVX2's 16 registers).

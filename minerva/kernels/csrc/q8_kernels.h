@@ -107,8 +107,9 @@ constexpr int64_t X8_STREAM_BYTES = 8192;
 // longer (x8_rows), else one, or two where V16 takes the K-quants two groups at a time
 // (choices.groups, q8_cpu.h).
 // A few rows of x (2 .. choices.few_rows; a speculative verification, a handful of sequences)
-// take the one-row streams of the 32-weight block types (x8_rows) FEW_MR rows at a time, where
-// a group is a stream long enough (X8_STREAM_BYTES) and a work item is more than one group:
+// take the one-row streams of the 32-weight block types (x8_rows, q8_0_rows) FEW_MR rows at a
+// time, where a group is a stream long enough (X8_STREAM_BYTES; Q8_0 whatever its length) and a
+// work item is more than one group:
 // the weights read and decoded once for the tile's rows. (AVX-512's 32 registers hold 4 groups'
 // accumulators for 4 rows; AVX2's 16, for 2.)
 #if defined(__AVX512F__)
@@ -116,11 +117,12 @@ constexpr int FEW_MR = 4;
 #else
 constexpr int FEW_MR = 2;
 #endif
+// Q8_0 takes its streams (q8_0_rows) whatever a group's length, with one row of x as with a few.
 template <int QT>
 bool few_rows(int64_t M, int64_t K) {
-  if constexpr (is_k<QT> || QT == Q8_0) return false;
+  if constexpr (is_k<QT>) return false;
   return M > 1 && M <= choices_of<QT>().few_rows && choices_of<QT>().groups >= 2 &&
-         8 * row_bytes<QT>(K) >= X8_STREAM_BYTES;
+         (QT == Q8_0 || 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES);
 }
 
 template <int QT>

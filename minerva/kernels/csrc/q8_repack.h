@@ -64,8 +64,8 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
              const uint8_t* end = nullptr);
 template <int QT, int NG, int MR>
 void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy, const uint8_t* end);
-template <int NG>
-void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y);
+template <int NG, int MR>
+void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy);
 template <class V, int QT, int mr, bool X_COPY = false, bool INT = false>
 void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
              const uint8_t* end);
@@ -82,24 +82,23 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
   if constexpr (!is_k<QT>) {
     if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
       const auto rows = [&]<int NG>() {
-        if constexpr (QT == Q8_0) q8_0_rows<NG>(a, W + g0 * gb, gb, y);
+        if constexpr (QT == Q8_0) q8_0_rows<NG, 1>(a, 0, W + g0 * gb, gb, y, ldy);
         else x8_rows<QT, NG, 1>(a, 0, W + g0 * gb, gb, y, ldy, end);
       };
       if (g1 - g0 == 4) return rows.template operator()<4>();
       if (g1 - g0 == 3) return rows.template operator()<3>();
       if (g1 - g0 == 2) return rows.template operator()<2>();
     }
-    if constexpr (QT != Q8_0) {
-      if (few_rows<QT>(M, a.K) && N >= 8 * g1 && g1 - g0 >= 2) {  // the streams of one row, FEW_MR rows at a time
-        const auto rows = [&]<int NG>() {
-          x_tiles<FEW_MR>(M, [&](int64_t m, auto r) {
-            x8_rows<QT, NG, decltype(r)::value>(a, m, W + g0 * gb, gb, y + m * ldy, ldy, end);
-          });
-        };
-        if (g1 - g0 == 4) return rows.template operator()<4>();
-        if (g1 - g0 == 3) return rows.template operator()<3>();
-        return rows.template operator()<2>();
-      }
+    if (few_rows<QT>(M, a.K) && N >= 8 * g1 && g1 - g0 >= 2) {  // the streams of one row, FEW_MR rows at a time
+      const auto rows = [&]<int NG>() {
+        x_tiles<FEW_MR>(M, [&](int64_t m, auto r) {
+          if constexpr (QT == Q8_0) q8_0_rows<NG, decltype(r)::value>(a, m, W + g0 * gb, gb, y + m * ldy, ldy);
+          else x8_rows<QT, NG, decltype(r)::value>(a, m, W + g0 * gb, gb, y + m * ldy, ldy, end);
+        });
+      };
+      if (g1 - g0 == 4) return rows.template operator()<4>();
+      if (g1 - g0 == 3) return rows.template operator()<3>();
+      return rows.template operator()<2>();
     }
   }
 #if defined(MINERVA_V16)

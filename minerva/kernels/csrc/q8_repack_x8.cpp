@@ -218,34 +218,53 @@ void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, 
 // memory: 8.7-9.8 ms with four groups and none, 11.7-18.4 ms with two groups and 40 blocks
 // ahead, as tile_x8 does, 9.8-12.8 ms (median 10.0) for the GGML layout's rows; `benchmarks/int8_kernels.py
 // --type Q8_0 --rows 65536 --cols 2880 --m 1 --threads 1`.)
-template <int NG>
-void q8_0_rows(const Q8& a, const uint8_t* grp, int64_t gb, float* y) {
+// With a few rows of x (MR of them, rows m0 .. m0 + MR - 1; few_rows) the same streams meet
+// every row: each chunk of the NG groups is loaded once for all of them. A row's integer dot
+// products are exact whatever the chains, so its bits do not depend on MR.
+template <int NG, int MR>
+void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy) {
   using X = X8<Q8_0>;
-  __m256 acc[NG];
-  for (int n = 0; n < NG; ++n) acc[n] = _mm256_setzero_ps();
+  constexpr int C = MR == 1 ? 2 : 1;  // chains per output: the even and the odd chunks for one row
+  __m256 acc[NG][MR];
+  for (int n = 0; n < NG; ++n)
+    for (int i = 0; i < MR; ++i) acc[n][i] = _mm256_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b[NG];
     for (int n = 0; n < NG; ++n) b[n] = grp + n * gb + g * X::BYTES;
-    __m256i dot[NG][2];
-    for (int n = 0; n < NG; ++n) dot[n][0] = dot[n][1] = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k) {  // the even and the odd chunks in two chains per group
-      int32_t x4;
-      std::memcpy(&x4, a.q + 32 * g + 4 * k, 4);
-      const __m256i xb = _mm256_set1_epi32(x4);
+    __m256i dot[NG][MR][C];
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < C; ++c) dot[n][i][c] = _mm256_setzero_si256();
+    for (int k = 0; k < 8; ++k) {
+      __m256i xb[MR];
+      for (int i = 0; i < MR; ++i) {
+        int32_t x4;
+        std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
+        xb[i] = _mm256_set1_epi32(x4);
+      }
       for (int n = 0; n < NG; ++n) {
         const __m256i w = load256(b[n] + X::QS_AT + 32 * k);
-        if constexpr (VNNI)  // as tile_x8
-          dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))), xb);
-        else
-          dot[n][k & 1] = dot4(dot[n][k & 1], _mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+        if constexpr (VNNI) {  // as tile_x8
+          const __m256i wu = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+          for (int i = 0; i < MR; ++i) dot[n][i][k % C] = dot4(dot[n][i][k % C], wu, xb[i]);
+        } else {
+          const __m256i wa = _mm256_abs_epi8(w);
+          for (int i = 0; i < MR; ++i) dot[n][i][k % C] = dot4(dot[n][i][k % C], wa, _mm256_sign_epi8(xb[i], w));
+        }
       }
     }
-    const __m256i bias = _mm256_set1_epi32(VNNI ? a.n[g] << 7 : 0);
-    for (int n = 0; n < NG; ++n)
-      acc[n] = block_step<X>(a, 0, g, _mm256_sub_epi32(_mm256_add_epi32(dot[n][0], dot[n][1]), bias), X::scales(b[n]),
-                             _mm256_setzero_ps(), acc[n]);
+    for (int n = 0; n < NG; ++n) {
+      const __m256 dw = X::scales(b[n]);
+      for (int i = 0; i < MR; ++i) {
+        __m256i d = dot[n][i][0];
+        if constexpr (C == 2) d = _mm256_add_epi32(d, dot[n][i][1]);
+        if constexpr (VNNI) d = _mm256_sub_epi32(d, _mm256_set1_epi32(a.n[(m0 + i) * a.G + g] << 7));
+        acc[n][i] = block_step<X>(a, m0 + i, g, d, dw, _mm256_setzero_ps(), acc[n][i]);
+      }
+    }
   }
-  for (int n = 0; n < NG; ++n) _mm256_storeu_ps(y + 8 * n, acc[n]);
+  for (int n = 0; n < NG; ++n)
+    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(y + i * ldy + 8 * n, acc[n][i]);
 }
 
 MINERVA_Q8_REGROUPED(Q4_0);
@@ -297,3 +316,37 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
     }
   });
 }
+
+// Rows `ids` of a regrouped Q8_0 matrix [rows rounded up to 8, row bytes] in the GGML layout
+// [ids, row bytes]: the embedding's lookups where its LM head, the same matrix, is regrouped
+// (row r is row r % 8 of group r / 8: per block its scale at 2 (r % 8), chunk k of its values
+// at 16 + 32 k + 4 (r % 8)).
+torch::Tensor regrouped_rows(const torch::Tensor& packed, int64_t qtype, const torch::Tensor& ids, int64_t cols) {
+  using namespace minerva;
+  using namespace minerva::q8;
+  TORCH_CHECK(qtype == (Q8_0 | REGROUPED), "regrouped_rows takes a regrouped Q8_0 matrix, got type ", qtype);
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu() && packed.dim() == 2 &&
+                  packed.size(0) % 8 == 0 && cols % 32 == 0 && packed.size(1) == cols / 32 * 34,
+              "regrouped_rows: packed must be contiguous CPU uint8 [rows (a multiple of 8), cols / 32 * 34]");
+  const auto id = ids.to(torch::kInt64).contiguous().reshape({-1});
+  const int64_t n = id.numel(), rb = packed.size(1), blocks = cols / 32, rows = packed.size(0);
+  auto out = torch::empty({n, rb}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t* idp = id.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < rows, "regrouped_rows: row ", idp[i], " out of range");
+  minerva::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t j = idp[i] % 8;
+      const uint8_t* grp = src + idp[i] / 8 * 8 * rb;
+      uint8_t* row = dst + i * rb;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = grp + b * X8<Q8_0>::BYTES;
+        std::memcpy(row + 34 * b, blk + 2 * j, 2);
+        for (int k = 0; k < 8; ++k) std::memcpy(row + 34 * b + 2 + 4 * k, blk + X8<Q8_0>::QS_AT + 32 * k + 4 * j, 4);
+      }
+    }
+  });
+  return out;
+}
+

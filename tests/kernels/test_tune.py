@@ -140,6 +140,7 @@ def test_ensure_plans_once_beside_the_build_then_reuses(small, restore, monkeypa
     monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
     monkeypatch.setattr(tune, "TYPES", (Q.Q8_0,))
     monkeypatch.setattr(tune, "ROUNDS", 1)
+    monkeypatch.setattr(tune, "BUSY_SHARE", 0)  # a toy plan is mostly Python on one thread: never busy here
     tune.ensure(kernels)
     kept = json.loads((tmp_path / tune.FILE_NAME).read_text())
     assert set(kept["types"]) == {"Q8_0"}
@@ -149,6 +150,42 @@ def test_ensure_plans_once_beside_the_build_then_reuses(small, restore, monkeypa
     monkeypatch.setattr(tune, "plan", lambda *a, **k: pytest.fail("planned again"))
     tune.ensure(kernels)
     assert tune.in_force()[1] == kept
+
+
+def test_a_plan_on_a_busy_machine_is_marked_and_measured_again(small, restore, monkeypatch, tmp_path, caplog):
+    """A plan during which this process ran less than BUSY_SHARE of its threads' time (other
+    work took the cores) is marked busy, and each of the next processes measures again until
+    a plan is not busy, or PLAN_TRIES plans were made; a quiet plan is kept."""
+    monkeypatch.setattr(tune, "TYPES", (Q.Q8_0,))
+    monkeypatch.setattr(tune, "ROUNDS", 1)
+    monkeypatch.setattr(tune, "_cpu_seconds", lambda: 0.0)  # none of the time was this process's
+    data = tune.plan(kernels, progress=False)
+    assert data["busy"] and data["cpu_share"] == 0 and "was busy" in tune.busy_note(data)
+    _fresh(monkeypatch)
+    monkeypatch.delenv("MINERVA_CHOICES", raising=False)
+    monkeypatch.delenv("MINERVA_NO_TUNE", raising=False)
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path)
+    plans = []
+    busy = iter([True, True, True, False])
+
+    def fake_plan(k):
+        plans.append(1)
+        return {**data, "busy": next(busy)}
+
+    monkeypatch.setattr(tune, "plan", fake_plan)
+    for _ in range(tune.PLAN_TRIES + 1):  # one process each
+        _fresh(monkeypatch)
+        tune.ensure(kernels)
+    kept = json.loads((tmp_path / tune.FILE_NAME).read_text())
+    assert len(plans) == tune.PLAN_TRIES and kept["busy"] and kept["tries"] == tune.PLAN_TRIES
+    assert "measures them again" in caplog.text
+    (tmp_path / tune.FILE_NAME).unlink()
+    plans.clear()
+    busy = iter([False])
+    for _ in range(2):
+        _fresh(monkeypatch)
+        tune.ensure(kernels)
+    assert len(plans) == 1 and not json.loads((tmp_path / tune.FILE_NAME).read_text())["busy"]
 
 
 def test_no_tune_keeps_the_defaults(monkeypatch, restore):

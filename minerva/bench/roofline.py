@@ -412,6 +412,8 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     out += ["", f"int8 kernel choices: {source}"]
     if chosen is not None:
         out += tune.table(chosen, hw.bandwidth if probed else None)
+        if tune.busy_note(chosen):
+            out += [f"note: {tune.busy_note(chosen)}"]
     if probed:
         out += ["", (f"peak RSS of the whole run: {peak_rss_mb():.0f} MB "
                      "(the probe's 512 MiB buffer included)")]

@@ -282,6 +282,17 @@ def test_roofline_command_for_other_hardware(smollm2_gguf, capsys):
     assert "\n   8192 " in out and "100000" not in out  # contexts capped at the model's 8192
 
 
+def test_roofline_says_when_the_choices_were_planned_on_a_busy_machine(smollm2_gguf, capsys, monkeypatch):
+    from minerva.kernels import tune
+    planned = {"types": {}, "threads": 2, "cpu_share": 0.48, "busy": True}
+    monkeypatch.setattr(tune, "in_force", lambda: ("planned: choices.json", planned))
+    args = _parse([str(smollm2_gguf), "--hardware", "h100"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "int8 kernel choices: planned: choices.json" in out
+    assert "note: the machine was busy" in out and "48% of its 2 threads' time" in out and "minerva tune" in out
+
+
 def test_tensor_parallel_prediction():
     """100 MB over 10 GB/s is 10 ms a token on one device; 4 layers, hidden 1000, vocab 8000 in
     float32 over 2 devices at 1 GB/s and 10 us: 9 all-reduces of 4 KB (a ring over 2 moves all

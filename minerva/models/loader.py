@@ -441,7 +441,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         stored, compute = _prepare(model)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     if activations == "int8":
-        embedding = getattr(model, "embed", None)  # a tied LM head keeps the layout its lookups read
+        embedding = getattr(model, "embed", None)  # a tied LM head keeps the layout its lookups read (but LOOKUP_TYPES)
         for m in model.modules():
             if isinstance(m, Linear) and isinstance(m.weight, PackedWeight):
                 m.weight.use_int8_activations(

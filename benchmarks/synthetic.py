@@ -283,6 +283,22 @@ def _normal_table(qtype: QT) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
+class Hole:
+    """A tensor's bytes left unwritten (a hole in the file, read back as zeros): for a caller
+    that fills the weights itself after loading, such as benchmarks/gpu_check.py on a GPU."""
+
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, qtype: QT, shape: tuple[int, int]):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        self.shape = (shape[0], shape[1] // block * size)
+        self.nbytes = self.shape[0] * self.shape[1]
+
+    def tofile(self, fout) -> None:
+        fout.seek(self.nbytes - 1, 1)
+        fout.write(b"\0")  # the file reaches the tensor's end even where nothing follows it
+
+
 class RandomTensor:
     """The packed bytes of one tensor, made a slab of rows at a time when GGUFWriter writes
     them (it calls `tofile`): no more than one slab is in memory at once."""
@@ -306,14 +322,19 @@ class RandomTensor:
         elif self.table is None:
             raise MinervaError(f"no recipe for random {qtype.name} tensors")
 
-    def tofile(self, fout) -> None:
+    def slabs(self):
+        """The tensor's bytes, a slab of rows at a time."""
         bits = np.random.SFC64(self.seed)
         rows, row_bytes = self.shape
         step = max(1, CHUNK_BYTES // row_bytes)
         for r in range(0, rows, step):
             n = min(step, rows - r) * row_bytes
             raw = bits.random_raw(-(-n // 8)).view(np.uint8)[:n]
-            self._shape(raw).tofile(fout)
+            yield self._shape(raw)
+
+    def tofile(self, fout) -> None:
+        for slab in self.slabs():
+            slab.tofile(fout)
 
     def _shape(self, raw: np.ndarray) -> np.ndarray:
         """Random bytes -> bytes of valid blocks (or of normal floats)."""
@@ -397,8 +418,9 @@ def default_path(shape_name: str, type_name: str, args: argparse.Namespace) -> P
 
 
 def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool = False,
-          tokenizer: Path | None = None, progress: bool = False) -> list[TensorPlan]:
-    """Write the file (under a temporary name, renamed when complete); return its tensors."""
+          tokenizer: Path | None = None, progress: bool = False, sparse: bool = False) -> list[TensorPlan]:
+    """Write the file (under a temporary name, renamed when complete); return its tensors.
+    `sparse`: the matrices' bytes are left as holes, zeros when read (see `Hole`)."""
     ft, tensors = FILE_TYPES[type_name], plan(shape, type_name, pure)
     source = resolve(tokenizer or "smollm2-135m")
     tok = fit_vocabulary(GGUFFile(source).metadata, shape.vocab)
@@ -435,7 +457,7 @@ def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool
         if t.qtype == QT.F32:
             w.add_tensor(t.name, np.ones(t.shape, dtype=np.float32))
         else:
-            data = RandomTensor(t.qtype, t.shape, s, tables)
+            data = Hole(t.qtype, t.shape) if sparse else RandomTensor(t.qtype, t.shape, s, tables)
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.qtype)  # type: ignore[arg-type]
     finish(w, partial, path, progress)
     return tensors

@@ -143,7 +143,9 @@ def markdown(report: dict) -> str:
              f"- {'dry run on the CPU (toy sizes, Triton interpreter)' if report['dry_run'] else 'on the GPU'}, "
              f"{report['date']}, commit {report['commit']}",
              f"- command: `{report['command']}`",
-             f"- install: {report['install']}", "",
+             f"- install: {report['install']}",
+             f"- kernels that ran: {', '.join(sorted({r['kernels'] for r in report['stages'] if r.get('kernels')})) or 'none'}"
+             " (asked for by name, `--kernels`; the CPU float32 reference beside them)", "",
              "| stage | status | seconds | result |", "| --- | --- | --- | --- |"]
     for r in report["stages"]:
         summary = str(r.get("summary", "")).replace("|", "/").replace("\n", " ")

@@ -45,7 +45,10 @@ def _llm(ctx: Ctx, path, kernels="triton", dtype="bfloat16", device=None, **opti
     from minerva import LLM
     device = device or ctx.device
     options.setdefault("kv_cache_memory", 0.3 if device == "cuda" else 512 << 20)
-    return LLM(str(path), device=device, kernels=kernels, dtype=dtype, activations="float", **options)
+    llm = LLM(str(path), device=device, kernels=kernels, dtype=dtype, activations="float", **options)
+    if llm.kernels != kernels:  # the report names the path that ran: the one asked for, never a fallback
+        raise RuntimeError(f"asked for --kernels {kernels}, {llm.kernels} runs")
+    return llm
 
 
 def _toy_shape():
@@ -233,7 +236,7 @@ def stage_logits(ctx: Ctx, name: str) -> dict:
     scale = ref.abs().max().item()
     err = (ours - ref).abs().max().item() / scale
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    out = {"status": "passed" if err <= 1e-3 else "failed", "tokens": len(ids), "max_err_rel": err,
+    out = {"status": "passed" if err <= 1e-3 else "failed", "kernels": llm.kernels, "tokens": len(ids), "max_err_rel": err,
            "argmax_agree": agree}
     if not ctx.dry:  # bf16, as users run it: reported, not judged
         del llm
@@ -264,7 +267,7 @@ def stage_greedy(ctx: Ctx, name: str) -> dict:
     ours = [_greedy(llm, [p], n)[0] for p in prompts]
     same = [a == b for a, b in zip(ours, ref)]
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, ref)]
-    return {"status": "passed" if all(same) else "failed", "equal": same, "first_difference": first,
+    return {"status": "passed" if all(same) else "failed", "kernels": llm.kernels, "equal": same, "first_difference": first,
             "summary": f"{sum(same)}/{len(same)} prompts give the CPU reference's {n} greedy ids (float32)"}
 
 
@@ -276,7 +279,7 @@ def stage_batched(ctx: Ctx, name: str) -> dict:
     together = _greedy(llm, prompts, n)
     alone = [_greedy(llm, [p], n)[0] for p in prompts]
     same = [a == b for a, b in zip(together, alone)]
-    return {"status": "passed" if all(same) else "failed", "equal": same,
+    return {"status": "passed" if all(same) else "failed", "kernels": llm.kernels, "equal": same,
             "summary": f"{sum(same)}/{len(same)} requests batched give their ids alone ({n} greedy tokens, "
                        f"{ctx.sizes('bf16', 'float32')})"}
 
@@ -320,7 +323,7 @@ def stage_decode(ctx: Ctx, shape_name: str, file_type: str) -> dict:
     step_bytes = costs.weight_bytes_per_token + costs.kv_bytes_per_token * ctx.sizes(192, 5)
     bw = ctx.env.get("bandwidth_gbs")
     share = rate * step_bytes / (bw * 1e9) if bw else None
-    return {"tokens_per_s": round(rate, 1), "ttft_s": round(ttft, 3), "load_s": round(load, 1),
+    return {"kernels": llm.kernels, "tokens_per_s": round(rate, 1), "ttft_s": round(ttft, 3), "load_s": round(load, 1),
             "weight_gb": round(costs.weight_bytes_per_token / 1e9, 3), "share_of_bandwidth": share,
             "summary": f"{rate:.1f} tokens/s at batch 1 ({costs.weight_bytes_per_token / 1e6:.1f} MB of weights a token"
                        + (f", {share:.0%} of {bw} GB/s" if share is not None else "") + f"); load {load:.1f} s"}

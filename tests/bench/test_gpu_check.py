@@ -46,6 +46,7 @@ def test_the_dry_run_runs_every_stage_and_writes_both_reports(tmp_path, smollm2_
     assert by["decode_1.1b_q4_0"]["tokens_per_s"] > 0 and by["throughput"]["output_tokens"] == 4 * 3
     md = (tmp_path / "out" / "gpu_check.md").read_text()
     assert md.startswith("# Minerva GPU check") and "dry run on the CPU" in md
+    assert "- kernels that ran: triton (" in md  # the path that ran, by name
     assert all(f"| {n} |" in md for n in names)
     assert md == proc.stdout[proc.stdout.index("# Minerva GPU check"):]
 

@@ -77,7 +77,7 @@ WHEELS_LIMIT = 40 << 20
 
 def run_stage(name: str, ctx_file: Path, result_file: Path) -> int:
     """In a child process: run one stage, write its result as JSON."""
-    ctx = Ctx(json.loads(ctx_file.read_text()))
+    ctx = Ctx(json.loads(ctx_file.read_text()), result_file)
     if ctx.dry:
         from minerva.kernels.cuda.backend import TritonBackend
         TritonBackend.devices = ("cuda", "cpu")  # the Triton kernels under the interpreter, on the CPU
@@ -92,29 +92,33 @@ def run_stage(name: str, ctx_file: Path, result_file: Path) -> int:
     return 0
 
 
-def run_all(args, models: dict[str, str]) -> list[dict]:
+def stage_environment(dry: bool) -> dict:
+    """The stages' environment: this checkout importable; the Triton interpreter in a dry run, and
+    on the GPU machine the CPU reference path in torch alone (no C++ build there)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["TRITON_INTERPRET" if dry else "MINERVA_NO_NATIVE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def run_all(args, models: dict[str, str], env: dict) -> list[dict]:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     table = stages(models)
     chosen = args.stages or list(table)  # in the order asked
     ctx = {"dry": args.dry_run, "models": models, "work": str(work), "env": {}}
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if args.dry_run:
-        env["TRITON_INTERPRET"] = "1"
-    else:  # the CPU reference path in torch alone: no C++ build on the GPU machine (the cuda_tests build what they need)
-        env["MINERVA_NO_NATIVE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    deadline = time.monotonic() + args.deadline
+    deadline = args.started + args.deadline
     results = []
     for name in chosen:
         budget = table[name][2 if args.dry_run else 1]
         left = deadline - time.monotonic()
-        if left < 5:
-            results.append({"stage": name, "status": "not run", "summary": "the check's deadline had passed"})
+        if left < min(budget, 60) / 2:  # too little of its budget left to finish: left for a later call
+            results.append({"stage": name, "status": "not run", "summary": f"{left:.0f} s were left before the "
+                                                                          f"check's deadline, of its {budget} s budget"})
             continue
         limit = min(budget, left)
         ctx_file, result_file = work / "ctx.json", work / f"result-{name}.json"
-        ctx_file.write_text(json.dumps(ctx))
+        ctx_file.write_text(json.dumps({**ctx, "budget": limit}))
         result_file.unlink(missing_ok=True)
         start = time.monotonic()
         print(f"[gpu_check] {name} (budget {limit:.0f} s) ...", flush=True)
@@ -126,8 +130,11 @@ def run_all(args, models: dict[str, str]) -> list[dict]:
             else:
                 r = {"status": "failed", "summary": f"the stage's process ended with code {proc.returncode} "
                                                     "and no result", "stderr_tail": proc.stderr[-3000:]}
-        except subprocess.TimeoutExpired:
-            r = {"status": "timeout", "summary": f"ran past its budget of {limit:.0f} s"}
+        except subprocess.TimeoutExpired as exc:
+            r = json.loads(result_file.read_text()) if result_file.exists() else {}  # what it had so far
+            r.update(status="timeout", summary=f"ran past its budget of {limit:.0f} s; " + r.get("summary", ""),
+                     stderr_tail=(exc.stderr or b"")[-3000:].decode(errors="replace")
+                     if isinstance(exc.stderr, bytes) else (exc.stderr or "")[-3000:])
         r["stage"], r["seconds"] = name, round(time.monotonic() - start, 1)
         results.append(r)
         print(f"[gpu_check] {name}: {r['status']} in {r['seconds']} s: {r.get('summary', '')}", flush=True)
@@ -188,21 +195,38 @@ def missing_wheels(folder: Path) -> list[Path]:
     return [w for w in sorted(folder.glob("*.whl")) if _wheel_project(w) not in NEVER and not _imports(_wheel_project(w))]
 
 
-def install(wheels: Path | None) -> str:
-    """Install what the machine lacks: the wheels of packages that do not import here, then
-    Minerva without its dependencies. Returns what was done, in a line."""
+def install(wheels: Path | None, env: dict) -> str:
+    """Install what the machine lacks: the wheels of packages that do not import here (into the
+    interpreter's packages, else into a folder put on the stages' PYTHONPATH), then Minerva without
+    its dependencies (else the stages import it from this checkout). Returns what was done."""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--disable-pip-version-check"]
     done = []
     if wheels is not None and wheels.is_dir():
         missing = missing_wheels(wheels)
-        if missing:
-            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                            *map(str, missing)], check=True)
-        done.append("wheels: " + (", ".join(_wheel_project(w) for w in missing) or "none missing"))
-    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                          "-e", str(ROOT)], capture_output=True, text=True)
-    done.append("minerva: pip install --no-deps -e ." if run.returncode == 0
-                else f"minerva from the checkout on PYTHONPATH (pip said: {run.stderr.strip()[-200:]})")
+        names = ", ".join(_wheel_project(w) for w in missing) or "none missing"
+        site = Path(tempfile.gettempdir()) / "minerva-gpu-site"
+        for how in ([], ["--target", str(site)]):
+            if not missing:
+                break
+            run = _quiet([*pip, *how, *map(str, missing)])
+            if run is None:
+                if how:
+                    env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+                break
+            names += f" (pip install{' --target' if how else ''} failed: {run})"
+        done.append("wheels: " + names)
+    run = _quiet([*pip, "--no-build-isolation", "-e", str(ROOT)])
+    done.append("minerva: pip install --no-deps -e ." if run is None else f"minerva from this checkout ({run})")
     return "; ".join(done)
+
+
+def _quiet(cmd: list[str]) -> str | None:
+    """Run cmd; None if it worked, else the last line it said."""
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        return "no answer in 180 s"
+    return None if run.returncode == 0 else (run.stderr.strip().splitlines() or ["exit %d" % run.returncode])[-1][-200:]
 
 
 def _requirements() -> list[str]:
@@ -327,10 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="pack_dir", type=Path, default=None, metavar="DIR",
                    help="on the GPU: take the wheels and every model (NAME.gguf) of a --pack folder")
     p.add_argument("--stages", default=None, help="comma-separated stages to run (default: all)")
-    p.add_argument("--deadline", type=float, default=480.0, help="seconds for all stages together (default 480)")
+    p.add_argument("--deadline", type=float, default=470.0,
+                   help="seconds from the start, the install included, after which no stage starts (default 470)")
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "minerva-gpu-check"),
                    help="folder for the random-weight files (kept for the next run)")
     args = p.parse_args(argv)
+    args.started = time.monotonic()
     if args.fetch_wheels is not None:
         return fetch_wheels(args.fetch_wheels)
     if args.pack is not None:
@@ -357,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or os.environ.get("OUT") or "gpu-check")
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    how = "dry run: nothing installed" if args.dry_run else install(args.wheels)
-    results = run_all(args, models)
+    env = stage_environment(args.dry_run)
+    how = "dry run: nothing installed" if args.dry_run else install(args.wheels, env)
+    results = run_all(args, models, env)
     env = next((r for r in results if r["stage"] == "env"), {})
     report = {"machine": env.get("name", platform.node()), "dry_run": args.dry_run,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)), "commit": _commit(),

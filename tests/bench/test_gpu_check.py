@@ -34,7 +34,7 @@ def test_the_dry_run_runs_every_stage_and_writes_both_reports(tmp_path, smollm2_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     names = [r["stage"] for r in report["stages"]]
-    assert names == list(gpu_stages.stages({"smollm2": "", "gemma3": ""}))
+    assert names == list(gpu_stages.stages({"smollm2": "", "gemma3": ""}))  # in the order they run
     status = {r["stage"]: r["status"] for r in report["stages"]}
     # without a GPU the CUDA tests and the graph switch are skipped, saying why; every other stage ran and passed
     assert status.pop("cuda_tests") == "skipped" and status.pop("graphs") == "skipped"

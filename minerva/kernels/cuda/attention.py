@@ -96,7 +96,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     if T == 0:
         return out
     counts = query_start_loc[1:] - query_start_loc[:-1]
-    request = torch.repeat_interleave(torch.arange(len(counts), device=q.device), counts.to(q.device))
+    # output_size: no device-to-host sync to learn the length (it is T)
+    request = torch.repeat_interleave(torch.arange(len(counts), device=q.device), counts.to(q.device), output_size=T)
     tables = tables.to(torch.int64).contiguous()
     has_sinks = sinks.numel() > 0
     _paged_attention_kernel[(T, H)](

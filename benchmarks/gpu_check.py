@@ -127,11 +127,16 @@ def run_all(args, models: dict[str, str], env: dict) -> list[dict]:
                                   env=env, cwd=ROOT, capture_output=True, text=True, timeout=limit)
             if result_file.exists():
                 r = json.loads(result_file.read_text())
+                if r.pop("partial", False):  # it ended before its last word: a crash, not a timeout
+                    r.update(status="failed", summary=f"the stage's process ended with code {proc.returncode} "
+                                                      f"before it finished; {r.get('summary', '')}",
+                             stderr_tail=proc.stderr[-3000:])
             else:
                 r = {"status": "failed", "summary": f"the stage's process ended with code {proc.returncode} "
                                                     "and no result", "stderr_tail": proc.stderr[-3000:]}
         except subprocess.TimeoutExpired as exc:
             r = json.loads(result_file.read_text()) if result_file.exists() else {}  # what it had so far
+            r.pop("partial", None)
             r.update(status="timeout", summary=f"ran past its budget of {limit:.0f} s; " + r.get("summary", ""),
                      stderr_tail=(exc.stderr or b"")[-3000:].decode(errors="replace")
                      if isinstance(exc.stderr, bytes) else (exc.stderr or "")[-3000:])

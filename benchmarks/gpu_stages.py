@@ -198,7 +198,7 @@ def stage_kernels(ctx: Ctx) -> dict:
                 table.append(row)
                 if not ok:
                     bad.append(f"{name} {n}x{k} m={m}: {errs}")
-                ctx.partial({"status": "timeout", "table": table, "failures": bad,
+                ctx.partial({"status": "timeout", "partial": True, "table": table, "failures": bad,
                              "summary": f"{len(table)} cases done before the budget ran out, {len(bad)} off"})
     top = [r for r in table if r.get("gbs")]
     speed = "; ".join(f"{r['type']} {r['gbs']}" for r in top if r["n"] == 4096)

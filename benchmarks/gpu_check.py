@@ -65,8 +65,7 @@ from gpu_stages import Ctx, stages  # noqa: E402  (beside this file)
 WHEELS = ("gguf", "llguidance", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
           "typing-inspection", "uvicorn")
 NEVER = ("torch", "triton")  # the machine's own builds stay
-IMPORT_NAMES = {"pydantic-core": "pydantic_core", "annotated-types": "annotated_types", "pyyaml": "yaml",
-                "typing-inspection": "typing_inspection", "prometheus-client": "prometheus_client"}
+IMPORT_NAMES = {"pyyaml": "yaml"}  # where a module's name is not the project's with "_" for "-"
 WHEEL_PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
                    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
                    "manylinux2014_x86_64", "manylinux1_x86_64", "any")

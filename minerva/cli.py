@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from minerva import __version__, bench, chat, manage
+import minerva.hub as hub
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
@@ -34,8 +35,15 @@ from minerva.serve.async_engine import on_own_thread
 from minerva.serve.server import bind, serve
 from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
-def _looks_like_model(arg: str) -> bool:
-    return arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir()
+def _looks_like_model(arg: str, bare_repos: bool = True) -> bool:
+    """Whether a word is a model argument: a known name, a .gguf file, a folder, hf.co/..., and
+    with `bare_repos` OWNER/REPO[:QUANT] (a served model name may well look like that)."""
+    if arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir() or arg.lower().startswith(hub.PREFIXES):
+        return True
+    try:
+        return bare_repos and not any(c.isspace() for c in arg) and hub.parse(arg) is not None
+    except MinervaError:
+        return False
 
 
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:
@@ -141,10 +149,12 @@ def cmd_list(args) -> int:
         print(f"no models pulled yet; try `minerva pull {next(iter(KNOWN_MODELS))}` "
               f"(known: {', '.join(KNOWN_MODELS)})")
         return 0
-    print(f"{'NAME':<16} {'ARCH':<8} {'QUANT':<8} {'KIND':<9} {'SIZE':>9}  PATH")
+    w = max(16, *(len(e.name) for e in entries))
+    print(f"{'NAME':<{w}} {'ARCH':<8} {'QUANT':<8} {'KIND':<9} {'SIZE':>9}  PATH")
     for e in entries:
         kind = {True: "instruct", False: "base", None: "?"}[e.instruct]
-        print(f"{e.name:<16} {e.architecture:<8} {e.quantization:<8} {kind:<9} {e.size / 1e6:>7.1f}MB  {e.path}")
+        size = f"{e.size / 1e9:>7.2f}GB" if e.size >= 1e9 else f"{e.size / 1e6:>7.1f}MB"
+        print(f"{e.name:<{w}} {e.architecture:<8} {e.quantization:<8} {kind:<9} {size}  {e.path}")
     return 0
 
 
@@ -220,7 +230,7 @@ def cmd_run(args) -> int:
 def cmd_serve(args) -> int:
     model = _one_model(args, args.model, "serve")
     for name in (args.served_model_name or []) if model is None else []:
-        if _looks_like_model(name) or Path(name).is_file():
+        if _looks_like_model(name, bare_repos=False) or Path(name).is_file():
             raise MinervaError(f"'{name}' after --served-model-name looks like the model; put MODEL before "
                                f"--served-model-name (its names take every word after it)")
     if not 0 <= args.port <= 65535:
@@ -235,10 +245,11 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port) if ranked is None or ranked[0] == 0 else None  # a port in use fails now
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
     llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
-    # Clients name the model as it was given: a pulled name as is, a file or directory by its stem.
+    # Clients name the model as it was given: a pulled name or a Hugging Face repo as is, a
+    # file or directory by its stem.
     name = config.served_model_name if names else (DEFAULT_MODEL if model is None else
-                                      model if "/" not in model and not model.endswith(".gguf")
-                                      else Path(model).stem)
+                                      model if ("/" not in model and not model.endswith(".gguf"))
+                                      or not Path(model).expanduser().exists() else Path(model).stem)
     serve(llm, dataclasses.replace(config, served_model_name=name), sock, threads=threads, log_level=args.log_level)
     return 0
 
@@ -351,12 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the version and the kernel backends by device, then exit")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("pull", help="fetch a known model into the model store")
-    p.add_argument("name")
+    p = sub.add_parser("pull", help="fetch a known model into the model store, or a Hugging Face repo "
+                                    "(OWNER/REPO[:QUANT], hf.co/OWNER/REPO[:QUANT]) into the Hugging Face cache")
+    p.add_argument("name", metavar="MODEL")
     p.add_argument("--verify", action="store_true", help="re-hash an already pulled file")
     p.set_defaults(func=cmd_pull)
 
-    sub.add_parser("list", help="show pulled models").set_defaults(func=cmd_list)
+    sub.add_parser("list", help="show pulled models and the models in the Hugging Face cache").set_defaults(func=cmd_list)
 
     manage.add_parsers(sub)
 

@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+import minerva.hub as hub
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.safetensors import SafeTensorsDir
@@ -68,8 +69,9 @@ def model_info(model: str) -> ModelInfo:
             counts[t.qtype.name] += 1
             numels[t.qtype.name] += int(np.prod(t.shape))
         template = f.metadata.get("tokenizer.chat_template")
-        size = path.stat().st_size
-        digest = _pulled_sha256(path) or hash_file(path)
+        size = f.size
+        digest = _pulled_sha256(path) or "; ".join(f"{p.name} {hash_file(p)}" if len(f.paths) > 1 else hash_file(p)
+                                                   for p in f.paths)
         quant = f.file_type_name
     total = sum(numels.values())
     types = {k: (counts[k], numels[k] / total if total else 0.0) for k in sorted(numels, key=numels.get, reverse=True)}
@@ -118,8 +120,12 @@ def show_text(info: ModelInfo, template: bool = False) -> str:
 
 
 def remove(name: str) -> Path:
-    """Delete the pulled model `name` from the store; returns the directory removed."""
+    """Delete the pulled model `name` from the store, or a Hugging Face repo (`OWNER/REPO`, or
+    one quant of it: `OWNER/REPO:QUANT`) from the Hugging Face cache; returns what was removed."""
     pulled = {e.name: e for e in list_models()}
+    ref = hub.parse(name) if name not in KNOWN_MODELS else None
+    if ref is not None:
+        return hub.remove(ref)
     if name not in pulled:
         hint = f"pulled: {', '.join(pulled)}" if pulled else "nothing is pulled"
         what = "a known model that is not pulled" if name in KNOWN_MODELS else "not a pulled model"
@@ -211,11 +217,13 @@ def add_parsers(sub) -> None:
     """`show`, `rm` and `ps` on the `minerva` command's subparsers."""
     p = sub.add_parser("show", help="what a model is: architecture, parameters, quantization mix, context, "
                                     "chat template, file and sha256")
-    p.add_argument("name", metavar="MODEL", help="a pulled name, a .gguf file or a Hugging Face directory")
+    p.add_argument("name", metavar="MODEL", help="a pulled name, a .gguf file, a Hugging Face directory or a "
+                                                 "repo in the Hugging Face cache (OWNER/REPO[:QUANT])")
     p.add_argument("--template", action="store_true", help="also print the whole chat template")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("rm", help="remove pulled models from the model store")
+    p = sub.add_parser("rm", help="remove pulled models from the model store, or repos (OWNER/REPO[:QUANT]) "
+                                  "from the Hugging Face cache")
     p.add_argument("names", nargs="+", metavar="NAME")
     p.set_defaults(func=cmd_rm)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import minerva.hub as hub
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, pickle_refusal
@@ -141,19 +142,24 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
-    """Make sure the known model `name` is in the store and return the path of its file.
+    """Make sure the known model `name` is in the store and return the path of its file; a
+    Hugging Face repo (`OWNER/REPO[:QUANT]`, `hf.co/...`) goes to the Hugging Face cache.
 
     An already pulled model returns at once; `verify=True` re-hashes it first and pulls
     it again if the hash no longer matches.
     """
     if name not in KNOWN_MODELS:
+        ref = hub.parse(name) if not Path(name).expanduser().exists() else None
+        if ref is not None:
+            return hub.fetch(ref, progress=progress)
         if _looks_like_path(name):
             there = Path(name).expanduser().exists()
             raise MinervaError(f"'{name}' is a path, and pull fetches known models by name "
                                f"({', '.join(KNOWN_MODELS)}); "
                                + ("use the path as the model directly, e.g. `minerva generate "
                                   f"{name} \"Hello\"`" if there else "and that path does not exist either"))
-        raise MinervaError(f"unknown model '{name}'; pull knows {', '.join(KNOWN_MODELS)}")
+        raise MinervaError(f"unknown model '{name}'; pull knows {', '.join(KNOWN_MODELS)} and Hugging Face "
+                           "repos (OWNER/REPO[:QUANT] or hf.co/OWNER/REPO[:QUANT])")
     spec = KNOWN_MODELS[name]
     model_dir = store_root() / spec.name
     target = model_dir / spec.filename
@@ -221,7 +227,39 @@ def _gguf_info(path: Path) -> tuple[str, str, bool]:
 
 
 def list_models() -> list[ModelEntry]:
-    """The pulled models in the store, sorted by name."""
+    """The pulled models in the store, sorted by name, then the models in the Hugging Face cache."""
+    return _store_models() + _hub_models()
+
+
+def _hub_models() -> list[ModelEntry]:
+    entries = []
+    for name, path, size in hub.cached_models():
+        try:
+            if path.is_dir():
+                arch, quant, instruct = _hf_dir_info(path)
+            else:
+                arch, quant, instruct = _gguf_info(path)
+        except Exception:  # a damaged file should not break the listing
+            arch, quant, instruct = "unreadable", "unreadable", None
+        entries.append(ModelEntry(name, arch, quant, size, path, instruct))
+    return entries
+
+
+def _hf_dir_info(path: Path) -> tuple[str, str, bool]:
+    """(model type, weight dtype, whether it has a chat template) of a Hugging Face model folder."""
+    config = json.loads((path / "config.json").read_text())
+    try:
+        tokenizer = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer = {}
+    template = (path / "chat_template.jinja").is_file() or bool(isinstance(tokenizer, dict)
+                                                                 and tokenizer.get("chat_template"))
+    dtype = config.get("torch_dtype") or config.get("dtype") or "?"
+    return str(config.get("model_type", "?")), {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}.get(
+        str(dtype), str(dtype)), template
+
+
+def _store_models() -> list[ModelEntry]:
     entries = []
     root = store_root()
     for manifest in sorted(root.glob("*/manifest.json")) if root.is_dir() else []:
@@ -252,7 +290,9 @@ def _looks_like_path(name: str) -> bool:
 def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     """Turn a user's model argument into a .gguf file or a Hugging Face directory.
 
-    None means the default model. An existing path wins over a known name.
+    None means the default model. An existing path wins over a known name, a known name
+    over a Hugging Face repo (`OWNER/REPO[:QUANT]`, `hf.co/OWNER/REPO[:QUANT]`), which is
+    downloaded into the Hugging Face cache unless `auto_pull` is False.
     """
     name = DEFAULT_MODEL if model is None else os.fspath(model)
     if not name.strip():
@@ -273,8 +313,11 @@ def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
         if auto_pull or _is_pulled(KNOWN_MODELS[name]):
             return pull(name)
         raise MinervaError(f"model '{name}' is not pulled yet; run `minerva pull {name}`")
+    ref = hub.parse(name)
+    if ref is not None:
+        return hub.fetch(ref, download=auto_pull)
     if _looks_like_path(name):
         raise MinervaError(f"the file or directory '{name}' does not exist; check the path "
                            f"(or give a known model name: {', '.join(KNOWN_MODELS)})")
-    raise MinervaError(f"model '{name}' is neither a pulled model nor a path; "
-                       f"known names: {', '.join(KNOWN_MODELS)}; run `minerva list`")
+    raise MinervaError(f"model '{name}' is neither a pulled model, a path nor a Hugging Face repo "
+                       f"(OWNER/REPO[:QUANT]); known names: {', '.join(KNOWN_MODELS)}; run `minerva list`")

@@ -103,7 +103,7 @@ def test_resolve_unknown(arg):
         if "/" in arg:  # meant as a path: said to be missing
             assert f"the file or directory '{arg}' does not exist" in msg
         else:
-            assert f"'{arg}' is neither a pulled model nor a path" in msg and "minerva list" in msg
+            assert f"'{arg}' is neither a pulled model, a path nor a Hugging Face repo" in msg and "minerva list" in msg
         assert "smollm2-135m" in msg and "gemma3-270m" in msg
         assert "\n" not in msg
 
@@ -233,7 +233,7 @@ def test_pull_missing_member(fake_index, monkeypatch):
 
 
 def test_pull_unknown_name(tmp_path):
-    with pytest.raises(MinervaError, match="unknown model 'nope'; pull knows smollm2-135m, gemma3-270m$"):
+    with pytest.raises(MinervaError, match=r"unknown model 'nope'; pull knows smollm2-135m, gemma3-270m and Hugging Face repos \(OWNER/REPO"):
         store.pull("nope")
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")

@@ -9,6 +9,7 @@ the file's pages next to its copy.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,45 +256,101 @@ class GGUFTensor:
                 raise MinervaError(f"'{self.path}': tensor '{self.name}' is cut short; re-download the file")
 
 
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+
+def split_parts(path: Path) -> list[Path] | None:
+    """The paths of all parts of a split model (llama.cpp's `PREFIX-00001-of-00003.gguf`
+    naming), in order, when `path` is named as one of them; else None."""
+    m = _SPLIT_NAME.match(path.name)
+    if m is None or int(m["count"]) < 1:
+        return None
+    count = int(m["count"])
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _read(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    """The metadata and tensors of one GGUF file (one part of a split model)."""
+    try:
+        # mode "c" (copy-on-write) gives writable arrays without copying the file,
+        # so torch can wrap them without warnings.
+        reader = _Reader(path, "c")
+    except _Corrupt as exc:
+        raise MinervaError(f"'{path}' is corrupt: {exc}; re-download the file") from None
+    except Exception as exc:  # the reader raises bare ValueError/IndexError/OSError on bad bytes
+        raise MinervaError(
+            f"'{path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+            "it may be truncated or corrupt — re-download it"
+        ) from None
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            metadata[key] = field.contents()
+        except Exception:
+            raise MinervaError(f"'{path}': metadata field '{key}' is corrupt") from None
+    tensors: dict[str, GGUFTensor] = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = t.data
+        if data.dtype != np.uint8:  # F32/F16/... come back typed; keep bytes uniform
+            data = data.view(np.uint8)
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        block, type_size = gguf.GGML_QUANT_SIZES.get(t.tensor_type, (1, 0))
+        expected = rows * (shape[-1] // block) * type_size
+        if data.nbytes != expected:
+            raise MinervaError(
+                f"'{path}': tensor '{t.name}' has {data.nbytes} bytes, expected {expected}; "
+                "the file is truncated or corrupt — re-download it")
+        tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, data.reshape(rows, -1), path, int(t.data_offset))
+    return metadata, tensors
+
+
 class GGUFFile:
-    """Metadata and tensors of one GGUF file."""
+    """Metadata and tensors of one GGUF model: one file, or every part of a split model
+    (`PREFIX-00001-of-00003.gguf` ..., given by its first part, as llama.cpp loads them)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
             raise MinervaError(f"GGUF file '{self.path}' does not exist")
-        try:
-            # mode "c" (copy-on-write) gives writable arrays without copying the file,
-            # so torch can wrap them without warnings.
-            reader = _Reader(self.path, "c")
-        except _Corrupt as exc:
-            raise MinervaError(f"'{self.path}' is corrupt: {exc}; re-download the file") from None
-        except Exception as exc:  # the reader raises bare ValueError/IndexError/OSError on bad bytes
-            raise MinervaError(
-                f"'{self.path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); "
-                "it may be truncated or corrupt — re-download it"
-            ) from None
-        self.metadata: dict[str, Any] = {}
-        for key, field in reader.fields.items():
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:
-                raise MinervaError(f"'{self.path}': metadata field '{key}' is corrupt") from None
-        self.tensors: dict[str, GGUFTensor] = {}
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            data = t.data
-            if data.dtype != np.uint8:  # F32/F16/... come back typed; keep bytes uniform
-                data = data.view(np.uint8)
-            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-            block, type_size = gguf.GGML_QUANT_SIZES.get(t.tensor_type, (1, 0))
-            expected = rows * (shape[-1] // block) * type_size
-            if data.nbytes != expected:
-                raise MinervaError(
-                    f"'{self.path}': tensor '{t.name}' has {data.nbytes} bytes, expected {expected}; "
-                    "the file is truncated or corrupt — re-download it")
-            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, data.reshape(rows, -1),
-                                              self.path, int(t.data_offset))
+        self.metadata, self.tensors = _read(self.path)
+        self.paths = [self.path]
+        count = self.metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
+        if isinstance(count, int) and count > 1:
+            self._read_parts(count)
+
+    def _read_parts(self, count: int) -> None:
+        """The tensors of parts 2..count of a split model, added to the first part's."""
+        no = self.metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_NO)
+        parts = split_parts(self.path)
+        if no != 0 or parts is None or len(parts) != count:
+            which = f"part {no + 1} of {count}" if isinstance(no, int) else f"one of {count} parts"
+            name = (f"give its first part, '{parts[0].name}'" if parts and len(parts) == count
+                    else f"its parts must be named PREFIX-00001-of-{count:05d}.gguf ... and the first given")
+            raise MinervaError(f"'{self.path}' is {which} of a split model; {name}")
+        for i, part in enumerate(parts[1:], start=1):
+            if not part.is_file():
+                raise MinervaError(f"'{self.path}' is the first of {count} parts of a split model, and part "
+                                   f"{i + 1}, '{part}', is missing; download every part into one folder")
+            metadata, tensors = _read(part)
+            if metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_NO) != i:
+                raise MinervaError(f"'{part}' says it is part {metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_NO)} "
+                                   f"(from 0), its name says {i}; the parts of '{self.path.name}' are mixed up")
+            twice = tensors.keys() & self.tensors.keys()
+            if twice:
+                raise MinervaError(f"'{part}' holds tensor '{min(twice)}' again; the parts of "
+                                   f"'{self.path.name}' are from different models")
+            self.tensors.update(tensors)
+            self.paths.append(part)
+        total = self.metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT)
+        if isinstance(total, int) and total != len(self.tensors):
+            raise MinervaError(f"the {count} parts of '{self.path.name}' hold {len(self.tensors)} tensors, "
+                               f"the first part says {total}; a part is from another model or damaged")
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk, every part together."""
+        return sum(p.stat().st_size for p in self.paths)
 
     @property
     def architecture(self) -> str:

@@ -12,6 +12,12 @@ whose hashes are cached instead of recomputing them. A block whose last user is
 gone stays cached, and findable, until a fresh allocation needs it: free blocks
 without a hash are reused first, then cached ones, least recently freed first.
 
+Blocks never used yet are handed out last: a fresh allocation takes one only when no free
+block is without a hash and the cached blocks number at most a quarter of the pool
+(`cache_share`). The pool's memory pages are touched on first write, so a process's
+resident memory follows the blocks its requests needed at once plus that much cache, not
+the pool's size.
+
 Sliding-window layers (a `KVLayout` with windowed groups): each group of layers has its
 own table per request, all drawing from the one pool. Once a windowed group's block lies
 wholly behind the window of a request's next query, `commit` gives it back (it stays
@@ -45,10 +51,13 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
-                 salt: bytes = b"", layout: KVLayout | None = None, step_tokens: int | None = None):
+                 salt: bytes = b"", layout: KVLayout | None = None, step_tokens: int | None = None,
+                 cache_share: float = 0.25):
         """`layout`: the groups of layers with a table each (default: one for all layers);
         `step_tokens`: the most new tokens of a request in one step, which bounds what a
-        windowed group holds (`blocks_for`)."""
+        windowed group holds (`blocks_for`); `cache_share`: of the pool, the cached blocks
+        kept before a never-used block is taken (1: every block is used before any cached
+        one is evicted)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -62,9 +71,11 @@ class BlockManager:
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set while the block is in _cached
         self._cached: dict[bytes, int] = {}  # chained hash (+ group, see _key) -> block id
-        # Blocks with ref count 0 in reuse order: un-hashed ones first, then cached ones,
+        # Used blocks with ref count 0 in reuse order: un-hashed ones first, then cached ones,
         # least recently freed first. An OrderedDict so a cache hit can take one from the middle.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._high = 0  # blocks ever handed out: ids from here on were never used (all free)
+        self._cache_cap = max(1, int(num_blocks * cache_share))
         # per request, a table per group: int64 arrays, so a step's tables become one tensor at
         # the speed of a copy (a windowed group's table is mostly NULL at long contexts)
         self._tables: dict[str, list[array]] = {}
@@ -75,11 +86,16 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._high
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks used at least once: the part of the pool whose memory is resident."""
+        return self._high
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -116,7 +132,7 @@ class BlockManager:
         n = self._blocks_for(num_tokens)
         tables = self._tables.get(req_id)
         if tables is not None:
-            if sum(max(0, n - len(t)) for t in tables) > len(self._free):
+            if sum(max(0, n - len(t)) for t in tables) > self.num_free_blocks:
                 return None
             for t in tables:
                 t.extend(self._take_fresh() for _ in range(n - len(t)))
@@ -126,7 +142,7 @@ class BlockManager:
         hits, chain = self._lookup(token_ids)
         held = [b for t in hits for b in t if b != NULL]
         fresh = sum(max(0, n - len(t)) for t in hits)
-        if sum(self._ref[b] == 0 for b in held) + fresh > len(self._free):
+        if sum(self._ref[b] == 0 for b in held) + fresh > self.num_free_blocks:
             return None
         for b in held:
             if self._ref[b] == 0:
@@ -253,7 +269,15 @@ class BlockManager:
         return empty, []
 
     def _take_fresh(self) -> int:
-        """A free block for new content, evicting its old cache entry if it had one."""
+        """A free block for new content, evicting its old cache entry if it had one: a used one
+        without a hash, else a never-used one while the cache holds no more than its share,
+        else the least recently freed cached one."""
+        if self._high < self.num_blocks and (not self._free or (self._hash[next(iter(self._free))] is not None
+                                                                 and len(self._free) <= self._cache_cap)):
+            b = self._high
+            self._high += 1
+            self._ref[b] = 1
+            return b
         b, _ = self._free.popitem(last=False)
         if self._hash[b] is not None:
             del self._cached[self._hash[b]]

@@ -206,6 +206,25 @@ def test_eviction_least_recently_freed_first_tail_before_head():
     assert taken == [a[1], a[0], b[1], b[0]]
 
 
+def test_never_used_blocks_come_after_a_quarter_of_the_pool_in_cache():
+    """Blocks never used (pool memory never touched) are handed out only while the cached
+    blocks are at most `cache_share` of the pool, so a stream of distinct prompts does not
+    walk through the whole pool: resident memory follows use plus that much cache."""
+    for share, touched in ((0.25, range(25, 25 + 2 + 2)), (1.0, [100])):
+        bm = BlockManager(100, 4, cache_share=share)
+        for i in range(60):
+            run(bm, f"r{i}", [1000 + 8 * i + j for j in range(8)])  # two full blocks, cached when freed
+            bm.free(f"r{i}")
+        assert bm.num_touched_blocks in touched
+        assert bm.num_free_blocks == 100
+        assert bm.allocate("again", [1000 + 8 * 59 + j for j in range(8)] + [0], 9) == 8  # the last is cached
+    bm = BlockManager(100, 4, enable_prefix_caching=False)
+    for i in range(60):
+        run(bm, f"r{i}", list(range(8)))
+        bm.free(f"r{i}")
+    assert bm.num_touched_blocks == 2  # nothing cached: the same two blocks every time
+
+
 def test_evicted_block_no_longer_hits():
     bm = BlockManager(4, 2)
     run(bm, "a", [1, 2, 3, 4, 5])  # blocks [1,2] [3,4] [5]; the first two cached
@@ -413,7 +432,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 refs[b] += 1
         assert refs == bm._ref
         assert list(bm._free) == [b for b in bm._free if refs[b] == 0]  # keys are unique by construction
-        assert set(bm._free) == {b for b in range(bm.num_blocks) if refs[b] == 0}
+        never_used = range(bm.num_touched_blocks, bm.num_blocks)
+        assert set(bm._free).isdisjoint(never_used)
+        assert set(bm._free) | set(never_used) == {b for b in range(bm.num_blocks) if refs[b] == 0}
+        assert all(bm._hash[b] is None for b in never_used)
         assert bm.num_free_blocks == sum(r == 0 for r in refs)
         assert bm.num_used_blocks == sum(r > 0 for r in refs)
         # Un-hashed free blocks are reused before cached ones.

@@ -40,6 +40,8 @@ def _looks_like_model(arg: str, bare_repos: bool = True) -> bool:
     with `bare_repos` OWNER/REPO[:QUANT] (a served model name may well look like that)."""
     if arg in KNOWN_MODELS or arg.endswith(".gguf") or Path(arg).is_dir() or arg.lower().startswith(hub.PREFIXES):
         return True
+    if Path(arg).expanduser().exists():  # a file that is not a model: a prompt file, a text to score
+        return False
     try:
         return bare_repos and not any(c.isspace() for c in arg) and hub.parse(arg) is not None
     except MinervaError:

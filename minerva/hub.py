@@ -31,12 +31,14 @@ from minerva.formats.gguf import split_parts
 PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "huggingface.co/", "hf.co/")
 # Without `:QUANT`, the first of these the repo has (the 4-bit mixes most people run first,
 # then more bits, then fewer, then the float files); else the first tag in sorted order.
-PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_0", "MXFP4", "Q4_1", "Q5_K_M", "Q5_K_S", "Q5_0", "Q5_1", "Q6_K",
-              "Q8_0", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "BF16", "F16", "F32")
+PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_0", "MXFP4", "Q4_1", "Q4", "Q5_K_M", "Q5_K_S", "Q5_0", "Q5_1", "Q6_K",
+              "Q8_0", "Q8", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "BF16", "F16", "F32")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _QUANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q[1-8](?:_[A-Z0-9]+)*|BF16|F16|F32|MXFP4(?:_MOE)?|TQ[12]_0)(?![A-Za-z0-9])",
-                  re.IGNORECASE)
+# llama.cpp's quant names (Q4_K_M, IQ2_XXS, Q4_0_4_8, ...), unsloth's and bartowski's variants
+# (Q4_K_XL, Q6_K_L), the float types, MXFP4; FP16/FP32 as some repos spell F16/F32
+_TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q[1-8](?:_(?:[0-9]|K|S|M|L|XL|XXL|XS|XXS|NL))*|BF16|FP?16|FP?32|"
+                  r"MXFP4(?:_MOE)?|TQ[12]_0)(?![A-Za-z0-9])", re.IGNORECASE)
 # What a SafeTensors model directory needs: config, tokenizer, chat template, weights.
 _HF_FILES = re.compile(r"[^/]+\.(json|safetensors|jinja|tiktoken)|tokenizer\.model|merges\.txt|vocab\.txt")
 _CHUNK = 1 << 20
@@ -63,7 +65,7 @@ def parse(name: str) -> RepoRef | None:
     prefix = next((p for p in PREFIXES if lowered.startswith(p)), None)
     rest = name[len(prefix):] if prefix else name
     repo, _, quant = rest.partition(":")
-    repo = repo.strip("/")
+    repo = repo.strip("/") if prefix else repo
     if _REPO.fullmatch(repo) and (not quant or _QUANT.fullmatch(quant)) and ".." not in repo:
         if prefix or not repo.lower().endswith((".gguf", ".safetensors", ".bin", ".pt", ".pth")):
             return RepoRef(repo, quant or None)
@@ -83,7 +85,8 @@ def quant_tag(path: str) -> str | None:
     for where in (stem, *reversed(parts[:-1])):
         tags = _TAG.findall(where)
         if tags:
-            return tags[-1].upper()
+            tag = tags[-1].upper()
+            return {"FP16": "F16", "FP32": "F32"}.get(tag, tag)
     return None
 
 
@@ -113,8 +116,10 @@ def pick_gguf(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
     """The file(s) of the quant `ref` asks for, else of the preferred one the repo has."""
     choices = gguf_choices(files)
     if ref.quant:
+        want = ref.quant.upper()
+        want = {"FP16": "F16", "FP32": "F32"}.get(want, want)
         for tag, names in choices.items():
-            if tag.upper() == ref.quant.upper() or names[0] == ref.quant:
+            if want in (tag.upper(), names[0].upper(), names[0].rsplit("/", 1)[-1].upper()):
                 return names
         have = ", ".join(sorted(choices)) or "none"
         raise MinervaError(f"'{ref.repo_id}'{where} has no {ref.quant.upper()} file; its quants: {have}; "
@@ -122,8 +127,8 @@ def pick_gguf(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
     for tag in PREFERENCE:
         if tag in choices:
             return choices[tag]
-    if choices:
-        return choices[min(choices)]
+    if choices:  # a tag outside the list before a file without one
+        return choices[min(choices, key=lambda k: (k.lower().endswith(".gguf"), k))]
     raise MinervaError(f"'{ref.repo_id}' has no GGUF file")
 
 
@@ -155,10 +160,11 @@ def model_path(snapshot: Path, files: list[str]) -> Path:
 
 def cache_dir() -> Path:
     """huggingface_hub's cache folder, as its environment variables set it when called."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if hub_cache:
+        return Path(os.path.expandvars(hub_cache)).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 
 def _endpoint() -> str:
@@ -173,42 +179,44 @@ def repo_folder(repo_id: str) -> Path:
     return cache_dir() / ("models--" + repo_id.replace("/", "--"))
 
 
-def cached_snapshot(repo_id: str) -> tuple[Path, list[str]] | None:
-    """The cached snapshot of the repo's main branch (else its newest) and its files."""
+def cached_snapshots(repo_id: str) -> list[tuple[Path, list[str]]]:
+    """The repo's cached snapshots with their files: the main branch's first, then the newest."""
     folder = repo_folder(repo_id)
     snapshots = folder / "snapshots"
     try:
         commit = (folder / "refs" / "main").read_text().strip()
+        found = sorted(snapshots.iterdir(), key=lambda p: (p.name != commit, -p.stat().st_mtime))
     except OSError:
-        commit = None
-    candidates = [snapshots / commit] if commit else []
-    if snapshots.is_dir():
-        candidates += sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-    for snap in candidates:
-        if snap.is_dir():
+        found = []
+    out = []
+    for snap in found:
+        try:
             files = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
-            if files:
-                return snap, files
-    return None
+        except OSError:
+            continue
+        if files:
+            out.append((snap, files))
+    return out
 
 
 def _from_cache(ref: RepoRef, why: str) -> Path:
-    found = cached_snapshot(ref.repo_id)
-    if found is None:
+    found = cached_snapshots(ref.repo_id)
+    if not found:
         raise MinervaError(f"'{ref}' is not in the Hugging Face cache ({cache_dir()}) and {why}")
-    snap, files = found
-    try:
-        chosen = pick_files(ref, files, where=" in the Hugging Face cache")
-    except MinervaError as exc:
-        raise MinervaError(f"{exc}; and {why}") from None
-    return model_path(snap, chosen)
+    for snap, files in found:
+        try:
+            return model_path(snap, pick_files(ref, files, where=" in the Hugging Face cache"))
+        except MinervaError as exc:
+            error = exc
+    raise MinervaError(f"{error}; and {why}") from None
 
 
 # ------------------------------------------------------------------ downloading
 
 
-def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True) -> Path:
-    """The local path of `ref`'s model, downloading what is missing from the cache.
+def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True, verify: bool = False) -> Path:
+    """The local path of `ref`'s model, downloading what is missing from the cache; each file
+    downloaded (with `verify`, each cached one too) is checked against the Hub's checksum.
 
     `download=False` only looks in the cache (`minerva show`); so does HF_HUB_OFFLINE=1."""
     if offline():
@@ -216,27 +224,26 @@ def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True) -> Path
     if not download:
         return _from_cache(ref, f"is not downloaded here; run `minerva pull {ref}`")
     from huggingface_hub import HfApi
-    api = HfApi(endpoint=_endpoint())
     try:
-        info = api.model_info(ref.repo_id, files_metadata=True)
+        info = HfApi(endpoint=_endpoint()).model_info(
+            ref.repo_id, files_metadata=True, timeout=float(os.environ.get("HF_HUB_ETAG_TIMEOUT", 10)))
     except Exception as exc:
-        if _network_error(exc):
-            return _from_cache(ref, f"the Hub at {_endpoint()} cannot be reached ({_first_line(exc)}); "
-                               "check the network, HF_ENDPOINT and proxy settings")
+        if _unavailable(exc) and cached_snapshots(ref.repo_id):
+            return _from_cache(ref, f"the Hub at {_endpoint()} is unavailable ({_first_line(exc)})")
+        if _unavailable(exc):
+            raise MinervaError(f"'{ref}' is not in the Hugging Face cache ({cache_dir()}) and the Hub at "
+                               f"{_endpoint()} cannot be reached ({_first_line(exc)}); check the network, "
+                               "HF_ENDPOINT and proxy settings") from None
         raise _hub_error(ref, exc) from None
     files = {s.rfilename: s for s in info.siblings or []}
     chosen = pick_files(ref, list(files))
-    snapshot, fresh = _download(ref, info.sha, chosen, progress)
-    for name in fresh:
-        lfs = files[name].lfs
-        if lfs is not None:
-            _verify(ref, snapshot / name, lfs.sha256)
+    snapshot = _download(ref, info.sha, chosen, {f: files[f] for f in chosen}, progress, verify)
     return model_path(snapshot, chosen)
 
 
-def _download(ref: RepoRef, commit: str, files: list[str], progress: bool) -> tuple[Path, list[str]]:
+def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progress: bool, verify: bool) -> Path:
     """Download what of `files` the cache lacks at `commit` (the main branch's, just asked),
-    each with its own progress bar; returns the snapshot folder and the files new in it."""
+    each with its own progress bar and checked as it arrives; returns the snapshot folder."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     snapshot = repo_folder(ref.repo_id) / "snapshots" / commit
@@ -244,33 +251,59 @@ def _download(ref: RepoRef, commit: str, files: list[str], progress: bool) -> tu
     if missing and not progress:
         disable_progress_bars()
     try:
-        for name in missing:
-            got = Path(hf_hub_download(ref.repo_id, name, cache_dir=cache_dir(), endpoint=_endpoint()))
-            snapshot = got.parents[len(Path(name).parts) - 1]
-    except Exception as exc:
-        raise _hub_error(ref, exc) from None
+        for name in files:
+            if name in missing:
+                try:
+                    hf_hub_download(ref.repo_id, name, revision=commit, cache_dir=cache_dir(), endpoint=_endpoint())
+                except Exception as exc:
+                    raise _hub_error(ref, exc) from None
+            if name in missing or verify:
+                _verify(ref, snapshot / name, listed[name])
     finally:
         if missing and not progress:
             enable_progress_bars()
-    lacking = [f for f in files if not (snapshot / f).is_file()]
-    if lacking:
-        raise MinervaError(f"'{ref}': {lacking[0]} did not arrive from {_endpoint()}; run the command again")
-    return snapshot, missing
+    try:  # what huggingface_hub writes when it resolves `main` itself: the offline lookup reads it
+        (repo_folder(ref.repo_id) / "refs").mkdir(parents=True, exist_ok=True)
+        (repo_folder(ref.repo_id) / "refs" / "main").write_text(commit)
+    except OSError:
+        pass
+    return snapshot
 
 
-def _verify(ref: RepoRef, path: Path, sha256: str) -> None:
-    """A file just downloaded, against the sha256 the Hub lists for it; a mismatch deletes it
-    (its cache blob too), so the next try downloads it again."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    if h.hexdigest() != sha256:
-        blob = path.resolve()
-        path.unlink(missing_ok=True)
-        blob.unlink(missing_ok=True)
-        raise MinervaError(f"'{ref}': {path.name} arrived with sha256 {h.hexdigest()}, but the Hub lists "
-                           f"{sha256}; the download was corrupted and is deleted; run the command again")
+def _verify(ref: RepoRef, path: Path, listed) -> None:
+    """A file against the checksum the Hub lists for it (an LFS file's sha256, else its git
+    blob id); a mismatch deletes it (its cache blob too), so the next try downloads it again,
+    and so does an interrupted check."""
+    if listed.lfs is not None:
+        h, want, kind = hashlib.sha256(), listed.lfs.sha256, "sha256"
+    elif listed.blob_id:
+        h, want, kind = hashlib.sha1(), listed.blob_id, "git blob id"
+        h.update(b"blob %d\0" % path.stat().st_size)
+    else:
+        return
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    except BaseException:
+        _delete(path)
+        raise
+    if h.hexdigest() != want:
+        _delete(path)
+        raise MinervaError(f"'{ref}': {path.name} has {kind} {h.hexdigest()}, but the Hub lists "
+                           f"{want}; the file was corrupted and is deleted; run the command again")
+
+
+def _delete(path: Path) -> None:
+    blob = path.resolve()
+    path.unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """No answer from the Hub, or a server error or rate limit: the cache may still serve."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return _network_error(exc) or (isinstance(status, int) and (status >= 500 or status == 429))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -312,26 +345,30 @@ def _hub_error(ref: RepoRef, exc: BaseException) -> MinervaError:
 
 def cached_models() -> list[tuple[str, Path, int]]:
     """(name to give, path the loader takes, bytes) of every model in the cache: one per quant
-    of a GGUF repo, one per SafeTensors repo."""
+    of a GGUF repo (over all its cached snapshots), one per SafeTensors repo."""
     out = []
     root = cache_dir()
-    for folder in sorted(root.glob("models--*--*")) if root.is_dir() else []:
+    try:
+        folders = sorted(root.glob("models--*--*")) if root.is_dir() else []
+    except OSError:
+        folders = []
+    for folder in folders:
         repo_id = folder.name.removeprefix("models--").replace("--", "/", 1)
-        found = cached_snapshot(repo_id)
-        if found is None:
-            continue
-        snap, files = found
-        choices = gguf_choices(files)
-        if choices:
-            for tag, names in choices.items():
-                name = f"{repo_id}:{tag}" if len(choices) > 1 or quant_tag(names[0]) else repo_id
-                out.append((name, snap / names[0], sum((snap / n).stat().st_size for n in names)))
-            continue
-        try:
-            chosen = pick_files(RepoRef(repo_id), files)
-        except MinervaError:
-            continue
-        out.append((repo_id, snap, sum((snap / n).stat().st_size for n in chosen)))
+        seen: set[str] = set()
+        for snap, files in cached_snapshots(repo_id):
+            try:
+                choices = gguf_choices(files)
+                if not choices and not seen:
+                    chosen = pick_files(RepoRef(repo_id), files)
+                    out.append((repo_id, snap, sum((snap / n).stat().st_size for n in chosen)))
+                    seen.add("")
+                for tag, names in choices.items():
+                    name = f"{repo_id}:{tag.rsplit('/', 1)[-1]}"
+                    if tag not in seen:
+                        out.append((name, snap / names[0], sum((snap / n).stat().st_size for n in names)))
+                        seen.add(tag)
+            except (MinervaError, OSError):
+                continue
     return out
 
 
@@ -341,25 +378,32 @@ def remove(ref: RepoRef) -> Path:
     if not folder.is_dir():
         raise MinervaError(f"'{ref.repo_id}' is not in the Hugging Face cache ({cache_dir()}); "
                            "`minerva list` shows what is")
-    if ref.quant is None:
-        shutil.rmtree(folder)
-        return folder
-    snapshots = [p for p in (folder / "snapshots").iterdir() if p.is_dir()]
+    try:
+        if ref.quant is None:
+            shutil.rmtree(folder)
+            return folder
+        _remove_quant(ref)
+    except OSError as exc:
+        raise MinervaError(f"could not remove '{ref}' from {folder}: {exc.strerror or exc}") from None
+    return folder
+
+
+def _remove_quant(ref: RepoRef) -> None:
+    snapshots = cached_snapshots(ref.repo_id)
     links = []
-    for snap in snapshots:
-        files = sorted(str(p.relative_to(snap)) for p in snap.rglob("*") if p.is_file())
-        if ref.quant.upper() in gguf_choices(files):
+    for snap, files in snapshots:
+        try:
             links += [snap / n for n in pick_gguf(ref, files)]
+        except MinervaError:
+            continue
     if not links:
-        have = sorted({t for s in snapshots for t in gguf_choices(
-            [str(p.relative_to(s)) for p in s.rglob("*") if p.is_file()])})
+        have = sorted({t for _, files in snapshots for t in gguf_choices(files)})
         raise MinervaError(f"the cached '{ref.repo_id}' has no {ref.quant.upper()} file (cached: "
                            f"{', '.join(have) or 'none'}); `minerva rm {ref.repo_id}` removes the whole repo")
     blobs = {link.resolve() for link in links}
     for link in links:
         link.unlink()
-    still = {p.resolve() for s in snapshots for p in s.rglob("*") if p.is_file()}
+    still = {(snap / n).resolve() for snap, files in cached_snapshots(ref.repo_id) for n in files}
     for blob in blobs - still:
         if blob.parent.name == "blobs":
             blob.unlink(missing_ok=True)
-    return folder

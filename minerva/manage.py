@@ -122,10 +122,10 @@ def show_text(info: ModelInfo, template: bool = False) -> str:
 def remove(name: str) -> Path:
     """Delete the pulled model `name` from the store, or a Hugging Face repo (`OWNER/REPO`, or
     one quant of it: `OWNER/REPO:QUANT`) from the Hugging Face cache; returns what was removed."""
-    pulled = {e.name: e for e in list_models()}
     ref = hub.parse(name) if name not in KNOWN_MODELS else None
     if ref is not None:
         return hub.remove(ref)
+    pulled = {e.name: e for e in list_models()}
     if name not in pulled:
         hint = f"pulled: {', '.join(pulled)}" if pulled else "nothing is pulled"
         what = "a known model that is not pulled" if name in KNOWN_MODELS else "not a pulled model"

@@ -151,7 +151,7 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     if name not in KNOWN_MODELS:
         ref = hub.parse(name) if not Path(name).expanduser().exists() else None
         if ref is not None:
-            return hub.fetch(ref, progress=progress)
+            return hub.fetch(ref, progress=progress, verify=verify)
         if _looks_like_path(name):
             there = Path(name).expanduser().exists()
             raise MinervaError(f"'{name}' is a path, and pull fetches known models by name "

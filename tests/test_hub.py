@@ -91,6 +91,7 @@ def sha256(path) -> str:
     ("unsloth/gpt-oss-20b-GGUF:mxfp4", ("unsloth/gpt-oss-20b-GGUF", "mxfp4")),
     ("HF.CO/a/b", ("a/b", None)),
     ("smollm2-135m", None), ("model.gguf", None), ("dir/model.gguf", None), ("a/b/c", None), ("../x", None),
+    ("/models/llama", None), ("./models/llama", None), ("~/models/llama", None),
 ])
 def test_parse(arg, want):
     ref = hub.parse(arg)
@@ -108,7 +109,9 @@ def test_parse_refuses_malformed_hub_names(arg):
     ("gemma-3-270m-q4_k_m.gguf", "Q4_K_M"), ("gpt-oss-20b-mxfp4.gguf", "MXFP4"), ("model-UD-Q4_K_XL.gguf", "Q4_K_XL"),
     ("Qwen3-8B-IQ4_XS.gguf", "IQ4_XS"), ("Qwen3-8B-BF16-00001-of-00002.gguf", "BF16"),
     ("Q8_0/Qwen3-235B-Q8_0-00001-of-00006.gguf", "Q8_0"), ("Q5_K_M/model-00001-of-00002.gguf", "Q5_K_M"),
-    ("model.gguf", None), ("Qwen2.5-7B.gguf", None),
+    ("Phi-3-mini-4k-instruct-fp16.gguf", "F16"), ("Phi-3-mini-4k-instruct-q4.gguf", "Q4"),
+    ("Meta-Llama-3-8B-Instruct-Q4_K_M_imat.gguf", "Q4_K_M"), ("Llama-3.2-3B-Instruct-Q6_K_L.gguf", "Q6_K_L"),
+    ("model-Q4_0_4_8.gguf", "Q4_0_4_8"), ("model.gguf", None), ("Qwen2.5-7B.gguf", None),
 ])
 def test_quant_tag(name, tag):
     assert hub.quant_tag(name) == tag
@@ -126,6 +129,12 @@ def test_pick_gguf():
     with pytest.raises(MinervaError, match=r"no F32 file; its quants: BF16, Q4_0, Q4_K_M, Q8_0; name one as o/m:QUANT"):
         hub.pick_gguf(hub.RepoRef("o/m", "F32"), files)
     assert hub.pick_gguf(hub.RepoRef("o/m"), ["model.gguf", "README.md"]) == ["model.gguf"]
+    phi = ["Phi-3-mini-4k-instruct-fp16.gguf", "Phi-3-mini-4k-instruct-q4.gguf"]
+    assert hub.pick_gguf(hub.RepoRef("o/m"), phi) == [phi[1]]  # 4 bits before 16
+    assert hub.pick_gguf(hub.RepoRef("o/m", "fp16"), phi) == hub.pick_gguf(hub.RepoRef("o/m", "F16"), phi) == [phi[0]]
+    assert hub.pick_gguf(hub.RepoRef("o/m", "model.gguf"), ["sub/model.gguf", "x.gguf"]) == ["sub/model.gguf"]
+    upper = ["M-Q8_0-00001-of-00002.GGUF", "M-Q8_0-00002-of-00002.GGUF"]
+    assert hub.pick_gguf(hub.RepoRef("o/m"), upper) == upper
 
 
 def test_pick_safetensors_files():
@@ -221,8 +230,8 @@ def test_dropped_connection_resumes(hf_env):
 
 
 def test_checksum_mismatch_deletes_the_download(hf_env, tiny):
-    with pytest.raises(MinervaError, match=r"tiny-Q8_0.gguf arrived with sha256 \w+, but the Hub lists \w+; "
-                                           "the download was corrupted and is deleted"):
+    with pytest.raises(MinervaError, match=r"tiny-Q8_0.gguf has sha256 \w+, but the Hub lists \w+; "
+                                           "the file was corrupted and is deleted"):
         resolve("test/corrupt-GGUF")
     assert not list((hub.repo_folder("test/corrupt-GGUF") / "blobs").iterdir())
     hf_env.repos["test/corrupt-GGUF"].corrupt.clear()
@@ -230,6 +239,87 @@ def test_checksum_mismatch_deletes_the_download(hf_env, tiny):
         assert sha256(resolve("test/corrupt-GGUF")) == sha256(tiny)  # the next try downloads it again
     finally:
         hf_env.repos["test/corrupt-GGUF"].corrupt.add("tiny-Q8_0.gguf")
+
+
+def test_verify_rechecks_cached_files(hf_env, smollm2_gguf):
+    path = resolve("test/SmolLM2-GGUF")
+    blob = path.resolve()
+    data = bytearray(blob.read_bytes())
+    data[1000] ^= 0xFF  # the cached file damaged on disk
+    blob.write_bytes(bytes(data))
+    assert resolve("test/SmolLM2-GGUF") == path  # trusted as cached
+    with pytest.raises(MinervaError, match=r"has sha256 \w+, but the Hub lists \w+; the file was corrupted"):
+        pull("test/SmolLM2-GGUF", verify=True)
+    hf_env.log.clear()
+    assert sha256(resolve("test/SmolLM2-GGUF")) == sha256(smollm2_gguf)  # downloaded again
+    assert hf_env.downloads(SMOL) == [None]
+
+
+def test_plain_git_files_are_checked_by_their_blob_id(hf_env):
+    repo = hf_env.repos["test/tiny-llama"]
+    repo.plain.add("config.json")
+    repo.corrupt.add("config.json")
+    try:
+        with pytest.raises(MinervaError, match=r"config.json has git blob id \w+, but the Hub lists \w+"):
+            resolve("test/tiny-llama")
+        repo.corrupt.clear()
+        assert (resolve("test/tiny-llama") / "config.json").read_bytes() == (hf_env.hf_dir / "config.json").read_bytes()
+    finally:
+        repo.plain.clear()
+        repo.corrupt.clear()
+
+
+def test_hub_outage_falls_back_to_the_cache(hf_env):
+    path = resolve("test/SmolLM2-GGUF")
+    hf_env.status = 503
+    try:
+        assert resolve("test/SmolLM2-GGUF") == path
+        with pytest.raises(MinervaError, match="'test/tiny-llama' is not in the Hugging Face cache .* cannot be reached"):
+            resolve("test/tiny-llama")
+    finally:
+        hf_env.status = None
+
+
+def test_stalled_hub_times_out_to_the_cache(hf_env, monkeypatch):
+    path = resolve("test/SmolLM2-GGUF")
+    with socket.socket() as stalled:  # accepts connections (the kernel's backlog) and never answers
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{stalled.getsockname()[1]}")
+        monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
+        assert resolve("test/SmolLM2-GGUF") == path
+
+
+def test_quants_from_several_commits(hf_env, monkeypatch):
+    """A quant cached at an older commit still loads offline, is listed and removable."""
+    repo = hf_env.repos["test/SmolLM2-GGUF"]
+    q4 = resolve("test/SmolLM2-GGUF:Q4_1")
+    repo.put("README.md", b"# SmolLM2, edited")
+    try:
+        q8 = resolve("test/SmolLM2-GGUF:Q8_0")
+        assert q8.parent != q4.parent  # another snapshot
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert resolve("test/SmolLM2-GGUF:Q4_1") == q4 and resolve("test/SmolLM2-GGUF:q8_0") == q8
+        names = {name for name, _, _ in hub.cached_models()}
+        assert {"test/SmolLM2-GGUF:Q4_1", "test/SmolLM2-GGUF:Q8_0"} <= names
+        hub.remove(hub.RepoRef("test/SmolLM2-GGUF", "Q4_1"))
+        assert not q4.exists() and q8.exists()
+        with pytest.raises(MinervaError, match=r"has no Q4_1 file \(cached: Q8_0\)"):
+            hub.remove(hub.RepoRef("test/SmolLM2-GGUF", "Q4_1"))
+    finally:
+        repo.put("README.md", b"# SmolLM2")
+
+
+def test_remove_odd_cache_states(hf_env):
+    folder = hub.repo_folder("test/half-written")
+    folder.mkdir(parents=True)  # a repo folder without snapshots
+    with pytest.raises(MinervaError, match="the cached 'test/half-written' has no Q4_K_M file"):
+        hub.remove(hub.RepoRef("test/half-written", "Q4_K_M"))
+    snap = folder / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "m-Q4_K_M.gguf").symlink_to(folder / "blobs" / "gone")  # a dangling link
+    assert hub.cached_models() == []  # listed as nothing, not a traceback
+    assert hub.remove(hub.RepoRef("test/half-written")) == folder and not folder.exists()
 
 
 def test_gated_repo_needs_a_token(hf_env, monkeypatch, tiny):
@@ -307,3 +397,14 @@ def test_serve_a_hub_model(hf_env):
         proc.terminate()
         proc.wait(30)
     assert hf_env.downloads("tiny-Q8_0.gguf") == [None]
+
+
+def test_which_words_are_models(tmp_path, monkeypatch):
+    from minerva.cli import _looks_like_model
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "wiki.txt").write_text("text to score")
+    assert not _looks_like_model("data/wiki.txt")  # an existing file that is not a model
+    assert _looks_like_model("hf.co/a/b") and _looks_like_model("bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M")
+    assert not _looks_like_model("why a/b?") and not _looks_like_model("/models/llama")
+    assert not _looks_like_model("meta-llama/Llama-3.1-8B", bare_repos=False)  # a served model name

@@ -256,7 +256,7 @@ class GGUFTensor:
                 raise MinervaError(f"'{self.path}': tensor '{self.name}' is cut short; re-download the file")
 
 
-_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.gguf)$", re.IGNORECASE)
 
 
 def split_parts(path: Path) -> list[Path] | None:
@@ -266,7 +266,7 @@ def split_parts(path: Path) -> list[Path] | None:
     if m is None or int(m["count"]) < 1:
         return None
     count = int(m["count"])
-    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}{m['suffix']}") for i in range(1, count + 1)]
 
 
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:

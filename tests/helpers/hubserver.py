@@ -8,7 +8,8 @@
 
 Errors as the Hub sends them (`X-Error-Code` RepoNotFound, EntryNotFound, GatedRepo). Faults
 on demand: `cut` a file's first download after some bytes (the connection drops), serve a
-file `corrupt` (other bytes than its listed sha256), `gate` a repo behind a token. Every
+file `corrupt` (other bytes than its listed checksum), `gate` a repo behind a token, answer
+everything with one `status` (an outage). Files are LFS files unless `plain`. Every
 request is in `log` as (method, path, Range header).
 """
 
@@ -28,6 +29,7 @@ class Repo:
     files: dict[str, Path | bytes]
     gated_token: str | None = None  # requests without `Authorization: Bearer <it>` get 401 GatedRepo
     corrupt: set[str] = field(default_factory=set)  # served with the first byte changed
+    plain: set[str] = field(default_factory=set)  # kept in git, not LFS: listed by their git blob id
     _sha: dict[str, str] = field(default_factory=dict)
 
     def data(self, name: str) -> bytes:
@@ -47,6 +49,26 @@ class Repo:
             self._sha[name] = hashlib.sha256(f if isinstance(f, bytes) else f.read_bytes()).hexdigest()
         return self._sha[name]
 
+    def put(self, name: str, data: Path | bytes) -> None:
+        """Add or change a file: a new commit."""
+        self.files[name] = data
+        self._sha.pop(name, None)
+
+    def blob_id(self, name: str) -> str:
+        f = self.files[name]
+        data = f if isinstance(f, bytes) else f.read_bytes()
+        return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+    def entry(self, name: str) -> dict:
+        """What the Hub lists of a file: size, blob id and, for an LFS file, its sha256."""
+        if name in self.plain:
+            return {"size": self.size(name), "blobId": self.blob_id(name)}
+        return {"size": self.size(name), "blobId": self.sha256(name)[:40],
+                "lfs": {"sha256": self.sha256(name), "size": self.size(name), "pointerSize": 134}}
+
+    def etag(self, name: str) -> str:
+        return self.blob_id(name) if name in self.plain else self.sha256(name)
+
     @property
     def commit(self) -> str:
         listing = "".join(f"{n}:{self.sha256(n)}\n" for n in sorted(self.files))
@@ -59,6 +81,7 @@ class Hub:
     def __init__(self):
         self.repos: dict[str, Repo] = {}
         self.cut: dict[str, int] = {}  # "OWNER/REPO/FILE" -> bytes sent before the first GET drops
+        self.status: int | None = None  # when set, every request is answered with it (a Hub outage)
         self.log: list[tuple[str, str, str | None]] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -98,6 +121,8 @@ def _handler(hub: Hub):
         def _route(self, head: bool) -> None:
             path = unquote(urlsplit(self.path).path)
             hub.log.append((self.command, path, self.headers.get("Range")))
+            if hub.status is not None:
+                return self._error(hub.status, "", "Service unavailable")
             parts = path.strip("/").split("/")
             if parts[:2] == ["api", "models"] and len(parts) >= 4:
                 return self._api(parts[2] + "/" + parts[3], parts[4:], "blobs=true" in self.path)
@@ -121,14 +146,16 @@ def _handler(hub: Hub):
                 return
             if rest[:1] == ["tree"]:
                 prefix = "/".join(rest[2:])
-                entries = [{"type": "file", "path": n, "size": repo.size(n), "oid": repo.sha256(n)[:40],
-                            "lfs": {"oid": repo.sha256(n), "size": repo.size(n), "pointerSize": 134}}
-                           for n in sorted(repo.files) if n.startswith(prefix)]
+                entries = []
+                for n in sorted(repo.files):
+                    if n.startswith(prefix):
+                        e = repo.entry(n)
+                        lfs = e.get("lfs")
+                        entries.append({"type": "file", "path": n, "size": e["size"], "oid": e["blobId"],
+                                        **({"lfs": {"oid": lfs["sha256"], "size": lfs["size"],
+                                                    "pointerSize": lfs["pointerSize"]}} if lfs else {})})
                 return self._json(entries)
-            siblings = [{"rfilename": n, **({"size": repo.size(n), "blobId": repo.sha256(n)[:40],
-                                             "lfs": {"sha256": repo.sha256(n), "size": repo.size(n),
-                                                     "pointerSize": 134}} if blobs else {})}
-                        for n in sorted(repo.files)]
+            siblings = [{"rfilename": n, **(repo.entry(n) if blobs else {})} for n in sorted(repo.files)]
             self._json({"id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False,
                         "gated": bool(repo.gated_token), "siblings": siblings})
 
@@ -144,9 +171,10 @@ def _handler(hub: Hub):
                 start = int(rng[6:].split("-")[0])
             self.send_response(206 if start else 200)
             self.send_header("X-Repo-Commit", repo.commit)
-            self.send_header("ETag", f'"{repo.sha256(name)}"')
-            self.send_header("X-Linked-Etag", f'"{repo.sha256(name)}"')
-            self.send_header("X-Linked-Size", str(size))
+            self.send_header("ETag", f'"{repo.etag(name)}"')
+            if name not in repo.plain:
+                self.send_header("X-Linked-Etag", f'"{repo.etag(name)}"')
+                self.send_header("X-Linked-Size", str(size))
             self.send_header("Accept-Ranges", "bytes")
             self.send_header("Content-Length", str(size - start))
             if start:
@@ -176,7 +204,8 @@ def _handler(hub: Hub):
         def _error(self, status: int, code: str, message: str, commit: str | None = None) -> None:
             data = json.dumps({"error": message}).encode()
             self.send_response(status)
-            self.send_header("X-Error-Code", code)
+            if code:
+                self.send_header("X-Error-Code", code)
             self.send_header("X-Error-Message", message)
             if commit:
                 self.send_header("X-Repo-Commit", commit)

@@ -166,12 +166,17 @@ def server_status(url: str, api_key: str | None = None, timeout: float = 5.0) ->
         samples = [s.value for s in family.samples if s.labels.get("model_name") == model] if family else []
         return samples[0] if samples else None
 
-    primary = cards[0]["id"] if cards else None  # the metrics are labelled with the first name
-    state = {key: value(metric, primary) for key, metric in (
-        ("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
-        ("kv_usage", "kv_cache_usage_perc"), ("kv_blocks", "kv_cache_used_blocks"))}
-    return [{"name": card["id"], "root": card.get("root"), "max_model_len": card.get("max_model_len"), **state}
-            for card in cards]
+    primary = cards[0]["id"] if cards else None  # one model's aliases: its metrics carry the first name
+    metrics = (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
+               ("kv_usage", "kv_cache_usage_perc"), ("kv_blocks", "kv_cache_used_blocks"))
+    rows = []
+    for card in cards:  # a server of several models labels each with its own name
+        loaded = card.get("loaded", True)
+        name = card["id"] if value("num_requests_running", card["id"]) is not None else primary
+        state = {key: value(metric, name) if loaded else None for key, metric in metrics}
+        rows.append({"name": card["id"], "root": card.get("root"), "max_model_len": card.get("max_model_len"),
+                     "loaded": loaded, **state})
+    return rows
 
 
 def ps_text(rows: list[dict], url: str) -> str:
@@ -181,11 +186,12 @@ def ps_text(rows: list[dict], url: str) -> str:
     def num(x, fmt="{:.0f}"):
         return "-" if x is None else fmt.format(x)
 
-    lines = [f"{'NAME':<24} {'CONTEXT':>8} {'RUNNING':>8} {'WAITING':>8} {'KV USED':>9}  MODEL"]
+    w = max(24, *(len(r["name"]) for r in rows))
+    lines = [f"{'NAME':<{w}} {'LOADED':>6} {'CONTEXT':>8} {'RUNNING':>8} {'WAITING':>8} {'KV USED':>9}  MODEL"]
     for r in rows:
         kv = "-" if r["kv_usage"] is None else f"{r['kv_usage']:.1%}"
-        lines.append(f"{r['name']:<24} {num(r['max_model_len']):>8} {num(r['running']):>8} {num(r['waiting']):>8} "
-                     f"{kv:>9}  {r['root'] or '-'}")
+        lines.append(f"{r['name']:<{w}} {'yes' if r.get('loaded', True) else 'no':>6} {num(r['max_model_len']):>8} "
+                     f"{num(r['running']):>8} {num(r['waiting']):>8} {kv:>9}  {r['root'] or '-'}")
     return "\n".join(lines)
 
 

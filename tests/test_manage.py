@@ -75,7 +75,8 @@ def test_ps_reads_a_running_server(tiny):
         assert rows[0]["root"] == str(tiny) and rows[0]["max_model_len"] == llm.engine.max_model_len
         assert rows[0]["running"] == 0 and rows[0]["waiting"] == 0 and rows[0]["kv_usage"] == 0
         text = manage.ps_text(rows, url)
-        assert text.splitlines()[0].split() == ["NAME", "CONTEXT", "RUNNING", "WAITING", "KV", "USED", "MODEL"]
+        assert text.splitlines()[0].split() == ["NAME", "LOADED", "CONTEXT", "RUNNING", "WAITING", "KV", "USED",
+                                                "MODEL"]
     with pytest.raises(MinervaError, match="no Minerva server answers"):
         manage.server_status(url, timeout=2)
 

@@ -179,9 +179,9 @@ class AccessLog:
         finally:
             client = scope.get("client")
             who = f"{client[0]}:{client[1]}" if client else "-"
-            usage = ""
+            usage = f" load={record['load']:.3f}s" if "load" in record else ""  # the model loaded for it
             if "prompt" in record:
-                usage = f" prompt={record['prompt']} completion={record.get('completion', 0)}"
+                usage += f" prompt={record['prompt']} completion={record.get('completion', 0)}"
                 if "first" in record:
                     usage += f" ttft={record['first'] - start:.3f}s"
             path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in scope["path"])  # one line, always

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, named like vLLM's with a `minerva:` prefix.
 
-Each app gets its own registry, so several servers (tests) can live in one process.
+Each app gets its own registry, so several servers (tests) can live in one process; the
+models of one server (`router`) share its registry, each under its `model_name` label.
 Gauges and counters are updated by the engine thread after every step; histograms
 are observed as requests pass their milestones.
 """
@@ -22,20 +23,27 @@ LONG_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 120.0, 240.0, 480.0, 960.0)
 
 
+def _family(registry: CollectorRegistry, kind, name: str, doc: str, labelnames: list[str], **kw):
+    """The metric family `name` of the registry, made on first use (models share a registry)."""
+    families = registry.__dict__.setdefault("_minerva_families", {})
+    if name not in families:
+        families[name] = kind(name, doc, labelnames=labelnames, registry=registry, **kw)
+    return families[name]
+
+
 class Metrics:
-    def __init__(self, model_name: str):
-        self.registry = r = CollectorRegistry()
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
         labels = {"model_name": model_name}
 
         def gauge(name, doc):
-            return Gauge(f"minerva:{name}", doc, labelnames=["model_name"], registry=r).labels(**labels)
+            return _family(r, Gauge, f"minerva:{name}", doc, ["model_name"]).labels(**labels)
 
         def counter(name, doc):
-            return Counter(f"minerva:{name}", doc, labelnames=["model_name"], registry=r).labels(**labels)
+            return _family(r, Counter, f"minerva:{name}", doc, ["model_name"]).labels(**labels)
 
         def histogram(name, doc, buckets):
-            return Histogram(f"minerva:{name}", doc, labelnames=["model_name"], buckets=buckets,
-                             registry=r).labels(**labels)
+            return _family(r, Histogram, f"minerva:{name}", doc, ["model_name"], buckets=buckets).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -77,8 +85,8 @@ class Metrics:
         self.tp_calls = counter("tp_all_reduce_calls", "All-reduces between tensor-parallel ranks.")
         self.tp_seconds = counter("tp_all_reduce_seconds",
                                   "Seconds rank 0 spent in all-reduces, waiting for the other ranks included.")
-        self._success = Counter("minerva:request_success", "Requests finished, by reason.",
-                                labelnames=["model_name", "finished_reason"], registry=r)
+        self._success = _family(r, Counter, "minerva:request_success", "Requests finished, by reason.",
+                                ["model_name", "finished_reason"])
         self._labels = labels
         self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
                       "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "pool_parallel": 0,

@@ -439,8 +439,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minerva"
-    root: str = Field(description="The model file or directory served")
-    max_model_len: int
+    root: str = Field(description="The model file or directory served (the model as given, while not loaded)")
+    max_model_len: int | None = Field(description="Prompt and output tokens a request may reach (null: not loaded)")
+    loaded: bool = Field(True, description="Whether the model is loaded now (a server of several loads on demand)")
 
 
 class ModelList(BaseModel):

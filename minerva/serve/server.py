@@ -13,6 +13,7 @@ from minerva.errors import MinervaError
 from minerva.serve.app import ServerConfig, build_app
 from minerva.serve.connections import http_protocol
 from minerva.serve.registry import local_url, registered
+from minerva.serve.router import build_router_app
 
 # After the drain, how long uvicorn waits for clients to read the ends of their responses.
 CLOSE_GRACE = 5.0
@@ -92,11 +93,23 @@ def bind(host: str, port: int) -> socket.socket:
 def serve(llm, config: ServerConfig, sock: socket.socket, threads: int | None = None,
           log_level: str = "info") -> None:
     """Serve `llm` on the bound socket `sock` (see `bind`) until a signal or a fatal engine error."""
-    app = build_app(llm, config, threads=threads)
+    run(build_app(llm, config, threads=threads), config, sock, lambda url: describe(llm, config, url), log_level)
+
+
+def serve_models(router, config: ServerConfig, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve the models of `router` (`minerva serve A B ...`), each loaded on its first request."""
+    names = ", ".join(repr(n) for n in router.models)
+    keep = "until stopped" if router.keep_alive is None else f"{router.keep_alive:g} s after their last request"
+    run(build_router_app(router, config), config, sock,
+        lambda url: (f"serving {names}, each loaded on its first request and kept {keep}, at most "
+                     f"{router.max_loaded} at once; OpenAI API at {url}/v1"), log_level)
+
+
+def run(app, config: ServerConfig, sock: socket.socket, line, log_level: str) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
-    print(describe(llm, config, f"http://{shown}:{port}"), file=sys.stderr, flush=True)
+    print(line(f"http://{shown}:{port}"), file=sys.stderr, flush=True)
     server = make_server(app, config, log_level=log_level)
     engine = app.state.engine
     engine.on_fatal = lambda: setattr(server, "should_exit", True)

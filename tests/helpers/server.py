@@ -14,10 +14,17 @@ import httpx
 @contextlib.contextmanager
 def running_server(llm, **config):
     from minerva.serve.app import ServerConfig, build_app
-    from minerva.serve.server import make_server
 
     server_config = ServerConfig(**{"served_model_name": "test-model", **config})
-    app = build_app(llm, server_config)
+    with running_app(build_app(llm, server_config), server_config) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def running_app(app, server_config):
+    """`app` (`build_app`'s or `build_router_app`'s) under the server `minerva serve` runs."""
+    from minerva.serve.server import make_server
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -1,0 +1,305 @@
+"""Several models behind one server (`minerva serve A B C`), as Ollama and llama.cpp's router
+mode serve them: a request's `model` field picks one; a model loads on its first request
+(the request waits for it) and unloads after `--keep-alive` seconds without requests, or
+when another needs its place: `--max-loaded-models`, or the memory the next one needs,
+least recently used first. A model with requests in flight is never unloaded; a model that
+fails to load fails its requests with the reason and leaves the others serving.
+
+Each loaded model is the single-model server's `Routes` (its own engine thread, handlers
+and metrics under its `model_name` label in the one registry); `RouterRoutes` registers the
+same API paths and hands each request to the routes of the model it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import logging
+import time
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from minerva.serve import protocol as P
+from minerva.serve.app import ERRORS, STATIC, Routes
+from minerva.serve.async_engine import AsyncEngine
+from minerva.serve.convert import APIError
+from minerva.formats.gguf import split_parts
+from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard
+from minerva.serve.metrics import Metrics
+from minerva.serve.serving import ServerConfig
+from minerva.store import resolve
+
+log = logging.getLogger("minerva.serve")
+
+
+@dataclasses.dataclass
+class Served:
+    """One model the server can serve: its name, the model argument, and what is loaded."""
+
+    name: str
+    model: str
+    routes: Routes | None = None
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    last_used: float = 0.0
+    active: int = 0  # handler calls in progress (a request not yet handed to the engine)
+    load_seconds: float | None = None
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def busy(self) -> bool:
+        return self.active > 0 or (self.routes is not None and self.routes.engine.num_unfinished > 0)
+
+
+class Router:
+    """The models, loading and unloading them; `load(model)` makes an `LLM` (on a worker thread)."""
+
+    def __init__(self, models: list[tuple[str, str]], load: Callable, config: ServerConfig, *,
+                 keep_alive: float | None = 300.0, max_loaded: int = 3, threads: int | None = None,
+                 available: Callable[[], int] | None = None, need: Callable[[str], int] | None = None):
+        self.models = {name: Served(name, model) for name, model in models}
+        self.default = models[0][0]
+        self.load, self.config, self.keep_alive, self.max_loaded = load, config, keep_alive, max_loaded
+        self.threads, self.available, self.need = threads, available, need
+        self.registry = CollectorRegistry()
+        self.loads = Counter("minerva:model_loads", "Models loaded, by name.", ["model_name"], registry=self.registry)
+        self.unloads = Counter("minerva:model_unloads", "Models unloaded, by name and why.",
+                               ["model_name", "reason"], registry=self.registry)
+        self.load_time = Gauge("minerva:model_load_seconds", "Seconds the last load of the model took.",
+                               ["model_name"], registry=self.registry)
+        self.loaded = Gauge("minerva:model_loaded", "1 while the model is loaded.", ["model_name"],
+                            registry=self.registry)
+        for name in self.models:
+            self.loaded.labels(name).set(0)
+        self.fatal = None  # as AsyncEngine's, for the server: a router never fails as a whole
+        self.on_fatal = None
+        self._reaper: asyncio.Task | None = None
+        self._metrics: dict[str, Metrics] = {}
+
+    # ------------------------------------------------------------ finding, loading, unloading
+
+    def entry(self, name: str | None) -> Served:
+        served = self.models.get(self.default if name is None else name)
+        if served is None:
+            names = ", ".join(f"'{n}'" for n in self.models)
+            raise APIError(404, f"the model '{name}' does not exist; this server serves {names} (see /v1/models)",
+                           "model")
+        return served
+
+    async def call(self, name: str | None, handler: Callable[[Routes], Awaitable], raw: HTTPRequest | None = None):
+        """Run `handler` on the routes of the model `name` (None: the first), loading it first
+        (the load time goes to the request's access log line)."""
+        served = self.entry(name)
+        served.active += 1
+        try:
+            routes, loaded = await self.ensure(served)
+            if raw is not None and loaded:
+                raw.scope.get(ACCESS, {})["load"] = served.load_seconds
+            served.last_used = time.monotonic()
+            return await handler(routes)
+        finally:
+            served.active -= 1
+            served.last_used = time.monotonic()
+
+    async def ensure(self, served: Served) -> tuple[Routes, bool]:
+        """The model's routes, and whether this call loaded it."""
+        async with served.lock:
+            if served.routes is not None and served.routes.engine.alive:
+                return served.routes, False
+            if served.routes is not None:  # its engine stopped (a fatal error): load it afresh
+                await self.unload(served, "failed")
+            await self._make_room(served)
+            start = time.monotonic()
+            try:
+                llm = await asyncio.to_thread(self.load, served.model)
+            except Exception as exc:  # the reason goes to this request; the other models keep serving
+                log.warning("could not load %s: %s", served.name, exc)
+                raise APIError(503, f"the model '{served.name}' could not be loaded: {exc}", "model",
+                               type="model_load_error") from None
+            served.load_seconds = time.monotonic() - start
+            metrics = self._metrics.get(served.name) or Metrics(served.name, registry=self.registry)
+            self._metrics[served.name] = metrics
+            engine = AsyncEngine(llm, metrics, max_waiting=self.config.max_waiting, threads=self.threads)
+            config = dataclasses.replace(self.config, served_model_name=served.name, aliases=())
+            served.routes = Routes(llm, engine, metrics, config)
+            engine.start()
+            self.loads.labels(served.name).inc()
+            self.load_time.labels(served.name).set(served.load_seconds)
+            self.loaded.labels(served.name).set(1)
+            log.info("loaded %s (%s) in %.2f s", served.name, llm.path.name, served.load_seconds)
+            return served.routes, True
+
+    async def _make_room(self, served: Served) -> None:
+        """Unload idle models, least recently used first, until one more fits: in number, and
+        in the memory the next one needs (when known)."""
+        need = self.need(served.model) if self.need else 0
+        while True:
+            loaded = [s for s in self.models.values() if s.routes is not None and s is not served]
+            short = len(loaded) >= self.max_loaded or (need and self.available and self.available() < need)
+            if not short:
+                return
+            idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
+            if not idle:
+                if len(loaded) < self.max_loaded:
+                    return  # memory looks short, but nothing can go: try the load
+                await asyncio.sleep(0.05)  # every loaded model is busy: wait for one to finish
+                continue
+            await self.unload(idle[0], "room")
+
+    async def unload(self, served: Served, reason: str) -> None:
+        routes, served.routes = served.routes, None
+        if routes is None:
+            return
+        await routes.engine.drain(0)
+        await asyncio.to_thread(routes.engine.stop)
+        routes.llm.close() if hasattr(routes.llm, "close") else None
+        del routes
+        gc.collect()
+        _trim()
+        self.unloads.labels(served.name, reason).inc()
+        self.loaded.labels(served.name).set(0)
+        metrics = self._metrics.get(served.name)
+        if metrics is not None:
+            metrics.running.set(0)
+            metrics.waiting.set(0)
+        log.info("unloaded %s (%s)", served.name, reason)
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if self.keep_alive is None:
+                continue
+            now = time.monotonic()
+            for served in self.models.values():
+                if served.routes is not None and not served.busy and not served.lock.locked() \
+                        and now - served.last_used > self.keep_alive:
+                    await self.unload(served, "idle")
+
+    # ------------------------------------------------------------ the server's life
+
+    def start(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
+
+    async def drain(self, timeout: float, give_up=None) -> None:
+        """What `Server.shutdown` calls: every loaded model's in-flight requests get `timeout`."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await asyncio.gather(*(s.routes.engine.drain(timeout, give_up=give_up)
+                               for s in self.models.values() if s.routes is not None))
+
+    async def stop(self) -> None:
+        for served in self.models.values():
+            if served.routes is not None:
+                await asyncio.to_thread(served.routes.engine.stop)
+
+
+def model_bytes(model: str) -> int:
+    """Roughly the memory a model will take once loaded: its weights' bytes on disk (a model not
+    here yet, or not readable: 0, nothing known), a fifth more for what runs beside them."""
+    try:
+        path = resolve(model, auto_pull=False)
+        if path.is_dir():
+            size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        else:
+            size = sum(p.stat().st_size for p in (split_parts(path) or [path]))
+    except Exception:
+        return 0
+    return int(size * 1.2)
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class RouterRoutes:
+    """The API paths, each handing its request to the routes of the model it names."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    def register(self, app: FastAPI) -> None:
+        app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS,
+                 summary="Chat completion (streamed as server-sent events with stream: true)")(self.chat_completions)
+        app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
+                 summary="Text completion (streamed as server-sent events with stream: true)")(self.completions)
+        app.post("/v1/embeddings", response_model=P.EmbeddingResponse, responses=ERRORS,
+                 summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(
+            self.embeddings)
+        app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(self.models)
+        app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
+                responses={401: ERRORS[401], 404: ERRORS[404]})(self.model)
+        app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(self.health)
+        app.get("/metrics", response_class=PlainTextResponse,
+                summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(self.prometheus)
+        app.get("/", response_class=HTMLResponse, include_in_schema=False)(self.page)
+        app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
+        app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(self.tokenize)
+        app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(self.detokenize)
+
+    async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
+        return await self.router.call(body.model, lambda r: r.chat.chat_completions(body, raw), raw)
+
+    async def completions(self, body: P.CompletionRequest, raw: HTTPRequest) -> Response:
+        return await self.router.call(body.model, lambda r: r.text.completions(body, raw), raw)
+
+    async def embeddings(self, body: P.EmbeddingRequest, raw: HTTPRequest):
+        return await self.router.call(body.model, lambda r: r.embed.embeddings(body, raw), raw)
+
+    async def tokenize(self, body: P.TokenizeRequest):
+        return await self.router.call(body.model, lambda r: r.tokenize(body))
+
+    async def detokenize(self, body: P.DetokenizeRequest):
+        return await self.router.call(body.model, lambda r: r.detokenize(body))
+
+    def card(self, served: Served) -> dict:
+        routes = served.routes
+        return {"id": served.name, "object": "model", "created": served.created, "owned_by": "minerva",
+                "root": str(routes.llm.path) if routes else served.model,
+                "max_model_len": routes.max_model_len if routes else None, "loaded": routes is not None}
+
+    async def models(self):
+        return {"object": "list", "data": [self.card(s) for s in self.router.models.values()]}
+
+    async def model(self, model_id: str):
+        return self.card(self.router.entry(model_id))
+
+    async def page(self):
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+    async def health(self):
+        return {"status": "ok"}
+
+    async def prometheus(self):
+        return Response(generate_latest(self.router.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_router_app(router: Router, config: ServerConfig) -> FastAPI:
+    """The app serving the router's models (what `build_app` is for one model)."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        router.start()
+        yield
+        await router.drain(config.shutdown_timeout)
+        await router.stop()
+
+    app = FastAPI(title="Minerva", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server of the Minerva inference engine.")
+    app.state.engine = router  # what the server drains on shutdown
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout=config.body_timeout)
+    app.add_middleware(AccessLog)
+    for exc_type, handler in HANDLERS.items():
+        app.add_exception_handler(exc_type, handler)
+    RouterRoutes(router).register(app)
+    return app

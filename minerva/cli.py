@@ -32,9 +32,8 @@ from minerva.options import (
 from minerva.parallel import launch
 from minerva.serve.app import ServerConfig
 from minerva.serve.async_engine import on_own_thread
-from minerva.serve.router import Router, model_bytes
-from minerva.serve.server import bind, serve, serve_models
-from minerva.engine.engine import available_memory
+from minerva.serve import several
+from minerva.serve.server import bind, serve
 from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
 def _looks_like_model(arg: str, bare_repos: bool = True) -> bool:
@@ -232,8 +231,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    if len(args.model) > 1:
-        return _serve_models(args)
+    if len(args.model) > 1 or args.models_dir:
+        return several.serve_several(args, lambda m: _load(m, args))
     model = _one_model(args, args.model, "serve")
     for name in (args.served_model_name or []) if model is None else []:
         if _looks_like_model(name, bare_repos=False) or Path(name).is_file():
@@ -251,59 +250,9 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port) if ranked is None or ranked[0] == 0 else None  # a port in use fails now
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
     llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
-    name = config.served_model_name if names else (DEFAULT_MODEL if model is None else _served_name(model))
+    name = config.served_model_name if names else (DEFAULT_MODEL if model is None else several.served_name(model))
     serve(llm, dataclasses.replace(config, served_model_name=name), sock, threads=threads, log_level=args.log_level)
     return 0
-
-
-def _serve_models(args) -> int:
-    """`minerva serve A B ...`: every model behind one server, each loaded on its first request."""
-    if args.served_model_name:
-        raise MinervaError("--served-model-name names one model; with several, each is served under its "
-                           "name as given (a file by its stem)")
-    if getattr(args, "tensor_parallel_size", None):
-        raise MinervaError("--tensor-parallel-size serves one model; give one MODEL")
-    if not isinstance(args.max_loaded_models, int) or args.max_loaded_models < 1:
-        raise MinervaError(f"--max-loaded-models must be an integer >= 1, got {args.max_loaded_models}")
-    keep_alive = parse_duration(args.keep_alive, "--keep-alive")
-    names = [_served_name(m) for m in args.model]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise MinervaError(f"the model name '{twice[0]}' is given twice; give each model once")
-    if not 0 <= args.port <= 65535:
-        raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
-    config = ServerConfig(names[0], api_key=args.api_key or None, max_waiting=args.max_waiting,
-                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
-                          body_timeout=args.body_timeout, max_connections=args.max_connections)
-    engine_options(args)  # a bad engine flag fails now, not at the first request
-    sock = bind(args.host, args.port)
-    router = Router(list(zip(names, args.model)), lambda m: _load(m, args), config, keep_alive=keep_alive,
-                    max_loaded=args.max_loaded_models, threads=torch.get_num_threads(),
-                    available=lambda: available_memory(torch.device(args.device or "cpu")), need=model_bytes)
-    serve_models(router, config, sock, log_level=args.log_level)
-    return 0
-
-
-def _served_name(model: str) -> str:
-    """Clients name a model as it was given: a pulled name or a Hugging Face repo as is, a file
-    or directory by its stem."""
-    if ("/" not in model and not model.endswith(".gguf")) or not Path(model).expanduser().exists():
-        return model
-    return Path(model).stem
-
-
-def parse_duration(text: str, flag: str) -> float | None:
-    """Seconds from `90`, `30s`, `5m`, `1h`; None (forever) for a negative one."""
-    units = {"s": 1, "m": 60, "h": 3600}
-    t = str(text).strip().lower()
-    try:
-        seconds = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
-    except ValueError:
-        raise MinervaError(f"{flag} must be seconds or a duration such as 30s, 5m or 1h (-1: never), "
-                           f"got {text!r}") from None
-    if seconds != seconds or seconds in (float("inf"), float("-inf")):
-        raise MinervaError(f"{flag} must be a finite duration, got {text!r}")
-    return None if seconds < 0 else seconds
 
 
 def cmd_perplexity(args) -> int:
@@ -453,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-alive", default="5m", metavar="DURATION",
                    help="with several models: how long a model stays loaded after its last request "
                         "(seconds, or 30s / 5m / 1h; 0 unloads at once, -1 never; default 5m)")
+    p.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="also serve every model in DIR (its .gguf files and Hugging Face model folders), "
+                        "each by its name without the extension")
     p.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
                    help="with several models: how many may be loaded at once; the least recently used idle "
                         "one makes room (default 3)")

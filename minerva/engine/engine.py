@@ -23,6 +23,7 @@ from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_layout import KVLayout, kv_layout, single
 from minerva.models.config import SLIDING
 from minerva.models.causal_lm import CausalLM
+from minerva.models.fit import available_memory
 from minerva.models.loader import LoadedModel
 
 
@@ -84,19 +85,6 @@ class EngineConfig:
         return arg if kind == "draft" else None
 
 
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30  # no way to ask: assume 4 GiB
-
-
 def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
              comm=None) -> PagedKVCache:
     """The paged KV pool for `model` within the budget of `config`. Under tensor parallelism
@@ -115,6 +103,10 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
             per_seq = layout.blocks_for(config.context(mc), config.block_size, config.max_num_batched_tokens)
             num_blocks = min(int(budget // per_block), config.max_num_seqs * per_seq)
         else:
+            have = available_memory(device)
+            if budget > have:
+                raise MinervaError(f"--kv-cache-memory {budget / 1e9:.2f} GB is more than the {have / 1e9:.2f} GB "
+                                   f"of memory available on {device}; give less (or a fraction of it, e.g. 0.2)")
             num_blocks = int(budget // per_block)
     if comm is not None:
         num_blocks = int(comm.broadcast(torch.tensor([num_blocks]) if comm.rank == 0 else None)[0])

@@ -27,6 +27,7 @@ from minerva.models.architectures import (
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
 from minerva.models.checks import check_layers, check_shape_of, check_vocabulary
 from minerva.models.config import ModelConfig, check_config, check_plausible, real
+from minerva.models.fit import check_fits, weight_bytes
 from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import Linear, freeze
 from minerva.parallel.shard import Shard, plan
@@ -419,6 +420,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         config, arch = _config_from_hf(d.config, path)
         weights: Any = SafeTensorsWeights(d, arch, config, device, dtype, quantize)
         weights.check()  # before anything is read or built
+        check_fits(path, weight_bytes(path, dtype, quantize) // (parallel[1] if parallel else 1), device, quantize)
         tokenizer = Tokenizer.from_pretrained_dir(path)
     elif quantize:
         raise MinervaError(f"--quantize applies to SafeTensors checkpoints; '{path.name}' is a GGUF file, "
@@ -429,6 +431,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         config = _config_from_gguf(f, arch)
         weights = GGUFWeights(f, arch, config, device, dtype)
         weights.check()  # before anything is read or built
+        check_fits(path, weight_bytes(path, dtype) // (parallel[1] if parallel else 1), device, None)
         try:
             tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         except MinervaError as exc:

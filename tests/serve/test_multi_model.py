@@ -161,7 +161,7 @@ def test_serve_several_models_command_line(tmp_path, tiny):
 @pytest.mark.parametrize("text, seconds", [("90", 90.0), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0),
                                            ("0", 0.0), ("-1", None), ("-5m", None)])
 def test_parse_duration(text, seconds):
-    from minerva.cli import parse_duration
+    from minerva.serve.several import parse_duration
     assert parse_duration(text, "--keep-alive") == seconds
 
 
@@ -174,3 +174,20 @@ def test_ps_shows_which_models_are_loaded(serve_models, tiny):
     assert not rows["smollm2"]["loaded"] and rows["smollm2"]["max_model_len"] is None
     lines = manage.ps_text(list(rows.values()), url).splitlines()
     assert lines[1].split()[:2] == ["smollm2", "no"] and lines[2].split()[:2] == ["tiny", "yes"]
+
+
+def test_models_dir(tmp_path, tiny):
+    from minerva.serve.several import models_in, served_name
+    from tests.helpers import tiny_hf
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "a.gguf").write_bytes(tiny.read_bytes())
+    for i in (1, 2):
+        (folder / f"big-0000{i}-of-00002.gguf").write_bytes(b"part")
+    (folder / "notes.txt").write_text("not a model")
+    tiny_hf.save(folder, "llama-tied")
+    (folder / "empty").mkdir()
+    found = models_in(str(folder))
+    assert [served_name(m) for m in found] == ["a", "big-00001-of-00002", "llama-tied"]
+    assert_clean_error(run("serve", "--models-dir", str(folder / "empty")), "holds no .gguf file")
+    assert_clean_error(run("serve", "--models-dir", str(folder / "nothing")), "is not a folder")

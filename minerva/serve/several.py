@@ -1,0 +1,82 @@
+"""`minerva serve A B C` / `--models-dir`: the command line of a server of several models
+(`router`): which models, under which names, and its flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minerva.errors import MinervaError
+from minerva.formats.gguf import split_parts
+from minerva.models.fit import available_memory
+from minerva.options import engine_options
+from minerva.serve.router import Router, model_bytes
+from minerva.serve.server import bind, serve_models
+from minerva.serve.serving import ServerConfig
+
+
+def serve_several(args, load) -> int:
+    """`minerva serve A B ...` (and `--models-dir`): every model behind one server, each loaded on
+    its first request by `load(model)`."""
+    if args.served_model_name:
+        raise MinervaError("--served-model-name names one model; with several, each is served under its "
+                           "name as given (a file by its stem)")
+    if getattr(args, "tensor_parallel_size", None):
+        raise MinervaError("--tensor-parallel-size serves one model; give one MODEL")
+    if not isinstance(args.max_loaded_models, int) or args.max_loaded_models < 1:
+        raise MinervaError(f"--max-loaded-models must be an integer >= 1, got {args.max_loaded_models}")
+    keep_alive = parse_duration(args.keep_alive, "--keep-alive")
+    models = list(args.model) + (models_in(args.models_dir) if args.models_dir else [])
+    names = [served_name(m) for m in models]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise MinervaError(f"the model name '{twice[0]}' is given twice; give each model once")
+    if not 0 <= args.port <= 65535:
+        raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
+    config = ServerConfig(names[0], api_key=args.api_key or None, max_waiting=args.max_waiting,
+                          shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
+                          body_timeout=args.body_timeout, max_connections=args.max_connections)
+    engine_options(args)  # a bad engine flag fails now, not at the first request
+    sock = bind(args.host, args.port)
+    router = Router(list(zip(names, models)), load, config, keep_alive=keep_alive,
+                    max_loaded=args.max_loaded_models, threads=torch.get_num_threads(),
+                    available=lambda: available_memory(torch.device(args.device or "cpu")), need=model_bytes)
+    serve_models(router, config, sock, log_level=args.log_level)
+    return 0
+
+
+def models_in(folder: str) -> list[str]:
+    """The models in a folder: its GGUF files (a split one by its first part) and its Hugging
+    Face model folders (config.json and *.safetensors), by name."""
+    root = Path(folder).expanduser()
+    if not root.is_dir():
+        raise MinervaError(f"--models-dir '{folder}' is not a folder")
+    found = [p for p in sorted(root.iterdir()) if (p.suffix.lower() == ".gguf" and p.is_file()
+                                                   and (split_parts(p) or [p])[0] == p)
+             or (p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")))]
+    if not found:
+        raise MinervaError(f"--models-dir '{folder}' holds no .gguf file and no Hugging Face model folder")
+    return [str(p) for p in found]
+
+
+def served_name(model: str) -> str:
+    """Clients name a model as it was given: a pulled name or a Hugging Face repo as is, a file
+    or directory by its stem."""
+    if ("/" not in model and not model.endswith(".gguf")) or not Path(model).expanduser().exists():
+        return model
+    return Path(model).stem
+
+
+def parse_duration(text: str, flag: str) -> float | None:
+    """Seconds from `90`, `30s`, `5m`, `1h`; None (forever) for a negative one."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    t = str(text).strip().lower()
+    try:
+        seconds = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise MinervaError(f"{flag} must be seconds or a duration such as 30s, 5m or 1h (-1: never), "
+                           f"got {text!r}") from None
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise MinervaError(f"{flag} must be a finite duration, got {text!r}")
+    return None if seconds < 0 else seconds

@@ -233,6 +233,7 @@ def cmd_run(args) -> int:
 def cmd_serve(args) -> int:
     if len(args.model) > 1 or args.models_dir:
         return several.serve_several(args, lambda m: _load(m, args))
+    several.check_flags(args)
     model = _one_model(args, args.model, "serve")
     for name in (args.served_model_name or []) if model is None else []:
         if _looks_like_model(name, bare_repos=False) or Path(name).is_file():

@@ -88,10 +88,12 @@ class Metrics:
         self._success = _family(r, Counter, "minerva:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"])
         self._labels = labels
+        pool = native.pool_stats() or {}  # process-wide, as the structured-output totals below
         self._seen = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "spec_drafts": 0,
-                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "pool_parallel": 0,
-                      "pool_backed_off": 0, "pool_stalls": 0, "pool_backoffs": 0, "pool_wait": 0.0, "tp_calls": 0,
-                      "tp_seconds": 0.0,
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+                      "pool_parallel": pool.get("parallel_calls", 0), "pool_backed_off": pool.get("backed_off_calls", 0),
+                      "pool_stalls": pool.get("stalls", 0), "pool_backoffs": pool.get("backoffs", 0),
+                      "pool_wait": pool.get("wait_seconds", 0.0), "tp_calls": 0, "tp_seconds": 0.0,
                       # process-wide totals: counted from what they are when the server starts
                       "structured_rows": structured.STATS.rows, "structured_fill": structured.STATS.fill_seconds,
                       "structured_apply": structured.STATS.apply_seconds}

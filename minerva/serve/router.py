@@ -21,6 +21,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
@@ -32,12 +33,16 @@ from minerva.serve.app import ERRORS, STATIC, Routes
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.convert import APIError
 from minerva.formats.gguf import split_parts
-from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard
+from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard, error_response
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import ServerConfig
 from minerva.store import resolve
 
 log = logging.getLogger("minerva.serve")
+
+
+RETRY_FAILED = 30.0  # seconds a model that failed to load answers 503 at once before it is tried again
+WAIT_FOR_ROOM = 120.0  # seconds a request waits for a busy model to make room; then 503
 
 
 @dataclasses.dataclass
@@ -51,6 +56,7 @@ class Served:
     last_used: float = 0.0
     active: int = 0  # handler calls in progress (a request not yet handed to the engine)
     load_seconds: float | None = None
+    failed: tuple[float, str] | None = None  # when and why its last load failed
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -59,15 +65,19 @@ class Served:
 
 
 class Router:
-    """The models, loading and unloading them; `load(model)` makes an `LLM` (on a worker thread)."""
+    """The models, loading and unloading them; `load(model)` makes an `LLM` and returns it with
+    the CPU thread count it set (it runs on a worker thread)."""
 
     def __init__(self, models: list[tuple[str, str]], load: Callable, config: ServerConfig, *,
-                 keep_alive: float | None = 300.0, max_loaded: int = 3, threads: int | None = None,
-                 available: Callable[[], int] | None = None, need: Callable[[str], int] | None = None):
+                 keep_alive: float | None = 300.0, max_loaded: int = 3,
+                 available: Callable[[], int] | None = None, need: Callable[[str], int] | None = None,
+                 check: Callable[[str], object] | None = None):
+        """`check(model)` (on a worker thread) fetches and reads a model's header before other
+        models are unloaded for it: one that cannot load fails without evicting anything."""
         self.models = {name: Served(name, model) for name, model in models}
         self.default = models[0][0]
         self.load, self.config, self.keep_alive, self.max_loaded = load, config, keep_alive, max_loaded
-        self.threads, self.available, self.need = threads, available, need
+        self.available, self.need, self.check = available, need, check
         self.registry = CollectorRegistry()
         self.loads = Counter("minerva:model_loads", "Models loaded, by name.", ["model_name"], registry=self.registry)
         self.unloads = Counter("minerva:model_unloads", "Models unloaded, by name and why.",
@@ -80,6 +90,8 @@ class Router:
             self.loaded.labels(name).set(0)
         self.fatal = None  # as AsyncEngine's, for the server: a router never fails as a whole
         self.on_fatal = None
+        self.accepting = True
+        self._room = asyncio.Lock()  # one load (and the unloads making room for it) at a time
         self._reaper: asyncio.Task | None = None
         self._metrics: dict[str, Metrics] = {}
 
@@ -97,6 +109,8 @@ class Router:
         """Run `handler` on the routes of the model `name` (None: the first), loading it first
         (the load time goes to the request's access log line)."""
         served = self.entry(name)
+        if not self.accepting:
+            raise APIError(503, "the server is shutting down", type="server_unavailable")
         served.active += 1
         try:
             routes, loaded = await self.ensure(served)
@@ -113,45 +127,60 @@ class Router:
         async with served.lock:
             if served.routes is not None and served.routes.engine.alive:
                 return served.routes, False
-            if served.routes is not None:  # its engine stopped (a fatal error): load it afresh
-                await self.unload(served, "failed")
-            await self._make_room(served)
-            start = time.monotonic()
-            try:
-                llm = await asyncio.to_thread(self.load, served.model)
-            except Exception as exc:  # the reason goes to this request; the other models keep serving
-                log.warning("could not load %s: %s", served.name, exc)
-                raise APIError(503, f"the model '{served.name}' could not be loaded: {exc}", "model",
-                               type="model_load_error") from None
-            served.load_seconds = time.monotonic() - start
-            metrics = self._metrics.get(served.name) or Metrics(served.name, registry=self.registry)
-            self._metrics[served.name] = metrics
-            engine = AsyncEngine(llm, metrics, max_waiting=self.config.max_waiting, threads=self.threads)
-            config = dataclasses.replace(self.config, served_model_name=served.name, aliases=())
-            served.routes = Routes(llm, engine, metrics, config)
-            engine.start()
-            self.loads.labels(served.name).inc()
-            self.load_time.labels(served.name).set(served.load_seconds)
-            self.loaded.labels(served.name).set(1)
-            log.info("loaded %s (%s) in %.2f s", served.name, llm.path.name, served.load_seconds)
-            return served.routes, True
+            if served.failed is not None and time.monotonic() - served.failed[0] < RETRY_FAILED:
+                raise APIError(503, f"the model '{served.name}' could not be loaded: {served.failed[1]}", "model",
+                               type="model_load_error", headers={"Retry-After": str(int(RETRY_FAILED))})
+            async with self._room:
+                if served.routes is not None:  # its engine stopped (a fatal error): load it afresh
+                    await self.unload(served, "failed")
+                start = time.monotonic()
+                try:
+                    if self.check is not None:
+                        await asyncio.to_thread(self.check, served.model)
+                    await self._make_room(served)
+                    if not self.accepting:
+                        raise APIError(503, "the server is shutting down", type="server_unavailable")
+                    llm, threads = await asyncio.to_thread(self.load, served.model)
+                except APIError:
+                    raise
+                except Exception as exc:  # the reason goes to this request; the other models keep serving
+                    served.failed = (time.monotonic(), str(exc))
+                    log.warning("could not load %s: %s", served.name, exc)
+                    raise APIError(503, f"the model '{served.name}' could not be loaded: {exc}", "model",
+                                   type="model_load_error") from None
+                served.failed = None
+                served.load_seconds = time.monotonic() - start
+                metrics = self._metrics[served.name] = Metrics(served.name, registry=self.registry)
+                engine = AsyncEngine(llm, metrics, max_waiting=self.config.max_waiting, threads=threads)
+                config = dataclasses.replace(self.config, served_model_name=served.name, aliases=())
+                served.routes = Routes(llm, engine, metrics, config)
+                engine.start()
+                self.loads.labels(served.name).inc()
+                self.load_time.labels(served.name).set(served.load_seconds)
+                self.loaded.labels(served.name).set(1)
+                log.info("loaded %s (%s) in %.2f s", served.name, llm.path.name, served.load_seconds)
+                return served.routes, True
 
     async def _make_room(self, served: Served) -> None:
         """Unload idle models, least recently used first, until one more fits: in number, and
-        in the memory the next one needs (when known)."""
+        in the memory the next one needs (when known); wait for a busy one at most WAIT_FOR_ROOM."""
         need = self.need(served.model) if self.need else 0
+        deadline = time.monotonic() + WAIT_FOR_ROOM
         while True:
             loaded = [s for s in self.models.values() if s.routes is not None and s is not served]
             short = len(loaded) >= self.max_loaded or (need and self.available and self.available() < need)
             if not short:
                 return
             idle = sorted((s for s in loaded if not s.busy), key=lambda s: s.last_used)
-            if not idle:
-                if len(loaded) < self.max_loaded:
-                    return  # memory looks short, but nothing can go: try the load
-                await asyncio.sleep(0.05)  # every loaded model is busy: wait for one to finish
+            if idle:
+                await self.unload(idle[0], "room")
                 continue
-            await self.unload(idle[0], "room")
+            if len(loaded) < self.max_loaded:
+                return  # memory looks short, but nothing can go: try the load
+            if time.monotonic() > deadline or not self.accepting:
+                raise APIError(503, f"every loaded model is busy (--max-loaded-models {self.max_loaded}); "
+                                    "try again shortly", type="server_unavailable", headers={"Retry-After": "5"})
+            await asyncio.sleep(0.05)
 
     async def unload(self, served: Served, reason: str) -> None:
         routes, served.routes = served.routes, None
@@ -159,7 +188,6 @@ class Router:
             return
         await routes.engine.drain(0)
         await asyncio.to_thread(routes.engine.stop)
-        routes.llm.close() if hasattr(routes.llm, "close") else None
         del routes
         gc.collect()
         _trim()
@@ -174,13 +202,16 @@ class Router:
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            if self.keep_alive is None:
-                continue
             now = time.monotonic()
             for served in self.models.values():
-                if served.routes is not None and not served.busy and not served.lock.locked() \
-                        and now - served.last_used > self.keep_alive:
-                    await self.unload(served, "idle")
+                if served.busy:  # a stream in flight: the idle time counts from its end
+                    served.last_used = now
+                elif (served.routes is not None and self.keep_alive is not None and not served.lock.locked()
+                      and not self._room.locked() and now - served.last_used > self.keep_alive):
+                    try:
+                        await self.unload(served, "idle")
+                    except Exception:  # keep reaping the others
+                        log.exception("unloading %s failed", served.name)
 
     # ------------------------------------------------------------ the server's life
 
@@ -188,7 +219,8 @@ class Router:
         self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def drain(self, timeout: float, give_up=None) -> None:
-        """What `Server.shutdown` calls: every loaded model's in-flight requests get `timeout`."""
+        """What `Server.shutdown` calls: no new requests; every loaded model's in-flight ones get `timeout`."""
+        self.accepting = False
         if self._reaper is not None:
             self._reaper.cancel()
         await asyncio.gather(*(s.routes.engine.drain(timeout, give_up=give_up)
@@ -215,7 +247,9 @@ def model_bytes(model: str) -> int:
 
 
 def _trim() -> None:
-    """Give freed heap memory back to the system (glibc keeps it otherwise)."""
+    """Give freed memory back: the GPU's cached blocks, and the heap (glibc keeps it otherwise)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -278,6 +312,8 @@ class RouterRoutes:
         return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
     async def health(self):
+        if not self.router.accepting:
+            return error_response(503, "the server is shutting down", type="server_unavailable")
         return {"status": "ok"}
 
     async def prometheus(self):

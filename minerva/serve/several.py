@@ -7,13 +7,17 @@ from pathlib import Path
 
 import torch
 
+import minerva.hub as hub
 from minerva.errors import MinervaError
 from minerva.formats.gguf import split_parts
 from minerva.models.fit import available_memory
+from minerva.llm import parse_device
 from minerva.options import engine_options
 from minerva.serve.router import Router, model_bytes
 from minerva.serve.server import bind, serve_models
 from minerva.serve.serving import ServerConfig
+from minerva.models.loader import read_config
+from minerva.store import KNOWN_MODELS, resolve
 
 
 def serve_several(args, load) -> int:
@@ -22,12 +26,12 @@ def serve_several(args, load) -> int:
     if args.served_model_name:
         raise MinervaError("--served-model-name names one model; with several, each is served under its "
                            "name as given (a file by its stem)")
-    if getattr(args, "tensor_parallel_size", None):
+    if (getattr(args, "tensor_parallel_size", None) or 1) > 1:
         raise MinervaError("--tensor-parallel-size serves one model; give one MODEL")
-    if not isinstance(args.max_loaded_models, int) or args.max_loaded_models < 1:
-        raise MinervaError(f"--max-loaded-models must be an integer >= 1, got {args.max_loaded_models}")
-    keep_alive = parse_duration(args.keep_alive, "--keep-alive")
+    keep_alive = check_flags(args)
     models = list(args.model) + (models_in(args.models_dir) if args.models_dir else [])
+    for model in models:
+        check_model(model)
     names = [served_name(m) for m in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -39,11 +43,30 @@ def serve_several(args, load) -> int:
                           body_timeout=args.body_timeout, max_connections=args.max_connections)
     engine_options(args)  # a bad engine flag fails now, not at the first request
     sock = bind(args.host, args.port)
-    router = Router(list(zip(names, models)), load, config, keep_alive=keep_alive,
-                    max_loaded=args.max_loaded_models, threads=torch.get_num_threads(),
-                    available=lambda: available_memory(torch.device(args.device or "cpu")), need=model_bytes)
+    device = parse_device(args.device)
+    # loaded on a worker thread, which takes the thread count the load sets for the engine's
+    router = Router(list(zip(names, models)), lambda m: (load(m), torch.get_num_threads()), config,
+                    keep_alive=keep_alive, max_loaded=args.max_loaded_models,
+                    available=lambda: available_memory(device), need=model_bytes,
+                    check=lambda m: read_config(resolve(m)))
     serve_models(router, config, sock, log_level=args.log_level)
     return 0
+
+
+def check_flags(args) -> float | None:
+    """The several-model flags, checked whatever the number of models; returns --keep-alive's seconds."""
+    if not isinstance(args.max_loaded_models, int) or args.max_loaded_models < 1:
+        raise MinervaError(f"--max-loaded-models must be an integer >= 1, got {args.max_loaded_models}")
+    return parse_duration(args.keep_alive, "--keep-alive")
+
+
+def check_model(model: str) -> None:
+    """A model argument that can never load fails at start: neither a file or folder here, a
+    built-in name nor a Hugging Face repo."""
+    if Path(model).expanduser().exists() or model in KNOWN_MODELS or hub.parse(model) is not None:
+        return
+    raise MinervaError(f"'{model}' is neither a file or folder here, a built-in model ({', '.join(KNOWN_MODELS)}) "
+                       "nor a Hugging Face repo (OWNER/REPO[:QUANT]); check the name")
 
 
 def models_in(folder: str) -> list[str]:

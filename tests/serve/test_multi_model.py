@@ -12,8 +12,10 @@ import httpx
 import pytest
 
 from minerva import LLM, SamplingParams
+from minerva.models.loader import read_config
 from minerva.serve.router import Router, build_router_app
 from minerva.serve.serving import ServerConfig
+from minerva.store import resolve
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.server import metric, running_app, wait_for
 
@@ -33,11 +35,11 @@ def serve_models(smollm2_gguf, tiny, tmp_path):
 
         def load(model):
             loads.append(model)
-            return LLM(model, **OPTIONS)
+            return LLM(model, **OPTIONS), None
 
         config = ServerConfig("smollm2")
         router = Router([("smollm2", str(smollm2_gguf)), ("tiny", str(tiny)), ("broken", str(broken))], load,
-                        config, **kw)
+                        config, check=lambda m: read_config(resolve(m)), **kw)
         router.made = loads
         cm = running_app(build_router_app(router, config), config)
         url, _ = cm.__enter__()
@@ -156,6 +158,8 @@ def test_serve_several_models_command_line(tmp_path, tiny):
     assert_clean_error(run("serve", str(tiny), "smollm2-135m", "--keep-alive", "soon"), "--keep-alive")
     assert_clean_error(run("serve", str(tiny), "smollm2-135m", "--max-loaded-models", "0"), "--max-loaded-models")
     assert_clean_error(run("serve", str(tiny), str(tiny)), "the model name 'tiny' is given twice")
+    assert_clean_error(run("serve", str(tiny), str(tmp_path / "nope.gguf")), "is neither a file or folder here")
+    assert_clean_error(run("serve", str(tiny), "--keep-alive", "soon"), "--keep-alive")  # one model too
 
 
 @pytest.mark.parametrize("text, seconds", [("90", 90.0), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0),
@@ -191,3 +195,30 @@ def test_models_dir(tmp_path, tiny):
     assert [served_name(m) for m in found] == ["a", "big-00001-of-00002", "llama-tied"]
     assert_clean_error(run("serve", "--models-dir", str(folder / "empty")), "holds no .gguf file")
     assert_clean_error(run("serve", "--models-dir", str(folder / "nothing")), "is not a folder")
+
+
+def test_concurrent_first_requests_respect_max_loaded(serve_models):
+    url, router = serve_models(keep_alive=None, max_loaded=1)
+    results = {}
+
+    def ask(model):
+        results[model] = complete(url, model, "ab", 3).status_code
+
+    threads = [threading.Thread(target=ask, args=(m,)) for m in ("tiny", "smollm2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {"tiny": 200, "smollm2": 200}
+    assert sum(loaded(url).values()) == 1  # one at a time, never both
+
+
+def test_a_failed_load_neither_evicts_nor_retries_at_once(serve_models):
+    url, router = serve_models(keep_alive=None, max_loaded=1)
+    assert complete(url, "tiny", "ab").status_code == 200
+    for _ in range(2):
+        r = complete(url, "broken")
+        assert r.status_code == 503 and "could not be loaded" in r.json()["error"]["message"]
+    assert router.made == [router.models["tiny"].model]  # the header check failed before any load
+    assert r.headers["Retry-After"] == "30"  # the second answered from the first failure
+    assert loaded(url)["tiny"]  # nothing was unloaded for a model that cannot load

@@ -45,6 +45,28 @@ ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what i
 
 
 
+def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, metrics, page, tokenize,
+                    detokenize) -> None:
+    """Every route of the API on `app`, each answered by the handler given for it (one model's,
+    or a server of several's that hands each request to the model it names)."""
+    app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS,
+             summary="Chat completion (streamed as server-sent events with stream: true)")(chat)
+    app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
+             summary="Text completion (streamed as server-sent events with stream: true)")(text)
+    app.post("/v1/embeddings", response_model=P.EmbeddingResponse, responses=ERRORS,
+             summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(embed)
+    app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(models)
+    app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
+            responses={401: ERRORS[401], 404: ERRORS[404]})(model)
+    app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(health)
+    app.get("/metrics", response_class=PlainTextResponse,
+            summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(metrics)
+    app.get("/", response_class=HTMLResponse, include_in_schema=False)(page)
+    app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
+    app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(tokenize)
+    app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(detokenize)
+
+
 class Routes(Serving):
     """Every route: the handlers' (made over the same model and engine) and those here."""
 
@@ -54,24 +76,9 @@ class Routes(Serving):
                                             for cls in (ChatServing, CompletionServing, EmbeddingServing))
 
     def register(self, app: FastAPI) -> None:
-        app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS,
-                 summary="Chat completion (streamed as server-sent events with stream: true)")(
-            self.chat.chat_completions)
-        app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
-                 summary="Text completion (streamed as server-sent events with stream: true)")(self.text.completions)
-        app.post("/v1/embeddings", response_model=P.EmbeddingResponse, responses=ERRORS,
-                 summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(
-            self.embed.embeddings)
-        app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(self.models)
-        app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
-                responses={401: ERRORS[401], 404: ERRORS[404]})(self.model)
-        app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(self.health)
-        app.get("/metrics", response_class=PlainTextResponse,
-                summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(self.prometheus)
-        app.get("/", response_class=HTMLResponse, include_in_schema=False)(self.page)
-        app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
-        app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(self.tokenize)
-        app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(self.detokenize)
+        register_routes(app, chat=self.chat.chat_completions, text=self.text.completions, embed=self.embed.embeddings,
+                        models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
+                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):

@@ -24,12 +24,11 @@ from typing import Awaitable, Callable
 import torch
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import HTMLResponse, PlainTextResponse, Response
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from minerva.serve import protocol as P
-from minerva.serve.app import ERRORS, STATIC, Routes
+from minerva.serve.app import STATIC, Routes, register_routes
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.convert import APIError
 from minerva.formats.gguf import split_parts
@@ -263,23 +262,9 @@ class RouterRoutes:
         self.router = router
 
     def register(self, app: FastAPI) -> None:
-        app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS,
-                 summary="Chat completion (streamed as server-sent events with stream: true)")(self.chat_completions)
-        app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
-                 summary="Text completion (streamed as server-sent events with stream: true)")(self.completions)
-        app.post("/v1/embeddings", response_model=P.EmbeddingResponse, responses=ERRORS,
-                 summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(
-            self.embeddings)
-        app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(self.models)
-        app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
-                responses={401: ERRORS[401], 404: ERRORS[404]})(self.model)
-        app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(self.health)
-        app.get("/metrics", response_class=PlainTextResponse,
-                summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(self.prometheus)
-        app.get("/", response_class=HTMLResponse, include_in_schema=False)(self.page)
-        app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
-        app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(self.tokenize)
-        app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(self.detokenize)
+        register_routes(app, chat=self.chat_completions, text=self.completions, embed=self.embeddings,
+                        models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
+                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize)
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await self.router.call(body.model, lambda r: r.chat.chat_completions(body, raw), raw)

@@ -3,7 +3,6 @@ model loads on its first request and unloads when idle or when another needs its
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time

@@ -107,6 +107,14 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._live) + self._commands.qsize()
 
+    @property
+    def busy(self) -> bool:
+        """Requests submitted and not finished, those on their way to the engine thread included
+        (taken off the command queue, not yet in the live set)."""
+        with self._lock:
+            pending = self._not_started
+        return pending > 0 or self.num_unfinished > 0
+
     def submit(self, requests: list[Request]) -> Group:
         """Queue a group of requests (checked already), or raise QueueFull / EngineDead."""
         if not self.accepting or not self.alive:

@@ -60,7 +60,7 @@ class Served:
 
     @property
     def busy(self) -> bool:
-        return self.active > 0 or (self.routes is not None and self.routes.engine.num_unfinished > 0)
+        return self.active > 0 or (self.routes is not None and self.routes.engine.busy)
 
 
 class Router:

@@ -31,11 +31,9 @@ from minerva.serve import protocol as P
 from minerva.serve.app import STATIC, Routes, register_routes
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.convert import APIError
-from minerva.formats.gguf import split_parts
 from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard, error_response
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import ServerConfig
-from minerva.store import resolve
 
 log = logging.getLogger("minerva.serve")
 
@@ -229,20 +227,6 @@ class Router:
         for served in self.models.values():
             if served.routes is not None:
                 await asyncio.to_thread(served.routes.engine.stop)
-
-
-def model_bytes(model: str) -> int:
-    """Roughly the memory a model will take once loaded: its weights' bytes on disk (a model not
-    here yet, or not readable: 0, nothing known), a fifth more for what runs beside them."""
-    try:
-        path = resolve(model, auto_pull=False)
-        if path.is_dir():
-            size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        else:
-            size = sum(p.stat().st_size for p in (split_parts(path) or [path]))
-    except Exception:
-        return 0
-    return int(size * 1.2)
 
 
 def _trim() -> None:

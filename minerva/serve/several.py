@@ -10,10 +10,10 @@ import torch
 import minerva.hub as hub
 from minerva.errors import MinervaError
 from minerva.formats.gguf import split_parts
-from minerva.models.fit import available_memory
-from minerva.llm import parse_device
+from minerva.models.fit import RUNTIME, available_memory, weight_bytes
+from minerva.llm import parse_device, resolve_dtype
 from minerva.options import engine_options
-from minerva.serve.router import Router, model_bytes
+from minerva.serve.router import Router
 from minerva.serve.server import bind, serve_models
 from minerva.serve.serving import ServerConfig
 from minerva.models.loader import read_config
@@ -47,10 +47,20 @@ def serve_several(args, load) -> int:
     # loaded on a worker thread, which takes the thread count the load sets for the engine's
     router = Router(list(zip(names, models)), lambda m: (load(m), torch.get_num_threads()), config,
                     keep_alive=keep_alive, max_loaded=args.max_loaded_models,
-                    available=lambda: available_memory(device), need=model_bytes,
+                    available=lambda: available_memory(device), need=lambda m: need(m, args, device),
                     check=lambda m: read_config(resolve(m)))
     serve_models(router, config, sock, log_level=args.log_level)
     return 0
+
+
+def need(model: str, args, device) -> int:
+    """The memory a model will take, as the check before its load reads it (weights and runtime);
+    0 for one not here yet or not readable (its load will say why)."""
+    try:
+        dtype = getattr(torch, resolve_dtype(args.dtype, device))
+        return weight_bytes(resolve(model, auto_pull=False), dtype, args.quantize) + RUNTIME
+    except Exception:
+        return 0
 
 
 def check_flags(args) -> float | None:

@@ -74,6 +74,9 @@ def _load(model: str | None, args, engine: bool = True):
     print(f"loaded {llm.path.name} ({c.architecture}, {c.num_layers} layers, {stored}, {llm.dtype_name}{act}, "
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
+    if engine:
+        print(f"memory: {llm.memory.describe()} (KV pool {llm.engine.max_model_len} tokens a request at most)",
+              file=sys.stderr)
     if llm.group is not None:
         g = llm.group
         print(f"tensor parallel: {g.world} ranks exchanging over {g.comm.name}, "

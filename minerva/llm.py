@@ -22,6 +22,7 @@ from minerva.parsers.tool_calls import join_pieces
 from minerva.parsers.tools import make_plan, tools_for
 from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
+from minerva.models import fit
 from minerva.models.loader import LoadedModel, load_model, read_config
 from minerva.parallel import launch
 from minerva.parallel.comm import exchange_choice
@@ -169,6 +170,7 @@ class LLM:
         self.dtype = DTYPES[self.dtype_name]
         self.activations = activations = resolve_activations(activations, self.device)
         group = self.group
+        before = fit.resident()
         self.loaded: LoadedModel = load_model(self.path, self.device, self.dtype, quantize=quantize,
                                              activations=activations,
                                              parallel=None if group is None else (group.rank, group.world))
@@ -200,6 +202,9 @@ class LLM:
                              comm=comm)
         if self._stop is not None:
             self._stop.runner = self.engine.runner
+        # what this model takes in this process, the KV pool counted full (minerva.models.fit)
+        self.memory = fit.estimate(self.path, self.config, self.dtype, self.engine.cache.nbytes,
+                                   engine_config.max_num_batched_tokens, quantize, base=before)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op for one process); the LLM cannot run after it."""

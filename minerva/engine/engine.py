@@ -23,7 +23,7 @@ from minerva.kernels.attention import PagedKVCache
 from minerva.kernels.kv_layout import KVLayout, kv_layout, single
 from minerva.models.config import SLIDING
 from minerva.models.causal_lm import CausalLM
-from minerva.models.fit import available_memory
+from minerva.models.fit import available_memory, step_bytes
 from minerva.models.loader import LoadedModel
 
 
@@ -85,43 +85,53 @@ class EngineConfig:
         return arg if kind == "draft" else None
 
 
+def pool_blocks(mc, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                reserved: int = 0) -> tuple[KVLayout, int, int]:
+    """The layout, bytes per block and number of blocks of the KV pool for a model of config
+    `mc`: `--kv-cache-memory` bytes, or its fraction of the memory available beyond the
+    activations of the largest step (and `reserved` bytes still to come, e.g. weights not
+    yet loaded), then at most what `max_num_seqs` requests of the whole context can fill."""
+    layout = layout_of(mc, config)
+    per_block = PagedKVCache.bytes_per_block(layout.num_pools, config.block_size, mc.num_kv_heads,
+                                             mc.head_dim, config.kv_cache_dtype_k,
+                                             config.kv_cache_dtype_v, dtype)
+    budget = config.kv_cache_memory
+    if budget <= 1:
+        room = available_memory(device) - reserved - step_bytes(mc, config.max_num_batched_tokens)
+        per_seq = layout.blocks_for(config.context(mc), config.block_size, config.max_num_batched_tokens)
+        return layout, per_block, min(int(budget * max(room, 0) // per_block), config.max_num_seqs * per_seq)
+    have = available_memory(device) - reserved
+    if budget > have:
+        raise MinervaError(f"--kv-cache-memory {budget / 1e9:.2f} GB is more than the {have / 1e9:.2f} GB "
+                           f"of memory available on {device}; give less (or a fraction of it, e.g. 0.2)")
+    return layout, per_block, int(budget // per_block)
+
+
 def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
              comm=None) -> PagedKVCache:
     """The paged KV pool for `model` within the budget of `config`. Under tensor parallelism
     (`comm`) rank 0 sizes it and every rank allocates as many blocks for its own KV heads,
     since one block table addresses them all."""
     mc = model.config
-    layout = layout_of(model, config)
-    per_block = PagedKVCache.bytes_per_block(layout.num_pools, config.block_size, mc.num_kv_heads,
-                                             mc.head_dim, config.kv_cache_dtype_k,
-                                             config.kv_cache_dtype_v, dtype)
     num_blocks = 0
     if comm is None or comm.rank == 0:
-        budget = config.kv_cache_memory
-        if budget <= 1:  # a fraction of memory, but no more than the running requests can fill
-            budget = budget * available_memory(device)
-            per_seq = layout.blocks_for(config.context(mc), config.block_size, config.max_num_batched_tokens)
-            num_blocks = min(int(budget // per_block), config.max_num_seqs * per_seq)
-        else:
-            have = available_memory(device)
-            if budget > have:
-                raise MinervaError(f"--kv-cache-memory {budget / 1e9:.2f} GB is more than the {have / 1e9:.2f} GB "
-                                   f"of memory available on {device}; give less (or a fraction of it, e.g. 0.2)")
-            num_blocks = int(budget // per_block)
+        layout, per_block, num_blocks = pool_blocks(mc, config, dtype, device)
+    else:
+        layout, per_block = layout_of(mc, config), 0
     if comm is not None:
         num_blocks = int(comm.broadcast(torch.tensor([num_blocks]) if comm.rank == 0 else None)[0])
     if num_blocks < 1:
-        raise MinervaError(f"a KV budget of {config.kv_cache_memory} bytes holds no block ({per_block} bytes each); "
-                           "raise --kv-cache-memory")
+        raise MinervaError(f"a KV budget of {config.kv_cache_memory} holds no block ({per_block} bytes each) "
+                           f"in the memory available on {device}; raise --kv-cache-memory or free memory")
     return PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                         mc.head_dim, k_format=config.kv_cache_dtype_k,
                         v_format=config.kv_cache_dtype_v, dtype=dtype, device=device, layout=layout)
 
 
-def layout_of(model: CausalLM, config: EngineConfig) -> KVLayout:
-    """Which layers share a block table: with `hybrid_kv_cache`, each sliding-window kind apart
-    from the global layers (see minerva/kernels/kv_layout.py); else one table for all."""
-    mc = model.config
+def layout_of(mc, config: EngineConfig) -> KVLayout:
+    """Which layers of a model of config `mc` share a block table: with `hybrid_kv_cache`,
+    each sliding-window kind apart from the global layers (see minerva/kernels/kv_layout.py);
+    else one table for all."""
     if not config.hybrid_kv_cache:
         return single(mc.num_layers)
     return kv_layout([mc.sliding_window if t == SLIDING else None for t in mc.layer_types], config.context(mc))

@@ -75,7 +75,7 @@ class Pool:
         return dst
 
 
-TRIM_EVERY = 64 << 20  # bytes moved into a pool between calls of give_back_freed
+TRIM_EVERY = 16 << 20  # bytes moved into a pool between calls of give_back_freed
 
 
 def _libc_trim():

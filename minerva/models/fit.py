@@ -7,6 +7,7 @@ what to change, instead of being read until the system kills the process.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -21,6 +22,16 @@ FLOATS = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGM
 # embedding and head at int8
 QUANTIZED = {"int8": 34 / 32, "int4": 20 / 32}
 RUNTIME = 256 << 20  # beside the weights: activations, the tokenizer, the kernels' buffers
+# Bytes per entry of a GGUF header's arrays (token strings, scores, types, merges) as the
+# parsed metadata and the tokenizer built from it hold them (measured: 160-300 for the
+# BPE and SentencePiece vocabularies of SmolLM2, Gemma 3, Llama 2 and GPT-OSS); per byte
+# of a Hugging Face tokenizer.json, as the tokenizer holds it
+VOCAB_ENTRY = 250
+TOKENIZER_JSON = 4
+# What a model takes beside its weights while it loads: its largest packed tensor is copied
+# into the 2 MiB page pool while the original lives, and up to this many freed bytes wait in
+# malloc's heap between trims (minerva/kernels/hugepages.py, TRIM_EVERY)
+LOAD_SLACK = 16 << 20
 SAFETENSORS_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, "I16": 2, "I32": 4, "I64": 8,
                      "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
@@ -74,3 +85,82 @@ def check_fits(path: Path, need: int, device: torch.device, quantize: str | None
     raise MinervaError(f"'{path.name}' needs about {need / 1e9:.1f} GB of {where} for its weights and "
                        f"{RUNTIME / 1e9:.1f} GB beside them, and {have / 1e9:.1f} GB is available on {device}; "
                        f"free memory, or use {hint}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The resident memory of a process serving one model, in bytes: what it held before
+    (`base`), the weights, the vocabulary (header arrays and tokenizer), the extra of loading
+    (`load`: the largest tensor copied and freed memory not yet returned), the KV pool when
+    every block is in use and the activations of the largest step. Loading ends before the
+    first step, so the peak takes the larger of the two."""
+    base: int
+    weights: int
+    vocab: int
+    load: int
+    kv: int
+    step: int
+
+    @property
+    def peak(self) -> int:
+        return self.base + self.weights + self.vocab + max(self.load, self.kv + self.step)
+
+    def describe(self) -> str:
+        mb = lambda n: f"{n / 1e6:,.0f} MB"  # noqa: E731
+        return (f"about {mb(self.peak)} at peak: weights {mb(self.weights)}, KV pool {mb(self.kv)}, "
+                f"vocabulary {mb(self.vocab)}, activations {mb(self.step)}, process {mb(self.base)}")
+
+
+def resident() -> int:
+    """This process's resident memory now (VmRSS), 0 where the OS does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def vocab_bytes(path: str | Path) -> int:
+    """What the vocabulary takes once read: from the GGUF header's array entries, or the
+    size of a Hugging Face directory's tokenizer.json."""
+    path = Path(path)
+    if path.is_dir():
+        tokenizer = path / "tokenizer.json"
+        return tokenizer.stat().st_size * TOKENIZER_JSON if tokenizer.exists() else 0
+    entries = sum(len(v) for v in GGUFFile(path).metadata.values() if isinstance(v, (list, tuple)))
+    return entries * VOCAB_ENTRY
+
+
+def largest_tensor(path: str | Path, dtype: torch.dtype) -> int:
+    """The bytes of the model's largest weight as held (packed, or in `dtype`)."""
+    path = Path(path)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if path.is_dir():
+        d = SafeTensorsDir(path)
+        return max((math.prod(d.dtype_and_shape(n)[1]) * itemsize for n in d.tensor_names()), default=0)
+    return max((math.prod(t.shape) * itemsize if t.qtype in FLOATS else t.data.nbytes
+                for t in GGUFFile(path).tensors.values()), default=0)
+
+
+def step_bytes(config, tokens: int) -> int:
+    """The activations of one step of `tokens` tokens in float32: the residual stream, the
+    normed input, the attention's q, k, v and output (~4 hidden-wide rows) and the MLP's
+    gate, up and activated rows (3 intermediate-wide) a token."""
+    intermediate = config.intermediate_size
+    if config.num_experts:
+        intermediate = config.expert_ffn_size() * config.num_experts_per_tok
+    return 4 * tokens * (4 * config.hidden_size + 3 * intermediate)
+
+
+def estimate(path: str | Path, config, dtype: torch.dtype, kv: int, step_tokens: int,
+             quantize: str | None = None, base: int | None = None) -> Estimate:
+    """The memory a process will hold serving the model at `path` with a KV pool of `kv`
+    bytes and steps of at most `step_tokens` tokens; `base`: what the process holds without
+    it (default: its resident memory now)."""
+    weights = weight_bytes(path, dtype, quantize)
+    return Estimate(base=resident() if base is None else base, weights=weights, vocab=vocab_bytes(path),
+                    load=largest_tensor(path, dtype) + min(LOAD_SLACK, weights), kv=kv,
+                    step=step_bytes(config, step_tokens))

@@ -3,6 +3,10 @@ loader then holds, and a model or KV pool that cannot fit refused with the numbe
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -47,3 +51,40 @@ def test_a_kv_pool_beyond_the_memory_available_is_refused(smollm2_gguf, monkeypa
     with pytest.raises(MinervaError, match=r"--kv-cache-memory 2.00 GB is more than the 1.00 GB of memory available"):
         LLM(str(smollm2_gguf), kv_cache_memory=2e9)
     LLM(str(smollm2_gguf), kv_cache_memory=0.5e9)  # less is fine
+
+
+PEAK = r"""
+import json, sys
+from minerva import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_model_len=int(sys.argv[2]) + 16, max_num_seqs=1, kv_cache_memory=0.9)
+ids = [100 + (i * 7919) % 20000 for i in range(int(sys.argv[2]))]
+llm.generate([ids], SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"estimate": llm.memory.peak, "measured": peak, "kv": llm.memory.kv}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("model", ["smollm2_gguf", "gemma3_gguf"])
+def test_the_memory_estimate_is_within_ten_percent_of_the_measured_peak(model, request):
+    """Each model in a fresh process, its KV pool filled by one long prompt read in the
+    largest steps: the process's peak resident memory against `LLM.memory.peak`."""
+    path = request.getfixturevalue(model)
+    out = subprocess.run([sys.executable, "-c", PEAK, str(path), "2040"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["kv"] > 0
+    assert abs(r["estimate"] / r["measured"] - 1) < 0.10, r
+
+
+def test_the_estimate_adds_up_its_parts(smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), kv_cache_memory=4e6, max_num_batched_tokens=512)
+    e = llm.memory
+    assert e.weights == fit.weight_bytes(smollm2_gguf, llm.dtype)
+    assert e.kv == llm.engine.cache.nbytes and 3e6 < e.kv <= 4e6
+    assert e.step == 4 * 512 * (4 * 576 + 3 * 1536)  # SmolLM2: hidden 576, intermediate 1536
+    entries = (49152 * 2 + 48900) * fit.VOCAB_ENTRY  # tokens, types, merges (and a few short arrays)
+    assert entries <= e.vocab < entries + 16 * fit.VOCAB_ENTRY
+    assert e.peak == e.base + e.weights + e.vocab + max(e.load, e.kv + e.step)
+    assert "weights 97 MB" in e.describe()

@@ -32,7 +32,7 @@ from minerva.options import (
 from minerva.parallel import launch
 from minerva.serve.app import ServerConfig
 from minerva.serve.async_engine import on_own_thread
-from minerva.serve import several
+from minerva.serve import lenient, several
 from minerva.serve.server import bind, serve
 from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull
 
@@ -60,6 +60,13 @@ def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[st
     if not args and not rest_required:
         return None, None
     raise MinervaError(f"expected [MODEL] {what}, got {len(args)} arguments")
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    try:
+        return lenient.parse_origins(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _load(model: str | None, args, engine: bool = True):
@@ -249,7 +256,7 @@ def cmd_serve(args) -> int:
     config = ServerConfig(names[0] if names else "?", aliases=tuple(names[1:]), api_key=args.api_key or None,
                           max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                          max_connections=args.max_connections)
+                          max_connections=args.max_connections, allowed_origins=args.allowed_origins)
     ranked = launch.torchrun_rank()  # under torchrun only rank 0 serves; the other ranks never return from _load
     sock = bind(args.host, args.port) if ranked is None or ranked[0] == 0 else None  # a port in use fails now
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
@@ -386,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
+                   help="origins a browser page may call the API from (CORS): '*' for any, or a comma-separated "
+                        "list (default: pages of this machine, http(s)://localhost and 127.0.0.1)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may send, the first one reported in responses and "
                         "metrics (default: the pulled name or the file's stem)")

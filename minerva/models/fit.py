@@ -151,7 +151,7 @@ def step_bytes(config, tokens: int) -> int:
     gate, up and activated rows (3 intermediate-wide) a token."""
     intermediate = config.intermediate_size
     if config.num_experts:
-        intermediate = config.expert_ffn_size() * config.num_experts_per_tok
+        intermediate = config.expert_ffn_size * config.num_experts_per_tok
     return 4 * tokens * (4 * config.hidden_size + 3 * intermediate)
 
 

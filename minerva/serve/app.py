@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine
-from minerva.serve.guard import HANDLERS, AccessLog, Guard, error_response
+from minerva.serve.guard import error_response, install
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import Serving, ServerConfig
 from minerva.serve.serving_chat import ChatServing
@@ -139,10 +139,6 @@ def build_app(llm, config: ServerConfig, threads: int | None = None) -> FastAPI:
     app = FastAPI(title="Minerva", version="0.1.0", lifespan=routes.lifespan,
                   description="OpenAI-compatible server of the Minerva inference engine.")
     app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       body_timeout=config.body_timeout)
-    app.add_middleware(AccessLog)  # outermost: it sees the guard's answers too
-    for exc_type, handler in HANDLERS.items():
-        app.add_exception_handler(exc_type, handler)
+    install(app, config)
     routes.register(app)
     return app

@@ -12,11 +12,12 @@ import re
 import time
 
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minerva.errors import MinervaError
-from minerva.serve import convert
+from minerva.serve import convert, lenient
 from minerva.serve.convert import APIError
 
 log = logging.getLogger("minerva.serve")
@@ -143,6 +144,14 @@ class Guard:
         unreadable = lone_surrogate(body)
         if unreadable is not None:
             return await error_response(400, *unreadable)(scope, receive, send)
+        if body:
+            relaxed, ignored, retyped = lenient.relax(body, headers.get("content-type"))
+            if scope["path"] not in lenient.ROUTES:
+                relaxed, ignored = body, []
+            if ignored or retyped:
+                body, scope = relaxed, lenient.with_headers(scope, relaxed, retyped)
+            if ignored:
+                send = lenient.naming(send, ignored)
         replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed():
@@ -239,3 +248,23 @@ async def _http_error(request, exc: StarletteHTTPException):
 
 HANDLERS = {APIError: _api_error, MinervaError: _minerva_error, RequestValidationError: _validation_error,
             StarletteHTTPException: _http_error}
+
+
+# the pages of this machine: what a browser may call the API from by default (as Ollama)
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
+
+
+def install(app, config) -> None:
+    """The middleware and error handlers of every app: from the outside in, the access log,
+    CORS (`config.allowed_origins`; it answers browsers' preflight requests, which carry no
+    API key), then the guard."""
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout=config.body_timeout)
+    origins = config.allowed_origins
+    app.add_middleware(CORSMiddleware, allow_origins=list(origins or ()),
+                       allow_origin_regex=LOCAL_ORIGINS if origins is None else None,
+                       allow_methods=["*"], allow_headers=["*"],
+                       expose_headers=["retry-after", lenient.HEADER.decode()])
+    app.add_middleware(AccessLog)  # outermost: it sees the guard's answers too
+    for exc_type, handler in HANDLERS.items():
+        app.add_exception_handler(exc_type, handler)

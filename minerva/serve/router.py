@@ -31,7 +31,7 @@ from minerva.serve import protocol as P
 from minerva.serve.app import STATIC, Routes, register_routes
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.convert import APIError
-from minerva.serve.guard import ACCESS, HANDLERS, AccessLog, Guard, error_response
+from minerva.serve.guard import ACCESS, error_response, install
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import ServerConfig
 
@@ -301,10 +301,6 @@ def build_router_app(router: Router, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Minerva", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server of the Minerva inference engine.")
     app.state.engine = router  # what the server drains on shutdown
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       body_timeout=config.body_timeout)
-    app.add_middleware(AccessLog)
-    for exc_type, handler in HANDLERS.items():
-        app.add_exception_handler(exc_type, handler)
+    install(app, config)
     RouterRoutes(router).register(app)
     return app

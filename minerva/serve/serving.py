@@ -48,6 +48,9 @@ class ServerConfig:
     body_timeout: float = 60.0  # seconds a request has to send its whole body after its head; then 408
     max_connections: int = 1024  # open connections; one more gets 503 at once
     aliases: tuple[str, ...] = ()  # more names clients may send for the model (listed after the first)
+    # origins a browser page may call the API from (CORS): None = this machine's pages only
+    # (http(s)://localhost, 127.0.0.1, [::1], any port), ("*",) = any
+    allowed_origins: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for flag, value in (("header-timeout", self.header_timeout), ("body-timeout", self.body_timeout)):

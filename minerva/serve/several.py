@@ -40,7 +40,8 @@ def serve_several(args, load) -> int:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
     config = ServerConfig(names[0], api_key=args.api_key or None, max_waiting=args.max_waiting,
                           shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
-                          body_timeout=args.body_timeout, max_connections=args.max_connections)
+                          body_timeout=args.body_timeout, max_connections=args.max_connections,
+                          allowed_origins=args.allowed_origins)
     engine_options(args)  # a bad engine flag fails now, not at the first request
     sock = bind(args.host, args.port)
     device = parse_device(args.device)

@@ -97,10 +97,13 @@ class Guard:
     def __init__(self, app, api_key: str | None, max_body_bytes: int, body_timeout: float):
         self.app, self.api_key, self.max_body, self.body_timeout = app, api_key, max_body_bytes, body_timeout
 
-    def authorized(self, header: str) -> bool:
-        """`Bearer KEY`, the scheme in any case (RFC 7235); the key compared in constant time."""
-        scheme, _, key = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+    def authorized(self, headers: dict) -> bool:
+        """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), or Anthropic's
+        `x-api-key: KEY`; the key compared in constant time."""
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return True
+        return hmac.compare_digest(headers.get("x-api-key", "").strip().encode(), self.api_key.encode())
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -111,9 +114,10 @@ class Guard:
                 return await error_response(400, "the request has more than one Authorization header; "
                                                  "send one: 'Authorization: Bearer <key>'",
                                             type="authentication_error")(scope, receive, send)
-            if not self.authorized(headers.get("authorization", "")):
+            if not self.authorized(headers):
                 return await error_response(401, "missing or wrong API key: send the header "
-                                                 "'Authorization: Bearer <key>' with the server's --api-key",
+                                                 "'Authorization: Bearer <key>' (or 'x-api-key: <key>') with the "
+                                                 "server's --api-key",
                                             type="authentication_error",
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         length = headers.get("content-length")

@@ -104,3 +104,9 @@ def test_parse_origins():
     for bad in ("", "localhost:3000", "http://a.example/", "[1]", "[]"):
         with pytest.raises(ValueError):
             lenient.parse_origins(bad)
+
+
+def test_anthropic_style_api_key_header(served):
+    assert httpx.get(f"{served}/v1/models", headers={"x-api-key": "k"}).status_code == 200
+    r = httpx.get(f"{served}/v1/models", headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]

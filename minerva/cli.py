@@ -73,7 +73,8 @@ def _load(model: str | None, args, engine: bool = True):
     options = engine_options(args) if engine else {"kv_cache_memory": 1 << 20}
     llm = LLM(model, device=args.device, kernels=args.kernels, dtype=args.dtype, threads=args.threads,
               quantize=args.quantize, activations=args.activations,
-              tensor_parallel_size=getattr(args, "tensor_parallel_size", None), **options)
+              tensor_parallel_size=getattr(args, "tensor_parallel_size", None), lora=getattr(args, "lora", None),
+              **options)
     c = llm.config
     stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
               if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
@@ -241,9 +242,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    several.check_flags(args)
     if len(args.model) > 1 or args.models_dir:
         return several.serve_several(args, lambda m: _load(m, args))
-    several.check_flags(args)
+    args.lora = several.parse_lora(args.lora)
     model = _one_model(args, args.model, "serve")
     for name in (args.served_model_name or []) if model is None else []:
         if _looks_like_model(name, bare_repos=False) or Path(name).is_file():
@@ -393,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                   help="serve a LoRA adapter (PEFT's folder, or a Hugging Face repo) as model NAME on top of the "
+                        "model; repeatable")
     p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
                    help="origins a browser page may call the API from (CORS): '*' for any, or a comma-separated "
                         "list (default: pages of this machine, http(s)://localhost and 127.0.0.1)")

@@ -42,6 +42,7 @@ _TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q[1-8](?:_(?:[0-9]|K|S|M|L|XL|XXL|XS|XXS|
 # What a SafeTensors model directory needs: config, tokenizer, chat template, weights.
 _HF_FILES = re.compile(r"[^/]+\.(json|safetensors|jinja|tiktoken)|tokenizer\.model|merges\.txt|vocab\.txt")
 _CHUNK = 1 << 20
+ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def pick_files(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
     if ref.quant or gguf_choices(files):
         return pick_gguf(ref, files, where)
     top = [f for f in files if "/" not in f]
+    if ADAPTER_FILES <= set(top) and "config.json" not in top:  # a LoRA adapter (PEFT's files)
+        return sorted(ADAPTER_FILES)
     if "config.json" in top and any(f.endswith(".safetensors") for f in top):
         chosen = [f for f in top if _HF_FILES.fullmatch(f)]
         if any(f.startswith("model") and f.endswith(".safetensors") for f in chosen):

@@ -24,10 +24,11 @@ from minerva.kernels import act_quant, dispatch
 from minerva.machine import machine
 from minerva.models import fit
 from minerva.models.loader import LoadedModel, load_model, read_config
+from minerva.models.lora import attach as lora_attach
 from minerva.parallel import launch
 from minerva.parallel.comm import exchange_choice
 from minerva.parallel.shard import plan
-from minerva.store import resolve
+from minerva.store import adapter_path, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Prompt = str | list[int]
@@ -134,7 +135,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, device: str | None = None,
                  dtype: str = "auto", auto_pull: bool = True, threads: int | None = None,
                  quantize: str | None = None, activations: str = "auto",
-                 tensor_parallel_size: int | None = None, kernels: str = "auto", **engine_options):
+                 tensor_parallel_size: int | None = None, kernels: str = "auto",
+                 lora: dict[str, str] | None = None, **engine_options):
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
@@ -197,14 +199,25 @@ class LLM:
         if draft is not None:
             draft = load_model(resolve(draft, auto_pull=auto_pull), self.device, self.dtype,
                                activations=activations)
+        self._attach_adapters(lora or {}, auto_pull)
         self.engine = Engine(self.loaded.model, self.tokenizer, engine_config, self.device, self.dtype,
                              model_id=f"{self.path.resolve()}:{self.dtype_name}:{quantize}:{activations}", draft=draft,
-                             comm=comm)
+                             comm=comm, adapters=self.adapters)
         if self._stop is not None:
             self._stop.runner = self.engine.runner
         # what this model takes in this process, the KV pool counted full (minerva.models.fit)
         self.memory = fit.estimate(self.path, self.config, self.dtype, self.engine.cache.nbytes,
                                    engine_config.max_num_batched_tokens, quantize, base=before)
+
+    def _attach_adapters(self, lora: dict[str, str], auto_pull: bool) -> None:
+        """LoRA adapters: name -> directory (or Hugging Face repo), each a model id of its own."""
+        self.adapter_paths = {name: adapter_path(p, auto_pull) for name, p in lora.items()}
+        self.adapters = None
+        if self.adapter_paths:
+            if self.group is not None:
+                raise MinervaError("LoRA adapters do not run under tensor parallelism yet; drop --lora or "
+                                   "--tensor-parallel-size")
+            self.adapters = lora_attach(self.loaded.model, self.adapter_paths, self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op for one process); the LLM cannot run after it."""

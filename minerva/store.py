@@ -287,6 +287,20 @@ def _looks_like_path(name: str) -> bool:
         name.lower().endswith((".gguf", ".safetensors"))
 
 
+def adapter_path(adapter: str | os.PathLike, auto_pull: bool = True) -> Path:
+    """A LoRA adapter's directory: a path, or a Hugging Face repo (`OWNER/REPO`) downloaded
+    into the Hugging Face cache (its adapter_config.json and adapter_model.safetensors)."""
+    name = os.fspath(adapter)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    ref = hub.parse(name)
+    if ref is not None and not path.exists():
+        return hub.fetch(ref, download=auto_pull)
+    raise MinervaError(f"the LoRA adapter '{name}' is neither a directory nor a Hugging Face repo (OWNER/REPO); "
+                       "give the folder PEFT's save_pretrained wrote")
+
+
 def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     """Turn a user's model argument into a .gguf file or a Hugging Face directory.
 

@@ -67,7 +67,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.layout, self.step_tokens = layout or single(1), step_tokens
         self.windows = self.layout.group_windows
-        self._root = root_hash(salt)
+        self._salt, self._root = bytes(salt), root_hash(salt)
+        self._roots: dict[str, bytes] = {}  # the requests whose blocks hash under a salt of their own
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks  # set while the block is in _cached
         self._cached: dict[bytes, int] = {}  # chained hash (+ group, see _key) -> block id
@@ -119,13 +120,14 @@ class BlockManager:
         n = self._blocks_for(num_tokens)
         return sum(max(0, n - len(t)) for t in self._tables.get(req_id, [[] for _ in self.windows]))
 
-    def allocate(self, req_id: str, token_ids: Sequence[int], num_tokens: int) -> int | None:
+    def allocate(self, req_id: str, token_ids: Sequence[int], num_tokens: int, salt: bytes = b"") -> int | None:
         """Make req_id's tables cover its first num_tokens tokens, all or nothing.
 
         The first call for a request (no table yet) first takes the cached blocks matching
         the prefix of token_ids, never all of it: the last token must be computed to have
-        logits. Returns the tokens served from the cache (0 on later calls), or None, with
-        nothing changed, when there are not enough free blocks.
+        logits; with a `salt` (a LoRA adapter's: its K/V differ from the base model's), only
+        blocks cached under the same salt. Returns the tokens served from the cache (0 on
+        later calls), or None, with nothing changed, when there are not enough free blocks.
         """
         if num_tokens < 0:
             raise ValueError(f"allocate({req_id!r}): num_tokens must be >= 0, got {num_tokens}")
@@ -139,7 +141,8 @@ class BlockManager:
             return 0
         if len(token_ids) == 0:
             raise ValueError(f"allocate({req_id!r}): a new request needs at least one token")
-        hits, chain = self._lookup(token_ids)
+        root = root_hash(self._salt + b"\x00" + salt) if salt else self._root
+        hits, chain = self._lookup(token_ids, root)
         held = [b for t in hits for b in t if b != NULL]
         fresh = sum(max(0, n - len(t)) for t in hits)
         if sum(self._ref[b] == 0 for b in held) + fresh > self.num_free_blocks:
@@ -152,6 +155,8 @@ class BlockManager:
             t.extend(self._take_fresh() for _ in range(n - len(t)))
         self._tables[req_id] = [array("q", t) for t in hits]
         self._chains[req_id] = chain
+        if salt:
+            self._roots[req_id] = root
         self._first[req_id] = [t.count(NULL) for t in hits]  # NULLs only ever lead a table
         hit_tokens = len(chain) * self.block_size
         if self.enable_prefix_caching:
@@ -175,7 +180,8 @@ class BlockManager:
         if self.enable_prefix_caching:
             bs, chain = self.block_size, self._chains[req_id]
             for i in range(len(chain), num_computed // bs):
-                h = block_hash(chain[-1] if chain else self._root, token_ids[i * bs:(i + 1) * bs])
+                h = block_hash(chain[-1] if chain else self._roots.get(req_id, self._root),
+                               token_ids[i * bs:(i + 1) * bs])
                 chain.append(h)
                 for g, t in enumerate(tables):
                     b, key = t[i], self._key(h, g)
@@ -196,6 +202,7 @@ class BlockManager:
         tables = self._tables.pop(req_id, None)
         if tables is not None:
             del self._chains[req_id]
+            self._roots.pop(req_id, None)
             for t, first in zip(tables, self._first.pop(req_id)):
                 self._release(list(t[first:]))
 
@@ -243,13 +250,13 @@ class BlockManager:
         """The cache key of group `group`'s block under chained hash h (group 0: h itself)."""
         return h if group == 0 else h + group.to_bytes(2, "little")
 
-    def _lookup(self, token_ids: Sequence[int]) -> tuple[list[list[int]], list[bytes]]:
+    def _lookup(self, token_ids: Sequence[int], root: bytes) -> tuple[list[list[int]], list[bytes]]:
         """Per group, the cached blocks matching token_ids' prefix (NULL where a windowed
         group needs none), leaving at least one token out, and their hashes."""
         empty: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching:
             return empty, []
-        bs, parent = self.block_size, self._root
+        bs, parent = self.block_size, root
         found: list[list[int | None]] = [[] for _ in self.windows]
         chain: list[bytes] = []
         for i in range((len(token_ids) - 1) // bs):

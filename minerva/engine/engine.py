@@ -140,9 +140,11 @@ def layout_of(mc, config: EngineConfig) -> KVLayout:
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, config: EngineConfig,
                  device: torch.device, dtype: torch.dtype, model_id: str, draft: LoadedModel | None = None,
-                 comm=None):
+                 comm=None, adapters=None):
         """`draft`: the loaded draft model of `--speculative draft:MODEL`; `comm`: under tensor
-        parallelism, rank 0's Comm (each forward is broadcast to the other ranks)."""
+        parallelism, rank 0's Comm (each forward is broadcast to the other ranks); `adapters`:
+        the LoRA adapters attached to `model` (minerva.models.lora.Adapters)."""
+        self.adapters = adapters
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.device = device
         mc = model.config
@@ -158,6 +160,7 @@ class Engine:
                                                    self.max_model_len,
                                                    1 if config.speculative else config.decode_steps), self.blocks)
         self.runner = ModelRunner(model, self.cache, device, comm)
+        self.runner.adapters = adapters
         self.speculator = None
         if config.speculative:
             self.speculator = build_speculator(config.speculative, config.num_speculative_tokens,
@@ -182,6 +185,11 @@ class Engine:
         bad = [t for t in request.params.logit_bias if t >= vocab]
         if bad:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
+        if request.params.adapter is not None:
+            if self.adapters is None:
+                raise MinervaError(f"the request asks for the LoRA adapter '{request.params.adapter}', and none "
+                                   "is loaded; load adapters with --lora NAME=PATH (LLM(lora={NAME: PATH}))")
+            request.adapter = self.adapters.index(request.params.adapter)
         if request.params.structured is not None and request.grammar is None:  # a bad one is refused here
             request.grammar = self.grammars.compiled(request.params.structured)
         ctx = self.config.context(self.model.config)

@@ -45,6 +45,7 @@ class Request:
     # The compiled start state of params.structured (an llguidance matcher), set when the engine
     # checks the request; the request's sampler runs a copy of it.
     grammar: object = None
+    adapter: int = 0  # its LoRA adapter's index (params.adapter's; 0: the base model), set by the engine
     # The prompt, then every kept output token: one list that grows in place (read it, never
     # keep it: it changes as the request runs).
     all_token_ids: list[int] = field(init=False)

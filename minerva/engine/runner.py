@@ -90,7 +90,7 @@ def prepare(output: SchedulerOutput) -> list[Seq]:
         r = s.request
         lo = r.num_computed_tokens
         rows = (1 + len(r.draft_token_ids)) if s.samples else 0
-        seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows))
+        seqs.append(Seq(r.pending_token_ids[lo:lo + s.num_new_tokens], lo, tables, rows, r.adapter))
     return seqs
 
 class ModelRunner:
@@ -111,6 +111,7 @@ class ModelRunner:
         # only a windowed group's tables hold NULL (-1) entries (minerva/engine/block_manager.py)
         self.windowed = any(w is not None for w in cache.layout.group_windows)
         self.cpu = device.type == "cpu"
+        self.adapters = None  # the model's LoRA adapters (minerva.models.lora.Adapters), when it has any
 
     def forward(self, seqs: list[Seq], check: bool = True) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
@@ -118,7 +119,13 @@ class ModelRunner:
         batch = self._step = StepBatch.pack(seqs, self.cache.layout.num_groups, self.block_size, self.kind)
         if self.comm is not None:
             self.comm.broadcast(batch.tensor)
-        return self._run(batch.tensor, batch.header, check)
+        if self.adapters is None:
+            return self._run(batch.tensor, batch.header, check)
+        self.adapters.select([s.adapter for s in seqs], [len(s.token_ids) for s in seqs], self.device)
+        try:
+            return self._run(batch.tensor, batch.header, check)
+        finally:
+            self.adapters.clear()
 
     @torch.inference_mode()
     def _run(self, step: torch.Tensor, header: list[int] | None = None, check: bool = True) -> torch.Tensor | None:
@@ -128,7 +135,7 @@ class ModelRunner:
         # a windowed group's entries behind its window (NULL) are never read: 0 stands in
         backend = PagedBackend(self.cache, v.slots, v.query_start_loc, v.seq_lens,
                                v.tables.clamp(min=0) if self.windowed else v.tables, pos)
-        ctx = AttentionContext(pos, backend)
+        ctx = AttentionContext(pos, backend, lora=None if self.adapters is None else self.adapters.rows)
         self._last = None
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)
@@ -169,7 +176,7 @@ class ModelRunner:
         batch = output.scheduled
         seqs = prepare(output)
         steps = min(s.steps for s in batch)
-        if steps > 1 and self.comm is None and all(burstable(s.request) for s in batch):
+        if steps > 1 and self.comm is None and all(burstable(s.request) and not s.request.adapter for s in batch):
             return self._burst(batch, seqs, steps, interrupt)
         if all(seq.logit_rows >= 1 and s.request.params.greedy and burstable(s.request) for s, seq in zip(batch, seqs)):
             # plain greedy rows, nothing else asked (most decode steps, and greedy verification):

@@ -45,6 +45,7 @@ class SamplingParams:
     # Keep the last prompt token's final hidden state, L2-normalized, as Request.embedding
     # (what /v1/embeddings returns: last-token pooling)
     embedding: bool = False
+    adapter: str | None = None  # the LoRA adapter to run with (its name when loaded; None: the base model)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -194,7 +194,8 @@ class Scheduler:
             if req.blocked:
                 continue
             rid, tokens = req.request_id, req.all_token_ids
-            hit = self.blocks.allocate(rid, tokens, 0)  # take the cached prefix, if any
+            salt = b"lora:%d" % req.adapter if req.adapter else b""  # an adapter's K/V are its own
+            hit = self.blocks.allocate(rid, tokens, 0, salt)  # take the cached prefix, if any
             if hit is None:
                 break
             n = min(len(tokens) - hit, budget)

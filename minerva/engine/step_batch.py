@@ -32,6 +32,7 @@ class Seq:
     start: int
     tables: list[Sequence[int]]  # int64 arrays from the block manager, or lists
     logit_rows: int = 0
+    adapter: int = 0  # its LoRA adapter (minerva/models/lora.py; 0: the base model)
 
 
 @dataclass

@@ -42,6 +42,9 @@ class AttentionContext:
     positions: torch.Tensor  # [T] absolute position of each new token
     backend: AttentionBackend  # where K/V live and how the batch's sequences are laid out
     rope: dict = field(default_factory=dict)  # cos/sin of `positions` per rotary, made once a pass
+    # each row's LoRA adapter when a row of the step has one (minerva/models/lora.py): the
+    # layers then run piece by piece, through the Linears that add the adapters' products
+    lora: torch.Tensor | None = None
 
 
 class Layer(nn.Module):
@@ -69,9 +72,12 @@ class Linear(Layer):
         super().__init__()
         self.weight = weight
         self.bias = bias
+        self.lora = None  # its LoRA adapters (minerva.models.lora.LoraLinear), if any adapts it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight.matmul(x)
+        if self.lora is not None and self.lora.owner.present:
+            self.lora.add_(x, y)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -372,7 +378,7 @@ class DecoderLayer(Layer):
     def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Updates the residual stream h in place and returns it."""
         tp = self.tp
-        if self.fused is not None and h.dtype == self.fused_dtype:
+        if self.fused is not None and h.dtype == self.fused_dtype and ctx.lora is None:
             args = ctx.backend.kernel_args(self.attn.layer, h.dtype)
             if args is not None:
                 cos, sin = self.attn.rotary.cos_sin(ctx)

@@ -93,15 +93,17 @@ class Routes(Serving):
     # -------------------------------------------------------------- routes that do not run the model
 
     async def models(self):
-        return {"object": "list", "data": [self.card(name) for name in self.config.names]}
+        return {"object": "list", "data": [self.card(name) for name in (*self.config.names, *self.adapters)]}
 
     async def model(self, model_id: str):
         self.check_model(model_id)
         return self.card(model_id)
 
     def card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "minerva",
-                "root": str(self.llm.path), "max_model_len": self.max_model_len}
+        adapter = self.llm.adapter_paths.get(name)
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "minerva",
+                "root": str(adapter or self.llm.path), "max_model_len": self.max_model_len}
+        return card if adapter is None else {**card, "parent": self.config.served_model_name}
 
     async def page(self):
         """The chat page (static files under /ui, served from the package: it works offline)."""

@@ -442,6 +442,7 @@ class ModelCard(BaseModel):
     root: str = Field(description="The model file or directory served (the model as given, while not loaded)")
     max_model_len: int | None = Field(description="Prompt and output tokens a request may reach (null: not loaded)")
     loaded: bool = Field(True, description="Whether the model is loaded now (a server of several loads on demand)")
+    parent: str | None = Field(None, description="For a LoRA adapter: the base model it runs on")
 
 
 class ModelList(BaseModel):

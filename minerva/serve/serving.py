@@ -92,8 +92,13 @@ class Serving:
         self.created = int(time.time())
         self._token_texts: dict[int, str] = {}
 
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters' names: each a model id of its own (vLLM's convention)."""
+        return list(self.llm.adapter_paths)
+
     def check_model(self, name: str | None) -> None:
-        names = self.config.names
+        names = (*self.config.names, *self.adapters)
         if name is not None and name not in names:
             served = " or ".join(f"'{n}'" for n in names)
             raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
@@ -164,6 +169,8 @@ class Serving:
         for i, ids in enumerate(prompts):
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
             params = fixed or convert.sampling_params(body, limit, logprobs, forced)
+            if body.model in self.llm.adapter_paths:  # the base model with that adapter
+                params = dataclasses.replace(params, adapter=body.model)
             if i == 0:  # every prompt has the same constraint
                 await self.compile(params.structured)
             if chat:

@@ -68,7 +68,24 @@ def check_flags(args) -> float | None:
     """The several-model flags, checked whatever the number of models; returns --keep-alive's seconds."""
     if not isinstance(args.max_loaded_models, int) or args.max_loaded_models < 1:
         raise MinervaError(f"--max-loaded-models must be an integer >= 1, got {args.max_loaded_models}")
+    if args.lora and (len(args.model) > 1 or args.models_dir):
+        raise MinervaError("--lora adapts one base model: serve one model with it (several models and adapters "
+                           "in one server are not supported yet)")
     return parse_duration(args.keep_alive, "--keep-alive")
+
+
+def parse_lora(items: list[str] | None) -> dict[str, str]:
+    """--lora NAME=PATH ... -> {NAME: PATH}, a one-line error for a malformed or repeated one."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path.strip():
+            raise MinervaError(f"--lora takes NAME=PATH (the adapter's model id, then its folder or Hugging Face "
+                               f"repo), got '{item}'")
+        if name in out:
+            raise MinervaError(f"--lora names '{name}' twice; give each adapter a name of its own")
+        out[name.strip()] = path.strip()
+    return out
 
 
 def check_model(model: str) -> None:

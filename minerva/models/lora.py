@@ -1,0 +1,166 @@
+"""LoRA adapters (PEFT's format) on a loaded base model, several at once, each request on
+its own.
+
+A LoRA adapter adds `scale * B (A x)` to a projection's output (A: r x in, B: out x r,
+scale = lora_alpha / r, or / sqrt(r) with rsLoRA). The base weights stay packed and shared;
+each adapted projection (`Linear`) holds every adapter's A and B for its output columns
+(q, k and v are one fused matmul: each has its columns). In a step, `Adapters.select`
+gives each row its request's adapter (0: the base model), and each adapted `Linear` adds,
+per adapter in the step, the low-rank product of that adapter's rows (S-LoRA's and
+Punica's per-row adapter index, as a loop over the adapters present). Steps without an
+adapter row run the base model's native paths unchanged; a step with one runs the layers
+piece by piece, the base rows through the same kernels, so their results do not change.
+
+Loaded from a directory (or a Hugging Face repo) holding `adapter_config.json` and
+`adapter_model.safetensors`, trained on the base model's Hugging Face module names
+(`…layers.N.self_attn.q_proj`, `…mlp.down_proj`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from minerva.errors import MinervaError
+from minerva.models.layers import Attention, GatedMLP, Linear, Projections
+
+KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+                 r"\.lora_([AB])(?:\.default)?\.weight$")
+UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole modules trained beside the adapter)",
+               "rank_pattern": "per-module ranks (rank_pattern)", "alpha_pattern": "per-module alphas (alpha_pattern)"}
+
+
+@dataclass
+class LoraLinear:
+    """One projection's adapters: adapter index -> [(first output column, columns, A, B * scale)]."""
+    owner: Adapters
+    parts: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows of adapter a, columns] += x[those rows] A^T B^T for each adapter in the step."""
+        for a, rows in self.owner.present:
+            parts = self.parts.get(a)
+            if not parts:
+                continue
+            xa = x.index_select(0, rows).float()
+            for start, n, A, B in parts:
+                y[rows, start:start + n] += (xa @ A.T @ B.T).to(y.dtype)
+
+
+class Adapters:
+    """The adapters loaded onto one model: `names[i - 1]` is adapter i (0 is the base model),
+    and during a step `rows` (each row's adapter) and `present` (each adapter in the step
+    with its rows), None / empty when no row has one."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+        self.rows: torch.Tensor | None = None
+        self.present: list[tuple[int, torch.Tensor]] = []
+
+    def index(self, name: str | None) -> int:
+        """The adapter index of a request's `adapter` name (None: the base model, 0)."""
+        if name is None:
+            return 0
+        if name not in self.names:
+            known = ", ".join(self.names) or "none loaded"
+            raise MinervaError(f"no LoRA adapter named '{name}' (adapters: {known})")
+        return self.names.index(name) + 1
+
+    def select(self, per_seq: list[int], tokens: list[int], device: torch.device) -> None:
+        """Each row's adapter for a step of sequences with these adapters and token counts."""
+        if not any(per_seq):
+            self.clear()
+            return
+        self.rows = torch.repeat_interleave(torch.tensor(per_seq), torch.tensor(tokens)).to(device)
+        self.present = [(a, (self.rows == a).nonzero().flatten()) for a in sorted(set(per_seq)) if a]
+
+    def clear(self) -> None:
+        self.rows, self.present = None, []
+
+
+def read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """An adapter directory's config and tensors, with one-line errors for what is not PEFT LoRA."""
+    cfg_path, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    if not cfg_path.is_file() or not weights.is_file():
+        raise MinervaError(f"'{path}' is not a LoRA adapter: it needs adapter_config.json and "
+                           f"adapter_model.safetensors (PEFT's save_pretrained writes both)")
+    try:
+        config = json.loads(cfg_path.read_text())
+        with safe_open(str(weights), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, ValueError) as exc:
+        raise MinervaError(f"'{path}': cannot read the adapter ({exc})") from None
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
+        raise MinervaError(f"'{path}' is a {config.get('peft_type')} adapter; only LoRA adapters are served")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise MinervaError(f"'{path}' uses {what}, which Minerva does not apply; use a plain LoRA adapter")
+    return config, tensors
+
+
+def _targets(model, layer: int, block: str, name: str) -> tuple[Linear, int, int]:
+    """The Linear computing HF module `layers.{layer}.{block}.{name}`, its first output column and columns."""
+    if layer >= len(model.layers):
+        raise MinervaError(f"the adapter adapts layer {layer}, and the model has {len(model.layers)} layers")
+    decoder = model.layers[layer]
+    if block == "self_attn":
+        attn: Attention = decoder.attn
+        if name == "o_proj":
+            return attn.o_proj, 0, attn.o_proj.weight.shape[0]
+        return _part(attn.qkv_proj, ["q_proj", "k_proj", "v_proj"].index(name))
+    mlp = decoder.mlp
+    if not isinstance(mlp, GatedMLP):
+        raise MinervaError(f"the adapter adapts layer {layer}'s {name} of a mixture of experts; Minerva applies "
+                           "LoRA to attention and dense MLP projections only")
+    if name == "down_proj":
+        return mlp.down, 0, mlp.down.weight.shape[0]
+    return _part(mlp.gate_up, ["gate_proj", "up_proj"].index(name))
+
+
+def _part(proj: Projections, i: int) -> tuple[Linear, int, int]:
+    """Part i of fused projections: the Linear holding it, its first column there, its columns."""
+    k = 0
+    for lin, sizes in zip(proj.groups, proj.run_sizes):
+        if i < k + len(sizes):
+            j = i - k
+            return lin, sum(sizes[:j]), sizes[j]
+        k += len(sizes)
+    raise IndexError(i)
+
+
+def attach(model, adapters: dict[str, Path], device: torch.device) -> Adapters:
+    """Load each adapter (name -> directory) onto `model`'s projections."""
+    owner = Adapters(list(adapters))
+    for index, (name, path) in enumerate(adapters.items(), start=1):
+        config, tensors = read_adapter(path)
+        r = int(config.get("r", 8))
+        scale = float(config.get("lora_alpha", r)) / (math.sqrt(r) if config.get("use_rslora") else r)
+        pairs: dict[tuple, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            m = KEY.search(key)
+            if m is None:
+                raise MinervaError(f"adapter '{name}' ({path}) has '{key}': Minerva applies LoRA to the attention "
+                                   "and MLP projections of decoder layers only")
+            pairs.setdefault((int(m[1]), m[2], m[3]), {})[m[4]] = t
+        for (layer, block, proj), ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"}:
+                have = next(iter(ab))
+                raise MinervaError(f"adapter '{name}' ({path}): layer {layer} {proj} has lora_{have} without "
+                                   f"lora_{'B' if have == 'A' else 'A'}")
+            lin, start, n = _targets(model, layer, block, proj)
+            A, B = ab["A"].float(), ab["B"].float()
+            if A.dim() != 2 or B.dim() != 2 or A.shape[1] != lin.weight.shape[1] or B.shape[0] != n \
+                    or A.shape[0] != B.shape[1]:
+                raise MinervaError(f"adapter '{name}' ({path}) does not fit this model: layer {layer} {proj} is "
+                                   f"{n} x {lin.weight.shape[1]}, the adapter's A {tuple(A.shape)} and B "
+                                   f"{tuple(B.shape)}; was it trained on another base model?")
+            if lin.lora is None:
+                lin.lora = LoraLinear(owner)
+            lin.lora.parts.setdefault(index, []).append((start, n, A.to(device), (B * scale).to(device)))
+    return owner

@@ -1,0 +1,128 @@
+"""LoRA adapters in PEFT's format against PEFT's own merged model (transformers, float32):
+greedy output equal, alone and batched with the base model and other adapters; the prefix
+cache kept apart per adapter; the native layer paths still taken without adapter rows;
+errors for adapters that cannot apply; the server's adapter model ids."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import httpx
+import openai
+import peft
+import pytest
+import torch
+
+from minerva import LLM, SamplingParams
+from minerva.errors import MinervaError
+from tests.helpers import tiny_hf
+from tests.helpers.server import running_server
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]  # more than two KV blocks: the prefix cache is used
+
+
+def make_adapter(base_model, folder, seed: int, targets: list[str], rank: int = 4, std: float = 0.2, **extra):
+    """A PEFT LoRA adapter with random A and B on a copy of `base_model`, saved to `folder`;
+    returns PEFT's merged model (the reference)."""
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **extra)
+    model = peft.get_peft_model(copy.deepcopy(base_model), cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    model.save_pretrained(folder)
+    return model.merge_and_unload().eval()
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def smollm2_hf_prompt() -> list[int]:
+    return [504, 3458, 314, 260, 1345, 282, 4649, 30, 2010]  # in-vocabulary ids of SmolLM2
+
+
+def params(adapter=None, n=12):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, adapter=adapter)
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    tmp = tmp_path_factory.mktemp("lora")
+    base = tiny_hf.save(tmp, "llama-untied")
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    merged = {"a1": make_adapter(hf, tmp / "a1", 1, ALL), "a2": make_adapter(hf, tmp / "a2", 2, ["q_proj", "v_proj"])}
+    refs = {None: greedy(hf, PROMPT, 12), **{k: greedy(m, PROMPT, 12) for k, m in merged.items()}}
+    assert len({tuple(v) for v in refs.values()}) == 3  # each adapter changes the answer
+    return base, tmp, refs
+
+
+def test_adapters_equal_peft_merged_alone_and_batched(tiny_adapters):
+    base, tmp, refs = tiny_adapters
+    llm = LLM(str(base), dtype="float32", lora={"a1": str(tmp / "a1"), "a2": str(tmp / "a2")}, kv_cache_memory=8e6)
+    for name in (None, "a1", "a2", None, "a1"):  # the same prompt again: its cached blocks are its adapter's only
+        assert llm.generate([PROMPT], params(name), use_tqdm=False)[0].token_ids == refs[name], name
+    outs = llm.generate([PROMPT] * 4, [params(a) for a in ("a2", None, "a1", "a2")], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [refs["a2"], refs[None], refs["a1"], refs["a2"]]
+    with pytest.raises(MinervaError, match="no LoRA adapter named 'a3' \\(adapters: a1, a2\\)"):
+        llm.generate([PROMPT], params("a3"), use_tqdm=False)
+
+
+def test_adapter_on_a_packed_gguf_model(smollm2_gguf, smollm2_hf, tmp_path):
+    """SmolLM2 Q4_1 (packed weights, fused Q/K/V and gate/up, the native layer kernels) with
+    an adapter, against PEFT's merged model on the same weights dequantized."""
+    merged = make_adapter(smollm2_hf, tmp_path / "ad", 3, ALL, rank=8, std=0.05)
+    prompt = smollm2_hf_prompt()
+    want, plain = greedy(merged, prompt, 10), greedy(smollm2_hf, prompt, 10)
+    assert want != plain
+    llm = LLM(str(smollm2_gguf), dtype="float32", activations="float", lora={"ad": str(tmp_path / "ad")},
+              kv_cache_memory=32e6)
+    assert llm.loaded.model.layers[0].fused is not None  # the native paths exist and steps without adapters take them
+    assert llm.generate([prompt], params("ad", 10), use_tqdm=False)[0].token_ids == want
+    outs = llm.generate([prompt, prompt], [params(None, 10), params("ad", 10)], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [llm.generate([prompt], params(None, 10), use_tqdm=False)[0].token_ids, want]
+
+
+def test_adapters_that_cannot_apply_are_refused(tiny_adapters, tmp_path):
+    base, tmp, _ = tiny_adapters
+    with pytest.raises(MinervaError, match="is not a LoRA adapter: it needs adapter_config.json"):
+        LLM(str(base), dtype="float32", lora={"x": str(base)})
+    from transformers import AutoModelForCausalLM
+    other = AutoModelForCausalLM.from_pretrained(tiny_hf.save(tmp_path, "tinyllama-mha"), dtype=torch.float32)
+    make_adapter(other, tmp_path / "mha", 4, ["k_proj"])  # k_proj of 4 KV heads: 64 rows, the base has 32
+    with pytest.raises(MinervaError, match=r"does not fit this model: layer 0 k_proj is 32 x 64.*another base model"):
+        LLM(str(base), dtype="float32", lora={"mha": str(tmp_path / "mha")})
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_model.safetensors").write_bytes((tmp / "a1" / "adapter_model.safetensors").read_bytes())
+    config = json.loads((tmp / "a1" / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(MinervaError, match="uses DoRA, which Minerva does not apply"):
+        LLM(str(base), dtype="float32", lora={"d": str(dora)})
+    llm = LLM(str(base), dtype="float32", kv_cache_memory=4e6)
+    with pytest.raises(MinervaError, match="asks for the LoRA adapter 'a1', and none is loaded"):
+        llm.generate([PROMPT], params("a1"), use_tqdm=False)
+
+
+def test_server_serves_each_adapter_as_a_model(tiny_adapters):
+    base, tmp, refs = tiny_adapters
+    llm = LLM(str(base), dtype="float32", lora={"a1": str(tmp / "a1")}, kv_cache_memory=8e6)
+    with running_server(llm, served_model_name="tiny") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        cards = {m.id: m for m in client.models.list()}
+        assert list(cards) == ["tiny", "a1"]
+        assert cards["a1"].parent == "tiny" and cards["a1"].root == str(tmp / "a1")
+        for model, ref in (("a1", refs["a1"]), ("tiny", refs[None])):
+            r = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert r.model == model
+            assert r.choices[0].text == llm.tokenizer.decode(ref)
+        r = httpx.post(f"{url}/v1/completions", json={"model": "a2", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404 and "'tiny' or 'a1'" in r.json()["error"]["message"]

@@ -408,3 +408,22 @@ def test_which_words_are_models(tmp_path, monkeypatch):
     assert _looks_like_model("hf.co/a/b") and _looks_like_model("bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M")
     assert not _looks_like_model("why a/b?") and not _looks_like_model("/models/llama")
     assert not _looks_like_model("meta-llama/Llama-3.1-8B", bare_repos=False)  # a served model name
+
+
+def test_lora_adapter_repo(hf_env, tmp_path):
+    """An adapter repo: only its two files fetched, served on the repo's base model as PEFT's merged model answers."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.lora import greedy, make_adapter
+    base = AutoModelForCausalLM.from_pretrained(hf_env.hf_dir, dtype=torch.float32).eval()
+    merged = make_adapter(base, tmp_path / "adapter", 5, ["q_proj", "down_proj"])
+    hf_env.add("test/tiny-lora", {**{p.name: p for p in (tmp_path / "adapter").iterdir()}, "README.md": b"# lora"})
+    prompt = [5, 80, 17, 200, 33]
+    llm = LLM("test/tiny-llama", dtype="float32", activations="float", lora={"l": "test/tiny-lora"})
+    assert sorted(p.name for p in llm.adapter_paths["l"].iterdir()) == ["adapter_config.json",
+                                                                         "adapter_model.safetensors"]
+    got = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, adapter="l"),
+                       use_tqdm=False)
+    assert list(got[0].token_ids) == greedy(merged, prompt, 6) != greedy(base, prompt, 6)
+    with pytest.raises(MinervaError, match="the LoRA adapter 'nothing-here' is neither a directory nor"):
+        LLM("test/tiny-llama", dtype="float32", lora={"x": "nothing-here"})

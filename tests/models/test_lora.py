@@ -5,42 +5,21 @@ errors for adapters that cannot apply; the server's adapter model ids."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import httpx
 import openai
-import peft
 import pytest
 import torch
 
 from minerva import LLM, SamplingParams
 from minerva.errors import MinervaError
 from tests.helpers import tiny_hf
+from tests.helpers.lora import greedy, make_adapter
 from tests.helpers.server import running_server
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = [(7 * i + 3) % 250 + 2 for i in range(40)]  # more than two KV blocks: the prefix cache is used
-
-
-def make_adapter(base_model, folder, seed: int, targets: list[str], rank: int = 4, std: float = 0.2, **extra):
-    """A PEFT LoRA adapter with random A and B on a copy of `base_model`, saved to `folder`;
-    returns PEFT's merged model (the reference)."""
-    torch.manual_seed(seed)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **extra)
-    model = peft.get_peft_model(copy.deepcopy(base_model), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, std)
-    model.save_pretrained(folder)
-    return model.merge_and_unload().eval()
-
-
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(prompt):].tolist()
 
 
 def smollm2_hf_prompt() -> list[int]:
@@ -126,3 +105,13 @@ def test_server_serves_each_adapter_as_a_model(tiny_adapters):
             assert r.choices[0].text == llm.tokenizer.decode(ref)
         r = httpx.post(f"{url}/v1/completions", json={"model": "a2", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 404 and "'tiny' or 'a1'" in r.json()["error"]["message"]
+
+
+def test_lora_command_line(tiny, tiny_adapters):
+    from tests.helpers.cli import assert_clean_error, run
+    assert_clean_error(run("serve", str(tiny), "--lora", "a1"), "--lora takes NAME=PATH")
+    assert_clean_error(run("serve", str(tiny), "--lora", "a=x", "--lora", "a=y"), "--lora names 'a' twice")
+    assert_clean_error(run("serve", str(tiny), str(tiny), "--lora", "a=x"), "--lora adapts one base model")
+    base, tmp, _ = tiny_adapters
+    assert_clean_error(run("serve", str(tiny), "--lora", f"a1={tmp / 'a1'}", "--port", "0"),
+                       "does not fit this model")  # the tiny GGUF is not the adapter's base

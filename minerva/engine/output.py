@@ -39,6 +39,8 @@ class OutputProcessor:
         self.request_id = request_id
         self.detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self.stop_ids = set(params.stop_token_ids)
+        self.stop_reason: str | int | None = None  # what stopped it (StreamDelta.stop_reason)
+        self.asked_ids = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids |= set(tokenizer.eos_token_ids)
         self.stops = StopChecker(params.stop)
@@ -55,6 +57,7 @@ class OutputProcessor:
         """
         if token in self.stop_ids:
             self.text += self.detok.flush()
+            self.stop_reason = token if token in self.asked_ids else None
             return False, "stop"
         self.pending.append(token)
         if logprob is not None:
@@ -63,6 +66,7 @@ class OutputProcessor:
         self.text += self.detok.add(token)
         cut = self.stops.find(self.text, before) if self.stops.stops else None
         if cut is not None:
+            self.stop_reason = next(x for x in self.stops.stops if self.text.startswith(x, cut))
             self.text = self.text[:cut]
             return True, "stop"
         if last_allowed:
@@ -76,6 +80,6 @@ class OutputProcessor:
         if not (finish or end > self.emitted or self.pending):
             return None
         delta = StreamDelta(self.request_id, self.text[self.emitted:end], self.pending, finish,
-                            self.pending_logprobs)
+                            self.pending_logprobs, self.stop_reason if finish == "stop" else None)
         self.emitted, self.pending, self.pending_logprobs = end, [], []
         return delta

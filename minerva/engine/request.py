@@ -130,3 +130,6 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # for token_ids, when asked for
+    # with finish_reason "stop": the stop string that ended it, or the stop token id from
+    # params.stop_token_ids (None: the model's end of sequence), as vLLM's `stop_reason`
+    stop_reason: str | int | None = None

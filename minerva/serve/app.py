@@ -20,6 +20,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from minerva.serve import anthropic
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.guard import error_response, install
@@ -65,6 +66,7 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
     app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(tokenize)
     app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(detokenize)
+    anthropic.register(app, chat, tokenize)
 
 
 class Routes(Serving):
@@ -120,7 +122,9 @@ class Routes(Serving):
     async def tokenize(self, body: P.TokenizeRequest):
         self.check_model(body.model)
         if body.messages is not None:
-            ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt), "messages")
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt, tools=tools),
+                                    "messages")
         else:
             ids = await self.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}

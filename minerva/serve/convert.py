@@ -28,6 +28,7 @@ from minerva.parsers.tools import ToolFormat, ToolPlan, make_plan
 from minerva.serve import protocol as P
 
 DONE = "data: [DONE]\n\n"
+ACCESS = "minerva.access"  # the scope key of a request's access record, which the routes fill in
 
 
 class APIError(Exception):
@@ -291,9 +292,11 @@ class Reply:
         return completion_logprobs(items, offset, self.token_text)
 
     def choice(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-               offset: int = 0, reasoning: str | None = None, calls: Sequence[ToolCall] = ()) -> dict:
+               offset: int = 0, reasoning: str | None = None, calls: Sequence[ToolCall] = (),
+               stop_reason: str | int | None = None) -> dict:
         """One choice of a whole response (`text` the answer, `reasoning` what came before it,
-        `calls` the tools it called: then the content is null when empty)."""
+        `calls` the tools it called: then the content is null when empty; `stop_reason`, as
+        vLLM's, the stop string or token id that ended it, given only then)."""
         lp = self.logprobs(items, offset)
         if self.chat:
             message = {"role": "assistant", "content": text or (None if calls else "")}
@@ -301,16 +304,18 @@ class Reply:
                 message["reasoning_content"] = reasoning or None
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]
-            return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason(finish, calls)}
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+            out = {"index": index, "message": message, "logprobs": lp, "finish_reason": finish_reason(finish, calls)}
+        else:
+            out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        return out if stop_reason is None else {**out, "stop_reason": stop_reason}
 
     def response(self, choices: list[dict], usage: dict, timings: dict | None) -> dict:
         return {**self.head, "object": "chat.completion" if self.chat else "text_completion",
                 "choices": choices, "usage": usage, "timings": timings}
 
     def delta(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
-              offset: int = 0, reasoning: str = "", pieces: Sequence[CallPiece] = ()
-              ) -> P.ChatChunkChoice | P.CompletionChoice:
+              offset: int = 0, reasoning: str = "", pieces: Sequence[CallPiece] = (),
+              stop_reason: str | int | None = None) -> P.ChatChunkChoice | P.CompletionChoice:
         """One choice of a stream chunk (a chat delta carries no content once it has finished;
         with reasoning or tool calls, only the fields that have something new)."""
         lp = self.logprobs(items, offset)
@@ -322,9 +327,11 @@ class Reply:
                 delta["content"] = text
             if pieces:
                 delta["tool_calls"] = [piece_delta(p) for p in pieces]
+            extra = {} if stop_reason is None else {"stop_reason": stop_reason}
             return P.ChatChunkChoice(index=index, delta=P.ChatDelta(**delta), logprobs=lp,
-                                            finish_reason=finish)
-        return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish)
+                                     finish_reason=finish, **extra)
+        extra = {} if stop_reason is None else {"stop_reason": stop_reason}
+        return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, **extra)
 
     def opening(self, prefixes: list[str]) -> list:
         """The choices of the first chunk: the assistant role of every chat choice, or the echoed

@@ -17,18 +17,22 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minerva.errors import MinervaError
-from minerva.serve import convert, lenient
+from minerva.serve import anthropic, convert, lenient
+from minerva.serve.convert import ACCESS
 from minerva.serve.convert import APIError
 
 log = logging.getLogger("minerva.serve")
 access_log = logging.getLogger("minerva.access")
-ACCESS = "minerva.access"  # the scope key of a request's access record, which the routes fill in
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   type: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
-    """OpenAI's error body; what it echoes of a request is made encodable here, once for every
-    route (a lone surrogate is written as its escape, `\\ud800`)."""
+                   type: str = "invalid_request_error", headers: dict | None = None,
+                   path: str | None = None) -> JSONResponse:
+    """OpenAI's error body, or Anthropic's for its routes (`path`); what it echoes of a request
+    is made encodable here, once for every route (a lone surrogate is written as its escape,
+    `\\ud800`)."""
+    if path is not None and path.startswith(anthropic.PATH):
+        return JSONResponse(anthropic.error_body(status, encodable(message)), status_code=status, headers=headers)
     body = convert.error_body(status, encodable(message), None if param is None else encodable(param), type)
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -113,15 +117,16 @@ class Guard:
             if sum(k.lower() == b"authorization" for k, _ in scope["headers"]) > 1:
                 return await error_response(400, "the request has more than one Authorization header; "
                                                  "send one: 'Authorization: Bearer <key>'",
-                                            type="authentication_error")(scope, receive, send)
+                                            type="authentication_error", path=scope["path"])(scope, receive, send)
             if not self.authorized(headers):
                 return await error_response(401, "missing or wrong API key: send the header "
                                                  "'Authorization: Bearer <key>' (or 'x-api-key: <key>') with the "
                                                  "server's --api-key",
-                                            type="authentication_error",
+                                            type="authentication_error", path=scope["path"],
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         length = headers.get("content-length")
-        too_big = error_response(413, f"the request body is larger than the limit of {self.max_body} bytes")
+        too_big = error_response(413, f"the request body is larger than the limit of {self.max_body} bytes",
+                                 path=scope["path"])
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return await too_big(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -134,7 +139,7 @@ class Guard:
                     message = await receive()
             except TimeoutError:
                 return await error_response(408, f"the request body did not arrive within {self.body_timeout:g} s "
-                                                 f"(the server's --body-timeout)",
+                                                 f"(the server's --body-timeout)", path=scope["path"],
                                             headers={"Connection": "close"})(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client left before sending its body
@@ -147,7 +152,7 @@ class Guard:
         body = b"".join(chunks)
         unreadable = lone_surrogate(body)
         if unreadable is not None:
-            return await error_response(400, *unreadable)(scope, receive, send)
+            return await error_response(400, *unreadable, path=scope["path"])(scope, receive, send)
         if body:
             relaxed, ignored, retyped = lenient.relax(body, headers.get("content-type"))
             if scope["path"] not in lenient.ROUTES:
@@ -205,14 +210,14 @@ class AccessLog:
 # ------------------------------------------------------------------ errors
 
 
-async def _api_error(_, exc: APIError):
-    return error_response(exc.status, exc.message, exc.param, exc.type, exc.headers)
+async def _api_error(request, exc: APIError):
+    return error_response(exc.status, exc.message, exc.param, exc.type, exc.headers, request.url.path)
 
 
-async def _minerva_error(_, exc: MinervaError):
+async def _minerva_error(request, exc: MinervaError):
     """The engine's and the tokenizer's verdict on a request (a prompt beyond the KV pool, a
     token id beyond the vocabulary, a sampling value out of range): the client's fault."""
-    return error_response(400, str(exc))
+    return error_response(400, str(exc), path=request.url.path)
 
 
 _UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
@@ -224,7 +229,7 @@ def _is_field(part) -> bool:
     return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
 
 
-async def _validation_error(_, exc: RequestValidationError):
+async def _validation_error(request, exc: RequestValidationError):
     errors = exc.errors()
     first = errors[0] if errors else {}
     where = [str(x) for x in first.get("loc", ()) if _is_field(x)]
@@ -234,7 +239,7 @@ async def _validation_error(_, exc: RequestValidationError):
     text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
     if first.get("type") == "extra_forbidden":
         text = f"unknown field '{param}': this server does not implement it; leave it out{more}"
-    return error_response(400, text, param)
+    return error_response(400, text, param, path=request.url.path)
 
 
 async def _http_error(request, exc: StarletteHTTPException):
@@ -247,7 +252,7 @@ async def _http_error(request, exc: StarletteHTTPException):
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow")
         message = f"Invalid method ({where})" + (f": this route takes {allowed}" if allowed else "")
-    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 
 
 HANDLERS = {APIError: _api_error, MinervaError: _minerva_error, RequestValidationError: _validation_error,

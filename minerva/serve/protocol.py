@@ -256,6 +256,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128, description="With messages: the tools the template renders")
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -343,6 +344,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: str | int | None = Field(None, description="With finish_reason \"stop\": the stop string or "
+                                                            "stop token id that ended it (vLLM's); absent otherwise")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -367,6 +370,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: str | int | None = Field(None, description="With finish_reason \"stop\": the stop string or "
+                                                            "stop token id that ended it (vLLM's); absent otherwise")
 
 
 class CompletionResponse(BaseModel):
@@ -409,6 +414,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = Field(None, description="With finish_reason \"stop\": the stop string or "
+                                                            "stop token id that ended it (vLLM's); absent otherwise")
 
 
 class ChatCompletionChunk(BaseModel):

@@ -244,6 +244,7 @@ class Serving:
         texts = [[p] for p in prefixes]
         logprobs: list[list[TokenLogprob]] = [[] for _ in prefixes]
         finish: list[str | None] = [None] * len(prefixes)
+        stops: list[str | int | None] = [None] * len(prefixes)
         completion_tokens = 0
         async for t, d in self.whole(group, watch):
             texts[t.index].append(d.text)
@@ -251,6 +252,7 @@ class Serving:
             completion_tokens += len(d.token_ids)
             note(access, completion_tokens)
             finish[t.index] = d.finish_reason or finish[t.index]
+            stops[t.index] = d.stop_reason if d.finish_reason else stops[t.index]
         choices = []
         for i, parts in enumerate(texts):
             thought, text = parsers[i].feed("".join(parts), end=True) if parsers else ("", "".join(parts))
@@ -258,7 +260,7 @@ class Serving:
             if callers:
                 text, pieces = callers[i].feed(text, end=True)
                 calls = join_pieces(pieces)
-            choices.append(reply.choice(i, text, finish[i], logprobs[i], len(prefixes[i]), thought, calls))
+            choices.append(reply.choice(i, text, finish[i], logprobs[i], len(prefixes[i]), thought, calls, stops[i]))
         return reply.response(choices, convert.usage(prompt_tokens, completion_tokens),
                               convert.group_timings(group.tracked, prompt_tokens, completion_tokens))
 
@@ -286,7 +288,7 @@ class Serving:
                     finish = convert.finish_reason(finish, callers[t.index].called)
                 if news or finish:
                     yield reply.chunk([reply.delta(t.index, text, finish, d.logprobs, offsets[t.index],
-                                                   thought, pieces)])
+                                                   thought, pieces, d.stop_reason)])
                     offsets[t.index] += len(text)
             if include_usage:
                 yield reply.chunk([], usage=convert.usage(prompt_tokens, completion_tokens),

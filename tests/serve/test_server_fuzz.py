@@ -109,8 +109,8 @@ def operations(schema) -> list:
 # Each operation is driven by its own hypothesis strategy (not schemathesis' pytest plugin,
 # which depends on pytest internals that change between releases).
 # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/models/{id}, /health, /tokenize,
-# /detokenize, /metrics
-NUM_OPERATIONS = 9
+# /detokenize, /metrics, /v1/messages, /v1/messages/count_tokens
+NUM_OPERATIONS = 11
 
 
 @pytest.mark.parametrize("index", range(NUM_OPERATIONS))

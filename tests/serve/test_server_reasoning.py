@@ -227,3 +227,20 @@ def test_cli_generate_splits_unless_raw(harmony_llm, script, monkeypatch, capsys
     assert out == f"{ANSWER}\n" and f"{REASONING}\n" in err and "finish=stop" in err
     assert cli.main(args + ["--raw"]) == 0  # no chat template: the text as decoded, nothing split
     assert capsys.readouterr().out == harmony_llm.tokenizer.decode(script.tokens[:-1]) + "\n"
+
+
+def test_anthropic_messages_carry_thinking_blocks(think, script):
+    """A reasoning model through Anthropic's Messages API: a thinking block, then the text, whole and streamed."""
+    import anthropic
+    url, llm = think
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    script.say(llm.tokenizer, THINK_REPLY)
+    m = client.messages.create(model="test-model", max_tokens=200, messages=HI)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", REASONING), ("text", ANSWER)]
+    assert m.stop_reason == "end_turn"
+    script.say(llm.tokenizer, THINK_REPLY)
+    with client.messages.stream(model="test-model", max_tokens=200, messages=HI) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
+        ("thinking", REASONING), ("text", ANSWER)]

@@ -1,0 +1,387 @@
+"""Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`): what Claude
+Code and Anthropic's SDKs speak, as a converter onto the chat route.
+
+A request becomes a chat completion request (system prompt, messages with their tool calls
+and results, tools and tool choice, sampling and stop sequences), runs through the same
+path as `/v1/chat/completions` (template, sampling, structured tool calls, reasoning
+parser, metrics, admission, cancellation), and its answer is rewritten in Anthropic's
+shape: content blocks (`thinking`, `text`, `tool_use`), `stop_reason`, `usage`, and when
+streamed, Anthropic's event sequence. Errors are in Anthropic's shape too.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from minerva.serve import protocol as P
+from minerva.errors import MinervaError
+from minerva.serve.convert import ACCESS, APIError
+
+PATH = "/v1/messages"
+# HTTP status -> Anthropic's error type
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn", "abort": "end_turn"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # cache_control and the like
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class CountTokensRequest(_Body):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None  # a budget for thinking: the model's template decides
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1, le=2**63 - 1)
+    stop_sequences: list[str] | None = Field(None, max_length=P.MAX_STOP)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool = False
+    output_config: OutputConfig | None = None
+    container: Any = None  # code execution: refused
+    # what cannot change the answer here: accepted and ignored
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+# ------------------------------------------------------------------ requests
+
+
+def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+    """The text of a string or of text blocks (`cache_control` and citations ignored)."""
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for block in blocks:
+        kind = block.get("type")
+        if kind != "text" or not isinstance(block.get("text"), str):
+            if kind in ("image", "document"):
+                raise APIError(400, f"{where}: content blocks of type '{kind}' are not supported: this server runs "
+                                    "text-only models; send the text alone", "messages")
+            raise APIError(400, f"{where}: expected text blocks, got a block of type '{kind}'", "messages")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _user(content: str | list[dict[str, Any]], where: str) -> list[dict]:
+    """A user turn: its tool results as tool messages, then its text."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    out, text = [], []
+    for i, block in enumerate(content):
+        if block.get("type") == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise APIError(400, f"{where}.content.{i}: a tool_result needs its tool_use_id", "messages")
+            result = _text(block.get("content") or "", f"{where}.content.{i}.content")
+            if block.get("is_error"):
+                result = f"Error: {result}"
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
+        else:
+            text.append(block)
+    if text:
+        out.append({"role": "user", "content": _text(text, f"{where}.content")})
+    return out
+
+
+def _assistant(content: str | list[dict[str, Any]], where: str) -> dict:
+    """An assistant turn: its text and tool calls (earlier thinking is not sent back to the model)."""
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    text, calls = [], []
+    for i, block in enumerate(content):
+        kind = block.get("type")
+        if kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise APIError(400, f"{where}.content.{i}: a tool_use needs its id and name", "messages")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            text.append(block)
+    message: dict = {"role": "assistant", "content": _text(text, f"{where}.content") if text else None}
+    if calls:
+        message["tool_calls"] = calls
+    elif message["content"] is None:
+        message["content"] = ""
+    return message
+
+
+def chat_messages(body: CountTokensRequest) -> list[dict]:
+    """The conversation as chat completion messages."""
+    messages = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        where = f"messages.{i}"
+        messages += _user(m.content, where) if m.role == "user" else [_assistant(m.content, where)]
+    return messages
+
+
+def chat_tools(body: CountTokensRequest) -> dict:
+    """tools and tool_choice as the chat route takes them."""
+    if not body.tools:
+        return {}
+    for t in body.tools:
+        if t.type not in (None, "custom"):
+            raise APIError(400, f"the tool '{t.name}' is a server tool ({t.type}), which this server does not run; "
+                                "give client tools (name, description, input_schema)", "tools")
+    out: dict = {"tools": [{"type": "function", "function": {
+        "name": t.name, "description": t.description, "parameters": t.input_schema or {"type": "object"}}}
+        for t in body.tools]}
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise APIError(400, "tool_choice of type 'tool' needs the name of the tool", "tool_choice")
+        out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+            "type": "function", "function": {"name": choice.name}}
+        if choice.disable_parallel_tool_use:
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
+    """The chat completion request that answers `body`."""
+    fields: dict = {"model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
+                    "temperature": body.temperature, "stream": body.stream, **chat_tools(body)}
+    if body.stop_sequences:
+        fields["stop"] = body.stop_sequences
+    if body.top_p is not None:
+        fields["top_p"] = body.top_p
+    if body.top_k is not None:
+        fields["top_k"] = body.top_k
+    if body.stream:
+        fields["stream_options"] = {"include_usage": True}
+    if body.container is not None:
+        raise APIError(400, "container (code execution) is not supported by this server; leave it out", "container")
+    config = body.output_config
+    if config is not None and config.format is not None:  # structured output, as the chat route's json_schema
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                            "schema": config.format.schema_}}
+    if config is not None and config.effort is not None:  # a reasoning model's template reads it
+        fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)
+    return _validated(P.ChatCompletionRequest, fields)
+
+
+def _validated(model: type[BaseModel], fields: dict) -> BaseModel:
+    """`fields` read by `model` as a JSON body is (the route's own validation)."""
+    try:
+        return model.model_validate_json(json.dumps(fields))
+    except ValueError as exc:
+        first = exc.errors()[0] if hasattr(exc, "errors") else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise APIError(400, f"invalid request: {where + ': ' if where else ''}{first.get('msg', exc)}") from None
+
+
+# ------------------------------------------------------------------ answers
+
+
+def stop_of(finish: str | None, stop_reason, stops: list[str] | None) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence for a chat finish reason."""
+    if finish == "stop" and isinstance(stop_reason, str) and stop_reason in (stops or ()):
+        return "stop_sequence", stop_reason
+    return STOP_REASONS.get(finish or "stop", "end_turn"), None
+
+
+def message(reply: dict, body: MessagesRequest) -> dict:
+    """A whole chat completion as an Anthropic message."""
+    choice = reply["choices"][0]
+    m = choice["message"]
+    content: list[dict] = []
+    if m.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
+    if m.get("content"):
+        content.append({"type": "text", "text": m["content"]})
+    for call in m.get("tool_calls") or []:
+        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                        "input": _arguments(call["function"]["arguments"])})
+    reason, sequence = stop_of(choice["finish_reason"], choice.get("stop_reason"), body.stop_sequences)
+    usage = reply["usage"]
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+
+
+def _arguments(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def event(kind: str, data: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+
+class Stream:
+    """Chat completion chunks in, Anthropic's events out: message_start (and a ping), then per
+    content block content_block_start, its deltas (thinking_delta, text_delta,
+    input_json_delta) and content_block_stop, then message_delta and message_stop."""
+
+    def __init__(self, body: MessagesRequest, prompt_tokens: int):
+        self.body, self.index, self.open = body, -1, None  # open: the kind of the block being written
+        self.calls: dict[int, int] = {}  # a chat delta's tool call index -> its block index
+        self.finish = self.stop_reason = None
+        self.output_tokens = 0
+        self.start = event("message_start", {"message": {
+            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}) + event("ping", {})
+
+    def _block(self, kind: str, block: dict) -> list[str]:
+        out = self.close()
+        self.index += 1
+        self.open = kind
+        return out + [event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [event("content_block_stop", {"index": self.index})]
+
+    def feed(self, chunk: dict) -> list[str]:
+        """The events of one chat completion chunk."""
+        if "error" in chunk:
+            status = chunk["error"].get("code", 500)
+            return self.close() + [f"event: error\ndata: {json.dumps(error_body(status, chunk['error']['message']))}\n\n"]
+        if chunk.get("usage"):
+            self.output_tokens = chunk["usage"]["completion_tokens"]
+        out: list[str] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open != "thinking":
+                    out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
+            if delta.get("content"):
+                if self.open != "text":
+                    out += self._block("text", {"type": "text", "text": ""})
+                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or []:
+                if call["index"] not in self.calls:
+                    out += self._block("tool_use", {"type": "tool_use", "id": call.get("id") or "",
+                                                    "name": call["function"]["name"], "input": {}})
+                    self.calls[call["index"]] = self.index
+                piece = (call.get("function") or {}).get("arguments")
+                if piece:
+                    out.append(event("content_block_delta", {"index": self.calls[call["index"]], "delta": {
+                        "type": "input_json_delta", "partial_json": piece}}))
+            if choice.get("finish_reason"):
+                self.finish, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+        return out
+
+    def _delta(self, delta: dict) -> str:
+        return event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def end(self) -> list[str]:
+        reason, sequence = stop_of(self.finish, self.stop_reason, self.body.stop_sequences)
+        return self.close() + [event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                       "usage": {"output_tokens": self.output_tokens}}),
+                               event("message_stop", {})]
+
+
+async def events(response: StreamingResponse, stream: Stream):
+    """Anthropic's events from the chat route's stream of chunks."""
+    yield stream.start
+    failed = False
+    async for part in response.body_iterator:
+        text = part if isinstance(part, str) else part.decode()
+        for line in text.splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            failed = failed or "error" in chunk
+            for e in stream.feed(chunk):
+                yield e
+    if not failed:
+        for e in stream.end():
+            yield e
+
+
+def register(app, chat, tokenize) -> None:
+    """The Messages routes on `app`, answered through the `chat` and `tokenize` handlers."""
+
+    async def messages(body: MessagesRequest, raw: HTTPRequest):
+        try:
+            request = chat_request(body)
+            raw.scope.setdefault(ACCESS, {})
+            response = await chat(request, raw)
+        except APIError as exc:
+            return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
+        except MinervaError as exc:
+            return JSONResponse(error_body(400, str(exc)), status_code=400)
+        if not body.stream:
+            return JSONResponse(message(json.loads(response.body), body))
+        stream = Stream(body, raw.scope[ACCESS].get("prompt", 0))
+        return StreamingResponse(events(response, stream), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def count_tokens(body: CountTokensRequest):
+        try:
+            fields = {"model": body.model, "messages": chat_messages(body), **chat_tools(body)}
+            fields.pop("tool_choice", None), fields.pop("parallel_tool_calls", None)
+            counted = await tokenize(_validated(P.TokenizeRequest, fields))
+        except APIError as exc:
+            return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
+        except MinervaError as exc:
+            return JSONResponse(error_body(400, str(exc)), status_code=400)
+        return {"input_tokens": counted["count"]}
+
+    app.post(PATH, summary="Anthropic Messages API: a reply to `messages` (streamed as Anthropic's events "
+                           "with stream: true)")(messages)
+    app.post(f"{PATH}/count_tokens", summary="Anthropic Messages API: the input tokens of a request")(count_tokens)

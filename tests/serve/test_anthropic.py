@@ -1,0 +1,143 @@
+"""Anthropic's Messages API with the official `anthropic` SDK against a live server (SmolLM2):
+whole and streamed answers equal to the chat route's, a forced tool call and its result
+round trip, stop sequences, token counting, errors in Anthropic's shape, the API key."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from minerva import LLM
+from tests.helpers.server import running_server
+
+SYSTEM = "You are a terse assistant."
+GREEDY = {"temperature": 0}  # the SDK no longer has sampling arguments; the API still takes them
+ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
+WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float", kv_cache_memory=64e6)
+    with running_server(llm, served_model_name="smollm2", api_key="sk-test") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return anthropic.Anthropic(base_url=served, api_key="sk-test", max_retries=0, timeout=120)
+
+
+def chat_answer(served, messages, max_tokens, **extra):
+    oai = openai.OpenAI(base_url=f"{served}/v1", api_key="sk-test", max_retries=0)
+    return oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens, extra_body=GREEDY,
+                                       **extra)
+
+
+def test_whole_and_streamed_answers_are_the_chat_routes(served, client):
+    want = chat_answer(served, [{"role": "system", "content": SYSTEM}, *ASK], 24)
+    m = client.messages.create(model="smollm2", max_tokens=24, system=SYSTEM, messages=ASK, metadata={"user_id": "u-1"},
+                               service_tier="auto", extra_body={"temperature": 0, "top_k": 40})
+    assert m.type == "message" and m.role == "assistant" and m.model == "smollm2" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == want.choices[0].message.content
+    assert m.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[want.choices[0].finish_reason]
+    assert m.usage.input_tokens == want.usage.prompt_tokens and m.usage.output_tokens == want.usage.completion_tokens
+    kinds = []
+    with client.messages.stream(model="smollm2", max_tokens=24, system=[{"type": "text", "text": SYSTEM}],
+                                messages=ASK, extra_body=GREEDY) as stream:
+        for e in stream:
+            kinds.append(e.type)
+        final = stream.get_final_message()
+    assert final.content[0].text == m.content[0].text and final.stop_reason == m.stop_reason
+    assert final.usage.input_tokens == m.usage.input_tokens and final.usage.output_tokens == m.usage.output_tokens
+    raw = [k for k in kinds if k not in ("text", "content_block_delta")]  # the SDK's own 'text' events aside
+    assert raw[:2] == ["message_start", "content_block_start"] and raw[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_stop_sequences(client):
+    text = client.messages.create(model="smollm2", max_tokens=24, messages=ASK, extra_body=GREEDY).content[0].text
+    word = text.split()[1]
+    m = client.messages.create(model="smollm2", max_tokens=24, messages=ASK, extra_body=GREEDY, stop_sequences=[word])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == word
+    assert text.startswith(m.content[0].text) and word not in m.content[0].text
+
+
+def test_forced_tool_call_and_its_result(client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    m = client.messages.create(model="smollm2", max_tokens=64, messages=ask, tools=[WEATHER],
+                               tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    assert m.stop_reason == "tool_use"
+    call = next(b for b in m.content if b.type == "tool_use")
+    assert call.name == "get_weather" and call.id
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+    with client.messages.stream(model="smollm2", max_tokens=64, messages=ask, tools=[WEATHER],
+                                tool_choice={"type": "any"}, extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message()
+    s_call = next(b for b in streamed.content if b.type == "tool_use")
+    assert (s_call.name, s_call.input) == (call.name, call.input) and streamed.stop_reason == "tool_use"
+    answer = client.messages.create(model="smollm2", max_tokens=32, tools=[WEATHER], extra_body=GREEDY, messages=[
+        *ask, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": json.dumps({"temp": 14, "sky": "clear"})}]}])
+    assert answer.content and answer.content[0].type in ("text", "tool_use")
+    none = client.messages.create(model="smollm2", max_tokens=16, messages=ask, tools=[WEATHER],
+                                  tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert [b.type for b in none.content] == ["text"] and none.stop_reason != "tool_use"
+
+
+def test_count_tokens(client):
+    counted = client.messages.count_tokens(model="smollm2", system=SYSTEM, messages=ASK)
+    m = client.messages.create(model="smollm2", max_tokens=1, system=SYSTEM, messages=ASK)
+    assert counted.input_tokens == m.usage.input_tokens > 10
+    with_tools = client.messages.count_tokens(model="smollm2", messages=ASK, tools=[WEATHER])
+    assert with_tools.input_tokens > client.messages.count_tokens(model="smollm2", messages=ASK).input_tokens
+
+
+def post(served, body, key="sk-test", path="/v1/messages"):
+    return httpx.post(f"{served}{path}", json=body, headers={"x-api-key": key, "anthropic-version": "2023-06-01"},
+                      timeout=60)
+
+
+@pytest.mark.parametrize("body, status, kind, words", [
+    ({"model": "smollm2", "messages": ASK}, 400, "invalid_request_error", "max_tokens"),
+    ({"model": "claude-sonnet-4-5", "max_tokens": 4, "messages": ASK}, 404, "not_found_error", "'smollm2'"),
+    ({"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]},
+     400, "invalid_request_error", "text-only models"),
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [{"type": "web_search_20250305",
+                                                                        "name": "web_search"}]},
+     400, "invalid_request_error", "server tool"),
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "temperature": "hot"}, 400, "invalid_request_error",
+     "temperature"),
+])
+def test_errors_in_anthropics_shape(served, body, status, kind, words):
+    r = post(served, body)
+    assert r.status_code == status
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == kind and words in err["error"]["message"], err
+
+
+def test_api_key(served, client):
+    r = post(served, {"model": "smollm2", "max_tokens": 2, "messages": ASK}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    bad = anthropic.Anthropic(base_url=served, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.create(model="smollm2", max_tokens=2, messages=ASK)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="other", max_tokens=2, messages=ASK)
+
+
+def test_structured_output(client):
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    m = client.messages.create(model="smollm2", max_tokens=48, messages=ASK, extra_body=GREEDY,
+                               output_config={"format": {"type": "json_schema", "schema": schema}})
+    jsonschema.validate(json.loads(m.content[0].text), schema)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.serve import protocol as P
 from minerva.errors import MinervaError
-from minerva.serve.convert import ACCESS, APIError
+from minerva.serve.convert import ACCESS, APIError, validated
 
 PATH = "/v1/messages"
 # HTTP status -> Anthropic's error type
@@ -213,17 +213,7 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
                                                                             "schema": config.format.schema_}}
     if config is not None and config.effort is not None:  # a reasoning model's template reads it
         fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)
-    return _validated(P.ChatCompletionRequest, fields)
-
-
-def _validated(model: type[BaseModel], fields: dict) -> BaseModel:
-    """`fields` read by `model` as a JSON body is (the route's own validation)."""
-    try:
-        return model.model_validate_json(json.dumps(fields))
-    except ValueError as exc:
-        first = exc.errors()[0] if hasattr(exc, "errors") else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(400, f"invalid request: {where + ': ' if where else ''}{first.get('msg', exc)}") from None
+    return validated(P.ChatCompletionRequest, fields)
 
 
 # ------------------------------------------------------------------ answers
@@ -375,7 +365,7 @@ def register(app, chat, tokenize) -> None:
         try:
             fields = {"model": body.model, "messages": chat_messages(body), **chat_tools(body)}
             fields.pop("tool_choice", None), fields.pop("parallel_tool_calls", None)
-            counted = await tokenize(_validated(P.TokenizeRequest, fields))
+            counted = await tokenize(validated(P.TokenizeRequest, fields))
         except APIError as exc:
             return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
         except MinervaError as exc:

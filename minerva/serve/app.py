@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from minerva.serve import anthropic
+from minerva.serve import anthropic, responses
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.guard import error_response, install
@@ -67,6 +67,7 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(tokenize)
     app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(detokenize)
     anthropic.register(app, chat, tokenize)
+    responses.register(app, chat)
 
 
 class Routes(Serving):

@@ -48,6 +48,17 @@ def error_body(status: int, message: str, param: str | None = None,
 # ------------------------------------------------------------------ requests
 
 
+def validated(model, fields: dict):
+    """`fields` read by the pydantic `model` as a JSON body is (a converted request meets the
+    same checks as one sent to its route); a 400 naming the first problem."""
+    try:
+        return model.model_validate_json(json.dumps(fields))
+    except ValueError as exc:
+        first = exc.errors()[0] if hasattr(exc, "errors") else {}
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        raise APIError(400, f"invalid request: {where + ': ' if where else ''}{first.get('msg', exc)}") from None
+
+
 def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict]:
     """The messages as the chat template takes them (content parts joined into one text; the
     tool calls an assistant made and the call a tool result answers kept)."""

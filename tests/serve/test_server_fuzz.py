@@ -109,8 +109,9 @@ def operations(schema) -> list:
 # Each operation is driven by its own hypothesis strategy (not schemathesis' pytest plugin,
 # which depends on pytest internals that change between releases).
 # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/models/{id}, /health, /tokenize,
-# /detokenize, /metrics, /v1/messages, /v1/messages/count_tokens
-NUM_OPERATIONS = 11
+# /detokenize, /metrics, /v1/messages, /v1/messages/count_tokens, POST /v1/responses, GET and DELETE
+# /v1/responses/{id}
+NUM_OPERATIONS = 14
 
 
 @pytest.mark.parametrize("index", range(NUM_OPERATIONS))

@@ -244,3 +244,18 @@ def test_anthropic_messages_carry_thinking_blocks(think, script):
         final = stream.get_final_message()
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in final.content] == [
         ("thinking", REASONING), ("text", ANSWER)]
+
+
+def test_responses_carry_reasoning_items(think, script):
+    """A reasoning model through the Responses API: a reasoning item, then the message, whole and streamed."""
+    import openai
+    url, llm = think
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    script.say(llm.tokenizer, THINK_REPLY)
+    r = client.responses.create(model="test-model", input="Hi", max_output_tokens=200)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == REASONING and r.output_text == ANSWER
+    script.say(llm.tokenizer, THINK_REPLY)
+    events = list(client.responses.create(model="test-model", input="Hi", max_output_tokens=200, stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert thought == REASONING and events[-1].response.output_text == ANSWER

@@ -1,0 +1,395 @@
+"""OpenAI's Responses API (`POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`): what
+Codex and the OpenAI Agents SDK speak, as a converter onto the chat route.
+
+A request's `instructions` and `input` (text, or items: messages, function calls and their
+outputs) become a chat completion request with its tools, tool choice, sampling and
+`text.format` (structured output), and run through the same path as `/v1/chat/completions`;
+the answer is rewritten as a Response (output items: `reasoning`, `message`,
+`function_call`), streamed as the Responses events. Answers are stored (`store`, default
+true) in a bounded in-memory store, so `previous_response_id` continues a conversation.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from minerva.errors import MinervaError
+from minerva.serve import protocol as P
+from minerva.serve.convert import ACCESS, APIError, validated
+
+PATH = "/v1/responses"
+STORE_SIZE = 1024  # responses kept for GET and previous_response_id, least recently stored dropped first
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=2**63 - 1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    stream: bool = False
+    background: bool = False
+    # what cannot change the answer here: accepted and ignored
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ requests
+
+
+def _text(content: str | list, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise APIError(400, f"{where}.{i}: content of type '{kind}' is not supported: this server runs text-only "
+                                "models; send the text alone", "input")
+        else:
+            raise APIError(400, f"{where}.{i}: expected input_text content, got {kind!r}", "input")
+    return "".join(parts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
+    """A request's input as chat messages: messages, function calls (an assistant turn's tool
+    calls) and function call outputs (tool messages); earlier reasoning items are dropped."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input.{i}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise APIError(400, f"{where}: role must be user, assistant, system or developer, got {role!r}", "input")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            if not all(isinstance(x, str) for x in (call["id"], call["function"]["name"], call["function"]["arguments"])):
+                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+        elif kind != "reasoning":
+            raise APIError(400, f"{where}: input items of type '{kind}' are not supported (messages, function_call "
+                                "and function_call_output are)", "input")
+    return out
+
+
+def chat_fields(body: ResponsesRequest, history: list[dict]) -> dict:
+    """The chat completion request answering `body` after the stored conversation `history`."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+    fields: dict = {"model": body.model, "messages": messages + input_messages(body.input), "stream": body.stream}
+    for name, value in (("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
+                        ("top_p", body.top_p), ("parallel_tool_calls", body.parallel_tool_calls)):
+        if value is not None:
+            fields[name] = value
+    if body.stream:
+        fields["stream_options"] = {"include_usage": True}
+    if body.tools:
+        bad = next((t for t in body.tools if t.type != "function"), None)
+        if bad is not None:
+            raise APIError(400, f"tools of type '{bad.type}' are not supported (function tools are)", "tools")
+        fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                             "parameters": t.parameters or {"type": "object"}}}
+                           for t in body.tools]
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        fields["tool_choice"] = choice
+    fmt = (body.text or {}).get("format") or {}
+    if fmt.get("type") == "json_schema":
+        fields["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name") or "output", "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+    elif fmt.get("type") == "json_object":
+        fields["response_format"] = {"type": "json_object"}
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        fields["reasoning_effort"] = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
+    return fields
+
+
+# ------------------------------------------------------------------ answers
+
+
+def output_items(message: dict) -> list[dict]:
+    """A chat completion's message as Response output items."""
+    items = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
+                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
+    if message.get("content") or not message.get("tool_calls"):
+        items.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": []}]})
+    for call in message.get("tool_calls") or []:
+        items.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                      "status": "completed"})
+    return items
+
+
+def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], finish: str | None,
+             usage: dict | None, status: str | None = None) -> dict:
+    """The Response object (`status`: in_progress while streaming, else from the finish reason)."""
+    if status is None:
+        status = "incomplete" if finish == "length" else "completed"
+    u = usage or {"prompt_tokens": 0, "completion_tokens": 0}
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": body.model,
+            "output": items, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "previous_response_id": body.previous_response_id,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning, "store": body.store,
+            "truncation": "disabled", "metadata": body.metadata or {},
+            "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
+                      "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+
+
+def history_of(items: list[dict]) -> list[dict]:
+    """Output items as the chat messages a later turn sends back."""
+    messages: list[dict] = []
+    for item in items:
+        if item["type"] == "message":
+            messages.append({"role": "assistant", "content": "".join(c["text"] for c in item["content"])})
+        elif item["type"] == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1].get("tool_calls") is not None:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    return messages
+
+
+class Store:
+    """The responses kept for GET and previous_response_id: each with the conversation it ends."""
+
+    def __init__(self, size: int = STORE_SIZE):
+        self.size, self.items = size, collections.OrderedDict()
+
+    def put(self, rid: str, answer: dict, conversation: list[dict]) -> None:
+        self.items[rid] = (answer, conversation)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+    def get(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        if rid not in self.items:
+            raise APIError(404, f"no stored response with id '{rid}' (responses are kept in memory, the last "
+                                f"{self.size}, and only with store: true)", param)
+        return self.items[rid]
+
+
+def event(seq: list[int], kind: str, data: dict) -> str:
+    seq[0] += 1
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **data})}\n\n"
+
+
+class Stream:
+    """Chat completion chunks in, the Responses events out: response.created and
+    response.in_progress; per output item response.output_item.added, its parts and deltas
+    (response.reasoning_text.delta; response.content_part.added, response.output_text.delta;
+    response.function_call_arguments.delta), their .done events and response.output_item.done;
+    then response.completed (or response.incomplete)."""
+
+    def __init__(self, body: ResponsesRequest, rid: str, created: int):
+        self.body, self.rid, self.created, self.seq = body, rid, created, [0]
+        self.items: list[dict] = []
+        self.open: dict | None = None  # the item being written
+        self.calls: dict[int, dict] = {}  # a chat delta's tool call index -> its item
+        self.finish, self.usage = None, None
+
+    def start(self) -> list[str]:
+        snapshot = response(self.body, self.rid, self.created, [], None, None, "in_progress")
+        return [event(self.seq, "response.created", {"response": snapshot}),
+                event(self.seq, "response.in_progress", {"response": snapshot})]
+
+    def _add(self, item: dict) -> list[str]:
+        out = self.close()
+        self.items.append(item)
+        self.open = item
+        added = {**item, "status": "in_progress"} if "status" in item else item
+        out.append(event(self.seq, "response.output_item.added", {"output_index": len(self.items) - 1, "item": added}))
+        if item["type"] == "message":
+            out.append(event(self.seq, "response.content_part.added", {
+                "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []}}))
+        return out
+
+    def close(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        out = []
+        if item["type"] == "reasoning":
+            out.append(event(self.seq, "response.reasoning_text.done", {
+                **where, "content_index": 0, "text": item["content"][0]["text"]}))
+        elif item["type"] == "message":
+            part = item["content"][0]
+            out += [event(self.seq, "response.output_text.done", {**where, "content_index": 0, "text": part["text"]}),
+                    event(self.seq, "response.content_part.done", {**where, "content_index": 0, "part": part})]
+        else:
+            out.append(event(self.seq, "response.function_call_arguments.done", {**where, "arguments": item["arguments"]}))
+        return out + [event(self.seq, "response.output_item.done", {"output_index": where["output_index"], "item": item})]
+
+    def feed(self, chunk: dict) -> list[str]:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        out: list[str] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open is None or self.open["type"] != "reasoning":
+                    out += self._add({"type": "reasoning", "id": new_id("rs"), "summary": [],
+                                      "content": [{"type": "reasoning_text", "text": ""}]})
+                self.open["content"][0]["text"] += delta["reasoning_content"]
+                out.append(self._delta("response.reasoning_text.delta", delta["reasoning_content"], 0))
+            if delta.get("content"):
+                if self.open is None or self.open["type"] != "message":
+                    out += self._add({"type": "message", "id": new_id("msg"), "status": "completed",
+                                      "role": "assistant", "content": [{"type": "output_text", "text": "",
+                                                                        "annotations": []}]})
+                self.open["content"][0]["text"] += delta["content"]
+                out.append(self._delta("response.output_text.delta", delta["content"], 0))
+            for call in delta.get("tool_calls") or []:
+                if call["index"] not in self.calls:
+                    out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or "",
+                                      "name": call["function"]["name"], "arguments": "", "status": "completed"})
+                    self.calls[call["index"]] = self.open
+                piece = (call.get("function") or {}).get("arguments")
+                if piece:
+                    item = self.calls[call["index"]]
+                    item["arguments"] += piece
+                    out.append(event(self.seq, "response.function_call_arguments.delta", {
+                        "item_id": item["id"], "output_index": self.items.index(item), "delta": piece}))
+            self.finish = choice.get("finish_reason") or self.finish
+        return out
+
+    def _delta(self, kind: str, text: str, content_index: int) -> str:
+        return event(self.seq, kind, {"item_id": self.open["id"], "output_index": len(self.items) - 1,
+                                      "content_index": content_index, "delta": text})
+
+    def end(self) -> tuple[list[str], dict]:
+        if not self.items:  # nothing said: an empty message, as a whole response has
+            self._add({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+                       "content": [{"type": "output_text", "text": "", "annotations": []}]})
+        out = self.close()
+        final = response(self.body, self.rid, self.created, self.items, self.finish, self.usage)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return out + [event(self.seq, kind, {"response": final})], final
+
+
+async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | None, conversation: list[dict]):
+    for e in stream.start():
+        yield e
+    async for part in chat_stream.body_iterator:
+        text = part if isinstance(part, str) else part.decode()
+        for line in text.splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                yield event(stream.seq, "error", {"code": str(chunk["error"].get("code")), "message": chunk["error"][
+                    "message"], "param": None})
+                return
+            for e in stream.feed(chunk):
+                yield e
+    closing, final = stream.end()
+    for e in closing:
+        yield e
+    if store is not None:
+        store.put(final["id"], final, conversation + history_of(final["output"]))
+
+
+def register(app, chat) -> None:
+    """The Responses routes on `app`, answered through the `chat` handler, with a store of their own."""
+    store = Store()
+
+    async def create(body: ResponsesRequest, raw: HTTPRequest):
+        if body.background:
+            raise APIError(400, "background responses are not supported; leave background out (or false)", "background")
+        history = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
+        request = validated(P.ChatCompletionRequest, chat_fields(body, history))
+        raw.scope.setdefault(ACCESS, {})
+        try:
+            answered = await chat(request, raw)
+        except MinervaError as exc:
+            raise APIError(400, str(exc)) from None
+        conversation = history + input_messages(body.input)
+        rid, created = new_id("resp"), int(time.time())
+        if body.stream:
+            return StreamingResponse(events(answered, Stream(body, rid, created), store if body.store else None,
+                                            conversation), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        reply = json.loads(answered.body)
+        choice = reply["choices"][0]
+        final = response(body, rid, created, output_items(choice["message"]), choice["finish_reason"], reply["usage"])
+        if body.store:
+            store.put(rid, final, conversation + history_of(final["output"]))
+        return JSONResponse(final)
+
+    async def retrieve(response_id: str):
+        return store.get(response_id)[0]
+
+    async def delete(response_id: str):
+        store.get(response_id)
+        del store.items[response_id]
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    app.post(PATH, summary="OpenAI Responses API: a response to `input` (streamed as the Responses events with "
+                           "stream: true)")(create)
+    app.get(PATH + "/{response_id}", summary="A stored response")(retrieve)
+    app.delete(PATH + "/{response_id}", summary="Delete a stored response")(delete)

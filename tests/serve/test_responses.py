@@ -1,0 +1,135 @@
+"""OpenAI's Responses API with the official `openai` SDK against a live server (SmolLM2): whole
+and streamed answers equal to the chat route's, a forced function call and its output round
+trip, structured output, previous_response_id chains, the store, errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from minerva import LLM
+from tests.helpers.server import running_server
+
+INSTRUCTIONS = "You are a terse assistant."
+QUESTION = "Name three colours of the rainbow."
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float", kv_cache_memory=64e6)
+    with running_server(llm, served_model_name="smollm2", api_key="sk-test") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"{served}/v1", api_key="sk-test", max_retries=0, timeout=120)
+
+
+def chat(client, messages, max_tokens):
+    return client.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0)
+
+
+def test_whole_and_streamed_answers_are_the_chat_routes(client):
+    want = chat(client, [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}], 24)
+    r = client.responses.create(model="smollm2", instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=24,
+                                temperature=0, store=False, metadata={"run": "1"})
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "smollm2"
+    assert r.output_text == want.choices[0].message.content
+    assert r.status == ("incomplete" if want.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.input_tokens == want.usage.prompt_tokens and r.usage.output_tokens == want.usage.completion_tokens
+    kinds, text = [], ""
+    for e in client.responses.create(model="smollm2", instructions=INSTRUCTIONS, temperature=0, stream=True,
+                                     input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}],
+                                     max_output_tokens=24):
+        kinds.append(e.type)
+        if e.type == "response.output_text.delta":
+            text += e.delta
+        final = e
+    assert text == r.output_text and final.response.output_text == text
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{r.status}"]
+
+
+def test_max_output_tokens_is_incomplete(client):
+    r = client.responses.create(model="smollm2", input="Write a long story about a dragon.", max_output_tokens=5)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5
+
+
+def test_function_call_and_its_output(client):
+    ask = "What is the weather in Paris?"
+    r = client.responses.create(model="smollm2", input=ask, tools=[WEATHER], temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64)
+    call = next(item for item in r.output if item.type == "function_call")
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    pieces, done = "", None
+    for e in client.responses.create(model="smollm2", input=ask, tools=[WEATHER], tool_choice="required",
+                                     temperature=0, max_output_tokens=64, stream=True):
+        if e.type == "response.function_call_arguments.delta":
+            pieces += e.delta
+        elif e.type == "response.function_call_arguments.done":
+            done = e.arguments
+    assert pieces == done == call.arguments
+    answer = client.responses.create(model="smollm2", previous_response_id=r.id, tools=[WEATHER], temperature=0,
+                                     max_output_tokens=32, input=[{"type": "function_call_output",
+                                                                   "call_id": call.call_id,
+                                                                   "output": json.dumps({"temp": 14})}])
+    assert answer.status in ("completed", "incomplete") and answer.output
+    assert answer.usage.input_tokens > r.usage.input_tokens  # the call and its output are in the prompt
+
+
+def test_structured_output(client):
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    r = client.responses.create(model="smollm2", input=QUESTION, temperature=0, max_output_tokens=48,
+                                text={"format": {"type": "json_schema", "name": "colours", "schema": schema}})
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_previous_response_id_continues_the_conversation(client):
+    first = client.responses.create(model="smollm2", input="My name is Ada.", temperature=0, max_output_tokens=16)
+    second = client.responses.create(model="smollm2", input="What is my name?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=16)
+    want = chat(client, [{"role": "user", "content": "My name is Ada."},
+                         {"role": "assistant", "content": first.output_text},
+                         {"role": "user", "content": "What is my name?"}], 16)
+    assert second.output_text == want.choices[0].message.content
+    assert second.usage.input_tokens == want.usage.prompt_tokens and second.previous_response_id == first.id
+
+
+def test_the_store(served, client):
+    r = client.responses.create(model="smollm2", input="Hi", max_output_tokens=4)
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    unstored = client.responses.create(model="smollm2", input="Hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="smollm2", input="Hi", previous_response_id="resp_nothing")
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "text-only models"),
+    ({"input": "Hi", "background": True}, "background responses are not supported"),
+    ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools of type 'web_search'"),
+    ({"input": "Hi", "max_output_tokens": "4"}, "max_output_tokens"),
+])
+def test_errors(served, body, words):
+    r = httpx.post(f"{served}/v1/responses", json={"model": "smollm2", **body},
+                   headers={"Authorization": "Bearer sk-test"}, timeout=60)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert httpx.post(f"{served}/v1/responses", json={"input": "Hi"}).status_code == 401

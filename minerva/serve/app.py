@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from minerva.serve import anthropic, responses
+from minerva.serve import anthropic, ollama, responses
 from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.guard import error_response, install
@@ -47,7 +47,7 @@ ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what i
 
 
 def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, metrics, page, tokenize,
-                    detokenize) -> None:
+                    detokenize, keep_alive=None) -> None:
     """Every route of the API on `app`, each answered by the handler given for it (one model's,
     or a server of several's that hands each request to the model it names)."""
     app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS,
@@ -68,6 +68,7 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(detokenize)
     anthropic.register(app, chat, tokenize)
     responses.register(app, chat)
+    ollama.register(app, chat=chat, text=text, embed=embed, models=models, keep_alive=keep_alive)
 
 
 class Routes(Serving):

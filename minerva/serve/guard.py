@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minerva.errors import MinervaError
-from minerva.serve import anthropic, convert, lenient
+from minerva.serve import anthropic, convert, lenient, ollama
 from minerva.serve.convert import ACCESS
 from minerva.serve.convert import APIError
 
@@ -28,11 +28,13 @@ access_log = logging.getLogger("minerva.access")
 def error_response(status: int, message: str, param: str | None = None,
                    type: str = "invalid_request_error", headers: dict | None = None,
                    path: str | None = None) -> JSONResponse:
-    """OpenAI's error body, or Anthropic's for its routes (`path`); what it echoes of a request
+    """OpenAI's error body, or Anthropic's or Ollama's for their routes (`path`); what it echoes of a request
     is made encodable here, once for every route (a lone surrogate is written as its escape,
     `\\ud800`)."""
     if path is not None and path.startswith(anthropic.PATH):
         return JSONResponse(anthropic.error_body(status, encodable(message)), status_code=status, headers=headers)
+    if path is not None and path.startswith(ollama.PREFIX):
+        return JSONResponse(ollama.error_body(encodable(message)), status_code=status, headers=headers)
     body = convert.error_body(status, encodable(message), None if param is None else encodable(param), type)
     return JSONResponse(body, status_code=status, headers=headers)
 

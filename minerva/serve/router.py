@@ -54,6 +54,7 @@ class Served:
     active: int = 0  # handler calls in progress (a request not yet handed to the engine)
     load_seconds: float | None = None
     failed: tuple[float, str] | None = None  # when and why its last load failed
+    keep_alive: float | None | bool = False  # a request's keep_alive (Ollama's): seconds, None forever; False: the server's
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -196,6 +197,14 @@ class Router:
             metrics.waiting.set(0)
         log.info("unloaded %s (%s)", served.name, reason)
 
+    def kept(self, served: Served) -> float | None:
+        """How long the model stays loaded once idle: its last request's keep_alive, else the server's."""
+        return self.keep_alive if served.keep_alive is False else served.keep_alive
+
+    def hold(self, name: str, seconds: float | None | bool) -> None:
+        """A request's keep_alive for the model `name` (Ollama's; False: the server's): it applies from then on."""
+        self.entry(name).keep_alive = seconds
+
     async def _reap(self) -> None:
         while True:
             await asyncio.sleep(0.25)
@@ -203,8 +212,8 @@ class Router:
             for served in self.models.values():
                 if served.busy:  # a stream in flight: the idle time counts from its end
                     served.last_used = now
-                elif (served.routes is not None and self.keep_alive is not None and not served.lock.locked()
-                      and not self._room.locked() and now - served.last_used > self.keep_alive):
+                elif (served.routes is not None and (keep := self.kept(served)) is not None
+                      and not served.lock.locked() and not self._room.locked() and now - served.last_used > keep):
                     try:
                         await self.unload(served, "idle")
                     except Exception:  # keep reaping the others
@@ -248,7 +257,8 @@ class RouterRoutes:
     def register(self, app: FastAPI) -> None:
         register_routes(app, chat=self.chat_completions, text=self.completions, embed=self.embeddings,
                         models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
-                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize)
+                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize,
+                        keep_alive=self.router.hold)
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await self.router.call(body.model, lambda r: r.chat.chat_completions(body, raw), raw)

@@ -1,0 +1,420 @@
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`, `/api/ps`,
+`/api/version`): what Open WebUI, editors' Ollama providers and many scripts speak, as a
+converter onto the OpenAI routes.
+
+`/api/chat` and `/api/generate` become chat (or, with `raw`, text) completion requests with
+Ollama's `options` mapped onto the sampling fields, `format` onto structured output, `think`
+onto the template's thinking switch; answers come back as Ollama's objects, streamed as
+NDJSON by default, with the timing fields (`total_duration`, `prompt_eval_duration`,
+`eval_count`, ...) in nanoseconds from the engine's own timings. Errors are `{"error": ...}`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from minerva import __version__
+from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile
+from minerva.serve import protocol as P
+from minerva.serve.convert import ACCESS, APIError, validated
+
+PREFIX = "/api/"
+# options that cannot change the answer here (the context, threads, batch, memory layout) or
+# that ask for nothing (-> the value that does)
+IGNORED_OPTIONS = {"num_ctx", "num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa",
+                   "low_vram", "f16_kv", "vocab_only", "num_keep", "penalize_newline", "repeat_last_n"}
+NEUTRAL_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
+OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+           "min_p": "min_p", "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
+           "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+
+
+def error_body(message: str) -> dict:
+    return {"error": message}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    function: ToolCallFunction
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # tool_name, thinking: not sent back to the model
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class _Request(_Body):
+    model: str
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: str | int | float | None = None
+    think: bool | str | None = None
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Request):
+    prompt: str = ""
+    system: str | None = None
+    suffix: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    template: str | None = None
+    context: list[int] | None = None
+
+
+class EmbedRequest(_Body):
+    model: str
+    input: str | list[str] = ""
+    prompt: str | None = None  # /api/embeddings' spelling
+    truncate: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+    dimensions: int | None = None
+
+
+class ShowRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    name: str | None = None  # the older spelling
+    verbose: bool = False
+
+
+def served_name(name: str) -> str:
+    """Ollama's `NAME:latest` is NAME."""
+    return name[:-len(":latest")] if name.endswith(":latest") else name
+
+
+def duration(value: str | int | float | None) -> float | None:
+    """keep_alive in seconds: a number, or a duration such as 5m, 1h30m, 300ms (-1: forever, None)."""
+    if isinstance(value, (int, float)):
+        return None if value < 0 else float(value)
+    text = str(value).strip()
+    try:
+        return duration(float(text))
+    except ValueError:
+        pass
+    parts = re.fullmatch(r"(-)?((?:\d+(?:\.\d+)?(?:ms|h|m|s))+)", text)
+    if parts is None:
+        raise APIError(400, f"keep_alive must be seconds or a duration such as 5m or 1h, got {value!r}", "keep_alive")
+    units = {"ms": 0.001, "h": 3600, "m": 60, "s": 1}
+    seconds = sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", parts[2]))
+    return None if parts[1] else seconds
+
+
+# ------------------------------------------------------------------ requests
+
+
+def sampling(body: _Request) -> dict:
+    """Ollama's options and format as chat/completion request fields."""
+    fields: dict = {}
+    for name, value in (body.options or {}).items():
+        if name in OPTIONS:
+            if name == "num_predict":
+                if isinstance(value, int) and value > 0:
+                    fields["max_tokens"] = value
+                continue  # -1 (no limit) and -2 (fill the context): up to the context
+            fields[OPTIONS[name]] = [value] if name == "stop" and isinstance(value, str) else value
+        elif name in NEUTRAL_OPTIONS:
+            if value != NEUTRAL_OPTIONS[name]:
+                raise APIError(400, f"the option '{name}' is not implemented by this server; leave it out (or "
+                                    f"{NEUTRAL_OPTIONS[name]})", f"options.{name}")
+        elif name not in IGNORED_OPTIONS:
+            raise APIError(400, f"unknown option '{name}'", f"options.{name}")
+    if body.format == "json":
+        fields["response_format"] = {"type": "json_object"}
+    elif isinstance(body.format, dict):
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": body.format}}
+    elif body.format not in (None, ""):
+        raise APIError(400, f"format must be \"json\" or a JSON schema, got {body.format!r}", "format")
+    if isinstance(body.think, bool):  # Qwen3-style templates read it; others ignore it
+        fields["chat_template_kwargs"] = {"enable_thinking": body.think}
+    elif body.think in ("low", "medium", "high"):
+        fields["reasoning_effort"] = body.think
+    elif body.think is not None:
+        raise APIError(400, f"think must be true, false, \"low\", \"medium\" or \"high\", got {body.think!r}", "think")
+    return {**fields, "stream": body.stream, **({"stream_options": {"include_usage": True}} if body.stream else {})}
+
+
+def chat_messages(messages: list[Message]) -> list[dict]:
+    """Ollama's messages as chat messages: tool calls get ids, and each tool result answers the
+    earliest call not answered yet (Ollama's messages carry no ids)."""
+    out, pending = [], []
+    for i, m in enumerate(messages):
+        if m.images:
+            raise APIError(400, f"messages.{i}: images are not supported: this server runs text-only models", "messages")
+        if m.role == "assistant" and m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                args = c.function.arguments
+                calls.append({"id": f"call_{i}_{j}", "type": "function", "function": {
+                    "name": c.function.name, "arguments": args if isinstance(args, str) else json.dumps(args)}})
+            pending += [c["id"] for c in calls]
+            out.append({"role": "assistant", "content": m.content or None, "tool_calls": calls})
+        elif m.role == "tool":
+            out.append({"role": "tool", "tool_call_id": pending.pop(0) if pending else f"call_{i}", "content": m.content})
+        elif m.role in ("system", "user", "assistant"):
+            out.append({"role": m.role, "content": m.content})
+        else:
+            raise APIError(400, f"messages.{i}: role must be system, user, assistant or tool, got {m.role!r}",
+                           "messages")
+    return out
+
+
+def chat_request(body: ChatRequest) -> P.ChatCompletionRequest:
+    fields = {"model": served_name(body.model), "messages": chat_messages(body.messages), **sampling(body)}
+    if body.tools:
+        fields["tools"] = body.tools
+    return validated(P.ChatCompletionRequest, fields)
+
+
+def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.CompletionRequest:
+    """A chat request (the prompt as the user's turn, through the template) or, with `raw`, a text one."""
+    for name in ("images", "template", "context", "suffix"):
+        if getattr(body, name):
+            raise APIError(400, f"'{name}' is not supported by this server's /api/generate; leave it out", name)
+    fields = {"model": served_name(body.model), **sampling(body)}
+    if body.raw:
+        fields.pop("chat_template_kwargs", None), fields.pop("reasoning_effort", None)
+        return validated(P.CompletionRequest, {**fields, "prompt": body.prompt})
+    system = [{"role": "system", "content": body.system}] if body.system else []
+    return validated(P.ChatCompletionRequest, {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]})
+
+
+# ------------------------------------------------------------------ answers
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def done_fields(finish: str | None, usage: dict | None, timings: dict | None, start: float, load: float) -> dict:
+    """The last object's fields: why it ended, the token counts and the durations in nanoseconds."""
+    t = timings or {}
+    u = usage or {}
+    return {"done": True, "done_reason": "length" if finish == "length" else "stop",
+            "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": int(load * 1e9),
+            "prompt_eval_count": u.get("prompt_tokens", 0), "prompt_eval_duration": int(t.get("prompt_ms", 0) * 1e6),
+            "eval_count": u.get("completion_tokens", 0), "eval_duration": int(t.get("predicted_ms", 0) * 1e6)}
+
+
+def message_of(m: dict) -> dict:
+    """A chat completion's message as Ollama's: content, thinking, tool calls with argument objects."""
+    out = {"role": "assistant", "content": m.get("content") or ""}
+    if m.get("reasoning_content"):
+        out["thinking"] = m["reasoning_content"]
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{"function": {"name": c["function"]["name"], "arguments": arguments(c["function"]["arguments"])}}
+                             for c in m["tool_calls"]]
+    return out
+
+
+def arguments(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def whole(reply: dict, model: str, chat: bool, start: float, load: float) -> dict:
+    choice = reply["choices"][0]
+    head = {"model": model, "created_at": now()}
+    if chat:
+        head["message"] = message_of(choice["message"])
+    elif "message" in choice:  # /api/generate through the template
+        m = message_of(choice["message"])
+        head.update({"response": m["content"], **({"thinking": m["thinking"]} if "thinking" in m else {})})
+    else:
+        head["response"] = choice["text"]
+    return {**head, **done_fields(choice["finish_reason"], reply["usage"], reply.get("timings"), start, load)}
+
+
+async def ndjson(chat_stream: StreamingResponse, model: str, chat: bool, start: float, access: dict):
+    """Ollama's stream: one JSON object a line, each with what is new, then the last with done."""
+    calls: dict[int, dict] = {}
+    finish, usage, timings = None, None, None
+    async for part in chat_stream.body_iterator:
+        text = part if isinstance(part, str) else part.decode()
+        for line in text.splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                yield json.dumps(error_body(chunk["error"]["message"])) + "\n"
+                return
+            usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+            for c in chunk.get("choices") or []:
+                finish = c.get("finish_reason") or finish
+                delta = c.get("delta") or {}
+                for tc in delta.get("tool_calls") or []:  # Ollama sends each call whole
+                    call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                    call["name"] = (tc.get("function") or {}).get("name") or call["name"]
+                    call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+                piece = delta.get("content") if "delta" in c else c.get("text")
+                thought = delta.get("reasoning_content")
+                if piece or thought:
+                    yield json.dumps(_piece(model, chat, piece or "", thought)) + "\n"
+    last = _piece(model, chat, "", None)
+    if calls and chat:
+        last["message"]["tool_calls"] = [{"function": {"name": c["name"], "arguments": arguments(c["arguments"])}}
+                                         for _, c in sorted(calls.items())]
+    yield json.dumps({**last, **done_fields(finish, usage, timings, start, access.get("load", 0.0))}) + "\n"
+
+
+def _piece(model: str, chat: bool, text: str, thought: str | None) -> dict:
+    out: dict = {"model": model, "created_at": now()}
+    if chat:
+        out["message"] = {"role": "assistant", "content": text, **({"thinking": thought} if thought else {})}
+    else:
+        out.update({"response": text, **({"thinking": thought} if thought else {})})
+    return {**out, "done": False}
+
+
+# ------------------------------------------------------------------ models
+
+
+_DETAILS: dict[tuple, dict] = {}
+
+
+def details(card: dict) -> dict:
+    """What /api/tags and /api/ps say of a model: its size on disk, modification time, an
+    identifier (a hash of its path, size and time: not the file's sha256, which would mean
+    reading it) and its family, parameters and quantization from the header."""
+    root = Path(card["root"])
+    try:
+        files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+        stats = [f.stat() for f in files]
+    except OSError:
+        stats = []
+    size, mtime = sum(s.st_size for s in stats), max((s.st_mtime for s in stats), default=0.0)
+    key = (str(root), size, mtime)
+    if key not in _DETAILS:
+        _DETAILS[key] = {"format": "safetensors" if root.is_dir() else "gguf", "family": "", "families": [],
+                         "parameter_size": "", "quantization_level": "", "parent_model": card.get("parent") or ""}
+        _DETAILS[key].update(header(root))
+    return {"name": f"{card['id']}:latest", "model": f"{card['id']}:latest", "size": size,
+            "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "digest": hashlib.sha256(repr(key).encode()).hexdigest(), "details": _DETAILS[key]}
+
+
+def header(root: Path) -> dict:
+    """Family, parameter count and quantization read from a GGUF header (nothing for a folder)."""
+    if root.is_dir() or not root.is_file():
+        return {}
+    try:
+        f = GGUFFile(root)
+    except (MinervaError, OSError):
+        return {}
+    params = sum(math.prod(t.shape) for t in f.tensors.values())
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    return {"family": f.architecture, "families": [f.architecture], "parameter_size": size,
+            "quantization_level": f.file_type_name}
+
+
+# ------------------------------------------------------------------ routes
+
+
+def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
+    """Ollama's routes on `app`, answered through the OpenAI routes' handlers; `keep_alive(name,
+    seconds)`, where the server can unload models (a server of several), takes a request's keep_alive."""
+
+    def hold(body) -> None:
+        """The request's keep_alive for its model from now on (none given: the server's --keep-alive)."""
+        seconds = False if body.keep_alive is None else duration(body.keep_alive)  # a bad one is a 400 anyway
+        if keep_alive is not None:  # a server of one model keeps it loaded
+            keep_alive(served_name(body.model), seconds)
+
+    async def run(request, raw: HTTPRequest, handler, model: str, is_chat: bool):
+        start = time.perf_counter()
+        access = raw.scope.setdefault(ACCESS, {})
+        try:
+            answered = await handler(request, raw)
+        except MinervaError as exc:
+            raise APIError(400, str(exc)) from None
+        if request.stream:
+            return StreamingResponse(ndjson(answered, model, is_chat, start, access), media_type="application/x-ndjson")
+        return JSONResponse(whole(json.loads(answered.body), model, is_chat, start, access.get("load", 0.0)))
+
+    async def api_chat(body: ChatRequest, raw: HTTPRequest):
+        hold(body)
+        return await run(chat_request(body), raw, chat, body.model, True)
+
+    async def api_generate(body: GenerateRequest, raw: HTTPRequest):
+        hold(body)
+        if not body.prompt and not body.system:  # Ollama's way to load a model: nothing to generate
+            return {"model": body.model, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
+        request = generate_request(body)
+        return await run(request, raw, chat if isinstance(request, P.ChatCompletionRequest) else text, body.model,
+                         False)
+
+    async def api_embed(body: EmbedRequest, raw: HTTPRequest):
+        start = time.perf_counter()
+        hold(body)
+        inputs = body.prompt if body.prompt is not None else body.input
+        request = validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": inputs,
+                                                  **({"dimensions": body.dimensions} if body.dimensions else {})})
+        out = await embed(request, raw)
+        out = out if isinstance(out, dict) else json.loads(out.body)
+        vectors = [d["embedding"] for d in out["data"]]
+        if body.prompt is not None:  # /api/embeddings: one vector, under its old name
+            return {"embedding": vectors[0]}
+        return {"model": body.model, "embeddings": vectors, "total_duration": int((time.perf_counter() - start) * 1e9),
+                "load_duration": int(raw.scope.get(ACCESS, {}).get("load", 0.0) * 1e9),
+                "prompt_eval_count": out["usage"]["prompt_tokens"]}
+
+    async def api_tags():
+        return {"models": [details(card) for card in (await models())["data"]]}
+
+    async def api_ps():
+        return {"models": [{**details(card), "expires_at": None, "size_vram": 0, "context_length": card["max_model_len"]}
+                           for card in (await models())["data"] if card.get("loaded", True)]}
+
+    async def api_show(body: ShowRequest):
+        name = served_name(body.model or body.name or "")
+        card = next((c for c in (await models())["data"] if c["id"] == name), None)
+        if card is None:
+            raise APIError(404, f"model '{body.model or body.name}' not found")
+        info = details(card)
+        return {"details": info["details"], "modified_at": info["modified_at"], "parameters": "", "template": "",
+                "model_info": {"general.architecture": info["details"]["family"],
+                               "context_length": card.get("max_model_len")},
+                "capabilities": ["completion", "tools"]}
+
+    async def api_version():
+        return {"version": __version__}
+
+    for path, handler in (("chat", api_chat), ("generate", api_generate), ("embed", api_embed),
+                          ("embeddings", api_embed), ("show", api_show)):
+        app.post(PREFIX + path, summary=f"Ollama API: /api/{path}")(handler)
+    for path, handler in (("tags", api_tags), ("ps", api_ps), ("version", api_version)):
+        app.get(PREFIX + path, summary=f"Ollama API: /api/{path}")(handler)

@@ -1,0 +1,166 @@
+"""Ollama's API with the official `ollama` SDK against a live server (SmolLM2): chat and generate,
+whole and streamed (NDJSON), equal to the OpenAI routes' answers; options; format (JSON and a
+schema); a tool call and its result; embeddings; tags, show, ps, version; timing fields;
+errors in Ollama's shape; per-request keep_alive on a server of several models."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import jsonschema
+import ollama
+import openai
+import pytest
+
+from minerva import LLM
+from minerva.serve.router import Router, build_router_app
+from minerva.serve.serving import ServerConfig
+from tests.helpers.server import running_app, running_server, wait_for
+
+ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
+GREEDY = {"temperature": 0, "num_predict": 24}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float", kv_cache_memory=64e6)
+    with running_server(llm, served_model_name="smollm2") as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return ollama.Client(host=served, timeout=120)
+
+
+def openai_chat(served, messages, max_tokens, **extra):
+    oai = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    return oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=max_tokens, temperature=0,
+                                       **extra)
+
+
+def test_chat_whole_and_streamed(served, client):
+    want = openai_chat(served, ASK, 24)
+    r = client.chat(model="smollm2:latest", messages=ASK, options=GREEDY, stream=False)
+    assert r.message.role == "assistant" and r.message.content == want.choices[0].message.content
+    assert r.done and r.done_reason == {"length": "length", "stop": "stop"}[want.choices[0].finish_reason]
+    assert r.prompt_eval_count == want.usage.prompt_tokens and r.eval_count == want.usage.completion_tokens
+    assert 0 < r.prompt_eval_duration < r.total_duration and 0 < r.eval_duration < r.total_duration
+    parts = list(client.chat(model="smollm2", messages=ASK, options=GREEDY, stream=True))
+    raw = httpx.post(f"{served}/api/chat", json={"model": "smollm2", "messages": ASK, "options": GREEDY})
+    lines = raw.text.splitlines()  # the API streams by default (the SDK asks for stream: false by default)
+    assert raw.headers["content-type"] == "application/x-ndjson" and len(lines) == len(parts)
+    assert "".join(json.loads(x)["message"]["content"] for x in lines) == r.message.content
+    assert "".join(p.message.content for p in parts) == r.message.content
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 2
+    assert parts[-1].eval_count == r.eval_count and parts[-1].done_reason == r.done_reason
+
+
+def test_generate_through_the_template_and_raw(served, client):
+    want = openai_chat(served, [{"role": "system", "content": "Be brief."}, *ASK], 24)
+    r = client.generate(model="smollm2", prompt=ASK[0]["content"], system="Be brief.", options=GREEDY)
+    assert r.response == want.choices[0].message.content and r.done
+    oai = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    raw = oai.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)
+    streamed = list(client.generate(model="smollm2", prompt="The capital of France is", raw=True, stream=True,
+                                    options={"temperature": 0, "num_predict": 8}))
+    assert "".join(p.response for p in streamed) == raw.choices[0].text
+    assert client.generate(model="smollm2", prompt="").done_reason == "load"  # Ollama's way to load a model
+
+
+def test_options_and_format(client):
+    long = client.chat(model="smollm2", messages=ASK, options={"temperature": 0, "num_predict": 5, "stop": ["\n"],
+                                                               "num_ctx": 4096, "top_k": 40, "repeat_penalty": 1.1})
+    assert long.eval_count <= 5 and "\n" not in long.message.content
+    seeded = [client.chat(model="smollm2", messages=ASK, options={"seed": 7, "num_predict": 12}).message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    as_json = client.chat(model="smollm2", messages=ASK, format="json", options={"temperature": 0, "num_predict": 48})
+    json.loads(as_json.message.content)
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"],
+              "additionalProperties": False}
+    held = client.chat(model="smollm2", messages=ASK, format=schema, options={"temperature": 0, "num_predict": 48})
+    jsonschema.validate(json.loads(held.message.content), schema)
+
+
+def test_tool_call_and_its_result(served, client):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    shot = [{"role": "user", "content": "What is the weather in London?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                              "arguments": {"city": "London"}}}]},
+            {"role": "tool", "content": json.dumps({"temp": 12}), "tool_name": "get_weather"},
+            {"role": "assistant", "content": "It is 12 degrees in London."}]
+    r = client.chat(model="smollm2", messages=shot + ask, tools=[WEATHER], options={"temperature": 0, "num_predict": 64})
+    calls = r.message.tool_calls or []
+    want = openai_chat(served, [*shot[:1], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "London"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1_0", "content": json.dumps({"temp": 12})}, shot[3], *ask], 64,
+        tools=[WEATHER])
+    assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in want.choices[0].message.tool_calls or []]
+    streamed = list(client.chat(model="smollm2", messages=shot + ask, tools=[WEATHER], stream=True,
+                                options={"temperature": 0, "num_predict": 64}))
+    s_calls = [c for p in streamed for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, dict(c.function.arguments)) for c in s_calls] == [
+        (c.function.name, dict(c.function.arguments)) for c in calls]
+
+
+def test_embed(served, client):
+    oai = openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
+    want = oai.embeddings.create(model="smollm2", input=["hello", "world"])
+    r = client.embed(model="smollm2", input=["hello", "world"])
+    assert len(r.embeddings) == 2 and r.embeddings[0] == pytest.approx(want.data[0].embedding, abs=1e-6)
+    assert r.prompt_eval_count == want.usage.prompt_tokens
+    old = client.embeddings(model="smollm2", prompt="hello")
+    assert old.embedding == pytest.approx(want.data[0].embedding, abs=1e-6)
+
+
+def test_tags_show_ps_version(served, client, smollm2_gguf):
+    tags = client.list()
+    assert [m.model for m in tags.models] == ["smollm2:latest"]
+    m = tags.models[0]
+    assert m.size == smollm2_gguf.stat().st_size and m.details.family == "llama" and m.details.format == "gguf"
+    assert m.details.parameter_size == "135M" and m.details.quantization_level == "Q4_1"
+    shown = client.show("smollm2")
+    assert shown.details.family == "llama" and "completion" in shown.capabilities
+    assert [p.model for p in client.ps().models] == ["smollm2:latest"]
+    assert httpx.get(f"{served}/api/version").json()["version"]
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/api/chat", {"model": "nothing", "messages": ASK}, 404, "does not exist"),
+    ("/api/chat", {"model": "smollm2", "messages": [{"role": "user", "content": "hi", "images": ["AAAA"]}]}, 400,
+     "text-only"),
+    ("/api/chat", {"model": "smollm2", "messages": ASK, "options": {"mirostat": 2}}, 400, "mirostat"),
+    ("/api/chat", {"model": "smollm2", "messages": ASK, "options": {"warp": 1}}, 400, "unknown option 'warp'"),
+    ("/api/generate", {"model": "smollm2", "prompt": "hi", "context": [1, 2]}, 400, "'context'"),
+    ("/api/chat", {"model": "smollm2", "messages": ASK, "keep_alive": "soon"}, 400, "keep_alive"),
+    ("/api/show", {"model": "nothing"}, 404, "not found"),
+    ("/api/chat", {"messages": ASK}, 400, "model"),
+])
+def test_errors_in_ollamas_shape(served, path, body, status, words):
+    r = httpx.post(f"{served}{path}", json={"stream": False, **body}, timeout=60)
+    assert r.status_code == status and list(r.json()) == ["error"] and words in r.json()["error"], r.text
+
+
+def test_keep_alive_per_request_unloads(smollm2_gguf, tiny):
+    """A server of several: keep_alive 0 unloads the model once its request ends; another
+    request without one brings back the server's keep-alive (never, here)."""
+    def load(model: str):
+        return LLM(model, dtype="float32", activations="float", kv_cache_memory=20e6), None
+
+    router = Router([("smol", str(smollm2_gguf)), ("tiny", str(tiny))], load, ServerConfig("smol"), keep_alive=None)
+    with running_app(build_router_app(router, ServerConfig("smol")), ServerConfig("smol")) as (url, _):
+        client = ollama.Client(host=url, timeout=120)
+        client.chat(model="smol", messages=ASK, options={"num_predict": 2}, keep_alive=0)
+        wait_for(lambda: router.models["smol"].routes is None, timeout=10, what="smol unloaded")
+        client.chat(model="smol", messages=ASK, options={"num_predict": 2})
+        time.sleep(1)
+        assert router.models["smol"].routes is not None
+        assert [m.model for m in client.ps().models] == ["smol:latest"]

@@ -206,8 +206,8 @@ class LLM:
         if self._stop is not None:
             self._stop.runner = self.engine.runner
         # what this model takes in this process, the KV pool counted full (minerva.models.fit)
-        self.memory = fit.estimate(self.path, self.config, self.dtype, self.engine.cache.nbytes,
-                                   engine_config.max_num_batched_tokens, quantize, base=before)
+        self.memory = fit.estimate(self.loaded.footprint, self.config, self.engine.cache.nbytes,
+                                   engine_config.max_num_batched_tokens, base=before)
 
     def _attach_adapters(self, lora: dict[str, str], auto_pull: bool) -> None:
         """LoRA adapters: name -> directory (or Hugging Face repo), each a model id of its own."""

@@ -36,28 +36,59 @@ SAFETENSORS_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I8": 1, "U8": 1, 
                      "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
 
 
-def weight_bytes(path: str | Path, dtype: torch.dtype, quantize: str | None = None) -> int:
-    """The bytes the loaded model's weights will hold: a GGUF file's packed tensors as they
-    are and its float tensors in `dtype`; a SafeTensors model's in `dtype`, or at the bytes
-    per weight of `quantize` for its matmul weights."""
+def _opened(source) -> GGUFFile | SafeTensorsDir:
+    """A model's headers: `source` as opened (a GGUFFile or SafeTensorsDir), or its path."""
+    if isinstance(source, (GGUFFile, SafeTensorsDir)):
+        return source
+    path = Path(source)
+    return SafeTensorsDir(path) if path.is_dir() else GGUFFile(path)
+
+
+def _sizes(source, dtype: torch.dtype, quantize: str | None) -> list[int]:
+    """The bytes each weight will hold once loaded: a GGUF file's packed tensors as they are
+    and its float tensors in `dtype`; a SafeTensors model's in `dtype`, or at the bytes per
+    weight of `quantize` for its matmul weights."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    path = Path(path)
-    if path.is_dir():
-        d = SafeTensorsDir(path)
-        total = 0
-        for name in d.tensor_names():
-            kind, shape = d.dtype_and_shape(name)
-            n = math.prod(shape)
-            if kind not in ("F32", "F16", "BF16"):
-                total += n * SAFETENSORS_BYTES.get(kind, 1)  # already packed (MXFP4 blocks, scales)
-            elif quantize and len(shape) == 2:
-                big = "embed" in name or "lm_head" in name
-                total += math.ceil(n * QUANTIZED["int8" if big else quantize])
-            else:
-                total += n * itemsize
-        return total
-    f = GGUFFile(path)
-    return sum(math.prod(t.shape) * itemsize if t.qtype in FLOATS else t.data.nbytes for t in f.tensors.values())
+    f = _opened(source)
+    if isinstance(f, GGUFFile):
+        return [math.prod(t.shape) * itemsize if t.qtype in FLOATS else t.data.nbytes for t in f.tensors.values()]
+    sizes = []
+    for name in f.tensor_names():
+        kind, shape = f.dtype_and_shape(name)
+        n = math.prod(shape)
+        if kind not in ("F32", "F16", "BF16"):
+            sizes.append(n * SAFETENSORS_BYTES.get(kind, 1))  # already packed (MXFP4 blocks, scales)
+        elif quantize and len(shape) == 2:
+            big = "embed" in name or "lm_head" in name
+            sizes.append(math.ceil(n * QUANTIZED["int8" if big else quantize]))
+        else:
+            sizes.append(n * itemsize)
+    return sizes
+
+
+def weight_bytes(source, dtype: torch.dtype, quantize: str | None = None) -> int:
+    """The bytes the loaded model's weights will hold (`source`: a path, or its opened headers)."""
+    return sum(_sizes(source, dtype, quantize))
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a model's headers say it will take: its weights, its vocabulary once read (the
+    GGUF header's array entries, or a tokenizer.json's size) and its largest weight."""
+    weights: int
+    vocab: int
+    largest: int
+
+
+def footprint(source, dtype: torch.dtype, quantize: str | None = None) -> Footprint:
+    f = _opened(source)
+    sizes = _sizes(f, dtype, quantize)
+    if isinstance(f, GGUFFile):
+        vocab = VOCAB_ENTRY * sum(len(v) for v in f.metadata.values() if isinstance(v, (list, tuple)))
+    else:
+        tokenizer = f.path / "tokenizer.json"
+        vocab = tokenizer.stat().st_size * TOKENIZER_JSON if tokenizer.exists() else 0
+    return Footprint(sum(sizes), vocab, max(sizes, default=0))
 
 
 def available_memory(device: torch.device) -> int:
@@ -107,8 +138,8 @@ class Estimate:
 
     def describe(self) -> str:
         mb = lambda n: f"{n / 1e6:,.0f} MB"  # noqa: E731
-        return (f"about {mb(self.peak)} at peak: weights {mb(self.weights)}, KV pool {mb(self.kv)}, "
-                f"vocabulary {mb(self.vocab)}, activations {mb(self.step)}, process {mb(self.base)}")
+        return (f"about {mb(self.peak)} with every KV block in use: weights {mb(self.weights)}, KV pool "
+                f"{mb(self.kv)}, vocabulary {mb(self.vocab)}, activations {mb(self.step)}, process {mb(self.base)}")
 
 
 def resident() -> int:
@@ -123,28 +154,6 @@ def resident() -> int:
     return 0
 
 
-def vocab_bytes(path: str | Path) -> int:
-    """What the vocabulary takes once read: from the GGUF header's array entries, or the
-    size of a Hugging Face directory's tokenizer.json."""
-    path = Path(path)
-    if path.is_dir():
-        tokenizer = path / "tokenizer.json"
-        return tokenizer.stat().st_size * TOKENIZER_JSON if tokenizer.exists() else 0
-    entries = sum(len(v) for v in GGUFFile(path).metadata.values() if isinstance(v, (list, tuple)))
-    return entries * VOCAB_ENTRY
-
-
-def largest_tensor(path: str | Path, dtype: torch.dtype) -> int:
-    """The bytes of the model's largest weight as held (packed, or in `dtype`)."""
-    path = Path(path)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if path.is_dir():
-        d = SafeTensorsDir(path)
-        return max((math.prod(d.dtype_and_shape(n)[1]) * itemsize for n in d.tensor_names()), default=0)
-    return max((math.prod(t.shape) * itemsize if t.qtype in FLOATS else t.data.nbytes
-                for t in GGUFFile(path).tensors.values()), default=0)
-
-
 def step_bytes(config, tokens: int) -> int:
     """The activations of one step of `tokens` tokens in float32: the residual stream, the
     normed input, the attention's q, k, v and output (~4 hidden-wide rows) and the MLP's
@@ -155,12 +164,9 @@ def step_bytes(config, tokens: int) -> int:
     return 4 * tokens * (4 * config.hidden_size + 3 * intermediate)
 
 
-def estimate(path: str | Path, config, dtype: torch.dtype, kv: int, step_tokens: int,
-             quantize: str | None = None, base: int | None = None) -> Estimate:
-    """The memory a process will hold serving the model at `path` with a KV pool of `kv`
-    bytes and steps of at most `step_tokens` tokens; `base`: what the process holds without
-    it (default: its resident memory now)."""
-    weights = weight_bytes(path, dtype, quantize)
-    return Estimate(base=resident() if base is None else base, weights=weights, vocab=vocab_bytes(path),
-                    load=largest_tensor(path, dtype) + min(LOAD_SLACK, weights), kv=kv,
-                    step=step_bytes(config, step_tokens))
+def estimate(sizes: Footprint, config, kv: int, step_tokens: int, base: int | None = None) -> Estimate:
+    """The memory a process will hold serving a model of these `sizes` (`footprint`) and
+    `config` with a KV pool of `kv` bytes and steps of at most `step_tokens` tokens; `base`:
+    what the process holds without it (default: its resident memory now)."""
+    return Estimate(base=resident() if base is None else base, weights=sizes.weights, vocab=sizes.vocab,
+                    load=sizes.largest + min(LOAD_SLACK, sizes.weights), kv=kv, step=step_bytes(config, step_tokens))

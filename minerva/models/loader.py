@@ -27,7 +27,7 @@ from minerva.models.architectures import (
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
 from minerva.models.checks import check_layers, check_shape_of, check_vocabulary
 from minerva.models.config import ModelConfig, check_config, check_plausible, real
-from minerva.models.fit import check_fits, weight_bytes
+from minerva.models.fit import Footprint, check_fits, footprint
 from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import Linear, freeze
 from minerva.parallel.shard import Shard, plan
@@ -244,6 +244,7 @@ class LoadedModel:
     weight_bytes: int  # as stored (packed for quantized GGUF tensors)
     compute_bytes: int  # what the matmuls read: packed bytes, or dequantized copies
     shard: Shard | None = None  # under tensor parallelism, the part of the model this rank holds
+    footprint: Footprint | None = None  # what its headers say it takes (minerva.models.fit)
 
 
 # The file's own name for each config field, for errors that name what to look at.
@@ -420,7 +421,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         config, arch = _config_from_hf(d.config, path)
         weights: Any = SafeTensorsWeights(d, arch, config, device, dtype, quantize)
         weights.check()  # before anything is read or built
-        check_fits(path, weight_bytes(path, dtype, quantize) // (parallel[1] if parallel else 1), device, quantize)
+        sizes = footprint(d, dtype, quantize)
+        check_fits(path, sizes.weights // (parallel[1] if parallel else 1), device, quantize)
         tokenizer = Tokenizer.from_pretrained_dir(path)
     elif quantize:
         raise MinervaError(f"--quantize applies to SafeTensors checkpoints; '{path.name}' is a GGUF file, "
@@ -431,7 +433,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         config = _config_from_gguf(f, arch)
         weights = GGUFWeights(f, arch, config, device, dtype)
         weights.check()  # before anything is read or built
-        check_fits(path, weight_bytes(path, dtype) // (parallel[1] if parallel else 1), device, None)
+        sizes = footprint(f, dtype)
+        check_fits(path, sizes.weights // (parallel[1] if parallel else 1), device, None)
         try:
             tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
         except MinervaError as exc:
@@ -455,4 +458,4 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     model.stack_layers()
     freeze(model)
     return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
-                       compute, shard)
+                       compute, shard, sizes)

@@ -147,6 +147,6 @@ def build_app(llm, config: ServerConfig, threads: int | None = None) -> FastAPI:
     app = FastAPI(title="Minerva", version="0.1.0", lifespan=routes.lifespan,
                   description="OpenAI-compatible server of the Minerva inference engine.")
     app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm
-    install(app, config)
+    install(app, config, metrics.registry)
     routes.register(app)
     return app

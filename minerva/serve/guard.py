@@ -13,11 +13,13 @@ import time
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from prometheus_client import Counter
+from starlette.routing import Match
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minerva.errors import MinervaError
-from minerva.serve import anthropic, convert, lenient, ollama
+from minerva.serve import anthropic, convert, lenient, metrics, ollama
 from minerva.serve.convert import ACCESS
 from minerva.serve.convert import APIError
 
@@ -177,13 +179,25 @@ class AccessLog:
     prompt and completion tokens and the time to the first token, then the whole duration.
 
         127.0.0.1:50312 "POST /v1/chat/completions" 200 prompt=31 completion=64 ttft=0.041s 0.388s
+
+    With a `registry`, every request also counts in `minerva:http_requests_total` by route
+    (the route's template, e.g. `/v1/responses/{response_id}`; `other` for none), method and status.
     """
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, routes=None, registry=None):
+        self.app, self.routes = app, routes
+        self.requests = None if registry is None else metrics.family(
+            registry, Counter, "minerva:http_requests", "HTTP requests by route, method and status.",
+            ["route", "method", "status"])
+
+    def route_of(self, scope) -> str:
+        for route in self.routes() if self.routes is not None else ():
+            if getattr(route, "path", None) and route.matches(scope)[0] == Match.FULL:
+                return route.path
+        return "other"
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not access_log.isEnabledFor(logging.INFO):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
         record = scope[ACCESS] = {}
@@ -197,16 +211,24 @@ class AccessLog:
         try:
             await self.app(scope, receive, sent)
         finally:
-            client = scope.get("client")
-            who = f"{client[0]}:{client[1]}" if client else "-"
-            usage = f" load={record['load']:.3f}s" if "load" in record else ""  # the model loaded for it
-            if "prompt" in record:
-                usage += f" prompt={record['prompt']} completion={record.get('completion', 0)}"
-                if "first" in record:
-                    usage += f" ttft={record['first'] - start:.3f}s"
-            path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in scope["path"])  # one line, always
-            access_log.info('%s "%s %s" %s%s %.3fs', who, scope["method"], path,
-                            status[0] if status else "-", usage, time.perf_counter() - start)
+            if self.requests is not None:
+                self.requests.labels(route=self.route_of(scope), method=scope["method"],
+                                     status=str(status[0]) if status else "-").inc()
+            if access_log.isEnabledFor(logging.INFO):
+                self.log(scope, record, status, start)
+
+    @staticmethod
+    def log(scope, record: dict, status: list, start: float) -> None:
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "-"
+        usage = f" load={record['load']:.3f}s" if "load" in record else ""  # the model loaded for it
+        if "prompt" in record:
+            usage += f" prompt={record['prompt']} completion={record.get('completion', 0)}"
+            if "first" in record:
+                usage += f" ttft={record['first'] - start:.3f}s"
+        path = "".join(c if c.isprintable() else repr(c)[1:-1] for c in scope["path"])  # one line, always
+        access_log.info('%s "%s %s" %s%s %.3fs', who, scope["method"], path,
+                        status[0] if status else "-", usage, time.perf_counter() - start)
 
 
 # ------------------------------------------------------------------ errors
@@ -265,10 +287,10 @@ HANDLERS = {APIError: _api_error, MinervaError: _minerva_error, RequestValidatio
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
 
 
-def install(app, config) -> None:
-    """The middleware and error handlers of every app: from the outside in, the access log,
-    CORS (`config.allowed_origins`; it answers browsers' preflight requests, which carry no
-    API key), then the guard."""
+def install(app, config, registry=None) -> None:
+    """The middleware and error handlers of every app: from the outside in, the access log
+    (and `minerva:http_requests_total` in `registry`), CORS (`config.allowed_origins`; it
+    answers browsers' preflight requests, which carry no API key), then the guard."""
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        body_timeout=config.body_timeout)
     origins = config.allowed_origins
@@ -276,6 +298,6 @@ def install(app, config) -> None:
                        allow_origin_regex=LOCAL_ORIGINS if origins is None else None,
                        allow_methods=["*"], allow_headers=["*"],
                        expose_headers=["retry-after", lenient.HEADER.decode()])
-    app.add_middleware(AccessLog)  # outermost: it sees the guard's answers too
+    app.add_middleware(AccessLog, routes=lambda: app.routes, registry=registry)  # outermost: sees the guard's answers too
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)

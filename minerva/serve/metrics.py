@@ -23,7 +23,7 @@ LONG_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 120.0, 240.0, 480.0, 960.0)
 
 
-def _family(registry: CollectorRegistry, kind, name: str, doc: str, labelnames: list[str], **kw):
+def family(registry: CollectorRegistry, kind, name: str, doc: str, labelnames: list[str], **kw):
     """The metric family `name` of the registry, made on first use (models share a registry)."""
     families = registry.__dict__.setdefault("_minerva_families", {})
     if name not in families:
@@ -37,13 +37,13 @@ class Metrics:
         labels = {"model_name": model_name}
 
         def gauge(name, doc):
-            return _family(r, Gauge, f"minerva:{name}", doc, ["model_name"]).labels(**labels)
+            return family(r, Gauge, f"minerva:{name}", doc, ["model_name"]).labels(**labels)
 
         def counter(name, doc):
-            return _family(r, Counter, f"minerva:{name}", doc, ["model_name"]).labels(**labels)
+            return family(r, Counter, f"minerva:{name}", doc, ["model_name"]).labels(**labels)
 
         def histogram(name, doc, buckets):
-            return _family(r, Histogram, f"minerva:{name}", doc, ["model_name"], buckets=buckets).labels(**labels)
+            return family(r, Histogram, f"minerva:{name}", doc, ["model_name"], buckets=buckets).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -85,7 +85,7 @@ class Metrics:
         self.tp_calls = counter("tp_all_reduce_calls", "All-reduces between tensor-parallel ranks.")
         self.tp_seconds = counter("tp_all_reduce_seconds",
                                   "Seconds rank 0 spent in all-reduces, waiting for the other ranks included.")
-        self._success = _family(r, Counter, "minerva:request_success", "Requests finished, by reason.",
+        self._success = family(r, Counter, "minerva:request_success", "Requests finished, by reason.",
                                 ["model_name", "finished_reason"])
         self._labels = labels
         pool = native.pool_stats() or {}  # process-wide, as the structured-output totals below

@@ -311,6 +311,6 @@ def build_router_app(router: Router, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Minerva", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server of the Minerva inference engine.")
     app.state.engine = router  # what the server drains on shutdown
-    install(app, config)
+    install(app, config, router.registry)
     RouterRoutes(router).register(app)
     return app

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.serve import protocol as P
 from minerva.errors import MinervaError
-from minerva.serve.convert import ACCESS, APIError, validated
+from minerva.serve.convert import ACCESS, APIError, chunks, validated
 
 PATH = "/v1/messages"
 # HTTP status -> Anthropic's error type
@@ -329,15 +329,10 @@ async def events(response: StreamingResponse, stream: Stream):
     """Anthropic's events from the chat route's stream of chunks."""
     yield stream.start
     failed = False
-    async for part in response.body_iterator:
-        text = part if isinstance(part, str) else part.decode()
-        for line in text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            failed = failed or "error" in chunk
-            for e in stream.feed(chunk):
-                yield e
+    async for chunk in chunks(response):
+        failed = failed or "error" in chunk
+        for e in stream.feed(chunk):
+            yield e
     if not failed:
         for e in stream.end():
             yield e

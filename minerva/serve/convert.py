@@ -15,7 +15,7 @@ import json
 import math
 import time
 import uuid
-from typing import Callable, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 import torch
 
@@ -370,6 +370,16 @@ def piece_delta(p: CallPiece) -> P.ToolCallDelta:
         return P.ToolCallDelta(index=p.index, function=P.FunctionCallDelta(arguments=p.arguments))
     return P.ToolCallDelta(index=p.index, id=p.id, type="function",
                                   function=P.FunctionCallDelta(name=p.name, arguments=p.arguments))
+
+
+async def chunks(response) -> AsyncIterator[dict]:
+    """The chunks of a chat or text completion streamed by the routes (a StreamingResponse of
+    server-sent events), parsed: what the other APIs' converters rewrite in their own shape."""
+    async for part in response.body_iterator:
+        text = part if isinstance(part, str) else part.decode()
+        for line in text.splitlines():
+            if line.startswith("data: ") and line != DONE.strip():
+                yield json.loads(line[6:])
 
 
 def stream_error(exc: Exception) -> str:

@@ -28,7 +28,7 @@ from minerva import __version__
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, validated
+from minerva.serve.convert import ACCESS, APIError, chunks, validated
 
 PREFIX = "/api/"
 # options that cannot change the answer here (the context, threads, batch, memory layout) or
@@ -263,27 +263,22 @@ async def ndjson(chat_stream: StreamingResponse, model: str, chat: bool, start: 
     """Ollama's stream: one JSON object a line, each with what is new, then the last with done."""
     calls: dict[int, dict] = {}
     finish, usage, timings = None, None, None
-    async for part in chat_stream.body_iterator:
-        text = part if isinstance(part, str) else part.decode()
-        for line in text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                yield json.dumps(error_body(chunk["error"]["message"])) + "\n"
-                return
-            usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
-            for c in chunk.get("choices") or []:
-                finish = c.get("finish_reason") or finish
-                delta = c.get("delta") or {}
-                for tc in delta.get("tool_calls") or []:  # Ollama sends each call whole
-                    call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
-                    call["name"] = (tc.get("function") or {}).get("name") or call["name"]
-                    call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
-                piece = delta.get("content") if "delta" in c else c.get("text")
-                thought = delta.get("reasoning_content")
-                if piece or thought:
-                    yield json.dumps(_piece(model, chat, piece or "", thought)) + "\n"
+    async for chunk in chunks(chat_stream):
+        if "error" in chunk:
+            yield json.dumps(error_body(chunk["error"]["message"])) + "\n"
+            return
+        usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+        for c in chunk.get("choices") or []:
+            finish = c.get("finish_reason") or finish
+            delta = c.get("delta") or {}
+            for tc in delta.get("tool_calls") or []:  # Ollama sends each call whole
+                call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                call["name"] = (tc.get("function") or {}).get("name") or call["name"]
+                call["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+            piece = delta.get("content") if "delta" in c else c.get("text")
+            thought = delta.get("reasoning_content")
+            if piece or thought:
+                yield json.dumps(_piece(model, chat, piece or "", thought)) + "\n"
     last = _piece(model, chat, "", None)
     if calls and chat:
         last["message"]["tool_calls"] = [{"function": {"name": c["name"], "arguments": arguments(c["arguments"])}}

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.errors import MinervaError
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, validated
+from minerva.serve.convert import ACCESS, APIError, chunks, validated
 
 PATH = "/v1/responses"
 STORE_SIZE = 1024  # responses kept for GET and previous_response_id, least recently stored dropped first
@@ -335,18 +335,13 @@ class Stream:
 async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | None, conversation: list[dict]):
     for e in stream.start():
         yield e
-    async for part in chat_stream.body_iterator:
-        text = part if isinstance(part, str) else part.decode()
-        for line in text.splitlines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                yield event(stream.seq, "error", {"code": str(chunk["error"].get("code")), "message": chunk["error"][
-                    "message"], "param": None})
-                return
-            for e in stream.feed(chunk):
-                yield e
+    async for chunk in chunks(chat_stream):
+        if "error" in chunk:
+            yield event(stream.seq, "error", {"code": str(chunk["error"].get("code")),
+                                              "message": chunk["error"]["message"], "param": None})
+            return
+        for e in stream.feed(chunk):
+            yield e
     closing, final = stream.end()
     for e in closing:
         yield e

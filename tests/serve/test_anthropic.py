@@ -12,8 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from minerva import LLM
-from tests.helpers.server import running_server
 
 SYSTEM = "You are a terse assistant."
 GREEDY = {"temperature": 0}  # the SDK no longer has sampling arguments; the API still takes them
@@ -21,13 +19,6 @@ ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                             "required": ["city"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def served(smollm2_gguf):
-    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float", kv_cache_memory=64e6)
-    with running_server(llm, served_model_name="smollm2", api_key="sk-test") as (url, _):
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minerva import LLM
-from tests.helpers.server import metric, running_server, wait_for
+from tests.helpers.server import metric, wait_for
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -21,13 +20,6 @@ STREAMS = {
     "ollama": ("/api/chat", {"model": "smollm2", "messages": COUNT, "options": {"temperature": 0,
                                                                               "num_predict": 1000}}),
 }
-
-
-@pytest.fixture(scope="module")
-def served(smollm2_gguf):
-    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float", kv_cache_memory=64e6)
-    with running_server(llm, served_model_name="smollm2", api_key=KEY) as (url, _):
-        yield url
 
 
 @pytest.mark.parametrize("api", list(STREAMS))

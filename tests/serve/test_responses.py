@@ -11,21 +11,12 @@ import jsonschema
 import openai
 import pytest
 
-from minerva import LLM
-from tests.helpers.server import running_server
 
 INSTRUCTIONS = "You are a terse assistant."
 QUESTION = "Name three colours of the rainbow."
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def served(smollm2_gguf):
-    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", activations="float", kv_cache_memory=64e6)
-    with running_server(llm, served_model_name="smollm2", api_key="sk-test") as (url, _):
-        yield url
 
 
 @pytest.fixture(scope="module")

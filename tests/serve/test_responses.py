@@ -124,3 +124,8 @@ def test_errors(served, body, words):
                    headers={"Authorization": "Bearer sk-test"}, timeout=60)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     assert httpx.post(f"{served}/v1/responses", json={"input": "Hi"}).status_code == 401
+
+
+def test_unknown_model(client):
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-5' does not exist; this server serves 'smollm2'"):
+        client.responses.create(model="gpt-5", input="Hi")

@@ -90,7 +90,8 @@ def pool_blocks(mc, config: EngineConfig, dtype: torch.dtype, device: torch.devi
     """The layout, bytes per block and number of blocks of the KV pool for a model of config
     `mc`: `--kv-cache-memory` bytes, or its fraction of the memory available beyond the
     activations of the largest step (and `reserved` bytes still to come, e.g. weights not
-    yet loaded), then at most what `max_num_seqs` requests of the whole context can fill."""
+    yet loaded), then at most what `max_num_seqs` requests of the whole context can fill;
+    with --max-model-len, at least one request of it (`one_request`)."""
     layout = layout_of(mc, config)
     per_block = PagedKVCache.bytes_per_block(layout.num_pools, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, config.kv_cache_dtype_k,
@@ -99,12 +100,28 @@ def pool_blocks(mc, config: EngineConfig, dtype: torch.dtype, device: torch.devi
     if budget <= 1:
         room = available_memory(device) - reserved - step_bytes(mc, config.max_num_batched_tokens)
         per_seq = layout.blocks_for(config.context(mc), config.block_size, config.max_num_batched_tokens)
-        return layout, per_block, min(int(budget * max(room, 0) // per_block), config.max_num_seqs * per_seq)
+        blocks = min(int(budget * max(room, 0) // per_block), config.max_num_seqs * per_seq)
+        if config.max_model_len is not None and blocks < per_seq:  # a context asked for: one request of it
+            blocks = one_request(layout, per_block, per_seq, room, config, device)
+        return layout, per_block, blocks
     have = available_memory(device) - reserved
     if budget > have:
         raise MinervaError(f"--kv-cache-memory {budget / 1e9:.2f} GB is more than the {have / 1e9:.2f} GB "
                            f"of memory available on {device}; give less (or a fraction of it, e.g. 0.2)")
     return layout, per_block, int(budget // per_block)
+
+
+def one_request(layout: KVLayout, per_block: int, per_seq: int, room: int, config: EngineConfig,
+                device: torch.device) -> int:
+    """The blocks of one request of the whole --max-model-len, when they fit in `room` with
+    a tenth of it to spare (llama.cpp's --fit); else a refusal with the numbers."""
+    if per_seq * per_block <= 0.9 * room:
+        return per_seq
+    fits = layout.max_tokens(int(0.9 * max(room, 0) // per_block), config.block_size, config.max_num_batched_tokens,
+                             config.max_model_len)
+    raise MinervaError(f"--max-model-len {config.max_model_len} needs {per_seq * per_block / 1e9:.2f} GB of KV cache "
+                       f"for one request, and {room / 1e9:.2f} GB of memory is available on {device} beside the "
+                       f"weights; give --max-model-len {fits} or less, a smaller --kv-cache-dtype, or free memory")
 
 
 def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,

@@ -88,3 +88,20 @@ def test_the_estimate_adds_up_its_parts(smollm2_gguf):
     assert entries <= e.vocab < entries + 16 * fit.VOCAB_ENTRY
     assert e.peak == e.base + e.weights + e.vocab + max(e.load, e.kv + e.step)
     assert "weights 97 MB" in e.describe()
+
+
+def test_an_asked_context_gets_one_request_of_pool_or_a_refusal(smollm2_gguf, monkeypatch):
+    """--max-model-len: the fraction's pool grows to one whole request when memory allows (with
+    a tenth to spare), else the load is refused with the longest context that fits."""
+    per_token = 30 * 2 * 3 * 64 * 4  # SmolLM2 in float32: 30 layers, K and V, 3 KV heads of 64
+    monkeypatch.setattr(engine, "available_memory", lambda device: 400_000_000)
+    llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory=0.01, max_model_len=4096, max_num_seqs=1)
+    assert llm.engine.max_model_len == 4096  # 1% of 400 MB holds ~170 tokens; one request of 4096 fits in 90%
+    assert abs(llm.engine.cache.nbytes - 4096 * per_token) <= 16 * per_token
+    small = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory=0.01, max_num_seqs=1)
+    assert small.engine.max_model_len < 4096  # no context asked: the fraction's pool, and requests up to it
+    monkeypatch.setattr(engine, "available_memory", lambda device: 150_000_000)
+    with pytest.raises(MinervaError, match=r"--max-model-len 8192 needs 0.38 GB of KV cache for one request, and "
+                                           r"0.\d\d GB of memory is available on cpu beside the weights; give "
+                                           r"--max-model-len \d+ or less"):
+        LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory=0.2, max_model_len=8192)

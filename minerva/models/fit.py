@@ -95,14 +95,8 @@ def available_memory(device: torch.device) -> int:
     """Bytes free for a new allocation: the GPU's free memory, else the host's MemAvailable."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30  # no way to ask: assume 4 GiB
+    have = _proc_bytes("/proc/meminfo", "MemAvailable:")
+    return 4 << 30 if have is None else have  # no way to ask: assume 4 GiB
 
 
 def check_fits(path: Path, need: int, device: torch.device, quantize: str | None) -> None:
@@ -144,14 +138,19 @@ class Estimate:
 
 def resident() -> int:
     """This process's resident memory now (VmRSS), 0 where the OS does not say."""
+    return _proc_bytes("/proc/self/status", "VmRSS:") or 0
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A `key:  N kB` line of a /proc file, in bytes; None where there is none."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
 
 
 def step_bytes(config, tokens: int) -> int:

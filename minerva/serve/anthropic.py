@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.serve import protocol as P
 from minerva.errors import MinervaError
-from minerva.serve.convert import ACCESS, APIError, chunks, validated
+from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, validated
 
 PATH = "/v1/messages"
 # HTTP status -> Anthropic's error type
@@ -237,20 +237,13 @@ def message(reply: dict, body: MessagesRequest) -> dict:
         content.append({"type": "text", "text": m["content"]})
     for call in m.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": _arguments(call["function"]["arguments"])})
+                        "input": arguments_object(call["function"]["arguments"])})
     reason, sequence = stop_of(choice["finish_reason"], choice.get("stop_reason"), body.stop_sequences)
     usage = reply["usage"]
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
 
-
-def _arguments(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def event(kind: str, data: dict) -> str:

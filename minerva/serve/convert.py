@@ -372,6 +372,15 @@ def piece_delta(p: CallPiece) -> P.ToolCallDelta:
                                   function=P.FunctionCallDelta(name=p.name, arguments=p.arguments))
 
 
+def arguments_object(text: str) -> dict:
+    """A tool call's arguments (JSON text) as the object other APIs carry; {} for what is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 async def chunks(response) -> AsyncIterator[dict]:
     """The chunks of a chat or text completion streamed by the routes (a StreamingResponse of
     server-sent events), parsed: what the other APIs' converters rewrite in their own shape."""

@@ -158,9 +158,8 @@ class Guard:
         if unreadable is not None:
             return await error_response(400, *unreadable, path=scope["path"])(scope, receive, send)
         if body:
-            relaxed, ignored, retyped = lenient.relax(body, headers.get("content-type"))
-            if scope["path"] not in lenient.ROUTES:
-                relaxed, ignored = body, []
+            relaxed, ignored, retyped = lenient.relax(body, headers.get("content-type"),
+                                                      drop=scope["path"] in lenient.ROUTES)
             if ignored or retyped:
                 body, scope = relaxed, lenient.with_headers(scope, relaxed, retyped)
             if ignored:

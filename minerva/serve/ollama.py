@@ -28,7 +28,7 @@ from minerva import __version__
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, chunks, validated
+from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, validated
 
 PREFIX = "/api/"
 # options that cannot change the answer here (the context, threads, batch, memory layout) or
@@ -233,17 +233,10 @@ def message_of(m: dict) -> dict:
     if m.get("reasoning_content"):
         out["thinking"] = m["reasoning_content"]
     if m.get("tool_calls"):
-        out["tool_calls"] = [{"function": {"name": c["function"]["name"], "arguments": arguments(c["function"]["arguments"])}}
+        out["tool_calls"] = [{"function": {"name": c["function"]["name"], "arguments": arguments_object(c["function"]["arguments"])}}
                              for c in m["tool_calls"]]
     return out
 
-
-def arguments(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def whole(reply: dict, model: str, chat: bool, start: float, load: float) -> dict:
@@ -281,7 +274,7 @@ async def ndjson(chat_stream: StreamingResponse, model: str, chat: bool, start: 
                 yield json.dumps(_piece(model, chat, piece or "", thought)) + "\n"
     last = _piece(model, chat, "", None)
     if calls and chat:
-        last["message"]["tool_calls"] = [{"function": {"name": c["name"], "arguments": arguments(c["arguments"])}}
+        last["message"]["tool_calls"] = [{"function": {"name": c["name"], "arguments": arguments_object(c["arguments"])}}
                                          for _, c in sorted(calls.items())]
     yield json.dumps({**last, **done_fields(finish, usage, timings, start, access.get("load", 0.0))}) + "\n"
 

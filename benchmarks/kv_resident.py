@@ -2,21 +2,20 @@
 prompt tokens + 16 generated, in batches of 50, on the default KV pool; the resident set
 every 200 requests and the pool's blocks ever used.
 
-    python benchmarks/kv_resident.py [MODEL]              # the block policy as it is
-    python benchmarks/kv_resident.py [MODEL] --share 1    # every never-used block first
+    python benchmarks/kv_resident.py [MODEL]                                # the defaults
+    python benchmarks/kv_resident.py [MODEL] --prefix-cache-memory 100e6    # less cache kept
 
-`--share` is the block manager's `cache_share`: the part of the pool cached blocks may hold
-before a never-used block is taken (1: never-used blocks always first).
+`--prefix-cache-memory`: the cached blocks of finished requests kept before never-used
+blocks are taken (bytes, or a fraction of the memory available; at most a quarter of the pool).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import random
 
 from minerva import LLM, SamplingParams
-from minerva.engine import block_manager
+from minerva.engine.engine import EngineConfig
 
 
 def rss_mb() -> int:
@@ -27,12 +26,9 @@ def rss_mb() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
-    ap.add_argument("--share", type=float, default=None, help="cache_share (default: the block manager's)")
+    ap.add_argument("--prefix-cache-memory", type=float, default=EngineConfig.prefix_cache_memory)
     args = ap.parse_args()
-    if args.share is not None:
-        block_manager.BlockManager.__init__ = functools.partialmethod(block_manager.BlockManager.__init__,
-                                                                      cache_share=args.share)
-    llm = LLM(args.model)
+    llm = LLM(args.model, prefix_cache_memory=args.prefix_cache_memory)
     rng = random.Random(0)
     seen = []
     for i in range(12):
@@ -41,7 +37,9 @@ def main() -> None:
         if i % 4 == 3:
             seen.append(f"{50 * (i + 1)} requests: {rss_mb()} MB")
     blocks = llm.engine.blocks
-    print("; ".join(seen) + f"; {blocks.num_touched_blocks} of {blocks.num_blocks} blocks used")
+    pool = llm.engine.cache.nbytes
+    print(f"KV pool {pool / 1e9:.1f} GB, cache kept up to {blocks.cache_bytes(pool) / 1e9:.2f} GB; "
+          + "; ".join(seen) + f"; {blocks.num_touched_blocks} of {blocks.num_blocks} blocks used")
 
 
 if __name__ == "__main__":

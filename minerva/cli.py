@@ -83,7 +83,9 @@ def _load(model: str | None, args, engine: bool = True):
           f"{llm.loaded.compute_bytes / 1e6:.0f} MB held for compute) on {llm.device} in "
           f"{llm.loaded.load_seconds:.2f} s; peak RSS {peak_rss_mb():.0f} MB", file=sys.stderr)
     if engine:
-        print(f"memory: {llm.memory.describe()} (KV pool {llm.engine.max_model_len} tokens a request at most)",
+        cached = llm.engine.blocks.cache_bytes(llm.engine.cache.nbytes)
+        print(f"memory: {llm.memory.describe()} (KV pool {llm.engine.max_model_len} tokens a request at most; "
+              f"pages touched as blocks are first used, finished prompts cached up to {cached / 1e6:,.0f} MB)",
               file=sys.stderr)
     if llm.group is not None:
         g = llm.group

@@ -77,7 +77,14 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--kv-cache-memory", type=float, default=EngineConfig.kv_cache_memory,
                    help="KV pool size: bytes, or a fraction (<= 1) of the memory available at start, then at most "
-                        "what --max-num-seqs requests of the whole context can fill")
+                        "what --max-num-seqs requests of the whole context can fill (default: sized to fit, "
+                        "0.9 of the memory beside the weights, shared by the models of a server; pages stay "
+                        "untouched until used)")
+    g.add_argument("--prefix-cache-memory", type=float, default=EngineConfig.prefix_cache_memory,
+                   metavar="BYTES",
+                   help="the finished requests' cached prompt blocks kept (resident) before unused pool "
+                        "pages are touched: bytes, or a fraction (<= 1) of the memory available at start; at "
+                        "most a quarter of the pool (default 0.05)")
     g.add_argument("--max-model-len", "--ctx-size", "-c", type=int, default=None, metavar="N",
                    help="tokens a request may reach, prompt and output (default: the model's context); "
                         "the KV pool is sized for it")
@@ -121,7 +128,8 @@ def kv_formats(args) -> tuple[str, str]:
 
 def engine_options(args) -> dict:
     k, v = kv_formats(args)
-    return dict(kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+    return dict(kv_cache_memory=args.kv_cache_memory, prefix_cache_memory=args.prefix_cache_memory,
+                block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=not args.no_prefix_caching, hybrid_kv_cache=not args.no_hybrid_kv_cache,
                 kv_cache_dtype_k=k, kv_cache_dtype_v=v, decode_steps=args.decode_steps,

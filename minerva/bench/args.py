@@ -41,7 +41,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
                    help="quantize a SafeTensors model at load (group-wise, weight-only)")
     q.add_argument("--activations", default="auto", choices=["auto", "float", "int8"], help=ACTIVATIONS_HELP)
     q.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N", help=TP_HELP)
-    q.add_argument("--kv-cache-memory", type=float, default=0.2)
+    q.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool: bytes, or a fraction of free memory (default: sized to fit)")
     q.add_argument("--max-num-batched-tokens", type=int, default=2048)
     q.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, metavar="N", help=DECODE_STEPS_HELP)
     q.add_argument("--no-hybrid-kv-cache", action="store_true",

@@ -404,5 +404,5 @@ def add_parser(bsub) -> None:
                         "and as medians")
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="for --compare-offline (default auto, as minerva serve)")
-    q.add_argument("--kv-cache-memory", type=float, default=0.2, help="for --compare-offline")
+    q.add_argument("--kv-cache-memory", type=float, default=None, help="for --compare-offline (default: sized to fit)")
     q.set_defaults(func=cmd_bench_serve)

@@ -13,10 +13,10 @@ gone stays cached, and findable, until a fresh allocation needs it: free blocks
 without a hash are reused first, then cached ones, least recently freed first.
 
 Blocks never used yet are handed out last: a fresh allocation takes one only when no free
-block is without a hash and the cached blocks number at most a quarter of the pool
-(`cache_share`). The pool's memory pages are touched on first write, so a process's
-resident memory follows the blocks its requests needed at once plus that much cache, not
-the pool's size.
+block is without a hash and the cached blocks number at most `cache_blocks` (the engine's
+`--prefix-cache-memory`; a quarter of the pool by default). The pool's memory pages are
+touched on first write, so a process's resident memory follows the blocks its requests
+needed at once plus that much cache, not the pool's size.
 
 Sliding-window layers (a `KVLayout` with windowed groups): each group of layers has its
 own table per request, all drawing from the one pool. Once a windowed group's block lies
@@ -52,12 +52,12 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
                  salt: bytes = b"", layout: KVLayout | None = None, step_tokens: int | None = None,
-                 cache_share: float = 0.25):
+                 cache_blocks: int | None = None):
         """`layout`: the groups of layers with a table each (default: one for all layers);
         `step_tokens`: the most new tokens of a request in one step, which bounds what a
-        windowed group holds (`blocks_for`); `cache_share`: of the pool, the cached blocks
-        kept before a never-used block is taken (1: every block is used before any cached
-        one is evicted)."""
+        windowed group holds (`blocks_for`); `cache_blocks`: the cached blocks kept before
+        a never-used block is taken (default a quarter of the pool; num_blocks: every block
+        is used before any cached one is evicted)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -76,7 +76,7 @@ class BlockManager:
         # least recently freed first. An OrderedDict so a cache hit can take one from the middle.
         self._free: OrderedDict[int, None] = OrderedDict()
         self._high = 0  # blocks ever handed out: ids from here on were never used (all free)
-        self._cache_cap = max(1, int(num_blocks * cache_share))
+        self._cache_cap = max(1, num_blocks // 4) if cache_blocks is None else max(0, cache_blocks)
         # per request, a table per group: int64 arrays, so a step's tables become one tensor at
         # the speed of a copy (a windowed group's table is mostly NULL at long contexts)
         self._tables: dict[str, list[array]] = {}
@@ -97,6 +97,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    def cache_bytes(self, pool_bytes: int) -> int:
+        """The most bytes of a `pool_bytes` pool that cached blocks of finished requests hold
+        beyond what running requests touched."""
+        return pool_bytes * self._cache_cap // self.num_blocks
 
     @property
     def usage(self) -> float:

@@ -26,13 +26,21 @@ from minerva.models.causal_lm import CausalLM
 from minerva.models.fit import available_memory, step_bytes
 from minerva.models.loader import LoadedModel
 
+# Of the memory beside the weights and a step's activations, what a KV pool sized to fit
+# takes (by default, and for one request of --max-model-len): a tenth stays spare.
+FIT = 0.9
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    # bytes if > 1, else a fraction of the memory available now (at most what max_num_seqs
-    # requests of the whole context can fill)
-    kv_cache_memory: float = 0.2
+    # bytes if > 1, else a fraction of the memory available now; None: sized to fit (FIT of
+    # it). At most what max_num_seqs requests of the whole context can fill; pages untouched
+    # until a block is first used.
+    kv_cache_memory: float | None = None
+    # the cached blocks of finished requests kept before never-used ones are taken: bytes if
+    # > 1, else a fraction of the memory available now; at most a quarter of the pool
+    prefix_cache_memory: float = 0.05
     kv_cache_dtype_k: str = "auto"
     kv_cache_dtype_v: str = "auto"
     max_num_seqs: int = 64
@@ -54,9 +62,12 @@ class EngineConfig:
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise MinervaError(f"--block-size must be an integer >= 1, got {self.block_size!r}")
-        if not self.kv_cache_memory > 0:
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise MinervaError(f"--kv-cache-memory must be > 0 (bytes, or a fraction <= 1 of free memory), "
                                f"got {self.kv_cache_memory!r}")
+        if not self.prefix_cache_memory >= 0:
+            raise MinervaError(f"--prefix-cache-memory must be >= 0 (bytes, or a fraction <= 1 of free memory), "
+                               f"got {self.prefix_cache_memory!r}")
         # checks them before the KV pool is sized
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, decode_steps=self.decode_steps)
         if self.speculative:
@@ -86,25 +97,26 @@ class EngineConfig:
 
 
 def pool_blocks(mc, config: EngineConfig, dtype: torch.dtype, device: torch.device,
-                reserved: int = 0) -> tuple[KVLayout, int, int]:
+                ranks: int = 1) -> tuple[KVLayout, int, int]:
     """The layout, bytes per block and number of blocks of the KV pool for a model of config
     `mc`: `--kv-cache-memory` bytes, or its fraction of the memory available beyond the
-    activations of the largest step (and `reserved` bytes still to come, e.g. weights not
-    yet loaded), then at most what `max_num_seqs` requests of the whole context can fill;
-    with --max-model-len, at least one request of it (`one_request`)."""
+    activations of the largest step (by default FIT of it, shared by `ranks` processes of
+    tensor parallelism), then at most what `max_num_seqs` requests of the whole context can
+    fill; with --max-model-len, at least one request of it (`one_request`)."""
     layout = layout_of(mc, config)
     per_block = PagedKVCache.bytes_per_block(layout.num_pools, config.block_size, mc.num_kv_heads,
                                              mc.head_dim, config.kv_cache_dtype_k,
                                              config.kv_cache_dtype_v, dtype)
     budget = config.kv_cache_memory
-    if budget <= 1:
-        room = available_memory(device) - reserved - step_bytes(mc, config.max_num_batched_tokens)
+    if budget is None or budget <= 1:
+        room = available_memory(device) - step_bytes(mc, config.max_num_batched_tokens)
         per_seq = layout.blocks_for(config.context(mc), config.block_size, config.max_num_batched_tokens)
-        blocks = min(int(budget * max(room, 0) // per_block), config.max_num_seqs * per_seq)
+        share = FIT / ranks if budget is None else budget
+        blocks = min(int(share * max(room, 0) // per_block), config.max_num_seqs * per_seq)
         if config.max_model_len is not None and blocks < per_seq:  # a context asked for: one request of it
             blocks = one_request(layout, per_block, per_seq, room, config, device)
         return layout, per_block, blocks
-    have = available_memory(device) - reserved
+    have = available_memory(device)
     if budget > have:
         raise MinervaError(f"--kv-cache-memory {budget / 1e9:.2f} GB is more than the {have / 1e9:.2f} GB "
                            f"of memory available on {device}; give less (or a fraction of it, e.g. 0.2)")
@@ -115,9 +127,9 @@ def one_request(layout: KVLayout, per_block: int, per_seq: int, room: int, confi
                 device: torch.device) -> int:
     """The blocks of one request of the whole --max-model-len, when they fit in `room` with
     a tenth of it to spare (llama.cpp's --fit); else a refusal with the numbers."""
-    if per_seq * per_block <= 0.9 * room:
+    if per_seq * per_block <= FIT * room:
         return per_seq
-    fits = layout.max_tokens(int(0.9 * max(room, 0) // per_block), config.block_size, config.max_num_batched_tokens,
+    fits = layout.max_tokens(int(FIT * max(room, 0) // per_block), config.block_size, config.max_num_batched_tokens,
                              config.max_model_len)
     raise MinervaError(f"--max-model-len {config.max_model_len} needs {per_seq * per_block / 1e9:.2f} GB of KV cache "
                        f"for one request, and {room / 1e9:.2f} GB of memory is available on {device} beside the "
@@ -132,7 +144,7 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
     mc = model.config
     num_blocks = 0
     if comm is None or comm.rank == 0:
-        layout, per_block, num_blocks = pool_blocks(mc, config, dtype, device)
+        layout, per_block, num_blocks = pool_blocks(mc, config, dtype, device, 1 if comm is None else comm.world)
     else:
         layout, per_block = layout_of(mc, config), 0
     if comm is not None:
@@ -143,6 +155,16 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
     return PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                         mc.head_dim, k_format=config.kv_cache_dtype_k,
                         v_format=config.kv_cache_dtype_v, dtype=dtype, device=device, layout=layout)
+
+
+def cache_blocks(config: EngineConfig, cache: PagedKVCache, device: torch.device) -> int:
+    """The cached blocks of finished requests kept before never-used ones are taken:
+    --prefix-cache-memory (bytes, or its fraction of the memory available), at most a
+    quarter of the pool."""
+    budget = config.prefix_cache_memory
+    if budget <= 1:
+        budget *= available_memory(device)
+    return min(cache.num_blocks // 4, int(budget // (cache.nbytes // cache.num_blocks)))
 
 
 def layout_of(mc, config: EngineConfig) -> KVLayout:
@@ -170,7 +192,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching,
                                    salt=model_id.encode(), layout=self.cache.layout,
-                                   step_tokens=config.max_num_batched_tokens)
+                                   step_tokens=config.max_num_batched_tokens,
+                                   cache_blocks=cache_blocks(config, self.cache, device))
         self.max_model_len = self.cache.layout.max_tokens(num_blocks, config.block_size,
                                                           config.max_num_batched_tokens, config.context(mc))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,

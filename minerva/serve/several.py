@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import minerva.hub as hub
+from minerva.engine.engine import FIT
 from minerva.errors import MinervaError
 from minerva.formats.gguf import split_parts
 from minerva.models.fit import RUNTIME, available_memory, weight_bytes
@@ -32,6 +33,8 @@ def serve_several(args, load) -> int:
     models = list(args.model) + (models_in(args.models_dir) if args.models_dir else [])
     for model in models:
         check_model(model)
+    if args.kv_cache_memory is None:  # each model that may be loaded at once fits beside the others
+        args.kv_cache_memory = FIT / min(args.max_loaded_models, len(models))
     names = [served_name(m) for m in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:

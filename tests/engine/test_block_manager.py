@@ -208,10 +208,10 @@ def test_eviction_least_recently_freed_first_tail_before_head():
 
 def test_never_used_blocks_come_after_a_quarter_of_the_pool_in_cache():
     """Blocks never used (pool memory never touched) are handed out only while the cached
-    blocks are at most `cache_share` of the pool, so a stream of distinct prompts does not
+    blocks are at most `cache_blocks` (a quarter of the pool by default), so a stream of distinct prompts does not
     walk through the whole pool: resident memory follows use plus that much cache."""
-    for share, touched in ((0.25, range(25, 25 + 2 + 2)), (1.0, [100])):
-        bm = BlockManager(100, 4, cache_share=share)
+    for cap, touched in ((None, range(25, 25 + 2 + 2)), (10, range(10, 10 + 2 + 2)), (100, [100])):
+        bm = BlockManager(100, 4, cache_blocks=cap)
         for i in range(60):
             run(bm, f"r{i}", [1000 + 8 * i + j for j in range(8)])  # two full blocks, cached when freed
             bm.free(f"r{i}")

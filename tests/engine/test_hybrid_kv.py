@@ -83,7 +83,7 @@ def committed_and_freed(bm: BlockManager, tokens: list[int]) -> tuple[list[int],
 
 
 def test_prefix_hit_needs_only_the_window():
-    bm = BlockManager(40, 4, layout=kv_layout([6, None], 100), cache_share=1.0)
+    bm = BlockManager(40, 4, layout=kv_layout([6, None], 100), cache_blocks=40)
     tokens = list(range(40))
     windowed, _ = committed_and_freed(bm, tokens)
     assert windowed[:8] == [NULL] * 8  # gone back at the commit: behind the window of the query at 40

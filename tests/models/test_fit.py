@@ -105,3 +105,25 @@ def test_an_asked_context_gets_one_request_of_pool_or_a_refusal(smollm2_gguf, mo
                                            r"0.\d\d GB of memory is available on cpu beside the weights; give "
                                            r"--max-model-len \d+ or less"):
         LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory=0.2, max_model_len=8192)
+
+
+def test_the_default_kv_pool_is_sized_to_fit(smollm2_gguf, monkeypatch):
+    """Without --kv-cache-memory the pool takes FIT of the memory beside the weights and a
+    step's activations, at most what max_num_seqs whole-context requests can fill; the
+    cached blocks kept are --prefix-cache-memory, at most a quarter of the pool."""
+    room = 3_000_000_000
+    monkeypatch.setattr(engine, "available_memory", lambda device: room)
+    llm = LLM(str(smollm2_gguf), max_num_seqs=64)
+    cache, blocks = llm.engine.cache, llm.engine.blocks
+    per_block = cache.nbytes // cache.num_blocks
+    mc, config = llm.engine.model.config, llm.engine.config
+    step = fit.step_bytes(mc, config.max_num_batched_tokens)
+    assert cache.num_blocks == int(engine.FIT * (room - step) // per_block)  # 64 x 8,192 tokens would be 12 GB
+    assert blocks._cache_cap == int(0.05 * room // per_block)
+    small = LLM(str(smollm2_gguf), max_num_seqs=2, prefix_cache_memory=1e9)
+    per_seq = -(-mc.max_position // config.block_size)
+    assert small.engine.cache.num_blocks == 2 * per_seq  # two requests of the whole context
+    assert small.engine.blocks._cache_cap == per_seq // 2  # a quarter of the pool
+    assert LLM(str(smollm2_gguf), prefix_cache_memory=0).engine.blocks._cache_cap == 0
+    with pytest.raises(MinervaError, match="--prefix-cache-memory must be >= 0"):
+        LLM(str(smollm2_gguf), prefix_cache_memory=-1)

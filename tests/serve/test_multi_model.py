@@ -161,6 +161,23 @@ def test_serve_several_models_command_line(tmp_path, tiny):
     assert_clean_error(run("serve", str(tiny), "--keep-alive", "soon"), "--keep-alive")  # one model too
 
 
+def test_models_of_one_server_share_the_default_kv_pool(monkeypatch, tiny, smollm2_gguf):
+    """Each model that may be loaded at once gets its part of the fit, so they fit together."""
+    from minerva import cli
+    from minerva.engine.engine import FIT
+    from minerva.serve import several
+    seen = []
+    monkeypatch.setattr(several, "serve_models", lambda router, *a, **kw: seen.append(cli_args[0].kv_cache_memory))
+    monkeypatch.setattr(several, "bind", lambda host, port: None)
+    cli_args = []
+    real = several.serve_several
+    monkeypatch.setattr(several, "serve_several", lambda args, load: cli_args.append(args) or real(args, load))
+    for flags, share in (([], FIT / 2), (["--max-loaded-models", "1"], FIT), (["--kv-cache-memory", "4e6"], 4e6)):
+        cli_args.clear()
+        assert cli.main(["serve", str(tiny), str(smollm2_gguf), *flags]) == 0
+        assert seen[-1] == share
+
+
 @pytest.mark.parametrize("text, seconds", [("90", 90.0), ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0),
                                            ("0", 0.0), ("-1", None), ("-5m", None)])
 def test_parse_duration(text, seconds):

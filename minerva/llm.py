@@ -217,7 +217,7 @@ class LLM:
             if self.group is not None:
                 raise MinervaError("LoRA adapters do not run under tensor parallelism yet; drop --lora or "
                                    "--tensor-parallel-size")
-            self.adapters = lora_attach(self.loaded.model, self.adapter_paths, self.device)
+            self.adapters = lora_attach(self.loaded.model, self.adapter_paths, self.device, self.dtype)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op for one process); the LLM cannot run after it."""

@@ -37,9 +37,9 @@ Q8_SOURCES = ("q8_matmul.cpp", "q8_quant.cpp", "q8_cpu.cpp", "q8_repack_x8.cpp",
 # the sources of each build, by instruction set; module.cpp (the Python module) is shared
 SOURCES = {
     "avx512": [CSRC / name for name in ("qmatmul.cpp", *Q8_SOURCES, "attention.cpp", "ops.cpp", "sampling.cpp",
-                                        "module.cpp")],
+                                        "lora.cpp", "module.cpp")],
     "avx2": [CSRC / name for name in ("qmatmul_avx2.cpp", *Q8_SOURCES, "attention_avx2.cpp", "ops_avx2.cpp",
-                                      "sampling.cpp", "module.cpp")],
+                                      "sampling.cpp", "lora.cpp", "module.cpp")],
 }
 HEADERS = [CSRC / name for name in (
     "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h", "exchange.h", "ops_tensor.h",

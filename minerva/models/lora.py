@@ -18,6 +18,7 @@ Loaded from a directory (or a Hugging Face repo) holding `adapter_config.json` a
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -28,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from minerva.errors import MinervaError
+from minerva.kernels import native
 from minerva.models.layers import Attention, GatedMLP, Linear, Projections
 
 KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -38,19 +40,58 @@ UNSUPPORTED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (whole mo
 
 @dataclass
 class LoraLinear:
-    """One projection's adapters: adapter index -> [(first output column, columns, A, B * scale)]."""
+    """One projection's adapters: adapter index -> [(first output column, columns, A, B * scale)].
+    `pack` lays them out for `add_`: on the CPU for the compiled kernel (`entries`: per
+    adapter and part, its index, first column, columns, rank and offsets of A^T and B^T in
+    `weights`); elsewhere every A stacked (`a`: [R, in]), each of those R rank columns'
+    adapter (`owner_of`) and per part its columns of R with its adapters' B side by side
+    (`b`: [(first output column, columns, lo, hi, [columns, hi - lo])])."""
     owner: Adapters
     parts: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    entries: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    a: torch.Tensor | None = None
+    owner_of: torch.Tensor | None = None
+    b: list[tuple[int, int, int, int, torch.Tensor]] = field(default_factory=list)
+    kernels: object = None
+
+    def pack(self, kernels, dtype: torch.dtype) -> None:
+        """Lay the adapters out for `add_`: for `kernels` (the compiled module) when there is one,
+        its weights in `dtype` (bfloat16 for a bfloat16 model, else float32)."""
+        items = sorted((start, n, index, A, B) for index, parts in self.parts.items() for start, n, A, B in parts)
+        if kernels is not None:
+            rows, flat, off = [], [], 0
+            for start, n, index, A, B in items:
+                r = A.shape[0]
+                rows.append([index, start, n, r, off, off + A.numel()])
+                flat += [A.T.reshape(-1), B.T.reshape(-1)]
+                off += A.numel() + B.numel()
+            self.entries = torch.tensor(rows, dtype=torch.int64)
+            self.weights = torch.cat(flat).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+            self.kernels = kernels
+            return
+        self.kernels, self.b, lo, owner_of = None, [], 0, []
+        for (start, n) in sorted({(start, n) for start, n, *_ in items}):
+            part = [(index, A, B) for s, m, index, A, B in items if (s, m) == (start, n)]
+            hi = lo + sum(A.shape[0] for _, A, _ in part)
+            owner_of += [index for index, A, _ in part for _ in range(A.shape[0])]
+            self.b.append((start, n, lo, hi, torch.cat([B for _, _, B in part], dim=1).contiguous()))
+            lo = hi
+        self.a = torch.cat([A for *_, A, _ in items]).contiguous()
+        self.owner_of = torch.tensor(owner_of, device=self.a.device)
 
     def add_(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows of adapter a, columns] += x[those rows] A^T B^T for each adapter in the step."""
-        for a, rows in self.owner.present:
-            parts = self.parts.get(a)
-            if not parts:
-                continue
-            xa = x.index_select(0, rows).float()
-            for start, n, A, B in parts:
-                y[rows, start:start + n] += (xa @ A.T @ B.T).to(y.dtype)
+        """y[each row, columns] += x[row] A^T B^T of the row's adapter, every adapter of the step
+        at once. The base model's rows are left as they are."""
+        if not any(a in self.parts for a, _ in self.owner.present):
+            return
+        if self.kernels is not None and x.stride(-1) == 1 and y.stride(-1) == 1:
+            self.kernels.lora_add_(x, y, self.owner.order, self.owner.bounds, self.entries, self.weights)
+            return
+        xa = x.float() @ self.a.T  # every A; a rank column kept only in the rows of its adapter
+        xa *= self.owner.rows[:, None] == self.owner_of
+        for start, n, lo, hi, B in self.b:
+            y[:, start:start + n] += xa[:, lo:hi] @ B.T
 
 
 class Adapters:
@@ -62,6 +103,10 @@ class Adapters:
         self.names = names
         self.rows: torch.Tensor | None = None
         self.present: list[tuple[int, torch.Tensor]] = []
+        # the rows of adapted requests grouped by adapter, and where each adapter's begin
+        # (adapter i: order[bounds[i]:bounds[i + 1]]), for the compiled kernel
+        self.order: torch.Tensor | None = None
+        self.bounds: torch.Tensor | None = None
 
     def index(self, name: str | None) -> int:
         """The adapter index of a request's `adapter` name (None: the base model, 0)."""
@@ -79,9 +124,14 @@ class Adapters:
             return
         self.rows = torch.repeat_interleave(torch.tensor(per_seq), torch.tensor(tokens)).to(device)
         self.present = [(a, (self.rows == a).nonzero().flatten()) for a in sorted(set(per_seq)) if a]
+        counts = [0] * (len(self.names) + 1)
+        for a, rows in self.present:
+            counts[a] = len(rows)
+        self.order = torch.cat([rows for _, rows in self.present]).cpu()
+        self.bounds = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
 
     def clear(self) -> None:
-        self.rows, self.present = None, []
+        self.rows, self.present, self.order, self.bounds = None, [], None, None
 
 
 def read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -134,8 +184,8 @@ def _part(proj: Projections, i: int) -> tuple[Linear, int, int]:
     raise IndexError(i)
 
 
-def attach(model, adapters: dict[str, Path], device: torch.device) -> Adapters:
-    """Load each adapter (name -> directory) onto `model`'s projections."""
+def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.dtype = torch.float32) -> Adapters:
+    """Load each adapter (name -> directory) onto `model`'s projections, for a model computing in `dtype`."""
     owner = Adapters(list(adapters))
     for index, (name, path) in enumerate(adapters.items(), start=1):
         config, tensors = read_adapter(path)
@@ -163,4 +213,8 @@ def attach(model, adapters: dict[str, Path], device: torch.device) -> Adapters:
             if lin.lora is None:
                 lin.lora = LoraLinear(owner)
             lin.lora.parts.setdefault(index, []).append((start, n, A.to(device), (B * scale).to(device)))
+    kernels = native.load() if torch.device(device).type == "cpu" else None
+    for lin in model.modules():
+        if isinstance(lin, Linear) and lin.lora is not None:
+            lin.lora.pack(kernels, dtype)
     return owner

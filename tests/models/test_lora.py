@@ -115,3 +115,55 @@ def test_lora_command_line(tiny, tiny_adapters):
     base, tmp, _ = tiny_adapters
     assert_clean_error(run("serve", str(tiny), "--lora", f"a1={tmp / 'a1'}", "--port", "0"),
                        "does not fit this model")  # the tiny GGUF is not the adapter's base
+
+
+@pytest.mark.parametrize("act,weights", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                         (torch.bfloat16, torch.float32)])
+def test_the_compiled_adapter_sum_equals_each_row_alone(act, weights):
+    """`lora_add_` (rows grouped by adapter, several parts per projection, ranks with and without
+    a specialized path, columns not a multiple of the kernel's block) against each row's
+    x A^T B^T computed alone in float64; the base model's rows and parts no adapter
+    adapts stay as they were; the torch path (no kernel) agrees too."""
+    from minerva.kernels import native
+    from minerva.models.lora import Adapters, LoraLinear
+
+    gen = torch.Generator().manual_seed(5)
+    inp, parts = 96, [(0, 70), (70, 40), (110, 130)]  # three parts, as a fused q/k/v projection
+    owner = Adapters(["a", "b", "c"])
+    adapters = {1: (16, [0, 2]), 2: (8, [1]), 3: (12, [0, 1, 2])}  # adapter -> rank, parts it adapts
+    lins = [LoraLinear(owner), LoraLinear(owner)]
+    for index, (rank, which) in adapters.items():
+        for p in which:
+            start, n = parts[p]
+            A = torch.randn(rank, inp, generator=gen) / 8
+            B = torch.randn(n, rank, generator=gen) / 4
+            if weights == torch.bfloat16:  # the values the kernel reads
+                A, B = A.bfloat16().float(), B.bfloat16().float()
+            for lin in lins:
+                lin.parts.setdefault(index, []).append((start, n, A, B))
+    lins[0].pack(native.load(), weights)
+    lins[1].pack(None, weights)
+    per_seq, tokens = [1, 0, 3, 2, 1, 3, 1], [5, 2, 1, 3, 1, 6, 1]  # uneven rows per adapter, base rows among them
+    owner.select(per_seq, tokens, torch.device("cpu"))
+    rows = sum(tokens)
+    x = torch.randn(rows, inp, generator=gen).to(act)
+    y0 = torch.randn(rows, 240, generator=gen).to(act)
+    want = y0.double()
+    for row, a in enumerate(owner.rows.tolist()):
+        for start, n, A, B in lins[0].parts.get(a, []):
+            want[row, start:start + n] += x[row].double() @ A.double().T @ B.double().T
+    tol = 1e-4 if act == torch.float32 else 3e-2
+    for lin in lins:
+        y = y0.clone()
+        lin.add_(x, y)
+        assert torch.allclose(y.double(), want, atol=tol, rtol=tol)
+        base = owner.rows == 0
+        assert torch.equal(y[base], y0[base])
+        assert torch.equal(y[owner.rows == 2][:, :70], y0[owner.rows == 2][:, :70])  # a part adapter 2 leaves alone
+    y = y0.clone()
+    lins[0].add_(x[4:5].expand(rows, inp).contiguous(), y)  # one row alone vs beside others: the same bits
+    alone = y0[0:1].clone()
+    owner.select([1], [1], torch.device("cpu"))
+    lins[0].add_(x[4:5], alone)
+    owner.select(per_seq, tokens, torch.device("cpu"))
+    assert torch.equal(y[0], alone[0])

@@ -95,6 +95,8 @@ void act_mul_row(const T* gu, T* out, int64_t I, int64_t act);
 // sampling.cpp
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+void lora_add_(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& order, const torch::Tensor& bounds,
+               const torch::Tensor& entries, const torch::Tensor& weights);
 std::vector<int64_t> greedy_rows(const torch::Tensor& x);
 torch::Tensor invert_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u);
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,

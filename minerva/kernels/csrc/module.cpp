@@ -654,6 +654,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs, "
       "seconds callers waited for helpers");
   m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
+  m.def("lora_add_", &lora_add_, "y[rows, parts] += B (A x) of each row's LoRA adapter (minerva/models/lora.py)");
   m.def("argmax_rows", &argmax_rows, "each row's index of its first largest value (torch.argmax over the last dim)");
   m.def("greedy_rows", &greedy_rows, "argmax_rows as a list, -1 for a row whose largest value is NaN or +inf");
   m.def("sample_rows", &sample_rows,

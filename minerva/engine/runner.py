@@ -113,9 +113,11 @@ class ModelRunner:
         self.cpu = device.type == "cpu"
         self.adapters = None  # the model's LoRA adapters (minerva.models.lora.Adapters), when it has any
 
-    def forward(self, seqs: list[Seq], check: bool = True) -> torch.Tensor | None:
+    def forward(self, seqs: list[Seq], check: bool = True, keep: bool = False) -> torch.Tensor | None:
         """One forward over every sequence's tokens; float32 logits of the rows asked for, in
-        order (None if none), refused if NaN/+inf unless `check` is False (the caller checks)."""
+        order (None if none), refused if NaN/+inf unless `check` is False (the caller checks).
+        The rows' LoRA adapters stay selected after it with `keep` (a burst's next forwards;
+        the caller clears them)."""
         batch = self._step = StepBatch.pack(seqs, self.cache.layout.num_groups, self.block_size, self.kind)
         if self.comm is not None:
             self.comm.broadcast(batch.tensor)
@@ -125,7 +127,8 @@ class ModelRunner:
         try:
             return self._run(batch.tensor, batch.header, check)
         finally:
-            self.adapters.clear()
+            if not keep:
+                self.adapters.clear()
 
     @torch.inference_mode()
     def _run(self, step: torch.Tensor, header: list[int] | None = None, check: bool = True) -> torch.Tensor | None:
@@ -135,7 +138,7 @@ class ModelRunner:
         # a windowed group's entries behind its window (NULL) are never read: 0 stands in
         backend = PagedBackend(self.cache, v.slots, v.query_start_loc, v.seq_lens,
                                v.tables.clamp(min=0) if self.windowed else v.tables, pos)
-        ctx = AttentionContext(pos, backend, lora=None if self.adapters is None else self.adapters.rows)
+        ctx = AttentionContext(pos, backend)
         self._last = None
         if L == T:  # every row (decode steps, as the rows are asked for in order): with the layers
             hidden, logits = self.model.forward_logits(ids, ctx)
@@ -176,8 +179,12 @@ class ModelRunner:
         batch = output.scheduled
         seqs = prepare(output)
         steps = min(s.steps for s in batch)
-        if steps > 1 and self.comm is None and all(burstable(s.request) and not s.request.adapter for s in batch):
-            return self._burst(batch, seqs, steps, interrupt)
+        if steps > 1 and self.comm is None and all(burstable(s.request) for s in batch):
+            try:
+                return self._burst(batch, seqs, steps, interrupt)
+            finally:
+                if self.adapters is not None:
+                    self.adapters.clear()
         if all(seq.logit_rows >= 1 and s.request.params.greedy and burstable(s.request) for s, seq in zip(batch, seqs)):
             # plain greedy rows, nothing else asked (most decode steps, and greedy verification):
             # each row's argmax, with the NaN/inf check, in one native call, and a request's
@@ -266,7 +273,7 @@ class ModelRunner:
         def ends(tokens: list[int]) -> bool:
             return any(t in stops for t in tokens) or (interrupt is not None and interrupt())
 
-        tokens = pick(self.forward(seqs, check=not greedy))
+        tokens = pick(self.forward(seqs, check=not greedy, keep=True))  # the same rows' adapters throughout
         out: list[Sampled] = [[(t, None)] for t in tokens]
         if ends(tokens):
             return out

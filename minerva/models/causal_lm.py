@@ -96,14 +96,14 @@ class CausalLM(Layer):
         """`forward` and `logits` of every new token: (hidden states, float32 logits), the
         layers, the final norm and the LM head in one native call where the model allows
         (`head`; the same kernels in the same order, so the same bits)."""
-        if self.step_args is not None and self.head is not None and ctx.lora is None:
+        if self.step_args is not None and self.head is not None:
             args = ctx.backend.stack_args(len(self.layers), self.layers[0].fused_dtype)
             if args:
                 hidden, logits = self.stack[0].forward_step(self.stack[1], input_ids, *self.step_args, *args,
                                                             self.norm.weight, self.norm.eps, self.head)
                 return hidden, logits
         h = self._embedded(input_ids)
-        args = self.head is not None and ctx.lora is None and self._stack_args(h, ctx, len(self.layers))
+        args = self.head is not None and self._stack_args(h, ctx, len(self.layers))
         if args:
             hidden, logits = self.stack[0].forward_logits(*args, self.norm.weight, self.norm.eps, self.head)
             return hidden, logits
@@ -117,7 +117,7 @@ class CausalLM(Layer):
         and its argmax, up to `steps` times (the native forward_steps; see its rules), or
         None where a step does not run as one native call. Returns (each step's tokens, the
         last step's hidden states, its logits)."""
-        if self.step_args is None or self.head is None or ctx.lora is not None:
+        if self.step_args is None or self.head is None:
             return None
         args = ctx.backend.stack_args(len(self.layers), self.layers[0].fused_dtype)
         if not args:
@@ -128,7 +128,7 @@ class CausalLM(Layer):
     def _layers(self, h: torch.Tensor, ctx: AttentionContext, n: int) -> torch.Tensor:
         """Layers 0 .. n - 1 over the embedded tokens h (in one native call where they can),
         then the final norm."""
-        args = ctx.lora is None and self._stack_args(h, ctx, n)
+        args = self._stack_args(h, ctx, n)
         if args:
             return self.norm(self.stack[0].forward_layers(*args))
         for layer in self.layers[:n]:

@@ -42,9 +42,6 @@ class AttentionContext:
     positions: torch.Tensor  # [T] absolute position of each new token
     backend: AttentionBackend  # where K/V live and how the batch's sequences are laid out
     rope: dict = field(default_factory=dict)  # cos/sin of `positions` per rotary, made once a pass
-    # each row's LoRA adapter when a row of the step has one (minerva/models/lora.py): the
-    # layers then run piece by piece, through the Linears that add the adapters' products
-    lora: torch.Tensor | None = None
 
 
 class Layer(nn.Module):
@@ -378,7 +375,7 @@ class DecoderLayer(Layer):
     def forward(self, h: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Updates the residual stream h in place and returns it."""
         tp = self.tp
-        if self.fused is not None and h.dtype == self.fused_dtype and ctx.lora is None:
+        if self.fused is not None and h.dtype == self.fused_dtype:
             args = ctx.backend.kernel_args(self.attn.layer, h.dtype)
             if args is not None:
                 cos, sin = self.attn.rotary.cos_sin(ctx)

@@ -107,6 +107,7 @@ class Adapters:
         # (adapter i: order[bounds[i]:bounds[i + 1]]), for the compiled kernel
         self.order: torch.Tensor | None = None
         self.bounds: torch.Tensor | None = None
+        self.native = None  # the same for the native layers (the compiled LoraRows), when they run the model
 
     def index(self, name: str | None) -> int:
         """The adapter index of a request's `adapter` name (None: the base model, 0)."""
@@ -129,9 +130,13 @@ class Adapters:
             counts[a] = len(rows)
         self.order = torch.cat([rows for _, rows in self.present]).cpu()
         self.bounds = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+        if self.native is not None:
+            self.native.set(self.order, self.bounds)
 
     def clear(self) -> None:
         self.rows, self.present, self.order, self.bounds = None, [], None, None
+        if self.native is not None:
+            self.native.clear()
 
 
 def read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -217,4 +222,29 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
     for lin in model.modules():
         if isinstance(lin, Linear) and lin.lora is not None:
             lin.lora.pack(kernels, dtype)
+    if kernels is not None:
+        owner.native = kernels.LoraRows()
+        for decoder in model.layers:
+            if decoder.fused is not None:
+                decoder.fused.adapt(owner.native, _native_parts(decoder, owner, kernels, dtype))
     return owner
+
+
+def _native_parts(decoder, owner: Adapters, kernels, dtype: torch.dtype) -> list[torch.Tensor | None]:
+    """A native layer's adapters: entries and weights of its q/k/v, o, gate/up and down
+    (None where no adapter adapts them), the parts of each Linear of fused projections
+    placed at that Linear's columns of the layer's output."""
+    attn, mlp = decoder.attn, decoder.mlp
+    out: list[torch.Tensor | None] = []
+    for lins in (attn.qkv_proj.linears(), [attn.o_proj], mlp.gate_up.linears(), [mlp.down]):
+        joined, first = LoraLinear(owner), 0
+        for lin in lins:
+            for index, parts in (lin.lora.parts if lin.lora is not None else {}).items():
+                joined.parts.setdefault(index, []).extend((first + start, n, A, B) for start, n, A, B in parts)
+            first += lin.weight.shape[0]
+        if joined.parts:
+            joined.pack(kernels, dtype)
+            out += [joined.entries, joined.weights]
+        else:
+            out += [None, None]
+    return out

@@ -67,6 +67,13 @@ def test_adapter_on_a_packed_gguf_model(smollm2_gguf, smollm2_hf, tmp_path):
     assert llm.generate([prompt], params("ad", 10), use_tqdm=False)[0].token_ids == want
     outs = llm.generate([prompt, prompt], [params(None, 10), params("ad", 10)], use_tqdm=False)
     assert [o.token_ids for o in outs] == [llm.generate([prompt], params(None, 10), use_tqdm=False)[0].token_ids, want]
+    # the default dtype and activations (the native layers' adapted rows, their 8-bit kernels): batched equal to alone
+    llm = LLM(str(smollm2_gguf), lora={"ad": str(tmp_path / "ad")}, kv_cache_memory=32e6)
+    other = prompt[3:] + prompt[:3]
+    alone = [llm.generate([p], params(a, 10), use_tqdm=False)[0].token_ids
+             for p, a in ((prompt, "ad"), (other, None), (other, "ad"))]
+    outs = llm.generate([prompt, other, other], [params("ad", 10), params(None, 10), params("ad", 10)], use_tqdm=False)
+    assert [o.token_ids for o in outs] == alone and alone[1] != alone[2]
 
 
 def test_adapters_that_cannot_apply_are_refused(tiny_adapters, tmp_path):

@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -95,8 +96,22 @@ void act_mul_row(const T* gu, T* out, int64_t I, int64_t act);
 // sampling.cpp
 void apply_token_bitmask_(torch::Tensor logits, const torch::Tensor& mask);
 torch::Tensor argmax_rows(const torch::Tensor& x);
+// lora.cpp: y += each row's adapter's B A x (minerva/models/lora.py LoraLinear.add_)
 void lora_add_(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& order, const torch::Tensor& bounds,
                const torch::Tensor& entries, const torch::Tensor& weights);
+// A step's adapted rows (LoraLinear.add_'s order and bounds), shared by a model's native
+// layers and set before each step; inactive when no row of the step has an adapter.
+struct LoraRows {
+  torch::Tensor order, bounds;
+  bool active = false;
+};
+// One projection's adapters in a native layer (lora_add_'s entries and weights; undefined: none).
+struct LoraWeights {
+  torch::Tensor entries, weights;
+  void add_(const LoraRows* rows, const torch::Tensor& x, torch::Tensor& y) const {
+    if (rows != nullptr && rows->active && entries.defined()) lora_add_(x, y, rows->order, rows->bounds, entries, weights);
+  }
+};
 std::vector<int64_t> greedy_rows(const torch::Tensor& x);
 torch::Tensor invert_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u);
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,

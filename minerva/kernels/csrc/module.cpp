@@ -95,6 +95,12 @@ struct DecoderLayer {
   double scale;
   mutable Kept kept;  // (one caller at a time: the engine's loop, or one tensor-parallel rank's)
   mutable std::optional<RowPath> row;  // (its buffers likewise)
+  // LoRA adapters on q/k/v, o, gate/up and down (adapt()), applied to a step's adapted rows
+  std::shared_ptr<const LoraRows> lora_rows;
+  LoraWeights lora[4];
+  enum { QKV, O, GATE_UP, DOWN };
+
+  bool adapted() const { return lora_rows != nullptr && lora_rows->active; }
 
   // The row path when this layer can take it: float32 norms, every matrix with 8-bit
   // activations (Packed::int8; others run the float kernels).
@@ -150,7 +156,7 @@ struct DecoderLayer {
                         const torch::Tensor& k_pool, const torch::Tensor& v_pool, const torch::Tensor& k_scale,
                         const torch::Tensor& v_scale, const torch::Tensor& slots, const torch::Tensor& tables,
                         const torch::Tensor& seq_lens, const torch::Tensor& qsl, const torch::Tensor& positions) const {
-    if (row && h.size(0) == 1 && h.is_contiguous() && h.numel() == input_norm.numel()) {
+    if (row && !adapted() && h.size(0) == 1 && h.is_contiguous() && h.numel() == input_norm.numel()) {
       if (h.scalar_type() == torch::kFloat32)
         return forward_row<float>(h, cos, sin, k_pool, v_pool, k_scale, v_scale, slots, tables, seq_lens, qsl, positions);
       if (h.scalar_type() == torch::kBFloat16)
@@ -229,7 +235,9 @@ struct DecoderLayer {
                           const torch::Tensor& seq_lens, const torch::Tensor& qsl,
                           const torch::Tensor& positions) const {
     const int64_t T = h.size(0), qd = heads * head_dim, kd = kv_heads * head_dim;
-    auto qkv_out = qkv(rms_norm_into(h, input_norm, eps, kept.get(Kept::NORM, h.sizes(), h.scalar_type())));
+    const auto x = rms_norm_into(h, input_norm, eps, kept.get(Kept::NORM, h.sizes(), h.scalar_type()));
+    auto qkv_out = qkv(x);
+    lora[QKV].add_(lora_rows.get(), x, qkv_out);
     torch::Tensor q;
     if (q_norm) {
       q = rms_norm(qkv_out.narrow(1, 0, qd).view({T, heads, head_dim}), *q_norm, eps);
@@ -246,15 +254,22 @@ struct DecoderLayer {
     kv_write_cols(qkv_out, qd + kd, v_pool, v_scale, slots);
     auto attn = paged_attention_into(q, k_pool, v_pool, k_scale, v_scale, tables, seq_lens, qsl, positions, window, scale,
                                      torch::Tensor(), kept.get(Kept::ATTENTION, q.sizes(), q.scalar_type()));
-    return o(attn.view({T, qd}));
+    const auto flat = attn.view({T, qd});
+    auto out = o(flat);
+    lora[O].add_(lora_rows.get(), flat, out);
+    return out;
   }
 
   // feed_forward: h += post_attn_norm(a), then the feed-forward's output (down), before its post-norm.
   torch::Tensor feed_forward(torch::Tensor h, torch::Tensor a) const {
     if (post_attn_norm) a = rms_norm(a, *post_attn_norm, eps);
     const auto x = add_rms_norm_into(h, a, pre_mlp_norm, eps, kept.get(Kept::MLP_NORM, h.sizes(), h.scalar_type()));
-    const auto gu = gate_up(x).contiguous();
-    return down(act_mul_into(gu, act, 0.0, 0.0, kept.get(Kept::ACT, {gu.size(0), gu.size(1) / 2}, gu.scalar_type())));
+    auto gu = gate_up(x).contiguous();
+    lora[GATE_UP].add_(lora_rows.get(), x, gu);
+    const auto y = act_mul_into(gu, act, 0.0, 0.0, kept.get(Kept::ACT, {gu.size(0), gu.size(1) / 2}, gu.scalar_type()));
+    auto out = down(y);
+    lora[DOWN].add_(lora_rows.get(), y, out);
+    return out;
   }
 
   // residual: h += post_mlp_norm(m), returned.
@@ -674,6 +689,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Packed>(m, "Packed")
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, bool>(), py::arg("bytes"), py::arg("qtype"),
            py::arg("rows"), py::arg("cols"), py::arg("int8") = false);
+  py::class_<LoraRows, std::shared_ptr<LoraRows>>(m, "LoraRows", "a step's adapted rows, shared by native layers")
+      .def(py::init<>())
+      .def("set", [](LoraRows& r, torch::Tensor order, torch::Tensor bounds) {
+        r.order = order, r.bounds = bounds, r.active = true;
+      })
+      .def("clear", [](LoraRows& r) { r.order = r.bounds = torch::Tensor(), r.active = false; });
   py::class_<DecoderLayer>(m, "DecoderLayer")
       .def(py::init([](std::vector<Packed> qkv, Packed o, std::vector<Packed> gate_up, Packed down,
                        torch::Tensor input_norm,
@@ -688,6 +709,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }))
       .def_property_readonly("row_path", [](const DecoderLayer& l) { return l.row.has_value(); },
                              "whether a decode step's one float32 token takes the row path (forward_row)")
+      .def("adapt",
+           [](DecoderLayer& l, std::shared_ptr<LoraRows> rows, const std::vector<std::optional<torch::Tensor>>& parts) {
+             TORCH_CHECK(parts.size() == 8, "adapt: entries and weights of q/k/v, o, gate/up and down");
+             l.lora_rows = rows;
+             for (int i = 0; i < 4; ++i) l.lora[i] = parts[2 * i] ? LoraWeights{*parts[2 * i], *parts[2 * i + 1]}
+                                                                  : LoraWeights{};
+           },
+           "LoRA adapters on the layer's projections (lora_add_'s entries and weights, None where none), applied "
+           "to the rows `rows` names each step")
       .def("forward", &DecoderLayer::forward)
       .def("attention", &DecoderLayer::attention)
       .def("feed_forward", &DecoderLayer::feed_forward)

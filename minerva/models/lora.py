@@ -233,10 +233,13 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
 def _native_parts(decoder, owner: Adapters, kernels, dtype: torch.dtype) -> list[torch.Tensor | None]:
     """A native layer's adapters: entries and weights of its q/k/v, o, gate/up and down
     (None where no adapter adapts them), the parts of each Linear of fused projections
-    placed at that Linear's columns of the layer's output."""
+    placed at that Linear's columns of the layer's output (one Linear's own, shared)."""
     attn, mlp = decoder.attn, decoder.mlp
     out: list[torch.Tensor | None] = []
     for lins in (attn.qkv_proj.linears(), [attn.o_proj], mlp.gate_up.linears(), [mlp.down]):
+        if len(lins) == 1 and lins[0].lora is not None:
+            out += [lins[0].lora.entries, lins[0].lora.weights]
+            continue
         joined, first = LoraLinear(owner), 0
         for lin in lins:
             for index, parts in (lin.lora.parts if lin.lora is not None else {}).items():

@@ -76,6 +76,24 @@ def test_adapter_on_a_packed_gguf_model(smollm2_gguf, smollm2_hf, tmp_path):
     assert [o.token_ids for o in outs] == alone and alone[1] != alone[2]
 
 
+def test_adapter_on_gemma3_whose_projections_differ_in_type(gemma3_gguf, gemma3_hf, tmp_path):
+    """Gemma 3 270M Q4_K_M: Q/K/V and gate/up of different GGML types (separate Linears, the
+    native layer's adapters joined across them), sliding-window layers, post norms; against
+    PEFT's merged model, and alone equal to batched."""
+    merged = make_adapter(gemma3_hf, tmp_path / "ad", 4, ALL, rank=8, std=0.05)
+    prompt = [2, 818, 5279, 529, 7001, 563, 506, 6207, 1003, 236761]
+    want = greedy(merged, prompt, 10)
+    assert want != greedy(gemma3_hf, prompt, 10)
+    llm = LLM(str(gemma3_gguf), dtype="float32", activations="float", lora={"ad": str(tmp_path / "ad")},
+              kv_cache_memory=32e6)
+    layers = llm.loaded.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    assert any(len(layer.attn.qkv_proj.linears()) > 1 or len(layer.mlp.gate_up.linears()) > 1 for layer in layers)
+    assert llm.generate([prompt], params("ad", 10), use_tqdm=False)[0].token_ids == want
+    outs = llm.generate([prompt, prompt], [params(None, 10), params("ad", 10)], use_tqdm=False)
+    assert outs[1].token_ids == want
+
+
 def test_adapters_that_cannot_apply_are_refused(tiny_adapters, tmp_path):
     base, tmp, _ = tiny_adapters
     with pytest.raises(MinervaError, match="is not a LoRA adapter: it needs adapter_config.json"):

@@ -74,6 +74,11 @@ def test_adapter_on_a_packed_gguf_model(smollm2_gguf, smollm2_hf, tmp_path):
              for p, a in ((prompt, "ad"), (other, None), (other, "ad"))]
     outs = llm.generate([prompt, other, other], [params("ad", 10), params(None, 10), params("ad", 10)], use_tqdm=False)
     assert [o.token_ids for o in outs] == alone and alone[1] != alone[2]
+    # with n-gram speculation (the verification's rows adapted; a repeated prompt, so guesses come)
+    llm = LLM(str(smollm2_gguf), dtype="float32", activations="float", lora={"ad": str(tmp_path / "ad")},
+              kv_cache_memory=32e6, speculative="ngram")
+    assert llm.generate([prompt * 3], params("ad", 10), use_tqdm=False)[0].token_ids == greedy(merged, prompt * 3, 10)
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
 
 
 def test_adapter_on_gemma3_whose_projections_differ_in_type(gemma3_gguf, gemma3_hf, tmp_path):

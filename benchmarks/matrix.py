@@ -12,13 +12,15 @@ TinyLlama-1.1B shape in every llama.cpp type the int8 kernels take (Q4_0, Q4_1, 
 Q8_0, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, Q6_K), the Mistral-7B shape in Q4_0, Q4_K_M and Q8_0,
 and the GPT-OSS-20B shape (MXFP4 experts).
 
-For each file and round a fresh process probes the machine's read bandwidth, then each engine
-runs in a process of its own (two engines' thread pools in one process fight over the same
-cores), the one going first alternating from round to round: a prefill of `--prompt` random
-tokens (tokens/s) and a decode of `--gen` tokens after a 16-token prompt (batch 1). The page
-gives the medians, the ratio of the medians, and each decode's share of the probed bandwidth
-(weight bytes a token reads, as `minerva roofline` counts them, times tokens/s): what
-neither engine can pass on this machine.
+For each file and round each engine runs in a process of its own (two engines' thread pools in
+one process fight over the same cores), the one going first alternating from round to round,
+each right after a fresh process probes the machine's read bandwidth: a prefill of `--prompt`
+random tokens (tokens/s) and a decode of `--gen` tokens after a 16-token prompt (batch 1). The
+page gives the medians, the ratio of the medians, and each decode's share of the probed
+bandwidth (weight bytes a token reads, as `minerva roofline` counts them, times tokens/s,
+over the probe taken just before that run; the median of the rounds' shares): what neither
+engine can pass on this machine. On a shared host the bandwidth moves from minute to minute;
+a probe beside each run keeps a slow minute from counting against the engine that ran in it.
 
 The page goes to `docs/performance/MACHINE.md` with its JSON beside it (`--out DIR`), named
 after the CPU, its family and model, and its widest vector build; a later run on the same
@@ -117,14 +119,15 @@ def measure(spec: str, args) -> dict:
     path = make(spec)
     rounds = []
     for r in range(args.rounds):
-        one = {"probe": run_child("probe", path, args, r)}
+        one = {}
         order = ("minerva", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "minerva")
         for kind in order:
+            one[f"probe:{kind}"] = run_child("probe", path, args, r)
             one[kind] = run_child(kind, path, args, r)
         rounds.append(one)
         print(f"{spec} round {r + 1}: " + ", ".join(
-            f"{k} pp {v['pp']:.1f} tg {v['tg']:.2f}" if "pp" in v else f"{k} {v.get('error', '')}"
-            for k, v in one.items() if k != "probe") + f", probe {one['probe'].get('bandwidth', 0) / 1e9:.1f} GB/s",
+            (f"{k} pp {v['pp']:.1f} tg {v['tg']:.2f}" if "pp" in v else f"{k} {v.get('error', '')}")
+            + f" (probe {one[f'probe:{k}'].get('bandwidth', 0) / 1e9:.1f} GB/s)" for k in order for v in [one[k]]),
             file=sys.stderr, flush=True)
     return {"file": spec, "path": str(path), "bytes": path.stat().st_size, "rounds": rounds}
 
@@ -138,13 +141,25 @@ def summary(result: dict) -> dict:
     rs = result["rounds"]
     m_tg, l_tg = _median(rs, "minerva", "tg"), _median(rs, "llama.cpp", "tg")
     m_pp, l_pp = _median(rs, "minerva", "pp"), _median(rs, "llama.cpp", "pp")
-    bw = _median(rs, "probe", "bandwidth")
+    probes = [v["bandwidth"] for r in rs for k, v in r.items() if k.startswith("probe") and "bandwidth" in v]
     per_token = _median(rs, "minerva", "bytes_per_token")
-    share = (lambda tg: tg * per_token / bw if tg and bw and per_token else None)
     errors = sorted({v["error"] for r in rs for v in r.values() if "error" in v})
     return {"file": result["file"], "minerva_tg": m_tg, "llama_tg": l_tg, "tg_ratio": m_tg / l_tg if m_tg and l_tg else None,
-            "minerva_share": share(m_tg), "llama_share": share(l_tg), "minerva_pp": m_pp, "llama_pp": l_pp,
-            "pp_ratio": m_pp / l_pp if m_pp and l_pp else None, "bandwidth": bw, "errors": errors}
+            "minerva_share": _share(rs, "minerva", per_token), "llama_share": _share(rs, "llama.cpp", per_token),
+            "minerva_pp": m_pp, "llama_pp": l_pp, "pp_ratio": m_pp / l_pp if m_pp and l_pp else None,
+            "bandwidth": statistics.median(probes) if probes else None, "errors": errors}
+
+
+def _share(rounds: list[dict], engine: str, per_token: float | None) -> float | None:
+    """The median over the rounds of an engine's decode bytes/s over the probe taken before it
+    (runs of an earlier version of this script: the round's one probe)."""
+    shares = []
+    for r in rounds:
+        bw = r.get(f"probe:{engine}", r.get("probe", {})).get("bandwidth")
+        tg = r.get(engine, {}).get("tg")
+        if tg and bw and per_token:
+            shares.append(tg * per_token / bw)
+    return statistics.median(shares) if shares else None
 
 
 def _f(v, fmt: str) -> str:
@@ -161,7 +176,8 @@ def page(results: list[dict], args, command: str, kept: list[dict] = ()) -> str:
              f"- date: {datetime.date.today().isoformat()}",
              f"- command: `{command}`",
              *(f"- kept from an earlier run, `{k['command']}` ({k['date']}): {', '.join(k['files'])}" for k in kept),
-             f"- each engine in its own process, alternating, {args.rounds} rounds; medians; {args.threads} threads; "
+             f"- each engine in its own process, alternating, {args.rounds} rounds, each run right after a bandwidth probe "
+             f"of its own (a decode's share: over that probe, median of the rounds); medians; {args.threads} threads; "
              f"prefill of {args.prompt} random tokens, decode of {args.gen} tokens at batch 1",
              f"- llama.cpp: llama-cpp-python {_llama_version()}; Minerva: its defaults ({_minerva_setup(results)})", "",
              f"| file | decode tok/s Minerva | llama.cpp | ratio | Minerva % of probed bandwidth | "

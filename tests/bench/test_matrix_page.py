@@ -31,6 +31,21 @@ def test_summary_takes_medians_and_their_ratios():
     assert abs(s["minerva_share"] - 16 * 5e8 / 10e9) < 1e-9  # 80% of the probe
 
 
+def test_each_decode_share_is_over_the_probe_taken_before_it():
+    """Per round, each engine's tokens/s over its own probe; the median of the rounds' shares
+    (a slow minute of the host counts against neither engine)."""
+    rounds = []
+    for m_tg, m_bw, l_tg, l_bw in ((16, 10e9, 10, 10e9), (8, 5e9, 12, 10e9), (15, 10e9, 5, 5e9)):
+        one = _round(m_tg, l_tg, 90, 50)
+        del one["probe"]
+        one["probe:minerva"], one["probe:llama.cpp"] = {"bandwidth": m_bw}, {"bandwidth": l_bw}
+        rounds.append(one)
+    s = matrix.summary({"file": "1.1b:Q4_0", "rounds": rounds})
+    assert abs(s["minerva_share"] - 0.8) < 1e-9  # shares 0.8, 0.8, 0.75
+    assert abs(s["llama_share"] - 0.5) < 1e-9  # 0.5, 0.6, 0.5
+    assert s["bandwidth"] == 10e9  # the median of all six probes
+
+
 def test_page_names_machine_command_and_the_targets_missed():
     ok = {"file": "1.1b:Q4_0", "rounds": [_round(16, 10, 90, 50)]}
     slow = {"file": "7b:Q4_0", "rounds": [_round(5, 10, 90, 50)]}

@@ -19,6 +19,10 @@ planner times them, as FFTW's planner and Triton's autotuner do:
   rows of x against one matrix for `x_copy`; for `few_rows`, 2, 4 and 8 rows of x against the
   same matrices, both paths, and the one-row streams are taken up to the largest row count at
   which they were not slower at that count and every smaller one;
+- the L2 prefetch distance again for long rows (`l2_long`, rows of the kernels' `LONG_ROWS`
+  columns or more: 4096 x 14336, a 7B shape's down projection, `LONG_ROUNDS` rounds), with
+  the groups chosen above: on Zen 4 such rows stream 1.25x faster with the prefetch that the
+  1.1B shapes do best without;
 - the settings alternate round by round, and each one's median sweep counts; a setting
   replaces the CPU's default only when it is more than `MARGIN` faster, so noise does not
   pick;
@@ -64,6 +68,8 @@ FP16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_
                Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 E8M0_FIELDS = {Q.MXFP4: (0,)}
 SHAPES = ((5632, 2048), (2048, 5632))  # (out, in): the 1.1B shape's gate/up and down projections
+LONG_SHAPES = ((4096, 14336),)  # rows of LONG_ROWS (8192) columns or more: a 7B shape's down projection
+LONG_ROUNDS = 5
 MIN_STREAM_BYTES, MAX_STREAM_BYTES = 96 << 20, 512 << 20
 L2_AHEAD = (0, 16384, 32768, 65536)
 ROUNDS = 11
@@ -87,10 +93,15 @@ class Setting:
     l2_ahead: int
     x_copy: int
     few_rows: int = FEW_ROWS[-1]
+    l2_long: int | None = None  # the L2 prefetch distance for long rows (None: l2_ahead's)
 
     def label(self) -> str:
-        return (f"groups {self.groups}, L2 ahead {self.l2_ahead // 1024} KB, x copy {self.x_copy}, "
-                f"few rows {self.few_rows}")
+        return (f"groups {self.groups}, L2 ahead {self.l2_ahead // 1024} KB "
+                f"({self.long // 1024} KB for long rows), x copy {self.x_copy}, few rows {self.few_rows}")
+
+    @property
+    def long(self) -> int:
+        return self.l2_ahead if self.l2_long is None else self.l2_long
 
 
 _defaults: dict[int, list[int]] = {}  # the kernels' own choices per type, read before any is set
@@ -100,7 +111,7 @@ _source = "not loaded"
 
 def defaults(kernels, qtype: Q | None = None) -> list[int]:
     """The CPU's fixed choices for `qtype` (every type's as the build starts; None: Q4_K's):
-    groups, L2 prefetch distance, x copy, int steps, few rows."""
+    groups, L2 prefetch distance, x copy, int steps, few rows, L2 prefetch distance for long rows."""
     if not _defaults:
         _defaults.update({int(t): list(kernels.cpu_choices(None, int(t))) for t in TYPES})
     return list(_defaults[int(Q.Q4_K if qtype is None else qtype)])
@@ -113,12 +124,13 @@ def reset(kernels) -> None:
 
 
 def _set(kernels, qtype: Q, s: Setting) -> None:
-    kernels.cpu_choices([s.groups, s.l2_ahead, s.x_copy, defaults(kernels, qtype)[3], s.few_rows], int(qtype))
+    kernels.cpu_choices([s.groups, s.l2_ahead, s.x_copy, defaults(kernels, qtype)[3], s.few_rows, s.long],
+                        int(qtype))
 
 
 def _default_setting(kernels, qtype: Q) -> Setting:
-    g, l2, xc, _, few = defaults(kernels, qtype)
-    return Setting(g, l2, xc, few)
+    g, l2, xc, _, few, long = defaults(kernels, qtype)
+    return Setting(g, l2, xc, few, None if long == l2 else long)
 
 
 def _l3_bytes() -> int:
@@ -150,11 +162,12 @@ class Matrix:
     cols: int
 
 
-def _matrices(kernels, qtype: Q, gen: torch.Generator, stream_bytes: int) -> list[Matrix]:
-    """`stream_bytes` of matrices of `SHAPES`, alternating, in 2 MiB pages as the loader
-    keeps them."""
+def _matrices(kernels, qtype: Q, gen: torch.Generator, stream_bytes: int, shapes=None) -> list[Matrix]:
+    """`stream_bytes` of matrices of `shapes` (`SHAPES`), alternating, in 2 MiB pages as the
+    loader keeps them."""
+    shapes = shapes or SHAPES
     firsts = {}
-    for rows, cols in SHAPES:
+    for rows, cols in shapes:
         w = random_blocks(qtype, rows, cols, gen)
         if qtype in repack.TYPES:
             firsts[rows, cols] = repack.regroup_in_place(w, qtype, rows, cols, kernels), int(qtype) | repack.REGROUPED
@@ -162,12 +175,12 @@ def _matrices(kernels, qtype: Q, gen: torch.Generator, stream_bytes: int) -> lis
             firsts[rows, cols] = w, int(qtype)
     count, total = 0, 0
     while total < stream_bytes:
-        total += firsts[SHAPES[count % len(SHAPES)]][0].numel()
+        total += firsts[shapes[count % len(shapes)]][0].numel()
         count += 1
-    pages = hugepages.Pool(sum(hugepages.padded(firsts[SHAPES[i % len(SHAPES)]][0]) for i in range(count)))
+    pages = hugepages.Pool(sum(hugepages.padded(firsts[shapes[i % len(shapes)]][0]) for i in range(count)))
     out = []
     for i in range(count):
-        (w, qtype_id), (rows, cols) = firsts[SHAPES[i % len(SHAPES)]], SHAPES[i % len(SHAPES)]
+        (w, qtype_id), (rows, cols) = firsts[shapes[i % len(shapes)]], shapes[i % len(shapes)]
         out.append(Matrix(pages.take(w), qtype_id, rows, cols))
     return out
 
@@ -229,12 +242,36 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
     elif qtype in FEW_TYPES:
         for _ in FEW_ROWS:
             step()
+    del matrices
+    chosen, long_measured = _plan_long_rows(kernels, qtype, chosen, gen, step)
     return {"groups": chosen.groups, "l2_ahead": chosen.l2_ahead, "x_copy": chosen.x_copy,
-            "few_rows": chosen.few_rows,
+            "few_rows": chosen.few_rows, "l2_ahead_long": chosen.long, "long_measured": long_measured,
             "gb_per_s": round(nbytes / medians[_pick(medians, default)] / 1e9, 2),
             "default_gb_per_s": round(nbytes / medians[default] / 1e9, 2) if default in medians else None,
             "measured": [{**vars(s), "gb_per_s": round(nbytes / m / 1e9, 2)} for s, m in medians.items()],
             "few_measured": few, "stream_bytes": nbytes}
+
+
+def _plan_long_rows(kernels, qtype: Q, chosen: Setting, gen, step) -> tuple[Setting, list[dict]]:
+    """The L2 prefetch distance for long rows, the other choices as `chosen`: each distance
+    against `MIN_STREAM_BYTES` of `LONG_SHAPES` matrices, alternating round by round; the
+    short rows' distance stays unless another is more than `MARGIN` faster."""
+    matrices = _matrices(kernels, qtype, gen, MIN_STREAM_BYTES, LONG_SHAPES)
+    nbytes = sum(m.packed.numel() for m in matrices)
+    xs = {cols: torch.randn(1, cols, generator=gen) for _, cols in LONG_SHAPES}
+    settings = [Setting(chosen.groups, chosen.l2_ahead, chosen.x_copy, chosen.few_rows, l2) for l2 in L2_AHEAD]
+    times: dict[Setting, list[float]] = {s: [] for s in settings}
+    _set(kernels, qtype, settings[0])
+    _sweep_seconds(kernels, matrices, xs)  # first touch
+    for _ in range(LONG_ROUNDS):
+        for s in settings:
+            _set(kernels, qtype, s)
+            times[s].append(_sweep_seconds(kernels, matrices, xs))
+        step()
+    medians = {s: statistics.median(t) for s, t in times.items()}
+    best = _pick(medians, Setting(chosen.groups, chosen.l2_ahead, chosen.x_copy, chosen.few_rows, chosen.l2_ahead))
+    _set(kernels, qtype, best)
+    return best, [{"l2_ahead": s.long, "gb_per_s": round(nbytes / m / 1e9, 2)} for s, m in medians.items()]
 
 
 def _plan_few_rows(kernels, qtype: Q, chosen: Setting, matrices: list[Matrix], gen,
@@ -270,13 +307,13 @@ def plan(kernels, rounds: int | None = None, types=None, progress: bool = True) 
     stream = min(MAX_STREAM_BYTES, max(MIN_STREAM_BYTES, 3 * _l3_bytes()))
     started, cpu_started = time.perf_counter(), _cpu_seconds()
     result = {}
-    with tqdm(total=len(types) * rounds + len(FEW_ROWS) * len(FEW_TYPES & set(types)), desc="planning kernel choices", unit="round", disable=not progress,
-              leave=False) as bar:
+    total = len(types) * (rounds + LONG_ROUNDS) + len(FEW_ROWS) * len(FEW_TYPES & set(types))
+    with tqdm(total=total, desc="planning kernel choices", unit="round", disable=not progress, leave=False) as bar:
         for qtype in types:
             bar.set_postfix_str(qtype.name)
             result[qtype.name] = _plan_type(kernels, qtype, stream, rounds, lambda: bar.update(1))
             c = result[qtype.name]
-            _set(kernels, qtype, Setting(c["groups"], c["l2_ahead"], c["x_copy"], c["few_rows"]))
+            _set(kernels, qtype, Setting(c["groups"], c["l2_ahead"], c["x_copy"], c["few_rows"], c["l2_ahead_long"]))
     wall, threads = time.perf_counter() - started, torch.get_num_threads()
     share = (_cpu_seconds() - cpu_started) / (wall * threads) if wall > 0 else 1.0
     return {"version": VERSION, "build": native.built, "cpu": cpu_name(), "threads": threads,
@@ -325,7 +362,8 @@ def apply(kernels, data: dict, where: str) -> None:
             if qtype is None:
                 raise KeyError(name)
             _set(kernels, qtype, Setting(int(c["groups"]), int(c["l2_ahead"]), int(c["x_copy"]),
-                                         int(c.get("few_rows", defaults(kernels, qtype)[4]))))
+                                         int(c.get("few_rows", defaults(kernels, qtype)[4])),
+                                         int(c.get("l2_ahead_long", c["l2_ahead"]))))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             if qtype is None:
                 raise MinervaError(f"{where}: {name!r} is not a type the int8 kernels multiply") from None
@@ -425,11 +463,12 @@ def table(data: dict, bandwidth: float | None = None) -> list[str]:
     """One line per type: the setting chosen, the one-row bandwidth it streamed at (and with
     the CPU's defaults), and with `bandwidth` (bytes/s, a probe's) the share of it."""
     share = bandwidth is not None
-    lines = [f"{'type':6} {'groups':>6} {'L2 ahead':>9} {'x copy':>6} {'few rows':>8} {'GB/s':>7} {'default':>8}"
-             + ("  of probe" if share else "")]
+    lines = [f"{'type':6} {'groups':>6} {'L2 ahead':>9} {'long rows':>9} {'x copy':>6} {'few rows':>8} {'GB/s':>7} "
+             f"{'default':>8}" + ("  of probe" if share else "")]
     for name, c in data["types"].items():
         d = c.get("default_gb_per_s")
-        lines.append(f"{name:6} {c['groups']:>6} {c['l2_ahead'] // 1024:>6} KB {c['x_copy']:>6} "
+        lines.append(f"{name:6} {c['groups']:>6} {c['l2_ahead'] // 1024:>6} KB "
+                     f"{c.get('l2_ahead_long', c['l2_ahead']) // 1024:>6} KB {c['x_copy']:>6} "
                      f"{c['few_rows'] if c.get('few_measured') else '-':>8} "
                      f"{c['gb_per_s']:>7.1f} {'' if d is None else f'{d:.1f}':>8}"
                      + (f"  {c['gb_per_s'] * 1e9 / bandwidth:>7.0%}" if share else ""))

@@ -34,6 +34,8 @@ def small(monkeypatch):
     monkeypatch.setattr(tune, "MIN_STREAM_BYTES", 4 << 20)
     monkeypatch.setattr(tune, "_l3_bytes", lambda: 1 << 20)
     monkeypatch.setattr(tune, "SHAPES", ((512, 1024), (256, 2048)))
+    monkeypatch.setattr(tune, "LONG_SHAPES", ((64, 8192),))  # the kernels' long rows: 8192 columns or more
+    monkeypatch.setattr(tune, "LONG_ROUNDS", 2)
 
 
 def _product(qtype: Q, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -53,8 +55,8 @@ def test_random_blocks_decode_to_finite_normal_weights():
 
 
 def test_choices_are_per_type_and_change_no_result(restore):
-    g, l2, xc, steps, few = tune.defaults(kernels, Q.Q4_0)
-    other = [1 if g != 1 else 2, 65536 if l2 == 0 else 0, xc, steps, 3 if few != 3 else 8]
+    g, l2, xc, steps, few, long = tune.defaults(kernels, Q.Q4_0)
+    other = [1 if g != 1 else 2, 65536 if l2 == 0 else 0, xc, steps, 3 if few != 3 else 8, 16384 if long != 16384 else 0]
     q4_k = kernels.cpu_choices(None, int(Q.Q4_K))
     kernels.cpu_choices(other, int(Q.Q4_0))
     assert kernels.cpu_choices(None, int(Q.Q4_0)) == other
@@ -96,6 +98,7 @@ def test_plan_measures_every_setting_and_puts_the_fastest_in_force(small, restor
         in_force = kernels.cpu_choices(None, int(getattr(Q, name)))
         assert in_force[:3] == [c["groups"], c["l2_ahead"], c["x_copy"]] and in_force[4] == c["few_rows"]
         assert in_force[3] == tune.defaults(kernels)[3]  # the bits' choice is never planned
+        assert in_force[5] == c["l2_ahead_long"] and len(c["long_measured"]) == len(tune.L2_AHEAD)
     few = data["types"]["Q4_0"]["few_measured"]  # the few-row paths, both timed at each count
     assert [m["rows"] for m in few] == list(tune.FEW_ROWS) and all(m["streams_ms"] > 0 < m["panels_ms"] for m in few)
     assert data["types"]["Q4_K"]["few_measured"] == [] and data["types"]["Q4_K"]["few_rows"] == tune.defaults(kernels, Q.Q4_K)[4]
@@ -199,7 +202,7 @@ def test_no_tune_keeps_the_defaults(monkeypatch, restore):
 
 
 def _choices_file(tmp_path, **changes):
-    g, l2, xc, _, _ = tune.defaults(kernels, Q.Q5_0)
+    g, l2, xc, _, _, _ = tune.defaults(kernels, Q.Q5_0)
     data = {"version": tune.VERSION, "build": native.built,
             "types": {"Q5_0": {"groups": g, "l2_ahead": 16384, "x_copy": xc, "gb_per_s": 1.0}}}
     data.update(changes)

@@ -26,7 +26,7 @@ std::array<TypeChoices, CHOICE_TYPES> type_choices = [] {
   std::array<TypeChoices, CHOICE_TYPES> out{};
   for (int qt = 0; qt < CHOICE_TYPES; ++qt)
     out[qt] = {is_k_type(qt) ? vendor_choices.groups : 4, vendor_choices.l2_ahead, vendor_choices.x_copy,
-               FEW_ROWS_DEFAULT};
+               FEW_ROWS_DEFAULT, vendor_choices.l2_ahead};
   return out;
 }();
 
@@ -41,23 +41,24 @@ std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_
   const TypeChoices& c = type_choices[qtype == -1 ? Q4_K : qtype];
   // every type (-1): the four shared choices (each 32-weight type keeps its own few rows)
   std::vector<int64_t> was{c.groups, c.l2_ahead, c.x_copy, int_steps};
-  if (qtype != -1) was.push_back(c.few_rows);
+  if (qtype != -1) was.insert(was.end(), {c.few_rows, c.l2_long});
   if (set) {
     const auto& v = *set;
     const int64_t most_groups = qtype == -1 || is_k_type(qtype) ? 2 : 4;
-    TORCH_CHECK((v.size() == 4 || v.size() == 5) && v[0] >= 1 && v[0] <= most_groups && v[1] >= 0 &&
+    TORCH_CHECK(v.size() >= 4 && v.size() <= 6 && v[0] >= 1 && v[0] <= most_groups && v[1] >= 0 &&
                     (v[2] == 0 || v[2] == 1) && (v[3] == 0 || v[3] == 1) &&
-                    (v.size() == 4 || (v[4] >= 1 && v[4] <= FEW_ROWS_MOST)),
+                    (v.size() == 4 || (v[4] >= 1 && v[4] <= FEW_ROWS_MOST)) && (v.size() < 6 || v[5] >= 0),
                 "cpu_choices takes [groups (1 or 2 for the K-quants, 1 to 4 for the 32-weight block types), "
                 "L2 prefetch distance in bytes (>= 0), x copy (0 or 1), int steps (0 or 1), and optionally "
-                "few rows (1 to ", FEW_ROWS_MOST, ")]");
+                "few rows (1 to ", FEW_ROWS_MOST, ") and the L2 prefetch distance for rows of ", LONG_ROWS,
+                " columns or more (>= 0; else the first)]");
     int_steps = v[3];
     for (int qt = 0; qt < CHOICE_TYPES; ++qt) {
       if (!int8_type(qt) || (qtype != -1 && qt != qtype)) continue;
       // every type (-1): the groups go to the K-quants; the 32-weight types' streams are set per type
       const TypeChoices& t = type_choices[qt];
       type_choices[qt] = {qtype == -1 && !is_k_type(qt) ? t.groups : v[0], v[1], v[2],
-                          v.size() == 5 ? v[4] : t.few_rows};
+                          v.size() >= 5 ? v[4] : t.few_rows, v.size() == 6 ? v[5] : v[1]};
     }
   }
   return was;

@@ -77,9 +77,14 @@ extern const CpuChoices vendor_choices;  // the CPU vendor's (q8_cpu.cpp)
 // until the planner measures it (4 groups' accumulators for FEW_MR rows and a block's values
 // outgrow AVX2's 16 registers).
 // int_steps, which changes the bits, stays one choice for every type.
+// l2_long: `l2_ahead` for rows of LONG_ROWS columns or more, planned apart: with the
+// planner's alternating sweeps on Zen 4, regrouped Q4_K at 4096 x 14336 (a 7B shape's down
+// projection) streamed 25.3 GB/s without the L2 prefetch and 31.6 with it 32 KB ahead, while
+// at 14336 x 4096 and at the 1.1B shapes no prefetch stayed the fastest (32.6, 34.1 GB/s).
 struct TypeChoices {
-  int64_t groups, l2_ahead, x_copy, few_rows;
+  int64_t groups, l2_ahead, x_copy, few_rows, l2_long;
 };
+constexpr int64_t LONG_ROWS = 8192;
 constexpr int64_t FEW_ROWS_MOST = 8;
 #if defined(__AVX512F__)
 constexpr int64_t FEW_ROWS_DEFAULT = FEW_ROWS_MOST;
@@ -97,6 +102,11 @@ template <int QT>
 inline const TypeChoices& choices_of() {
   static_assert(QT >= 0 && QT < CHOICE_TYPES);
   return type_choices[QT];
+}
+// the L2 prefetch distance for one row of x against rows of K columns
+template <int QT>
+inline int64_t l2_ahead_for(int64_t K) {
+  return K >= LONG_ROWS ? choices_of<QT>().l2_long : choices_of<QT>().l2_ahead;
 }
 static_assert(Q4_0 < CHOICE_TYPES && Q4_1 < CHOICE_TYPES && Q5_0 < CHOICE_TYPES && Q5_1 < CHOICE_TYPES &&
                   Q8_0 < CHOICE_TYPES && MXFP4 < CHOICE_TYPES && Q2_K < CHOICE_TYPES && Q3_K < CHOICE_TYPES &&

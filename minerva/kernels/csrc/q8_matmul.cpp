@@ -249,8 +249,9 @@ void row1(const Q8& a, const uint8_t* row, int64_t rb, float* y, const uint8_t* 
   [[maybe_unused]] float pscale[ONE_SUM ? nb : 1][8];
   const int64_t ahead = nb * rb, step = (nb * rb + a.G - 1) / a.G;
   // the tile l2_ahead or more bytes ahead (at least 2 tiles), while still in the chunk
-  const int64_t far = std::max<int64_t>(2, (choices_of<QT>().l2_ahead + ahead - 1) / ahead) * ahead;
-  const bool to_l2 = choices_of<QT>().l2_ahead > 0 && row + far + ahead <= end;
+  const int64_t l2_ahead = l2_ahead_for<QT>(a.K);
+  const int64_t far = std::max<int64_t>(2, (l2_ahead + ahead - 1) / ahead) * ahead;
+  const bool to_l2 = l2_ahead > 0 && row + far + ahead <= end;
   for (int64_t g = 0; g < a.G; ++g) {
     if (to_l2)
       for (int64_t o = g * step; o < (g + 1) * step; o += 64) prefetch_l2(row + far + o);

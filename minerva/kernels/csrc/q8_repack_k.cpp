@@ -238,7 +238,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
   // a super-block copied side by side, so that one base register addresses them all
   constexpr bool XCOPY = X_COPY && TWO && mr > 1;
   alignas(64) int8_t xt[XCOPY ? mr : 1][256];
-  const int64_t FAR = choices_of<QT>().l2_ahead / BYTES * BYTES;  // a super-block's place in a group further on
+  const int64_t FAR = l2_ahead_for<QT>(a.K) / BYTES * BYTES;  // a super-block's place in a group further on
   // the super-blocks whose weights FAR bytes on are still in the chunk (none without the prefetch)
   const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, TWO ? group_bytes : 0, FAR, BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
@@ -439,7 +439,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
   const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, TWO ? group_bytes : 0, FAR, BYTES, end, a.G);
   // Intel's choice (choices.l2_ahead): the prefetches sub-block by sub-block (prefetch_eighth);
   // elsewhere the L2 prefetch as measured on Zen 4 (above), all at the super-block's start
-  const bool spread = choices_of<QT>().l2_ahead > 0;
+  const bool spread = l2_ahead_for<QT>(a.K) > 0;
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * BYTES;
     const int64_t gb = opaque(group_bytes);

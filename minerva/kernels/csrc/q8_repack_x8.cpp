@@ -122,7 +122,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
   using X = X8<QT>;
   __m256 acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t FAR = choices_of<QT>().l2_ahead / X::BYTES * X::BYTES;
+  const int64_t FAR = l2_ahead_for<QT>(a.K) / X::BYTES * X::BYTES;
   const int64_t far_g = mr > 1 ? 0 : far_blocks(grp, 0, FAR, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * X::BYTES;
@@ -193,7 +193,7 @@ void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, 
   __m256 acc[NG][MR];
   for (int n = 0; n < NG; ++n)
     for (int i = 0; i < MR; ++i) acc[n][i] = _mm256_setzero_ps();
-  const int64_t far = choices_of<QT>().l2_ahead > 0 ? NG * gb : 0;  // the next work item's same place
+  const int64_t far = l2_ahead_for<QT>(a.K) > 0 ? NG * gb : 0;  // the next work item's same place
   const int64_t far_g = far_blocks(grp, (NG - 1) * gb, far, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     // each stream's lines that block g reaches for the first time, far bytes on

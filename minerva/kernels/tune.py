@@ -19,10 +19,8 @@ planner times them, as FFTW's planner and Triton's autotuner do:
   rows of x against one matrix for `x_copy`; for `few_rows`, 2, 4 and 8 rows of x against the
   same matrices, both paths, and the one-row streams are taken up to the largest row count at
   which they were not slower at that count and every smaller one;
-- the L2 prefetch distance again for long rows (`l2_long`, rows of the kernels' `LONG_ROWS`
-  columns or more: 4096 x 14336, a 7B shape's down projection, `LONG_ROUNDS` rounds), with
-  the groups chosen above: on Zen 4 such rows stream 1.25x faster with the prefetch that the
-  1.1B shapes do best without;
+- the L2 prefetch distance again for long rows (`l2_long`: 8192 columns or more; 4096 x 14336,
+  a 7B shape's down projection), the rest as chosen: Zen 4's Q4_K wanted one only there;
 - the settings alternate round by round, and each one's median sweep counts; a setting
   replaces the CPU's default only when it is more than `MARGIN` faster, so noise does not
   pick;
@@ -95,10 +93,6 @@ class Setting:
     few_rows: int = FEW_ROWS[-1]
     l2_long: int | None = None  # the L2 prefetch distance for long rows (None: l2_ahead's)
 
-    def label(self) -> str:
-        return (f"groups {self.groups}, L2 ahead {self.l2_ahead // 1024} KB "
-                f"({self.long // 1024} KB for long rows), x copy {self.x_copy}, few rows {self.few_rows}")
-
     @property
     def long(self) -> int:
         return self.l2_ahead if self.l2_long is None else self.l2_long
@@ -163,8 +157,7 @@ class Matrix:
 
 
 def _matrices(kernels, qtype: Q, gen: torch.Generator, stream_bytes: int, shapes=None) -> list[Matrix]:
-    """`stream_bytes` of matrices of `shapes` (`SHAPES`), alternating, in 2 MiB pages as the
-    loader keeps them."""
+    """`stream_bytes` of matrices of `shapes` (`SHAPES`), alternating, in 2 MiB pages as the loader keeps them."""
     shapes = shapes or SHAPES
     firsts = {}
     for rows, cols in shapes:
@@ -201,6 +194,19 @@ def settings_one_row(kernels, qtype: Q) -> list[Setting]:
     return [Setting(g, l2, d.x_copy, d.few_rows) for g in groups for l2 in L2_AHEAD]
 
 
+def _alternating(kernels, qtype: Q, settings: list[Setting], matrices: list[Matrix], xs: dict, rounds: int,
+                 step) -> dict[Setting, float]:
+    """Each setting's median sweep over `matrices`, the settings taking turns round by round."""
+    times: dict[Setting, list[float]] = {s: [] for s in settings}
+    _sweep_seconds(kernels, matrices, xs)  # first touch: pages, caches
+    for _ in range(rounds):
+        for s in settings:
+            _set(kernels, qtype, s)
+            times[s].append(_sweep_seconds(kernels, matrices, xs))
+        step()
+    return {s: statistics.median(t) for s, t in times.items()}
+
+
 def _pick(medians: dict[Setting, float], default: Setting) -> Setting:
     best = min(medians, key=medians.get)
     if default in medians and medians[default] <= medians[best] * (1 + MARGIN):
@@ -215,14 +221,7 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
     xs = {cols: torch.randn(1, cols, generator=gen) for _, cols in SHAPES}
     default = _default_setting(kernels, qtype)
     settings = settings_one_row(kernels, qtype)
-    times: dict[Setting, list[float]] = {s: [] for s in settings}
-    _sweep_seconds(kernels, matrices, xs)  # first touch: pages, caches
-    for _ in range(rounds):
-        for s in settings:
-            _set(kernels, qtype, s)
-            times[s].append(_sweep_seconds(kernels, matrices, xs))
-        step()
-    medians = {s: statistics.median(t) for s, t in times.items()}
+    medians = _alternating(kernels, qtype, settings, matrices, xs, rounds, step)
     chosen = _pick(medians, default)
     x_copy = chosen.x_copy
     many = {}
@@ -242,7 +241,6 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
     elif qtype in FEW_TYPES:
         for _ in FEW_ROWS:
             step()
-    del matrices
     chosen, long_measured = _plan_long_rows(kernels, qtype, chosen, gen, step)
     return {"groups": chosen.groups, "l2_ahead": chosen.l2_ahead, "x_copy": chosen.x_copy,
             "few_rows": chosen.few_rows, "l2_ahead_long": chosen.long, "long_measured": long_measured,
@@ -253,24 +251,14 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
 
 
 def _plan_long_rows(kernels, qtype: Q, chosen: Setting, gen, step) -> tuple[Setting, list[dict]]:
-    """The L2 prefetch distance for long rows, the other choices as `chosen`: each distance
-    against `MIN_STREAM_BYTES` of `LONG_SHAPES` matrices, alternating round by round; the
-    short rows' distance stays unless another is more than `MARGIN` faster."""
+    """The L2 prefetch distance for long rows, the rest as `chosen`, on `MIN_STREAM_BYTES` of
+    `LONG_SHAPES` matrices: the short rows' stays unless another is `MARGIN` faster."""
     matrices = _matrices(kernels, qtype, gen, MIN_STREAM_BYTES, LONG_SHAPES)
     nbytes = sum(m.packed.numel() for m in matrices)
     xs = {cols: torch.randn(1, cols, generator=gen) for _, cols in LONG_SHAPES}
     settings = [Setting(chosen.groups, chosen.l2_ahead, chosen.x_copy, chosen.few_rows, l2) for l2 in L2_AHEAD]
-    times: dict[Setting, list[float]] = {s: [] for s in settings}
-    _set(kernels, qtype, settings[0])
-    _sweep_seconds(kernels, matrices, xs)  # first touch
-    for _ in range(LONG_ROUNDS):
-        for s in settings:
-            _set(kernels, qtype, s)
-            times[s].append(_sweep_seconds(kernels, matrices, xs))
-        step()
-    medians = {s: statistics.median(t) for s, t in times.items()}
+    medians = _alternating(kernels, qtype, settings, matrices, xs, LONG_ROUNDS, step)
     best = _pick(medians, Setting(chosen.groups, chosen.l2_ahead, chosen.x_copy, chosen.few_rows, chosen.l2_ahead))
-    _set(kernels, qtype, best)
     return best, [{"l2_ahead": s.long, "gb_per_s": round(nbytes / m / 1e9, 2)} for s, m in medians.items()]
 
 

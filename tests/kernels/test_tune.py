@@ -79,6 +79,10 @@ def test_a_choice_for_a_type_the_kernels_do_not_take_is_refused(restore):
         kernels.cpu_choices([5, 0, 0, 1], int(Q.Q4_0))
     with pytest.raises(RuntimeError, match="cpu_choices"):
         kernels.cpu_choices([3, 0, 0, 1], int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="cpu_choices"):
+        kernels.cpu_choices([1, 0, 0, 1, 8, -1], int(Q.Q4_K))  # a negative long-row distance
+    with pytest.raises(RuntimeError, match="cpu_choices"):
+        kernels.cpu_choices([1, 0, 0, 1, 8, 0, 0], int(Q.Q4_K))  # too many values
 
 
 def test_plan_measures_every_setting_and_puts_the_fastest_in_force(small, restore, monkeypatch):
@@ -227,6 +231,8 @@ def test_a_pinned_file_is_put_in_force(monkeypatch, restore, tmp_path):
     ({"types": {"Q4_0": {"groups": 7, "l2_ahead": 0, "x_copy": 0}}}, "the choices for Q4_0 are not valid"),
     ({"types": {"Q4_0": {"groups": 4, "l2_ahead": 0, "x_copy": 0, "few_rows": 0}}}, "the choices for Q4_0 are not valid"),
     ({"types": {"Q4_0": {"groups": 4, "l2_ahead": 0, "x_copy": 0, "few_rows": "lots"}}}, "the choices for Q4_0 are not valid"),
+    ({"types": {"Q4_K": {"groups": 1, "l2_ahead": 0, "x_copy": 0, "l2_ahead_long": -1}}}, "the choices for Q4_K are not valid"),
+    ({"types": {"Q4_K": {"groups": 1, "l2_ahead": 0, "x_copy": 0, "l2_ahead_long": "far"}}}, "the choices for Q4_K are not valid"),
 ])
 def test_a_bad_pinned_file_is_one_clear_error(monkeypatch, restore, tmp_path, changes, message):
     _fresh(monkeypatch)

@@ -7,8 +7,9 @@ against another checkout's build on a shared, noisy host.
 This checkout's kernels are "new", the checkout given by --base "base"; each is built (or found
 in its cache) by its own checkout, in a process of its own, then both are loaded here. One
 packed matrix (random blocks, as `int8_kernels.py` makes them, regrouped by this checkout where
-the type is) is multiplied by both builds in turn, a few milliseconds apart so that the idle
-build's helper threads have gone to sleep, for --pairs pairs, the order swapped every pair.
+the type is, in 2 MiB pages as the loader keeps weights) is multiplied by both builds in turn, for --pairs pairs, the order swapped every pair: a turn is
+one call (to wake the build's threads) and then --calls calls back to back, whose median counts,
+and a few milliseconds' pause, so that the idle build's threads have gone to sleep.
 Prints each build's median and best multiply-adds per second, the median of the pairs' speed
 ratios (new over base) with its quartiles, and whether both gave the same bits (a change that
 alters the packed layout or the arithmetic shows here, and its timing means little then).
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 
 from int8_kernels import AS_STORED, random_matrix  # (this script's folder is on the path)
-from minerva.kernels import native, repack
+from minerva.kernels import hugepages, native, repack
 
 Q = gguf.GGMLQuantizationType
 BUILD = ("from minerva.kernels import native\n"
@@ -51,8 +52,10 @@ def build_of(tree: Path) -> Path:
 
 
 def load_build(build: Path):
+    """The module built in `build`, under a name of its own: under the same name as the loaded
+    one, Python would hand back that one."""
     so = build / "minerva_qmatmul.so"
-    spec = importlib.util.spec_from_file_location("minerva_qmatmul", so)
+    spec = importlib.util.spec_from_file_location("kernel_ab_base.minerva_qmatmul", so)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -65,12 +68,14 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=5632)
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--m", type=int, default=512, help="rows of x")
-    ap.add_argument("--pairs", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=5, help="calls a turn, back to back")
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (0: torch's setting)")
     args = ap.parse_args()
     block = gguf.GGML_QUANT_SIZES[Q[args.type]][0]
-    if args.m < 1 or args.rows < 1 or args.cols < 1 or args.cols % block or args.pairs < 2:
-        ap.error(f"--m, --rows must be positive, --cols a multiple of {args.type}'s block of {block}, --pairs 2 or more")
+    if args.m < 1 or args.rows < 1 or args.cols < 1 or args.cols % block or args.pairs < 2 or args.calls < 1:
+        ap.error(f"--m, --rows must be positive, --cols a multiple of {args.type}'s block of {block}, "
+                 "--pairs 2 or more, --calls 1 or more")
     base_tree = Path(args.base).expanduser().resolve()
     if not (base_tree / "minerva" / "kernels" / "native.py").is_file():
         ap.error(f"--base {args.base}: not a checkout of Minerva (no minerva/kernels/native.py there)")
@@ -89,15 +94,19 @@ def main() -> int:
     code = int(qtype)
     if args.type not in AS_STORED:
         w, code = repack.regroup_in_place(w, qtype, args.rows, args.cols, new), code | repack.REGROUPED
+    w = hugepages.Pool(hugepages.padded(w)).take(w)  # in 2 MiB pages, as the loader keeps weights
     x = torch.randn(args.m, args.cols)
     same = torch.equal(new.qmatmul_q8(x, w, code, args.rows, args.cols), base.qmatmul_q8(x, w, code, args.rows, args.cols))
 
-    def timed(k) -> float:
-        start = time.perf_counter()
+    def timed(k) -> float:  # a turn: one call to wake the build's threads, then the median of --calls
         k.qmatmul_q8(x, w, code, args.rows, args.cols)
-        seconds = time.perf_counter() - start
-        time.sleep(0.005)  # the other build's helpers spin 2 ms before sleeping
-        return seconds
+        times = []
+        for _ in range(args.calls):
+            start = time.perf_counter()
+            k.qmatmul_q8(x, w, code, args.rows, args.cols)
+            times.append(time.perf_counter() - start)
+        time.sleep(0.005)  # the helpers spin 2 ms before sleeping: the other build's turn has the cores
+        return statistics.median(times)
 
     t_new, t_base = [], []
     for i in range(args.pairs):

@@ -46,7 +46,10 @@ HEADERS = [CSRC / name for name in (
     "attention_tensor.h", "q8_blocks.h", "q8_quant.h", "q8_cpu.h", "q8_kernels.h", "q8_repack.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
-CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+# -fvisibility=hidden: the module exports its Python entry point alone (pybind11's advice), so
+# its own calls bind within it and no other library in the process can take them over.
+CFLAGS = ["-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
+          "-fvisibility=hidden"]
 LDFLAGS = ["-fopenmp"]
 # what each build needs from the CPU, best first
 NEEDED_CPU_FLAGS = {

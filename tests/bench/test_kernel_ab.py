@@ -60,3 +60,17 @@ def test_a_base_whose_kernels_do_not_build_names_it_and_why(tmp_path):
     with pytest.raises(SystemExit) as e:
         kernel_ab.build_of(tmp_path)
     assert str(e.value) == f"kernel_ab: the kernels of {tmp_path} did not build: no compiler here"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native.isa() != "avx512", reason="this CPU has one kernel build only (or none)")
+def test_another_build_loads_beside_this_one_as_a_module_of_its_own(monkeypatch):
+    """The AVX2 build stands in for another checkout's: under the loaded module's name, Python
+    handed back the loaded module, and both 'builds' ran the same code."""
+    this = native.load()
+    monkeypatch.setenv("MINERVA_ISA", "avx2")
+    other_dir = kernel_ab.build_of(ROOT)
+    assert other_dir != native.build_dir()
+    other = kernel_ab.load_build(other_dir)
+    assert other is not this and other.qmatmul_q8 is not this.qmatmul_q8
+    assert Path(other.__file__).parent == other_dir

@@ -642,6 +642,8 @@ struct Experts {
 
 }  // namespace
 
+// The classes are module_local: two builds of this module can be loaded side by side (as
+// benchmarks/kernel_ab.py does, under two names) without their types clashing in pybind11.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
   m.def("qmatmul_q8", &qmatmul_q8,
@@ -686,16 +688,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");
   m.def("act_mul", &act_mul, "act(gate) * up", py::arg("gu"), py::arg("act"), py::arg("limit") = 0.0,
         py::arg("alpha") = 0.0);
-  py::class_<Packed>(m, "Packed")
+  py::class_<Packed>(m, "Packed", py::module_local())
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, bool>(), py::arg("bytes"), py::arg("qtype"),
            py::arg("rows"), py::arg("cols"), py::arg("int8") = false);
-  py::class_<LoraRows, std::shared_ptr<LoraRows>>(m, "LoraRows", "a step's adapted rows, shared by native layers")
+  py::class_<LoraRows, std::shared_ptr<LoraRows>>(m, "LoraRows", "a step's adapted rows, shared by native layers",
+                                                  py::module_local())
       .def(py::init<>())
       .def("set", [](LoraRows& r, torch::Tensor order, torch::Tensor bounds) {
         r.order = order, r.bounds = bounds, r.active = true;
       })
       .def("clear", [](LoraRows& r) { r.order = r.bounds = torch::Tensor(), r.active = false; });
-  py::class_<DecoderLayer>(m, "DecoderLayer")
+  py::class_<DecoderLayer>(m, "DecoderLayer", py::module_local())
       .def(py::init([](std::vector<Packed> qkv, Packed o, std::vector<Packed> gate_up, Packed down,
                        torch::Tensor input_norm,
                        torch::Tensor pre_mlp_norm, std::optional<torch::Tensor> post_attn_norm,
@@ -727,7 +730,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_step", &forward_step, "a decode step from token ids: embedding rows, rotary tables, forward_logits");
   m.def("forward_steps", &forward_steps,
         "greedy decode steps, each one's argmax fed back in: (tokens of each step, last hidden states, last logits)");
-  py::class_<minerva::Exchange>(m, "Exchange")
+  py::class_<minerva::Exchange>(m, "Exchange", py::module_local())
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, std::vector<int64_t>>(), py::arg("segment"),
            py::arg("rank"), py::arg("world"), py::arg("slot_bytes"), py::arg("pids"))
       .def_static("bytes_needed", &minerva::Exchange::bytes_needed)
@@ -735,9 +738,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("broadcast", &minerva::Exchange::broadcast, "rank 0's int64 vector to every rank")
       .def("gather", &minerva::Exchange::gather, "every rank's tensor, stacked on rank 0")
       .def_property_readonly("wait_seconds", &minerva::Exchange::wait_seconds);
-  py::class_<Linear>(m, "Linear").def(py::init<Packed, std::optional<torch::Tensor>>());
-  py::class_<Expert>(m, "Expert").def(py::init<std::vector<Linear>, Linear>());
-  py::class_<Experts>(m, "Experts")
+  py::class_<Linear>(m, "Linear", py::module_local()).def(py::init<Packed, std::optional<torch::Tensor>>());
+  py::class_<Expert>(m, "Expert", py::module_local()).def(py::init<std::vector<Linear>, Linear>());
+  py::class_<Experts>(m, "Experts", py::module_local())
       .def(py::init<std::vector<Expert>, int64_t, double, double>())
       .def_readonly("grouped", &Experts::grouped)
       .def("groups", &Experts::groups, "whether x (its dtype) takes the grouped path")

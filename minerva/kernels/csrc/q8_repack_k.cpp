@@ -218,9 +218,29 @@ struct XK {
 // With IN_PLACE the even sub-blocks' scales are taken times 16, so the sum is 16x the exact
 // one, and d / 16 (exact) meets it: the same product. No step overflows: 8 sub-blocks of at
 // most 32 * 240 * 127 * 63 (Q4_K, either way) or 32 * 31 * 127 * 63 (Q5_K) stay below 2^29.
-template <class V, int QT, int mr, bool X_COPY, bool INT>  // (X_COPY, INT false unless given: q8_repack.h)
+// Q5_K: sub-block s's chunk c of the rows (V16: both groups'), each weight's 5 bits as a byte
+// (the low nibble, or the high one, of qs chunk 8 (s / 2) + c and bit s of qh chunk c)
+template <class V>
+inline typename V::I q5_chunk(const uint8_t* b, int64_t gb, int s, int c) {
+  const typename V::I v = V::load(b + 384 + 32 * (8 * (s >> 1) + c), gb);
+  const typename V::I w = !(s & 1) ? V::and_(v, V::bytes(0x0F)) : move_bits(v, 4, 0, 4);
+  return V::or_(w, move_bits(V::load(b + 128 + 32 * c, gb), s, 4, 1));
+}
+
+#if defined(MINERVA_V16)
+// the pair of groups at grp and grp + gb, every chunk as q5_chunk gives it, for tile_xk's PRE
+void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out) {
+  constexpr int64_t BYTES = 8 * Layout<Q5_K>::bytes;
+  for (int64_t g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; ++s)
+      for (int c = 0; c < 8; ++c) V16::put(out + Q5_PLAIN * g + 64 * (8 * s + c), q5_chunk<V16>(grp + g * BYTES, gb, s, c));
+}
+#endif
+
+template <class V, int QT, int mr, bool X_COPY, bool INT, bool PRE>  // (X_COPY, INT, PRE false unless given: q8_repack.h)
 void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
-             const uint8_t* end) {
+             const uint8_t* end, const uint8_t* plain) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr int64_t BYTES = 8 * Layout<QT>::bytes;
@@ -246,7 +266,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
     const int64_t gb = opaque(group_bytes);
     // One row of x: the prefetches sub-block by sub-block (prefetch_eighth, below), where
     // there is the one to L2 (choices.l2_ahead); without it none.
-    if constexpr (mr > 1)
+    if constexpr (mr > 1 && !PRE)
       for (int64_t o = 0; o < BYTES; o += 64) {
         prefetch(b + 2 * BYTES + o);
         if constexpr (TWO) prefetch(b + gb + 2 * BYTES + o);
@@ -278,10 +298,10 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
     for (int s = 0; s < 8; ++s) {
       if (g < far_g) prefetch_eighth<TWO, BYTES>(b, gb, FAR, s);
       auto chunk = [&](int c) {  // sub-block s's chunk c of the rows: their unsigned values
+        if constexpr (PRE) return V::whole(plain + Q5_PLAIN * g + 64 * (8 * s + c));
+        if constexpr (FIFTH) return q5_chunk<V>(b, gb, s, c);
         const I v = V::load(b + QS_AT + 32 * (8 * (s >> 1) + c), gb);
-        const I w = !(s & 1) ? V::and_(v, V::bytes(0x0F)) : IN_PLACE ? V::and_(v, V::bytes(0xF0)) : move_bits(v, 4, 0, 4);
-        if constexpr (FIFTH) return V::or_(w, move_bits(V::load(b + 128 + 32 * c, gb), s, 4, 1));
-        return w;
+        return !(s & 1) ? V::and_(v, V::bytes(0x0F)) : IN_PLACE ? V::and_(v, V::bytes(0xF0)) : move_bits(v, 4, 0, 4);
       };
       auto x4 = [&](int i, int c) {  // x's 4 bytes against chunk c, in every lane
         int32_t xv;

@@ -208,25 +208,31 @@ def check_regrouped_kernel(kernels, qtype, rows, cols):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype, m, slices", [
+    (QT.Q5_K, 70, [(0, 1), (69, 70), (0, 31), (0, 32), (5, 45), (33, 70)]),
+    (QT.Q6_K, 140, [(0, 1), (139, 140), (0, 127), (0, 128), (5, 135), (12, 140)])], ids=["Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [56, 60])
-def test_q5_k_against_many_rows_gives_each_row_its_bits_alone(kernels, rows):
-    """From 32 rows of x on, with the int steps, regrouped Q5_K's tiles read each work item's
-    weights decoded once into a buffer (q8_repack.h's Q5_PLAIN_FROM) rather than decoding them
-    per tile: a row's result is the one it has alone or among fewer rows, and within float32
-    rounding of float64. (56 weight rows end a work item on a lone group of 8; 60 on a pair
-    whose second group is half full.)"""
+def test_many_rows_read_decoded_weights_and_give_each_row_its_bits_alone(kernels, qtype, m, slices, rows):
+    """From 32 rows of x on (Q5_K, regrouped, with the int steps) or 128 (Q6_K's panels), the
+    tiles read each work item's or panel's weights decoded once into a buffer
+    (q8_repack.h's Q5_PLAIN_FROM, Q6_PLAIN_FROM) rather than decoding them per tile: a row's
+    result is the one it has alone or among fewer rows, and within float32 rounding of float64.
+    (56 weight rows end a work item on a lone group of 8; 60 on a pair whose second group is
+    half full.)"""
     cols = 1024
-    raw = torch.from_numpy(realistic_blocks(QT.Q5_K, rows, cols, np.random.default_rng(8)))
-    regrouped = repack.regroup(raw, QT.Q5_K, rows, cols)
-    x = sample_x(70, cols, seed=9)
-    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), QT.Q5_K).reshape(rows, cols)).double()
-    expected = act_quant.round_trip(x, act_quant.block_for(QT.Q5_K)).double() @ dense.T
-    for steps in (1, 0):
-        with cpu_choice(kernels, INT_STEPS, steps):
-            full = run_kernel(kernels, QT.Q5_K, x, regrouped, rows, cols, True)
+    raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(8)))
+    regrouped = qtype == QT.Q5_K
+    packed = repack.regroup(raw, qtype, rows, cols) if regrouped else raw
+    x = sample_x(m, cols, seed=9)
+    dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(rows, cols)).double()
+    expected = act_quant.round_trip(x, act_quant.block_for(qtype)).double() @ dense.T
+    for steps in steps_choices(qtype):
+        with contextlib.nullcontext() if steps is None else cpu_choice(kernels, INT_STEPS, steps):
+            full = run_kernel(kernels, qtype, x, packed, rows, cols, regrouped)
             assert (full.double() - expected).abs().max() / expected.abs().max() < 1e-6
-            for lo, hi in [(0, 1), (69, 70), (0, 31), (0, 32), (5, 45), (33, 70)]:
-                assert torch.equal(run_kernel(kernels, QT.Q5_K, x[lo:hi], regrouped, rows, cols, True), full[lo:hi])
+            for lo, hi in slices:
+                assert torch.equal(run_kernel(kernels, qtype, x[lo:hi], packed, rows, cols, regrouped), full[lo:hi])
+
 
 @needs_kernels
 @pytest.mark.parametrize("qtype, regrouped", [(QT.Q4_K, True), (QT.Q5_K, True), (QT.Q6_K, False), (QT.Q3_K, True),

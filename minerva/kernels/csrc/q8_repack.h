@@ -78,12 +78,17 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
 // 2048 x 5632 1.089x, 32 rows 1.048x, 64 rows 1.027x, 16 rows 0.951x (the decoding not paid
 // back by 3 tiles). (The float steps, Intel's, keep decoding: not measured there.)
 constexpr int64_t Q5_PLAIN = 4096, Q5_PLAIN_FROM = 32;
+// ... and Q6_K's panels (matmul_panels) likewise, each panel's pairs of groups decoded once
+// after it is regrouped (tile_panel's PRE): the same machine and way, 5632 x 2048 at 512 rows
+// 1.088x (quartiles 1.079-1.109), 2048 x 5632 1.079x, 128 rows 1.043x, 64 rows 1.005x, 32
+// rows 0.950x (hence from 128: its tiles of 8 rows take the decoding's cost back more slowly)
+constexpr int64_t Q6_PLAIN_FROM = 128;
 #if defined(MINERVA_V16)
 void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out);
 #endif
-template <class V, int QT, int mr>
+template <class V, int QT, int mr, bool PRE = false>
 void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
-                const uint8_t* end = nullptr);
+                const uint8_t* end = nullptr, const uint8_t* plain = nullptr);
 
 // one work item: groups g0 .. g1 against all M rows of x; output column 8 g0 + c of row m at
 // y[m * ldy + c]

@@ -436,9 +436,20 @@ constexpr int64_t bit_matrix(int from, int to, int n) {
 // instead of a shift and a mask (a standalone copy of the Q6_K loop, 512 x 2048 from L2, one
 // thread, Zen 4: 9.8 TSC cycles per row and super-block against 10.5).
 constexpr int64_t PANEL_L2_AHEAD = 32768;
-template <class V, int QT, int mr>
+// Q6_K: sub-block s's chunk c (0..7) of the panel's rows (V16: both groups'), each weight's
+// stored 6 bits a byte, as tile_panel takes them with more than one row of x
+template <class V>
+inline typename V::I q6_chunk(const uint8_t* b, int64_t gb, int s, int c) {
+  using P = Panel<Q6_K>;
+  const int part = s >> 2, t = s & 3;
+  const typename V::I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
+  const typename V::I hb = move_bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
+  return V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
+}
+
+template <class V, int QT, int mr, bool PRE>
 void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
-                const uint8_t* end) {
+                const uint8_t* end, const uint8_t* plain) {
   using I = typename V::I;
   using F = typename V::F;
   using P = Panel<QT>;
@@ -542,7 +553,9 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 #pragma GCC unroll 4
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           I w;  // the stored values of the 8 (16) rows' chunk c of sub-block s
-          if constexpr (QT == Q6_K) {
+          if constexpr (PRE) {
+            w = V::whole(plain + Q5_PLAIN * g + 64 * (8 * s + c));
+          } else if constexpr (QT == Q6_K) {
             const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
             const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
             w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
@@ -635,6 +648,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
   const int64_t rb = row_bytes<QT>(a.K), gb = a.G * Panel<QT>::BYTES;  // a group's bytes in the panel
   minerva::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint8_t> panel(PANEL / 8 * gb);
+    std::vector<uint8_t> plain_buffer;
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = PANEL * blk, groups = (std::min(N, n0 + PANEL) - n0 + 7) / 8;
       columns_out(M, N, n0, std::min(N, n0 + PANEL), y_all, yb, [&](float* y, int64_t ldy) {
@@ -644,6 +658,27 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
         regroup_panel<QT>(rows, a.G, panel.data() + grp * gb);
       }
 #if defined(MINERVA_V16)
+      if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
+        const int64_t pairs = groups / 2;
+        if (static_cast<int64_t>(plain_buffer.size()) < pairs * Q5_PLAIN * a.G + 64) plain_buffer.resize(pairs * Q5_PLAIN * a.G + 64);
+        uint8_t* const plain = plain_buffer.data() + (-reinterpret_cast<intptr_t>(plain_buffer.data()) & 63);
+        for (int64_t p = 0; p < pairs; ++p)
+          for (int64_t g = 0; g < a.G; ++g)
+            for (int s = 0; s < 8; ++s)
+              for (int c = 0; c < 8; ++c)
+                V16::put(plain + (p * a.G + g) * Q5_PLAIN + 64 * (8 * s + c),
+                         q6_chunk<V16>(panel.data() + 2 * p * gb + g * Panel<QT>::BYTES, gb, s, c));
+        x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
+          constexpr int r = decltype(tile_rows)::value;
+          int64_t grp = 0;
+          auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
+          for (int64_t p = 0; p < pairs; ++p, grp += 2)
+            tile_panel<V16, QT, r, true>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * ldy + 8 * grp, ldy, nullptr,
+                                         plain + p * a.G * Q5_PLAIN);
+          if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
+        });
+        return;
+      }
       x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
         constexpr int r = decltype(tile_rows)::value;
         int64_t grp = 0;

@@ -71,13 +71,18 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
              const uint8_t* end, const uint8_t* plain = nullptr);
 // Q5_K against many rows of x with int steps: the work item's pairs of groups decoded once into
 // a buffer of the thread's, each weight's 5 bits a byte (a super-block's 16 rows x 256 weights,
-// Q5_PLAIN bytes), which every tile of x then reads as it is (tile_xk's PRE) instead of
+// PLAIN_BYTES bytes), which every tile of x then reads as it is (tile_xk's PRE) instead of
 // decoding them again; the same values, so the same bits. Zen 4, 2 threads, this and the
 // decoding tiles loaded side by side in one process, calls alternating
 // (benchmarks/kernel_ab.py): 5632 x 2048 at 512 rows of x 1.080x (quartiles 1.045-1.097),
 // 2048 x 5632 1.089x, 32 rows 1.048x, 64 rows 1.027x, 16 rows 0.951x (the decoding not paid
 // back by 3 tiles). (The float steps, Intel's, keep decoding: not measured there.)
-constexpr int64_t Q5_PLAIN = 4096, Q5_PLAIN_FROM = 32;
+constexpr int64_t PLAIN_BYTES = 4096, Q5_PLAIN_FROM = 32;
+// a 64-byte aligned run of `bytes` in `buffer`, grown as needed (the decoded weights' home)
+inline uint8_t* plain_space(std::vector<uint8_t>& buffer, int64_t bytes) {
+  if (static_cast<int64_t>(buffer.size()) < bytes + 64) buffer.resize(bytes + 64);
+  return buffer.data() + (-reinterpret_cast<intptr_t>(buffer.data()) & 63);
+}
 // ... and Q6_K's panels (matmul_panels) likewise, each panel's pairs of groups decoded once
 // after it is regrouped (tile_panel's PRE): the same machine and way, 5632 x 2048 at 512 rows
 // 1.088x (quartiles 1.079-1.109), 2048 x 5632 1.079x, 128 rows 1.043x, 64 rows 1.005x, 32
@@ -135,9 +140,8 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     };
     if (QT == Q5_K && int_steps && M >= Q5_PLAIN_FROM) {
       thread_local std::vector<uint8_t> buffer;
-      const int64_t pairs = (g1 - g0) / 2, per_pair = Q5_PLAIN * a.G;
-      if (static_cast<int64_t>(buffer.size()) < pairs * per_pair + 64) buffer.resize(pairs * per_pair + 64);
-      uint8_t* const plain = buffer.data() + (-reinterpret_cast<intptr_t>(buffer.data()) & 63);  // 64-byte aligned
+      const int64_t pairs = (g1 - g0) / 2, per_pair = PLAIN_BYTES * a.G;
+      uint8_t* const plain = plain_space(buffer, pairs * per_pair);
       for (int64_t p = 0; p < pairs; ++p) q5_decode_pair(W + (g0 + 2 * p) * gb, gb, a.G, plain + p * per_pair);
       x_tiles<V16_INT_MR>(M, [&](int64_t m, auto rows) {
         constexpr int r = decltype(rows)::value;

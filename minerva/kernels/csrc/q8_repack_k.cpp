@@ -234,7 +234,7 @@ void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out) {
   for (int64_t g = 0; g < G; ++g)
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s)
-      for (int c = 0; c < 8; ++c) V16::put(out + Q5_PLAIN * g + 64 * (8 * s + c), q5_chunk<V16>(grp + g * BYTES, gb, s, c));
+      for (int c = 0; c < 8; ++c) V16::put(out + PLAIN_BYTES * g + 64 * (8 * s + c), q5_chunk<V16>(grp + g * BYTES, gb, s, c));
 }
 #endif
 
@@ -298,7 +298,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
     for (int s = 0; s < 8; ++s) {
       if (g < far_g) prefetch_eighth<TWO, BYTES>(b, gb, FAR, s);
       auto chunk = [&](int c) {  // sub-block s's chunk c of the rows: their unsigned values
-        if constexpr (PRE) return V::whole(plain + Q5_PLAIN * g + 64 * (8 * s + c));
+        if constexpr (PRE) return V::whole(plain + PLAIN_BYTES * g + 64 * (8 * s + c));
         if constexpr (FIFTH) return q5_chunk<V>(b, gb, s, c);
         const I v = V::load(b + QS_AT + 32 * (8 * (s >> 1) + c), gb);
         return !(s & 1) ? V::and_(v, V::bytes(0x0F)) : IN_PLACE ? V::and_(v, V::bytes(0xF0)) : move_bits(v, 4, 0, 4);
@@ -554,7 +554,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           I w;  // the stored values of the 8 (16) rows' chunk c of sub-block s
           if constexpr (PRE) {
-            w = V::whole(plain + Q5_PLAIN * g + 64 * (8 * s + c));
+            w = V::whole(plain + PLAIN_BYTES * g + 64 * (8 * s + c));
           } else if constexpr (QT == Q6_K) {
             const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
             const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
@@ -660,13 +660,12 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
 #if defined(MINERVA_V16)
       if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
         const int64_t pairs = groups / 2;
-        if (static_cast<int64_t>(plain_buffer.size()) < pairs * Q5_PLAIN * a.G + 64) plain_buffer.resize(pairs * Q5_PLAIN * a.G + 64);
-        uint8_t* const plain = plain_buffer.data() + (-reinterpret_cast<intptr_t>(plain_buffer.data()) & 63);
+        uint8_t* const plain = plain_space(plain_buffer, pairs * PLAIN_BYTES * a.G);
         for (int64_t p = 0; p < pairs; ++p)
           for (int64_t g = 0; g < a.G; ++g)
             for (int s = 0; s < 8; ++s)
               for (int c = 0; c < 8; ++c)
-                V16::put(plain + (p * a.G + g) * Q5_PLAIN + 64 * (8 * s + c),
+                V16::put(plain + (p * a.G + g) * PLAIN_BYTES + 64 * (8 * s + c),
                          q6_chunk<V16>(panel.data() + 2 * p * gb + g * Panel<QT>::BYTES, gb, s, c));
         x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
           constexpr int r = decltype(tile_rows)::value;
@@ -674,7 +673,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
           auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
           for (int64_t p = 0; p < pairs; ++p, grp += 2)
             tile_panel<V16, QT, r, true>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * ldy + 8 * grp, ldy, nullptr,
-                                         plain + p * a.G * Q5_PLAIN);
+                                         plain + p * a.G * PLAIN_BYTES);
           if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
         });
         return;

@@ -162,14 +162,15 @@ def steps_choices(qtype):
 
 @needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [40, 37, 48, 56])
+@pytest.mark.parametrize("rows", [40, 37, 48, 56, 60])
 def test_regrouped_kernel_matches_the_reference_and_is_batch_invariant(kernels, qtype, rows):
     """Q4_0 .. MXFP4 and Q3_K: bit for bit the GGML layout's kernel. Q8_0, Q2_K, Q4_K, Q5_K (each output's block
     or super-block sum in one lane rather than eight): float64 x̃ @ W within float32 rounding.
     Every type: a row's result does not depend on the batch or the threads (the 32-weight block
     types' one-row path takes 2, 3 or 4 groups of 8 rows at a time where rows are long, 2048
     columns here, one at a time where they are short, 512: 40 rows end on one group, 37 on a
-    short one, 48 and 56 on 2 and 3). Q4_K and
+    short one, 48 and 56 on 2 and 3; 60 on 4 groups whose last is half full, which Q8_0's
+    tiles, two groups a register with AVX-512 VNNI, take with the one before). Q4_K and
     Q5_K: with their sub-blocks scaled in float and in i32 (`cpu_choices`), each."""
     for cols in (512, 2048) if qtype in EXACT else (512,):
         for steps in steps_choices(qtype):

@@ -64,6 +64,10 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
              const uint8_t* end = nullptr);
 template <int QT, int NG, int MR>
 void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy, const uint8_t* end);
+#if defined(MINERVA_V16)
+template <int mr>
+void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy);
+#endif
 template <int NG, int MR>
 void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy);
 template <class V, int QT, int mr, bool X_COPY = false, bool INT = false, bool PRE = false>
@@ -168,6 +172,18 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       for (; grp + 2 <= g1; grp += 2)
         tile_panel<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
       if (grp < g1) tile_panel<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+    });
+    return;
+  }
+#endif
+#if defined(MINERVA_V16)
+  if constexpr (QT == Q8_0) {  // two groups a register (tile_x8_pair), a last odd group alone
+    x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
+      constexpr int r = decltype(rows)::value;
+      int64_t grp = g0;
+      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
+      for (; grp + 2 <= g1; grp += 2) tile_x8_pair<r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy);
+      if (grp < g1) tile_x8<QT, r>(a, m, W + grp * gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
     });
     return;
   }

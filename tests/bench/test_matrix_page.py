@@ -61,6 +61,18 @@ def test_page_names_machine_command_and_the_targets_missed():
     assert "int8 activations, kernel choices planned" in text
 
 
+def test_page_names_the_files_whose_decode_is_memory_bound_for_both_engines():
+    """Where both engines read at 85% or more of their probes, the page says the decode ratio is
+    bounded by memory there; a file where only one of them does is not named."""
+    both = {"file": "1.1b:Q8_0", "rounds": [_round(18, 17, 90, 50)]}  # 90% and 85% of 10 GB/s
+    one = {"file": "1.1b:Q4_0", "rounds": [_round(18, 10, 90, 50)]}  # 90% and 50%
+    args = types.SimpleNamespace(rounds=1, threads=2, prompt=512, gen=32)
+    text = matrix.page([both, one], args, "python benchmarks/matrix.py --rounds 1")
+    line = next(ln for ln in text.splitlines() if ln.startswith("Decode at the memory bound"))
+    assert "1.1b:Q8_0" in line and "1.1b:Q4_0" not in line
+    assert "Decode at the memory bound" not in matrix.page([one], args, "python benchmarks/matrix.py")
+
+
 def test_every_file_has_a_maker_and_a_path():
     for f in matrix.FILES:
         assert matrix.path_of(f).suffix == ".gguf"

@@ -176,8 +176,6 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     });
     return;
   }
-#endif
-#if defined(MINERVA_V16)
   if constexpr (QT == Q8_0) {  // two groups a register (tile_x8_pair), a last odd group alone
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;

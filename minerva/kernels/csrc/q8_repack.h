@@ -65,7 +65,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 template <int QT, int NG, int MR>
 void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy, const uint8_t* end);
 #if defined(MINERVA_V16)
-template <int mr>
+template <int QT, int mr>
 void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy,
                   int64_t far, const uint8_t* end);
 #endif
@@ -176,14 +176,14 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     });
     return;
   }
-  if constexpr (QT == Q8_0) {  // two groups a register (tile_x8_pair), a last odd group alone
+  if constexpr (!is_k<QT>) {  // two groups a register (tile_x8_pair), a last odd group alone
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
       int64_t grp = g0;
       auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
       const int64_t far = m == 0 ? (g1 - g0) * gb : 0;  // the first tile: the next work item's same place into L2
       for (; grp + 2 <= g1; grp += 2)
-        tile_x8_pair<r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, far, end);
+        tile_x8_pair<QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, far, end);
       if (grp < g1) tile_x8<QT, r>(a, m, W + grp * gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
     });
     return;

@@ -164,13 +164,16 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 }
 
 #if defined(MINERVA_V16)
-// Q8_0 regrouped against more rows of x than the one-row streams take (few_rows), with AVX-512
-// VNNI: two groups side by side per 512-bit register (lanes 0..7 the rows of the group at grp,
-// 8..15 those of the group gb bytes on), so that each of x's 4 bytes, an embedded broadcast,
-// feeds 16 weight rows where tile_x8 feeds 8. Per output the same operations as tile_x8<Q8_0, 1>
-// (the exact i32 dot product of the block, 128 sum(x) taken off, one FMA), so the same bits.
-// Zen 4, 2 threads, against tile_x8's 8 rows a register (benchmarks/kernel_ab.py, Q8_0,
-// medians of the pairs' ratios): 4096 x 2880 at 16 rows of x 1.197x (quartiles 1.185-1.220),
+// The 32-weight block types regrouped against more rows of x than the one-row streams take
+// (few_rows), with AVX-512 VNNI: two groups side by side per 512-bit register (lanes 0..7 the
+// rows of the group at grp, 8..15 those of the group gb bytes on; the values unpacked as
+// X8Block does, both groups at once), so that each of x's 4 bytes, an embedded broadcast, feeds
+// 16 weight rows where tile_x8 feeds 8. Per output the same operations as tile_x8<QT, 1> (the
+// exact i32 dot product of the block, x's sum times the bias taken off, the same FMAs), so the
+// same bits. Zen 4, 2 threads, against tile_x8's 8 rows a register (benchmarks/kernel_ab.py,
+// medians of the pairs' ratios), 5632 x 2048 at 512 rows of x: Q4_0 1.224x (quartiles
+// 1.162-1.257; 16 rows 1.319x; 2048 x 5632 1.280x), Q4_1 1.176x, Q5_0 1.281x, Q5_1 1.230x;
+// MXFP4 5760 x 2880 1.282x (16 rows 1.306x). Q8_0: 4096 x 2880 at 16 rows of x 1.197x (quartiles 1.185-1.220),
 // 9 rows 1.111x, 32 rows 1.209x, 512 rows 1.179x; 5632 x 2048 at 512 rows 1.177x; GPT-OSS-20B's
 // head, 201088 x 2880 from memory, at 16 rows 1.155x. Tiles of 12 rows of x: the same at 16
 // rows, 0.99x of this at 512.
@@ -178,13 +181,15 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // place (far bytes on) into L2, up to `end`: the same machine and way, the head at 16 rows
 // 1.260x (quartiles 1.211-1.417) and at 9 rows 1.343x, 32768 x 4096 at 32 rows 1.163x,
 // 4096 x 2880 (from L3) at 16 rows 1.040x, at 512 rows 1.011x.
-template <int mr>
+template <int QT, int mr>
 void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy,
                   int64_t far, const uint8_t* end) {
-  using X = X8<Q8_0>;
+  using X = X8<QT>;
+  const auto pair = [gb](const uint8_t* p) {  // 32 bytes of each group side by side
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p)), load256(p + gb), 1);
+  };
   __m512 acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t far_g = far_blocks(grp, gb, far, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * X::BYTES;
@@ -197,22 +202,58 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
       prefetch(b + X8_AHEAD * X::BYTES + o);
       prefetch(b + gb + X8_AHEAD * X::BYTES + o);
     }
+    const int8_t* xq = a.q + m0 * a.K + 32 * g;
+    const auto dot4x = [&](__m512i& acc_i, __m512i u, int i, int at) {  // x's 4 bytes at `at`, an embedded broadcast
+      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc_i) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(xq + i * a.K + at)));
+    };
     __m512i dot[mr];
     for (int i = 0; i < mr; ++i) dot[i] = _mm512_setzero_si512();
-    for (int k = 0; k < 8; ++k) {
-      const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(load256(b + X::QS_AT + 32 * k)),
-                                           load256(b + gb + X::QS_AT + 32 * k), 1);
-      const __m512i wu = _mm512_xor_si512(w, flip);
-      for (int i = 0; i < mr; ++i)
-        asm("vpdpbusd %2%{1to16%}, %1, %0"
-            : "+v"(dot[i])
-            : "v"(wu), "m"(*reinterpret_cast<const int32_t*>(a.q + (m0 + i) * a.K + 32 * g + 4 * k)));
+    if constexpr (QT == Q8_0) {  // w + 128 against x, 128 sum(x) taken off below (tile_x8)
+      for (int k = 0; k < 8; ++k) {
+        const __m512i wu = _mm512_xor_si512(pair(b + X::QS_AT + 32 * k), _mm512_set1_epi8(static_cast<char>(0x80)));
+        for (int i = 0; i < mr; ++i) dot4x(dot[i], wu, i, 4 * k);
+      }
+    } else {  // X8Block's values, both groups at once: chunk k's low nibbles against x 4k.., high ones 16 + 4k..
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      __m512i lo[4], hi[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = pair(b + X::QS_AT + 32 * k);
+        lo[k] = _mm512_and_si512(v, low);
+        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if constexpr (X::FIFTH) {
+        const __m512i qh = pair(b + X::QH_AT), bit4 = _mm512_set1_epi8(0x10);
+        for (int k = 0; k < 4; ++k) {
+          lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_srli_epi32(qh, k), bit4));
+          hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_slli_epi32(qh, 4 - k), bit4));
+        }
+      }
+      if constexpr (X::LOOKUP) {
+        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16)));
+        for (int k = 0; k < 4; ++k) {
+          lo[k] = _mm512_shuffle_epi8(table, lo[k]);
+          hi[k] = _mm512_shuffle_epi8(table, hi[k]);
+        }
+      }
+      for (int k = 0; k < 4; ++k)
+        for (int i = 0; i < mr; ++i) {
+          dot4x(dot[i], lo[k], i, 4 * k);
+          dot4x(dot[i], hi[k], i, 16 + 4 * k);
+        }
     }
-    const __m512 dw = _mm512_cvtph_ps(_mm256_set_m128i(load128(b + gb), load128(b)));
+    const auto halves = [](__m256 a0, __m256 a1) {
+      return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a0)), _mm256_castps_pd(a1), 1));
+    };
+    const __m512 dw = halves(X::scales(b), X::scales(b + gb));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (X::OFFSET) m = _mm512_cvtph_ps(_mm256_set_m128i(load128(b + gb + X::M_AT), load128(b + X::M_AT)));
+    constexpr int SHIFT = QT == Q8_0 ? 7 : X::BIAS;  // sum(x) << SHIFT off the dot product, as block_step
     for (int i = 0; i < mr; ++i) {
       const int64_t r = (m0 + i) * a.G + g;
-      const __m512i d = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(a.n[r] << 7));
+      __m512i d = dot[i];
+      if constexpr (SHIFT > 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(a.n[r] << SHIFT));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r])), acc[i]);
+      if constexpr (X::OFFSET) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[r]), acc[i]);
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);

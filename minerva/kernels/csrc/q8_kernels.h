@@ -70,6 +70,7 @@ constexpr bool has_x8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || 
 // of `rows` rows of x from row m.
 template <int MR, typename F>
 inline void x_tiles(int64_t M, const F& tile_rows) {
+  static_assert(MR >= 1 && MR <= 8, "the rows left after the whole tiles go as one tile of 4 and one of 3, 2 or 1");
   int64_t m = 0;
   for (; m + MR <= M; m += MR) tile_rows(m, std::integral_constant<int, MR>{});
   if constexpr (MR > 4)

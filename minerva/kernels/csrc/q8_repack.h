@@ -26,7 +26,8 @@ constexpr int V16_INT_MR = 6;
 // rows of x per tile: 4, or with AVX-512's 32 vector registers 8 for Q4_K and Q6_K (and Q3_K,
 // whose panel kernel is Q6_K's; not timed apart) and 6 for Q5_K (one dot product chain per row
 // of x); with VNNI too, V16 tiles of V16_MR rows take over for Q4_K and Q5_K (and for their
-// panels, more than one row of x). AVX-512 machine, 5632 x 2048, 512 rows of x, 2
+// panels, more than one row of x), and for the 32-weight block types (tile_x8_pair, in
+// q8_repack_x8.cpp with its measurements). AVX-512 machine, 5632 x 2048, 512 rows of x, 2
 // threads, alternating runs: Q4_K 248-258 GMAC/s with 8 against 232-235 with 4 (242-245 with
 // 6); Q5_K 194-205 with 6 against 173-174 with 4 and 178-182 with 8; Q6_K 200-207 with 8
 // against 179-183 with 4 (the GGML layout's `tile`: 136-143).

@@ -43,7 +43,7 @@ SOURCES = {
 }
 HEADERS = [CSRC / name for name in (
     "simd.h", "simd_avx2.h", "kernels.h", "parallel.h", "qformat.h", "attention_parts.h", "exchange.h", "ops_tensor.h",
-    "attention_tensor.h", "q8_blocks.h", "q8_quant.h", "q8_cpu.h", "q8_kernels.h", "q8_repack.h")]
+    "attention_tensor.h", "q8_blocks.h", "q8_quant.h", "q8_cpu.h", "q8_kernels.h", "q8_lanes.h", "q8_repack.h")]
 # -fopenmp: at::parallel_for is OpenMP in the headers; without it every kernel runs on one
 # thread. The libgomp.so.1 torch already loaded serves the extension too.
 # -fvisibility=hidden: the module exports its Python entry point alone (pybind11's advice), so

@@ -12,6 +12,7 @@
 
 #include "parallel.h"
 #include "q8_kernels.h"
+#include "q8_lanes.h"
 
 namespace minerva::q8 {
 
@@ -55,11 +56,7 @@ void columns_out(int64_t M, int64_t N, int64_t c0, int64_t c1, float* y, at::BFl
 
 // The kernels: q8_repack_x8.cpp's for the 32-weight block types, q8_repack_k.cpp's for the
 // K-quants on one group of 8 rows per 256-bit register (V8) or, with AVX-512 VNNI, two per
-// 512-bit one (V16)
-struct V8;
-#if defined(MINERVA_V16)
-struct V16;
-#endif
+// 512-bit one (V16; q8_lanes.h)
 template <int QT, int mr>
 void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy,
              const uint8_t* end = nullptr);

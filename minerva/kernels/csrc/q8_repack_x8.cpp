@@ -185,11 +185,9 @@ template <int QT, int mr>
 void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy,
                   int64_t far, const uint8_t* end) {
   using X = X8<QT>;
-  const auto pair = [gb](const uint8_t* p) {  // 32 bytes of each group side by side
-    return _mm512_inserti64x4(_mm512_castsi256_si512(load256(p)), load256(p + gb), 1);
-  };
-  __m512 acc[mr];
-  for (int i = 0; i < mr; ++i) acc[i] = _mm512_setzero_ps();
+  using V = V16;  // 32 bytes of each group side by side: V::load(p, gb)
+  V::F acc[mr];
+  for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   const int64_t far_g = far_blocks(grp, gb, far, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
     const uint8_t* b = grp + g * X::BYTES;
@@ -202,34 +200,31 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
       prefetch(b + X8_AHEAD * X::BYTES + o);
       prefetch(b + gb + X8_AHEAD * X::BYTES + o);
     }
-    const int8_t* xq = a.q + m0 * a.K + 32 * g;
-    const auto dot4x = [&](__m512i& acc_i, __m512i u, int i, int at) {  // x's 4 bytes at `at`, an embedded broadcast
-      asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc_i) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(xq + i * a.K + at)));
-    };
-    __m512i dot[mr];
-    for (int i = 0; i < mr; ++i) dot[i] = _mm512_setzero_si512();
+    const int8_t* xq = a.q + m0 * a.K + 32 * g;  // row i's 4 bytes at `at`: xq + i * a.K + at, an embedded broadcast
+    V::I dot[mr];
+    for (int i = 0; i < mr; ++i) dot[i] = V::zero();
     if constexpr (QT == Q8_0) {  // w + 128 against x, 128 sum(x) taken off below (tile_x8)
       for (int k = 0; k < 8; ++k) {
-        const __m512i wu = _mm512_xor_si512(pair(b + X::QS_AT + 32 * k), _mm512_set1_epi8(static_cast<char>(0x80)));
-        for (int i = 0; i < mr; ++i) dot4x(dot[i], wu, i, 4 * k);
+        const V::I wu = _mm512_xor_si512(V::load(b + X::QS_AT + 32 * k, gb), V::bytes(0x80));
+        for (int i = 0; i < mr; ++i) dot[i] = V::dot4x(dot[i], wu, xq + i * a.K + 4 * k);
       }
     } else {  // X8Block's values, both groups at once: chunk k's low nibbles against x 4k.., high ones 16 + 4k..
-      const __m512i low = _mm512_set1_epi8(0x0F);
-      __m512i lo[4], hi[4];
+      const V::I low = V::bytes(0x0F);
+      V::I lo[4], hi[4];
       for (int k = 0; k < 4; ++k) {
-        const __m512i v = pair(b + X::QS_AT + 32 * k);
-        lo[k] = _mm512_and_si512(v, low);
-        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const V::I v = V::load(b + X::QS_AT + 32 * k, gb);
+        lo[k] = V::and_(v, low);
+        hi[k] = V::and_(V::shr16(v, 4), low);
       }
       if constexpr (X::FIFTH) {
-        const __m512i qh = pair(b + X::QH_AT), bit4 = _mm512_set1_epi8(0x10);
+        const V::I qh = V::load(b + X::QH_AT, gb), bit4 = V::bytes(0x10);
         for (int k = 0; k < 4; ++k) {
-          lo[k] = _mm512_or_si512(lo[k], _mm512_and_si512(_mm512_srli_epi32(qh, k), bit4));
-          hi[k] = _mm512_or_si512(hi[k], _mm512_and_si512(_mm512_slli_epi32(qh, 4 - k), bit4));
+          lo[k] = V::or_(lo[k], V::and_(V::shr32(qh, k), bit4));
+          hi[k] = V::or_(hi[k], V::and_(V::shl32(qh, 4 - k), bit4));
         }
       }
       if constexpr (X::LOOKUP) {
-        const __m512i table = _mm512_broadcast_i32x4(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16)));
+        const V::I table = _mm512_broadcast_i32x4(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16)));
         for (int k = 0; k < 4; ++k) {
           lo[k] = _mm512_shuffle_epi8(table, lo[k]);
           hi[k] = _mm512_shuffle_epi8(table, hi[k]);
@@ -237,27 +232,23 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
       }
       for (int k = 0; k < 4; ++k)
         for (int i = 0; i < mr; ++i) {
-          dot4x(dot[i], lo[k], i, 4 * k);
-          dot4x(dot[i], hi[k], i, 16 + 4 * k);
+          dot[i] = V::dot4x(dot[i], lo[k], xq + i * a.K + 4 * k);
+          dot[i] = V::dot4x(dot[i], hi[k], xq + i * a.K + 16 + 4 * k);
         }
     }
-    const auto halves = [](__m256 a0, __m256 a1) {
-      return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a0)), _mm256_castps_pd(a1), 1));
-    };
-    const __m512 dw = halves(X::scales(b), X::scales(b + gb));
-    __m512 m = _mm512_setzero_ps();
-    if constexpr (X::OFFSET) m = _mm512_cvtph_ps(_mm256_set_m128i(load128(b + gb + X::M_AT), load128(b + X::M_AT)));
+    const V::F dw = V::join(X::scales(b), X::scales(b + gb));
+    V::F m = V::zerof();
+    if constexpr (X::OFFSET) m = V::halves(b + X::M_AT, gb);
     constexpr int SHIFT = QT == Q8_0 ? 7 : X::BIAS;  // sum(x) << SHIFT off the dot product, as block_step
     for (int i = 0; i < mr; ++i) {
       const int64_t r = (m0 + i) * a.G + g;
-      __m512i d = dot[i];
-      if constexpr (SHIFT > 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(a.n[r] << SHIFT));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[r])), acc[i]);
-      if constexpr (X::OFFSET) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.s[r]), acc[i]);
+      V::I d = dot[i];
+      if constexpr (SHIFT > 0) d = V::sub(d, V::i32(a.n[r] << SHIFT));
+      acc[i] = V::fmadd(V::cvt(d), V::mul(dw, V::f32(a.d[r])), acc[i]);
+      if constexpr (X::OFFSET) acc[i] = V::fmadd(m, V::f32(a.s[r]), acc[i]);
     }
   }
-  const __mmask16 keep = static_cast<__mmask16>((1u << valid) - 1);
-  for (int i = 0; i < mr; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+  for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
 }
 #endif
 

@@ -91,6 +91,12 @@ def cmd_speculative(args) -> int:
           f"{s.num_draft_tokens} guesses)")
     print(f"{'tokens per step':<22}{s.mean_accepted_length:9.2f}   (verifying steps: {s.num_steps})")
     print(f"{'accepted guesses':<22}" + "  ".join(f"{i}: {n}" for i, n in enumerate(s.accepted_length)))
+    costs = sorted(spec.costs.seconds.items())
+    if costs:
+        one = spec.costs.seconds.get(1)
+        print(f"{'step cost by rows':<22}" + "  ".join(
+            f"{rows}: {seconds * 1e3:.1f} ms" + (f" ({seconds / one:.2f}x)" if one and rows > 1 else "")
+            for rows, seconds in costs) + "   (a step's rows: one per request and its guesses)")
     print(f"{'outputs identical':<22}{'yes' if same else 'NO'}")
     write_json(args.json, {
         "header": lines, "speculative": args.speculative, "k": args.num_speculative_tokens,
@@ -98,6 +104,7 @@ def cmd_speculative(args) -> int:
         "tokens_per_second": rates, "median_off": med_off, "median_on": med_on, "speedup": med_on / med_off,
         "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
         "accepted_length_histogram": s.accepted_length, "outputs_identical": same,
+        "step_seconds_by_rows": {str(rows): seconds for rows, seconds in costs},
     })
     return 0 if same else 1
 

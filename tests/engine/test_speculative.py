@@ -250,10 +250,13 @@ def test_bench_speculative_reports_both_sides(target_dir, tmp_path):
     proc = run("bench", "speculative", str(target_dir), "--speculative", "ngram", "-n", "12", "-r", "1",
                "--dtype", "float32", "--text", str(text), "--text-tokens", "60", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
-    for label in ("speculation off", "speculation on", "speedup", "acceptance rate", "accepted guesses"):
+    for label in ("speculation off", "speculation on", "speedup", "acceptance rate", "accepted guesses",
+                  "step cost by rows"):
         assert label in proc.stdout
     report = json.loads(out.read_text())
     assert report["outputs_identical"] and len(report["accepted_length_histogram"]) == 4
+    steps = report["step_seconds_by_rows"]  # one-row steps (speculation off) and verifying ones
+    assert "1" in steps and any(int(rows) > 1 for rows in steps) and all(s > 0 for s in steps.values())
     assert_clean_error(run("bench", "speculative", str(target_dir), "-n", "4"), "--speculative")
     assert_clean_error(run("generate", str(target_dir), "hi", "--speculative", "eagle"), "--speculative")
     assert_clean_error(run("bench", "speculative", str(target_dir), "--speculative", "ngram",

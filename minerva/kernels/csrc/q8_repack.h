@@ -14,6 +14,9 @@
 #include "q8_kernels.h"
 #include "q8_lanes.h"
 
+// a lambda GCC always inlines (after its parameter list)
+#define MINERVA_INLINE __attribute__((always_inline))
+
 namespace minerva::q8 {
 
 #if defined(MINERVA_V16)
@@ -127,19 +130,30 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     }
   }
 #if defined(MINERVA_V16)
+  // groups g0 .. g1 for the tile of x's rows from m: two at a time by pair(grp, valid, out), a
+  // last odd one by one(...); valid: the weight rows left (up to 16 or 8), out: group grp's
+  // outputs. (The lambdas MINERVA_INLINE: as calls of their own, Zen 4, the Q2_K tiles of 12 rows
+  // of x ran 0.95x of the loops written out; benchmarks/kernel_ab.py.)
+  const auto by_pairs = [&](int64_t m, const auto& pair, const auto& one) MINERVA_INLINE {
+    int64_t grp = g0;
+    const auto valid = [&](int64_t rows) MINERVA_INLINE {
+      return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp));
+    };
+    const auto out = [&]() MINERVA_INLINE { return y + m * ldy + 8 * (grp - g0); };
+    for (; grp + 2 <= g1; grp += 2) pair(grp, valid(16), out());
+    if (grp < g1) one(grp, valid(8), out());
+  };
   if constexpr (QT == Q4_K || QT == Q5_K) {
     const bool x_copy = choices_of<QT>().x_copy;
     const auto groups = [&]<bool INT>(int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
-      int64_t grp = g0;
-      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-      for (; grp + 2 <= g1; grp += 2) {
-        float* out = y + m * ldy + 8 * (grp - g0);
-        if constexpr (INT) tile_xk<V16, QT, r, false, true>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
-        else if (x_copy) tile_xk<V16, QT, r, true>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
-        else tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), out, ldy, end);
-      }
-      if (grp < g1) tile_xk<V8, QT, r, false, INT>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+      by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+        if constexpr (INT) tile_xk<V16, QT, r, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+        else if (x_copy) tile_xk<V16, QT, r, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+        else tile_xk<V16, QT, r>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+      }, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+        tile_xk<V8, QT, r, false, INT>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+      });
     };
     if (QT == Q5_K && int_steps && M >= Q5_PLAIN_FROM) {
       thread_local std::vector<uint8_t> buffer;
@@ -148,12 +162,12 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       for (int64_t p = 0; p < pairs; ++p) q5_decode_pair(W + (g0 + 2 * p) * gb, gb, a.G, plain + p * per_pair);
       x_tiles<V16_INT_MR>(M, [&](int64_t m, auto rows) {
         constexpr int r = decltype(rows)::value;
-        int64_t grp = g0;
-        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-        for (int64_t p = 0; p < pairs; ++p, grp += 2)
-          tile_xk<V16, QT, r, false, true, true>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end,
-                                                 plain + p * per_pair);
-        if (grp < g1) tile_xk<V8, QT, r, false, true>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+        by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+          const uint8_t* pre = plain + (grp - g0) / 2 * per_pair;  // the pair's decoded weights
+          tile_xk<V16, QT, r, false, true, true>(a, m, W + grp * gb, gb, valid, out, ldy, end, pre);
+        }, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+          tile_xk<V8, QT, r, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+        });
       });
       return;
     }
@@ -166,23 +180,23 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
   if constexpr (QT == Q2_K || QT == Q3_K) {  // as matmul_panels, from the matrix itself
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
-      int64_t grp = g0;
-      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
-      for (; grp + 2 <= g1; grp += 2)
-        tile_panel<V16, QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, end);
-      if (grp < g1) tile_panel<V8, QT, r>(a, m, W + grp * gb, gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+      by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+        tile_panel<V16, QT, r>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+      }, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+        tile_panel<V8, QT, r>(a, m, W + grp * gb, gb, valid, out, ldy, end);
+      });
     });
     return;
   }
   if constexpr (!is_k<QT>) {  // two groups a register (tile_x8_pair), a last odd group alone
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
-      int64_t grp = g0;
-      auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - 8 * grp)); };
       const int64_t far = m == 0 ? (g1 - g0) * gb : 0;  // the first tile: the next work item's same place into L2
-      for (; grp + 2 <= g1; grp += 2)
-        tile_x8_pair<QT, r>(a, m, W + grp * gb, gb, valid(16), y + m * ldy + 8 * (grp - g0), ldy, far, end);
-      if (grp < g1) tile_x8<QT, r>(a, m, W + grp * gb, valid(8), y + m * ldy + 8 * (grp - g0), ldy, end);
+      by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+        tile_x8_pair<QT, r>(a, m, W + grp * gb, gb, valid, out, ldy, far, end);
+      }, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
+        tile_x8<QT, r>(a, m, W + grp * gb, valid, out, ldy, end);
+      });
     });
     return;
   }

@@ -4,6 +4,8 @@ and a float64 matmul of the dequantized weights."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -223,3 +225,32 @@ def test_greedy_rows_is_argmax_with_the_logits_check(kernels, V):
     assert want[0] >= 0 and want[1] == 0 and want[2:5] == [-1, -1, -1]
     assert kernels.greedy_rows(x) == want
     assert kernels.greedy_rows(x[:0]) == []
+
+
+def test_a_kernel_call_lets_other_python_threads_run(kernels):
+    """The kernels run without the GIL: while one thread is inside a long call, another thread's
+    Python goes on (the server's event loop answers during a long prefill). With the GIL held
+    the other thread would not tick at all until the call returned."""
+    rows, cols = 4096, 4096
+    w = torch.from_numpy(random_blocks(QT.Q8_0, (rows, cols), np.random.default_rng(0)))
+    x = torch.randn(64, cols)
+    start = time.perf_counter()
+    kernels.qmatmul_q8(x, w, int(QT.Q8_0), rows, cols)
+    m = max(64, min(8192, int(64 * 0.5 / max(time.perf_counter() - start, 1e-4))))  # a call of ~0.5 s
+    x = torch.randn(m, cols)
+    seconds = []
+    worker = threading.Thread(target=lambda: seconds.append(_timed(kernels.qmatmul_q8, x, w, int(QT.Q8_0), rows, cols)))
+    ticks = 0
+    worker.start()
+    while worker.is_alive():
+        ticks += 1
+        time.sleep(0.002)
+    worker.join()
+    assert seconds and seconds[0] > 0.05, seconds
+    assert ticks >= 10, f"the other thread ticked {ticks} times during a {seconds[0]:.2f} s kernel call"
+
+
+def _timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start

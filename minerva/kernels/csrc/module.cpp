@@ -391,6 +391,7 @@ py::tuple forward_steps(int64_t steps, std::vector<int64_t> tokens, const std::v
   int64_t *id = ids.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>(), *len = seq_lens.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> out;
   std::vector<torch::Tensor> last;
+  py::gil_scoped_release nogil;  // as the other entry points (NOGIL below); taken back for interrupt()
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t p = pos[b] + 1, block = p / block_size;
@@ -408,8 +409,13 @@ py::tuple forward_steps(int64_t steps, std::vector<int64_t> tokens, const std::v
     const bool stop = std::any_of(tokens.begin(), tokens.end(), [&](int64_t t) {
       return t < 0 || std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end();
     });
-    if (stop || (s + 1 < steps && !interrupt.is_none() && interrupt().cast<bool>())) break;
+    if (stop) break;
+    if (s + 1 < steps) {
+      py::gil_scoped_acquire gil;
+      if (!interrupt.is_none() && interrupt().cast<bool>()) break;
+    }
   }
+  py::gil_scoped_acquire gil;
   return py::make_tuple(out, last[0], last[1]);
 }
 
@@ -642,24 +648,32 @@ struct Experts {
 
 }  // namespace
 
+// The entry points that take and give only tensors and numbers run without the GIL, so that
+// the server's event loop (and any other Python thread) goes on while the engine's thread is
+// in a kernel: with it held, one long prefill left /health and new requests waiting for
+// seconds. Concurrent callers are safe: the pool runs one parallel call at a time and a
+// second caller's loop serially on its own thread (parallel.h). cpu_choices and pool_stats,
+// which take or build Python objects, keep it; forward_steps takes it back for interrupt().
+#define NOGIL py::call_guard<py::gil_scoped_release>()
+
 // The classes are module_local: two builds of this module can be loaded side by side (as
 // benchmarks/kernel_ab.py does, under two names) without their types clashing in pybind11.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qmatmul", &qmatmul, "x @ W^T with W in a packed GGML format");
-  m.def("qmatmul_q8", &qmatmul_q8,
+  m.def("qmatmul", &qmatmul, NOGIL, "x @ W^T with W in a packed GGML format");
+  m.def("qmatmul_q8", &qmatmul_q8, NOGIL,
         "x @ W^T with x quantized to 8 bits per block (32; 256 for K-quants), integer dot products");
-  m.def("grouped_qmatmul_q8", &grouped_qmatmul_q8,
+  m.def("grouped_qmatmul_q8", &grouped_qmatmul_q8, NOGIL,
         "regrouped matrices of one type and shape, each against its own rows of x, in one parallel loop");
-  m.def("quantize_activations", &quantize_activations, "x -> (int8 values, scale per block, scale * sum)",
+  m.def("quantize_activations", &quantize_activations, NOGIL, "x -> (int8 values, scale per block, scale * sum)",
         py::arg("x"), py::arg("block") = 32);
-  m.def("int8_peak_probe", &int8_peak_probe,
+  m.def("int8_peak_probe", &int8_peak_probe, NOGIL,
         "(chunks, steps) -> multiply-adds done by the int8 dot-product instruction mix, on every thread");
   m.def("cpu_choices", &cpu_choices, py::arg("set") = py::none(), py::arg("qtype") = -1,
         "the int8 kernels' choices for GGML type `qtype` (-1: every type; read: Q4_K's) [one row of x: groups "
         "per work item, L2 prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1); the Q4_K/Q5_K tiles "
         "scale sub-blocks in i32 (1) or in float (0), for every type]; returns them, then sets them when given");
-  m.def("regroup_", &regroup_, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
-  m.def("regrouped_rows", &regrouped_rows, "rows of a regrouped Q8_0 matrix in the GGML layout");
+  m.def("regroup_", &regroup_, NOGIL, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
+  m.def("regrouped_rows", &regrouped_rows, NOGIL, "rows of a regrouped Q8_0 matrix in the GGML layout");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");
   m.def("pool_stats", [] {
@@ -670,23 +684,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the kernels' thread pool since start: parallel calls, calls run alone while backed off, stalls, back-offs, "
       "seconds callers waited for helpers");
-  m.def("dequantize_rows", &dequantize_rows, "packed GGML rows -> float32");
-  m.def("lora_add_", &lora_add_, "y[rows, parts] += B (A x) of each row's LoRA adapter (minerva/models/lora.py)");
-  m.def("argmax_rows", &argmax_rows, "each row's index of its first largest value (torch.argmax over the last dim)");
-  m.def("greedy_rows", &greedy_rows, "argmax_rows as a list, -1 for a row whose largest value is NaN or +inf");
-  m.def("sample_rows", &sample_rows,
+  m.def("dequantize_rows", &dequantize_rows, NOGIL, "packed GGML rows -> float32");
+  m.def("lora_add_", &lora_add_, NOGIL, "y[rows, parts] += B (A x) of each row's LoRA adapter (minerva/models/lora.py)");
+  m.def("argmax_rows", &argmax_rows, NOGIL, "each row's index of its first largest value (torch.argmax over the last dim)");
+  m.def("greedy_rows", &greedy_rows, NOGIL, "argmax_rows as a list, -1 for a row whose largest value is NaN or +inf");
+  m.def("sample_rows", &sample_rows, NOGIL,
         "each row's token after temperature, top-k, top-p and min-p, drawn at u (sampler.sample_batch)");
-  m.def("invert_cdf_rows", &invert_cdf_rows, "each row's token where its float64 CDF first exceeds u times its total");
-  m.def("apply_token_bitmask_", &apply_token_bitmask_, "logits of the tokens a bitmask forbids set to -inf, in place");
-  m.def("paged_attention", &paged_attention, "causal attention over the paged KV pool");
-  m.def("kv_write", &kv_write, "store K or V rows into the paged pool (quantizing for int8)");
-  m.def("qmatmul_q8_parts", &qmatmul_q8_parts,
+  m.def("invert_cdf_rows", &invert_cdf_rows, NOGIL, "each row's token where its float64 CDF first exceeds u times its total");
+  m.def("apply_token_bitmask_", &apply_token_bitmask_, NOGIL, "logits of the tokens a bitmask forbids set to -inf, in place");
+  m.def("paged_attention", &paged_attention, NOGIL, "causal attention over the paged KV pool");
+  m.def("kv_write", &kv_write, NOGIL, "store K or V rows into the paged pool (quantizing for int8)");
+  m.def("qmatmul_q8_parts", &qmatmul_q8_parts, NOGIL,
         "x against several packed matrices (8-bit activations), outputs side by side", py::arg("x"),
         py::arg("packed"), py::arg("qtypes"), py::arg("rows"), py::arg("cols"));
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
-  m.def("add_rms_norm", &add_rms_norm, "h += a; RMSNorm(h)");
-  m.def("rope_", &rope_, "rotary embedding in place (half-split layout)");
-  m.def("act_mul", &act_mul, "act(gate) * up", py::arg("gu"), py::arg("act"), py::arg("limit") = 0.0,
+  m.def("rms_norm", &rms_norm, NOGIL, "RMSNorm over the last dim");
+  m.def("add_rms_norm", &add_rms_norm, NOGIL, "h += a; RMSNorm(h)");
+  m.def("rope_", &rope_, NOGIL, "rotary embedding in place (half-split layout)");
+  m.def("act_mul", &act_mul, NOGIL, "act(gate) * up", py::arg("gu"), py::arg("act"), py::arg("limit") = 0.0,
         py::arg("alpha") = 0.0);
   py::class_<Packed>(m, "Packed", py::module_local())
       .def(py::init<torch::Tensor, int64_t, int64_t, int64_t, bool>(), py::arg("bytes"), py::arg("qtype"),
@@ -721,13 +735,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            },
            "LoRA adapters on the layer's projections (lora_add_'s entries and weights, None where none), applied "
            "to the rows `rows` names each step")
-      .def("forward", &DecoderLayer::forward)
-      .def("attention", &DecoderLayer::attention)
-      .def("feed_forward", &DecoderLayer::feed_forward)
-      .def("residual", &DecoderLayer::residual);
-  m.def("forward_layers", &forward_layers, "decoder layers in turn, each over its own pools, rotary tables, slots and block table");
-  m.def("forward_logits", &forward_logits, "forward_layers, the final RMSNorm and the LM head: (hidden, float32 logits)");
-  m.def("forward_step", &forward_step, "a decode step from token ids: embedding rows, rotary tables, forward_logits");
+      .def("forward", &DecoderLayer::forward, NOGIL)
+      .def("attention", &DecoderLayer::attention, NOGIL)
+      .def("feed_forward", &DecoderLayer::feed_forward, NOGIL)
+      .def("residual", &DecoderLayer::residual, NOGIL);
+  m.def("forward_layers", &forward_layers, NOGIL, "decoder layers in turn, each over its own pools, rotary tables, slots and block table");
+  m.def("forward_logits", &forward_logits, NOGIL, "forward_layers, the final RMSNorm and the LM head: (hidden, float32 logits)");
+  m.def("forward_step", &forward_step, NOGIL, "a decode step from token ids: embedding rows, rotary tables, forward_logits");
   m.def("forward_steps", &forward_steps,
         "greedy decode steps, each one's argmax fed back in: (tokens of each step, last hidden states, last logits)");
   py::class_<minerva::Exchange>(m, "Exchange", py::module_local())
@@ -744,5 +758,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<Expert>, int64_t, double, double>())
       .def_readonly("grouped", &Experts::grouped)
       .def("groups", &Experts::groups, "whether x (its dtype) takes the grouped path")
-      .def("forward", &Experts::forward);
+      .def("forward", &Experts::forward, NOGIL);
 }

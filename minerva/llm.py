@@ -304,6 +304,8 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
+                    if delta.error is not None:  # its constraint could not be followed
+                        raise MinervaError(delta.error)
                     yield (*where[delta.request_id], delta)
         finally:  # a consumer that stops early must not leave requests holding KV blocks
             for rid in where:

@@ -31,7 +31,9 @@ class Request:
     priority: int = 0  # lower runs first
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # why it cannot go on (finish_reason "error"): its output constraint could not be followed
+    error: str | None = None
     sampler: SamplerState | None = None  # set by the engine when the request is added
     first_token_time: float | None = None
     # Sibling completions (n > 1) wait until this request's prompt is in the cache, then share it.
@@ -133,3 +135,4 @@ class StreamDelta:
     # with finish_reason "stop": the stop string that ended it, or the stop token id from
     # params.stop_token_ids (None: the model's end of sequence), as vLLM's `stop_reason`
     stop_reason: str | int | None = None
+    error: str | None = None  # with finish_reason "error": why (the client gets it as an error, not a finish)

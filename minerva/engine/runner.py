@@ -17,7 +17,7 @@ from minerva.engine.rejection import accepted, greedy_verify, probabilities, sta
 from minerva.engine.sampler import check_logits, greedy_tokens, plain, plain_greedy, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, Scheduled, SchedulerOutput
 from minerva.engine.step_batch import DRAFT, FORWARD, STOP, Seq, StepBatch
-from minerva.engine.structured import apply_mask_, fill_masks
+from minerva.engine.structured import apply_mask_, constraint_failed, fill_masks
 from minerva.kernels.attention import EMPTY, PagedKVCache, attention_kernel, paged_attention
 from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import AttentionContext
@@ -246,6 +246,7 @@ class ModelRunner:
             tokens = sample_batch(selected, [r.sampler for r in requests])
             for j in constrained:
                 requests[j].sampler.matcher.consume_token(tokens[j])
+                constraint_failed(requests[j])
             for (i, r), token in zip(plain, tokens):
                 out[i] = [(token, None)]
             asked = [j for j, r in enumerate(requests) if r.params.logprobs is not None]
@@ -327,6 +328,7 @@ class ModelRunner:
         if matcher is not None:
             matcher.rollback(consumed - (len(tokens) - 1))
             matcher.consume_token(tokens[-1])
+            constraint_failed(r)
         if r.params.logprobs is None:
             return [(t, None) for t in tokens]
         lps = token_logprobs(logits[:len(tokens)], tokens, [r.params.logprobs] * len(tokens))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from minerva.engine.block_manager import BlockManager
 from minerva.engine.output import OutputProcessor
@@ -277,6 +277,8 @@ class Scheduler:
             r.first_token_time = r.first_token_time or now
             out = self.outputs[r.request_id]
             finish = self._append(r, out, tokens)
+            if r.error is not None:  # its constraint could not be followed: what it wrote is not kept to it
+                finish = "error"
             self.blocks.commit(r.request_id, r.all_token_ids, min(computed, r.num_tokens))
             if finish:
                 r.finish_reason = finish
@@ -284,7 +286,7 @@ class Scheduler:
                 result.finished.append(r)
             delta = out.delta(finish)
             if delta is not None:
-                result.deltas.append(delta)
+                result.deltas.append(delta if r.error is None else replace(delta, error=r.error))
         return result
 
     def _append(self, r: Request, out: OutputProcessor, tokens: Sampled) -> str | None:

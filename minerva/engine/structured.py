@@ -231,6 +231,22 @@ class Grammars:
         return compiled, None
 
 
+def constraint_failed(request) -> bool:
+    """Whether the request's matcher has failed while following its tokens (llguidance hit one
+    of its limits: the lexer's states, the parser's items); then request.error says so, and the
+    request ends with it instead of an answer its constraint does not hold."""
+    matcher = request.sampler.matcher
+    if matcher is None or not matcher.is_error():
+        return False
+    if request.error is None:
+        what = request.params.structured.kind.replace("_", " ")
+        reason = matcher.get_error().split("<state>")[0].strip()  # without the matcher's state dump
+        if reason.startswith("NoExtensionBias"):
+            reason = "no token can continue the text within it"
+        request.error = f"the {what} constraint could not be followed ({library_message(reason)}); simplify it"
+    return True
+
+
 def regex_literal(text: str) -> str:
     """`text` as a regular expression (llguidance's, Rust's syntax) that matches it alone."""
     return "".join(c if c.isalnum() or c == " " or not c.isascii() and c.isprintable() else f"\\x{{{ord(c):x}}}"

@@ -305,7 +305,8 @@ class AsyncEngine:
                 t.finish_time = now
                 m.e2e.observe(now - r.arrival_time)
                 m.finished(d.finish_reason)
-            out.append((t.sink.queue, (t, d)))
+            # a request that cannot go on (d.error): its client gets the error, as a 400 or a stream's error event
+            out.append((t.sink.queue, MinervaError(d.error) if d.error is not None else (t, d)))
 
     def _deliver(self, out: list) -> None:
         if out and self._loop is not None and not self._loop.is_closed():

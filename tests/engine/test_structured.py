@@ -113,6 +113,24 @@ def test_bad_constraints_are_errors(smollm2_llm):
         StructuredOutput(regex="a", choice=("b",))
 
 
+# constraints that compile but that llguidance cannot follow (its lexer's limit) or that no
+# token can extend: an error, never an answer that ends "stop" without holding to them
+UNFOLLOWABLE = [(StructuredOutput(regex="z{1000000}"), "too many expressions"),
+                (StructuredOutput(regex=r"[^\x00-\U0010FFFF]"), "no token can continue"),
+                (StructuredOutput(json={"$ref": "#"}), "no token can continue")]
+
+
+def test_constraints_that_cannot_be_followed_are_errors(smollm2_llm):
+    p = prompt(smollm2_llm, "hi")
+    for spec, words in UNFOLLOWABLE + UNFOLLOWABLE[:1]:  # twice: the compiled matcher is cached
+        with pytest.raises(MinervaError, match=f"constraint could not be followed .*{words}.*simplify it"):
+            smollm2_llm.generate(p, SamplingParams(max_tokens=20, temperature=0, structured=spec), use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished()
+    out = smollm2_llm.generate(p, SamplingParams(max_tokens=8, temperature=0,
+                                                 structured=StructuredOutput(regex="[0-9]{3}")), use_tqdm=False)
+    assert re.fullmatch("[0-9]{3}", out[0].outputs[0].text)
+
+
 ODD_CHOICES = ("a.b", "(x)|y", "[z]*", "back\\slash", "sl/ash", "new\nline", "tab\t", "$^{}?+", "café",
                "😀 grin", "\"quoted\"", "", "x" * 300)
 
@@ -211,6 +229,9 @@ def test_server_response_format_and_guided_fields(smollm2_llm):
     ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one output constraint"),
     ({"response_format": {"type": "json_schema"}}, "json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_regex": "z{1000000}"}, "constraint could not be followed"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "no token can continue"),
 ])
 def test_server_refuses_bad_constraints(smollm2_llm, extra, words):
     with running_server(smollm2_llm) as (url, _):
@@ -218,6 +239,18 @@ def test_server_refuses_bad_constraints(smollm2_llm, extra, words):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"], r.text
+
+
+def test_server_streams_the_error_of_a_constraint_it_cannot_follow(smollm2_llm):
+    with running_server(smollm2_llm) as (url, _):
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": "Answer:", "max_tokens": 8, "stream": True, "guided_regex": "z{1000000}"}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "could not be followed" in json.loads(events[-2])["error"]["message"], events
+        assert not any(c.get("finish_reason") for e in events[:-2] for c in json.loads(e).get("choices") or [])
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": "Answer:", "max_tokens": 4,
+                                                                   "temperature": 0, "guided_regex": "[0-9]{3}"})
+        assert r.status_code == 200 and re.fullmatch("[0-9]{3}", r.json()["choices"][0]["text"]), r.text
 
 
 @pytest.mark.parametrize("vocab", [49152, 1000, 33])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -38,6 +39,35 @@ class FunctionTool(BaseModel):
     strict: bool | None = None
 
 
+class TextFormat(BaseModel):
+    """`text.format`: free text, or structured output (json_schema needs its schema)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint for OpenAI's models: accepted, ignored
+
+
+class ReasoningOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    effort: Literal["minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries here: accepted, ignored
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
@@ -47,10 +77,10 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     tools: list[FunctionTool] | None = Field(None, max_length=128)
-    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
@@ -74,19 +104,26 @@ def new_id(prefix: str) -> str:
 # ------------------------------------------------------------------ requests
 
 
-def _text(content: str | list, where: str) -> str:
+def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: expected a string or a list of input_text parts, got "
+                            f"{type(content).__name__ if content is not None else 'null'}", "input")
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
+        if kind in ("input_text", "output_text", "text"):
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, f"{where}.{i}: a part of type '{kind}' needs its text (a string)", "input")
             parts.append(part["text"])
         elif kind in ("input_image", "input_file", "input_audio"):
             raise APIError(400, f"{where}.{i}: content of type '{kind}' is not supported: this server runs text-only "
                                 "models; send the text alone", "input")
         else:
-            raise APIError(400, f"{where}.{i}: expected input_text content, got {kind!r}", "input")
+            raise APIError(400, f"{where}.{i}: expected an input_text part (an object with type and text), got "
+                                f"{kind!r}" if isinstance(part, dict) else f"{where}.{i}: expected an input_text part "
+                                "(an object with type and text)", "input")
     return "".join(parts)
 
 
@@ -95,6 +132,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     calls) and function call outputs (tool messages); earlier reasoning items are dropped."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    if not items:
+        raise APIError(400, "input: an empty list; send the text, or at least one message", "input")
     out: list[dict] = []
     for i, item in enumerate(items):
         kind, where = item.get("type", "message"), f"input.{i}"
@@ -116,9 +155,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
-            output = item.get("output", "")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
+                        "content": _text(item.get("output", ""), f"{where}.output")})
         elif kind != "reasoning":
             raise APIError(400, f"{where}: input items of type '{kind}' are not supported (messages, function_call "
                                 "and function_call_output are)", "input")
@@ -143,17 +181,19 @@ def chat_fields(body: ResponsesRequest, history: list[dict]) -> dict:
                                                              "parameters": t.parameters or {"type": "object"}}}
                            for t in body.tools]
     choice = body.tool_choice
-    if isinstance(choice, dict):
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, FunctionChoice):
+        choice = {"type": "function", "function": {"name": choice.name}}
     if choice is not None:
         fields["tool_choice"] = choice
-    fmt = (body.text or {}).get("format") or {}
-    if fmt.get("type") == "json_schema":
+    fmt = body.text.format if body.text else None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise APIError(400, "text.format: a json_schema format needs its schema", "text.format.schema")
         fields["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name") or "output", "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
-    elif fmt.get("type") == "json_object":
+            "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
+    elif fmt is not None and fmt.type == "json_object":
         fields["response_format"] = {"type": "json_object"}
-    effort = (body.reasoning or {}).get("effort")
+    effort = body.reasoning.effort if body.reasoning else None
     if effort is not None:
         fields["reasoning_effort"] = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
     return fields
@@ -179,19 +219,24 @@ def output_items(message: dict) -> list[dict]:
 
 
 def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], finish: str | None,
-             usage: dict | None, status: str | None = None) -> dict:
-    """The Response object (`status`: in_progress while streaming, else from the finish reason)."""
+             usage: dict | None, status: str | None = None, model: str | None = None) -> dict:
+    """The Response object (`status`: in_progress while streaming, else from the finish reason;
+    `model`: the name that answered, where the request named none)."""
     if status is None:
         status = "incomplete" if finish == "length" else "completed"
     u = usage or {"prompt_tokens": 0, "completion_tokens": 0}
-    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": body.model,
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": body.model or model,
             "output": items, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "previous_response_id": body.previous_response_id,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "text": body.text or {"format": {"type": "text"}}, "reasoning": body.reasoning, "store": body.store,
+            "tool_choice": (body.tool_choice.model_dump() if isinstance(body.tool_choice, FunctionChoice)
+                            else body.tool_choice or "auto"),
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": (body.text.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format
+                     else {"format": {"type": "text"}}),
+            "reasoning": body.reasoning.model_dump(exclude_none=True) if body.reasoning else None, "store": body.store,
             "truncation": "disabled", "metadata": body.metadata or {},
             "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                       "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
@@ -249,10 +294,10 @@ class Stream:
         self.items: list[dict] = []
         self.open: dict | None = None  # the item being written
         self.calls: dict[int, dict] = {}  # a chat delta's tool call index -> its item
-        self.finish, self.usage = None, None
+        self.finish, self.usage, self.model = None, None, None
 
     def start(self) -> list[str]:
-        snapshot = response(self.body, self.rid, self.created, [], None, None, "in_progress")
+        snapshot = response(self.body, self.rid, self.created, [], None, None, "in_progress", self.model)
         return [event(self.seq, "response.created", {"response": snapshot}),
                 event(self.seq, "response.in_progress", {"response": snapshot})]
 
@@ -327,26 +372,48 @@ class Stream:
             self._add({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
                        "content": [{"type": "output_text", "text": "", "annotations": []}]})
         out = self.close()
-        final = response(self.body, self.rid, self.created, self.items, self.finish, self.usage)
+        final = response(self.body, self.rid, self.created, self.items, self.finish, self.usage, model=self.model)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return out + [event(self.seq, kind, {"response": final})], final
 
 
 async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | None, conversation: list[dict]):
-    for e in stream.start():
-        yield e
+    started = False  # response.created waits for the first chunk, which names the model that answers
     async for chunk in chunks(chat_stream):
+        if not started:
+            stream.model, started = chunk.get("model"), True
+            for e in stream.start():
+                yield e
         if "error" in chunk:
             yield event(stream.seq, "error", {"code": str(chunk["error"].get("code")),
                                               "message": chunk["error"]["message"], "param": None})
             return
         for e in stream.feed(chunk):
             yield e
+    if not started:
+        for e in stream.start():
+            yield e
     closing, final = stream.end()
     for e in closing:
         yield e
     if store is not None:
         store.put(final["id"], final, conversation + history_of(final["output"]))
+
+
+# the chat request's fields as this API names them, for the errors of the chat route's checks
+RENAMES = ((re.compile(r"\bmessages(\.\d+)*"), "input"), (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+           (re.compile(r"\breasoning_effort\b"), "reasoning.effort"),
+           (re.compile(r"\bresponse_format(\.json_schema)?"), "text.format"),
+           (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
+
+
+def in_responses_terms(exc: APIError) -> APIError:
+    """An error of the chat route's checks, naming the fields a Responses request sent."""
+    message, param = exc.message, exc.param
+    for pattern, name in RENAMES:
+        message = pattern.sub(name, message)
+        param = pattern.sub(name, param) if param else param
+    return APIError(exc.status, message, param, exc.type, exc.headers)
 
 
 def register(app, chat) -> None:
@@ -357,12 +424,14 @@ def register(app, chat) -> None:
         if body.background:
             raise APIError(400, "background responses are not supported; leave background out (or false)", "background")
         history = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
-        request = validated(P.ChatCompletionRequest, chat_fields(body, history))
         raw.scope.setdefault(ACCESS, {})
         try:
+            request = validated(P.ChatCompletionRequest, chat_fields(body, history))
             answered = await chat(request, raw)
         except MinervaError as exc:
-            raise APIError(400, str(exc)) from None
+            raise in_responses_terms(APIError(400, str(exc))) from None
+        except APIError as exc:
+            raise in_responses_terms(exc) from None
         conversation = history + input_messages(body.input)
         rid, created = new_id("resp"), int(time.time())
         if body.stream:
@@ -371,7 +440,8 @@ def register(app, chat) -> None:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         reply = json.loads(answered.body)
         choice = reply["choices"][0]
-        final = response(body, rid, created, output_items(choice["message"]), choice["finish_reason"], reply["usage"])
+        final = response(body, rid, created, output_items(choice["message"]), choice["finish_reason"], reply["usage"],
+                         model=reply.get("model"))
         if body.store:
             store.put(rid, final, conversation + history_of(final["output"]))
         return JSONResponse(final)

@@ -118,12 +118,44 @@ def test_the_store(served, client):
     ({"input": "Hi", "background": True}, "background responses are not supported"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools of type 'web_search'"),
     ({"input": "Hi", "max_output_tokens": "4"}, "max_output_tokens"),
+    # malformed fields of their own: 400s naming them (these were 500s)
+    ({"input": "Hi", "text": {"format": "json"}}, "text.format"),
+    ({"input": "Hi", "reasoning": {"effort": ["low"]}}, "reasoning.effort"),
+    ({"input": [{"type": "message", "role": "user", "content": None}]}, "input.0.content: expected a string"),
+    ({"input": [{"type": "message", "role": "user", "content": 5}]}, "input.0.content: expected a string"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input.0.output: expected"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "needs its text"),
+    # nothing that would change the answer is dropped
+    ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": "Hi", "text": {"format": {"type": "text"}, "zzz": 1}}, "text.zzz"),
+    ({"input": "Hi", "reasoning": {"effort": "low", "zzz": 1}}, "reasoning.zzz"),
+    ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "needs its schema"),
+    # the chat route's checks, in this API's names
+    ({"input": []}, "input: an empty list"),
+    ({"input": "Hi", "max_output_tokens": 10**6}, "max_output_tokens asks for"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f b"}]}, "tools.0.name"),
+    ({"input": "Hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": 5}},
+     "tool_choice"),
 ])
 def test_errors(served, body, words):
     r = httpx.post(f"{served}/v1/responses", json={"model": "smollm2", **body},
                    headers={"Authorization": "Bearer sk-test"}, timeout=60)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    error = r.json()["error"]
+    assert "messages" not in error["message"] and "max_tokens " not in error["message"], error
+    assert error["param"] is None or not error["param"].startswith(("messages", "max_tokens")), error
     assert httpx.post(f"{served}/v1/responses", json={"input": "Hi"}).status_code == 401
+
+
+def test_a_request_without_a_model_names_the_one_that_answered(served):
+    headers = {"Authorization": "Bearer sk-test"}
+    r = httpx.post(f"{served}/v1/responses", json={"input": "Hi", "max_output_tokens": 2}, headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "smollm2", r.text
+    with httpx.stream("POST", f"{served}/v1/responses", headers=headers, timeout=60,
+                      json={"input": "Hi", "max_output_tokens": 2, "stream": True}) as s:
+        snapshots = [json.loads(line[6:])["response"] for line in s.iter_lines()
+                     if line.startswith("data: ") and '"response"' in line]
+    assert [x["model"] for x in snapshots] == ["smollm2"] * 3, snapshots
 
 
 def test_unknown_model(client):

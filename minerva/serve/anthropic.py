@@ -104,14 +104,20 @@ def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
     """The text of a string or of text blocks (`cache_control` and citations ignored)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{where}: expected a string or a list of text blocks, got "
+                            f"{type(blocks).__name__ if blocks is not None else 'null'}", "messages")
     parts = []
     for block in blocks:
-        kind = block.get("type")
-        if kind != "text" or not isinstance(block.get("text"), str):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and not isinstance(block.get("text"), str):
+            raise APIError(400, f"{where}: a text block needs its text (a string)", "messages")
+        if kind != "text":
             if kind in ("image", "document"):
                 raise APIError(400, f"{where}: content blocks of type '{kind}' are not supported: this server runs "
                                     "text-only models; send the text alone", "messages")
-            raise APIError(400, f"{where}: expected text blocks, got a block of type '{kind}'", "messages")
+            raise APIError(400, f"{where}: expected text blocks (objects with type and text), got "
+                                + (f"a block of type {kind!r}" if isinstance(block, dict) else repr(block)[:80]), "messages")
         parts.append(block["text"])
     return "".join(parts)
 
@@ -125,7 +131,7 @@ def _user(content: str | list[dict[str, Any]], where: str) -> list[dict]:
         if block.get("type") == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise APIError(400, f"{where}.content.{i}: a tool_result needs its tool_use_id", "messages")
-            result = _text(block.get("content") or "", f"{where}.content.{i}.content")
+            result = _text("" if block.get("content") is None else block["content"], f"{where}.content.{i}.content")
             if block.get("is_error"):
                 result = f"Error: {result}"
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": result})
@@ -174,6 +180,9 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
 def chat_tools(body: CountTokensRequest) -> dict:
     """tools and tool_choice as the chat route takes them."""
     if not body.tools:
+        if body.tool_choice is not None and body.tool_choice.type in ("any", "tool"):
+            raise APIError(400, f"tool_choice of type '{body.tool_choice.type}' needs tools to choose from; give "
+                                "tools, or leave tool_choice out", "tool_choice")
         return {}
     for t in body.tools:
         if t.type not in (None, "custom"):

@@ -108,6 +108,17 @@ def post(served, body, key="sk-test", path="/v1/messages"):
      400, "invalid_request_error", "server tool"),
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "temperature": "hot"}, 400, "invalid_request_error",
      "temperature"),
+    # a tool_result's content that is neither text nor text blocks (was a 500)
+    *[({"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "x", "content": content}]}]}, 400, "invalid_request_error", words)
+      for content, words in ((5, "messages.0.content.0.content: expected a string"),
+                             (True, "expected a string"), ({"type": "text"}, "expected a string"),
+                             (["a"], "expected text blocks"), ([{"type": "text", "text": 5}], "needs its text"))],
+    # a tool_choice that needs tools, without them
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"}}, 400,
+     "invalid_request_error", "needs tools"),
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [], "tool_choice": {"type": "tool", "name": "f"}},
+     400, "invalid_request_error", "needs tools"),
 ])
 def test_errors_in_anthropics_shape(served, body, status, kind, words):
     r = post(served, body)

@@ -117,6 +117,9 @@ def served_name(name: str) -> str:
 def duration(value: str | int | float | None) -> float | None:
     """keep_alive in seconds: a number, or a duration such as 5m, 1h30m, 300ms (-1: forever, None)."""
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise APIError(400, f"keep_alive must be a finite number of seconds (-1: forever), got {value!r}",
+                           "keep_alive")
         return None if value < 0 else float(value)
     text = str(value).strip()
     try:
@@ -140,7 +143,10 @@ def sampling(body: _Request) -> dict:
     for name, value in (body.options or {}).items():
         if name in OPTIONS:
             if name == "num_predict":
-                if isinstance(value, int) and value > 0:
+                if not isinstance(value, int) or isinstance(value, bool) or not (value > 0 or value in (-1, -2)):
+                    raise APIError(400, "options.num_predict must be a positive integer, -1 (no limit) or -2 (fill "
+                                        f"the context), got {value!r}", "options.num_predict")
+                if value > 0:
                     fields["max_tokens"] = value
                 continue  # -1 (no limit) and -2 (fill the context): up to the context
             fields[OPTIONS[name]] = [value] if name == "stop" and isinstance(value, str) else value
@@ -353,24 +359,28 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
             return StreamingResponse(ndjson(answered, model, is_chat, start, access), media_type="application/x-ndjson")
         return JSONResponse(whole(json.loads(answered.body), model, is_chat, start, access.get("load", 0.0)))
 
+    # a request's keep_alive is taken once the request has passed its checks (hold after them)
     async def api_chat(body: ChatRequest, raw: HTTPRequest):
+        request = chat_request(body)
         hold(body)
-        return await run(chat_request(body), raw, chat, body.model, True)
+        return await run(request, raw, chat, body.model, True)
 
     async def api_generate(body: GenerateRequest, raw: HTTPRequest):
-        hold(body)
         if not body.prompt and not body.system:  # Ollama's way to load a model: nothing to generate
+            sampling(body)
+            hold(body)
             return {"model": body.model, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
         request = generate_request(body)
+        hold(body)
         return await run(request, raw, chat if isinstance(request, P.ChatCompletionRequest) else text, body.model,
                          False)
 
     async def api_embed(body: EmbedRequest, raw: HTTPRequest):
         start = time.perf_counter()
-        hold(body)
         inputs = body.prompt if body.prompt is not None else body.input
         request = validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": inputs,
                                                   **({"dimensions": body.dimensions} if body.dimensions else {})})
+        hold(body)
         out = await embed(request, raw)
         out = out if isinstance(out, dict) else json.loads(out.body)
         vectors = [d["embedding"] for d in out["data"]]

@@ -144,6 +144,11 @@ def test_tags_show_ps_version(served, client, smollm2_gguf):
     ("/api/chat", {"model": "smollm2", "messages": ASK, "keep_alive": "soon"}, 400, "keep_alive"),
     ("/api/show", {"model": "nothing"}, 404, "not found"),
     ("/api/chat", {"messages": ASK}, 400, "model"),
+    # a num_predict that is neither a count nor -1 / -2 is refused, not dropped (it ran to the context)
+    *[("/api/chat", {"model": "smollm2", "messages": ASK, "options": {"num_predict": n}}, 400, "options.num_predict")
+      for n in ("5", 3.5, 0, -7, True)],
+    *[("/api/chat", {"model": "smollm2", "messages": ASK, "keep_alive": v}, 400, "keep_alive must be a finite")
+      for v in ("nan", "inf", "-Infinity")],
 ])
 def test_errors_in_ollamas_shape(served, path, body, status, words):
     r = httpx.post(f"{served}{path}", json={"stream": False, **body}, timeout=60)
@@ -162,6 +167,11 @@ def test_keep_alive_per_request_unloads(smollm2_gguf, tiny):
         client.chat(model="smol", messages=ASK, options={"num_predict": 2}, keep_alive=0)
         wait_for(lambda: router.models["smol"].routes is None, timeout=10, what="smol unloaded")
         client.chat(model="smol", messages=ASK, options={"num_predict": 2})
+        time.sleep(1)
+        assert router.models["smol"].routes is not None
+        # a request refused for another reason leaves its keep_alive untaken
+        with pytest.raises(ollama.ResponseError, match="unknown option"):
+            client.chat(model="smol", messages=ASK, options={"bogus": 1}, keep_alive=0)
         time.sleep(1)
         assert router.models["smol"].routes is not None
         assert [m.model for m in client.ps().models] == ["smol:latest"]

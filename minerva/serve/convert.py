@@ -129,6 +129,7 @@ def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
                           seed=body.seed, logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                          stop_token_ids=tuple(body.stop_token_ids or ()),
                           speculative_tokens=body.speculative_tokens, structured=structured(body, forced))
 
 

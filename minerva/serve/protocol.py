@@ -79,6 +79,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100].")
     ignore_eos: bool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT64)]], Field(max_length=MAX_STOP)] | None = Field(
+        None, description="Token ids that end a completion as a stop string does (vLLM's field); not in the output.")
     speculative_tokens: int | None = Field(
         None, ge=0, le=MAX_SPECULATIVE,
         description="Guesses per step for this request when the server runs with --speculative "

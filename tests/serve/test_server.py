@@ -102,6 +102,19 @@ def test_stop_strings(client, ref):
     assert got.choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids(client, ref):
+    free = ref.generate("1, 2, 3, 4,", greedy(12, ignore_eos=True))[0]
+    stop = free.token_ids[4]
+    cut = free.token_ids.index(stop)  # its first place
+    got = client.completions.create(model="smollm2-135m", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    choice = got.choices[0]
+    assert choice.text == ref.tokenizer.decode(free.token_ids[:cut]) and choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model="smollm2-135m", prompt="1", max_tokens=2, extra_body={"stop_token_ids": [-1]})
+
+
 def test_seed_reproduces_and_n(client, ref):
     args = dict(model="smollm2-135m", prompt="Write a word:", max_tokens=12, temperature=1.0, top_p=0.9, seed=7,
                 n=2, extra_body={"ignore_eos": True})

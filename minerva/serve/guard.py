@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import re
 import time
 
@@ -252,16 +253,37 @@ def _is_field(part) -> bool:
     return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
 
 
+def _field(error: dict) -> str:
+    return ".".join(str(x) for x in error.get("loc", ()) if _is_field(x))
+
+
+def _telling(errors: list[dict]) -> dict:
+    """The error to report: the first field's, and of a field a union tried several ways (a
+    string or a list of them), the one that is not just "not this type" where there is one
+    (a list that is too long, an empty string in it) rather than the first member's."""
+    first = errors[0]
+    top = _field(first).split(".")[0]
+    same = [e for e in errors if _field(e).split(".")[0] == top] if top else [first]
+    return next((e for e in same if not e.get("type", "").endswith("_type")), first)
+
+
 async def _validation_error(request, exc: RequestValidationError):
     errors = exc.errors()
-    first = errors[0] if errors else {}
-    where = [str(x) for x in first.get("loc", ()) if _is_field(x)]
-    param = ".".join(where) or None
+    first = _telling(errors) if errors else {}
+    param = _field(first) or None
     msg = first.get("msg", "invalid request")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    value = first.get("input")
+    if isinstance(value, float) and not math.isfinite(value):
+        msg = f"Input should be a finite number, got {value}"
+    others = len({_field(e).split(".")[0] for e in errors} - {(param or "").split(".")[0]})
+    more = f" (and {others} more field{'s' if others > 1 else ''} with problems)" if others else ""
     text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
     if first.get("type") == "extra_forbidden":
         text = f"unknown field '{param}': this server does not implement it; leave it out{more}"
+    elif first.get("type") == "json_invalid":  # its location is a character offset, not a field
+        param = None
+        text = (f"the body is not valid JSON ({(first.get('ctx') or {}).get('error', msg)} at character "
+                f"{first.get('loc', ('', '?'))[-1]}); send one JSON object")
     return error_response(400, text, param, path=request.url.path)
 
 
@@ -272,6 +294,12 @@ async def _http_error(request, exc: StarletteHTTPException):
     message = str(exc.detail)
     if exc.status_code == 404 and exc.detail == "Not Found":
         message = f"Invalid URL ({where}): no such route; the routes are listed at /docs"
+    elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+        encoding = request.headers.get("content-encoding")
+        message = (f"the body is {encoding}-encoded, which this server does not read; send it uncompressed"
+                   if encoding and encoding != "identity" else
+                   "the body could not be read as JSON (UTF-8 text, nested at most a few hundred levels, numbers "
+                   "of at most a few thousand digits); send one JSON object")
     elif exc.status_code == 405:
         allowed = (exc.headers or {}).get("Allow")
         message = f"Invalid method ({where})" + (f": this route takes {allowed}" if allowed else "")

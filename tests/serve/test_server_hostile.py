@@ -5,6 +5,7 @@ costs another client its answer."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -543,3 +544,27 @@ def test_a_panicking_grammar_library_is_one_plain_line():
     text = "panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n   0: x\n"
     assert library_message(text) == "it is too large or too complex for the grammar compiler; simplify it"
     assert library_message("at 1(8): unknown name\n  1 | start: foo\n") == "at 1(8): unknown name 1 | start: foo"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    # a field a union reads several ways: the problem, not "not a string"
+    ('{"prompt": "hi", "stop": [""]}', "stop.0", "at least 1 character"),
+    ('{"prompt": "hi", "stop": [%s]}' % ",".join(['"s"'] * 17), "stop", "at most 16 items"),
+    ('{"prompt": [1, -1]}', "prompt.1", "greater than or equal to 0"),
+    ('{"prompt": "hi", "temperature": NaN}', "temperature", "finite number"),
+    ('{"prompt": "hi", "min_p": Infinity}', "min_p", "finite number"),
+    # a body that is not one JSON object: no character offset taken for a field
+    ('{"prompt": "hi", "max_tokens": 2} xyz', None, "not valid JSON"),
+    (b'{"prompt": "\xff\xfe"}', None, "could not be read as JSON"),
+])
+def test_errors_name_the_problem(served, body, param, words):
+    r = httpx.post(f"{served[0]}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == param and "more problems" not in r.text, r.text
+
+
+def test_a_compressed_body_is_named(served):
+    r = httpx.post(f"{served[0]}/v1/completions", content=gzip.compress(b'{"prompt": "hi"}'),
+                   headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
+    assert r.status_code == 400 and "gzip-encoded" in r.json()["error"]["message"], r.text

@@ -68,13 +68,20 @@ class OutputConfig(_Body):
     format: OutputFormat | None = None
 
 
+class Thinking(_Body):
+    """Extended thinking: on or off for a reasoning model's template (Qwen3's enable_thinking);
+    the budget is the model's to keep, not enforced here."""
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+
 class CountTokensRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     tools: list[ToolDef] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None  # a budget for thinking: the model's template decides
+    thinking: Thinking | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -212,6 +219,8 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
         fields["top_p"] = body.top_p
     if body.top_k is not None:
         fields["top_k"] = body.top_k
+    if body.thinking is not None and body.thinking.type != "adaptive":  # Qwen3-style templates read it
+        fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
     if body.container is not None:

@@ -377,9 +377,15 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
 
     async def api_embed(body: EmbedRequest, raw: HTTPRequest):
         start = time.perf_counter()
+        for name in body.options or {}:  # none changes an embedding here; the rest are refused as for chat
+            if name not in NEUTRAL_OPTIONS and name not in IGNORED_OPTIONS and name not in OPTIONS:
+                raise APIError(400, f"unknown option '{name}'", f"options.{name}")
+        if body.dimensions is not None and body.dimensions < 1:
+            raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", "dimensions")
         inputs = body.prompt if body.prompt is not None else body.input
         request = validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": inputs,
-                                                  **({"dimensions": body.dimensions} if body.dimensions else {})})
+                                                  **({"dimensions": body.dimensions} if body.dimensions is not None
+                                                     else {})})
         hold(body)
         out = await embed(request, raw)
         out = out if isinstance(out, dict) else json.loads(out.body)
@@ -398,7 +404,9 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
                            for card in (await models())["data"] if card.get("loaded", True)]}
 
     async def api_show(body: ShowRequest):
-        name = served_name(body.model or body.name or "")
+        if not (body.model or body.name):
+            raise APIError(400, "model is required: the name of the model to show (see /api/tags)", "model")
+        name = served_name(body.model or body.name)
         card = next((c for c in (await models())["data"] if c["id"] == name), None)
         if card is None:
             raise APIError(404, f"model '{body.model or body.name}' not found")

@@ -119,6 +119,8 @@ def post(served, body, key="sk-test", path="/v1/messages"):
      "invalid_request_error", "needs tools"),
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [], "tool_choice": {"type": "tool", "name": "f"}},
      400, "invalid_request_error", "needs tools"),
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "thinking": {"type": "bogus", "budget_tokens": "lots"}},
+     400, "invalid_request_error", "thinking"),
 ])
 def test_errors_in_anthropics_shape(served, body, status, kind, words):
     r = post(served, body)

@@ -149,9 +149,12 @@ def test_tags_show_ps_version(served, client, smollm2_gguf):
       for n in ("5", 3.5, 0, -7, True)],
     *[("/api/chat", {"model": "smollm2", "messages": ASK, "keep_alive": v}, 400, "keep_alive must be a finite")
       for v in ("nan", "inf", "-Infinity")],
+    ("/api/show", {}, 400, "model is required"),
+    ("/api/embed", {"model": "smollm2", "input": "hi", "options": {"warp": 1}}, 400, "unknown option 'warp'"),
+    ("/api/embed", {"model": "smollm2", "input": "hi", "dimensions": 0}, 400, "dimensions must be at least 1"),
 ])
 def test_errors_in_ollamas_shape(served, path, body, status, words):
-    r = httpx.post(f"{served}{path}", json={"stream": False, **body}, timeout=60)
+    r = httpx.post(f"{served}{path}", json={**({} if path == "/api/embed" else {"stream": False}), **body}, timeout=60)
     assert r.status_code == status and list(r.json()) == ["error"] and words in r.json()["error"], r.text
 
 

@@ -177,9 +177,11 @@ class Serving:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
             requests += self.llm.make_requests(ids, params)
         if len(requests) > self.config.max_waiting:  # could never be queued: not a matter of retrying
-            raise APIError(400, f"this request asks for {len(requests)} completions (prompts x n), more than "
+            embeds = fixed is not None and fixed.embedding
+            raise APIError(400, f"this request asks for {len(requests)} "
+                                f"{'embeddings (inputs)' if embeds else 'completions (prompts x n)'}, more than "
                                 f"the server queues at once (--max-waiting {self.config.max_waiting}); "
-                                f"split it", "n")
+                                f"split it", "input" if embeds else "n")
         return requests
 
     def submit(self, requests: list[Request]) -> Group:

@@ -23,6 +23,10 @@ class EmbeddingServing(Serving):
             raise APIError(400, f"this model's embeddings have {width} dimensions; leave out dimensions "
                                 f"(got {body.dimensions})", "dimensions")
         ids = [await self.encode(p, "input") for p in body.inputs()]
+        for i, one in enumerate(ids):
+            if len(one) >= self.max_model_len:
+                raise APIError(400, f"input {i} has {len(one)} tokens, more than an embedding of this model takes "
+                                    f"({self.max_model_len - 1}); shorten it", "input")
         requests = await self.requests(ids, body, 1, None, "input", fixed=convert.embedding_params())
         group = self.submit(requests)
         async for _ in self.whole(group, asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))):

@@ -74,6 +74,8 @@ def test_bad_inputs_are_400(served):
         ({"input": "hi", "dimensions": 7}, "dimensions", f"have {llm.config.hidden_size} dimensions"),
         ({"input": [10**9]}, None, "out of range"),
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
+        ({"input": [1] * llm.engine.max_model_len}, "input", "input 0 has"),
+        ({"input": [[1]] * 300}, "input", "300 embeddings (inputs)"),
     ]:
         r = post(**body)
         assert r.status_code == 400, r.text

@@ -257,7 +257,7 @@ def cmd_serve(args) -> int:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
     # Checked before the model loads, so a bad flag fails at once.
     names = args.served_model_name or []
-    config = ServerConfig(names[0] if names else "?", aliases=tuple(names[1:]), api_key=args.api_key or None,
+    config = ServerConfig(names[0] if names else "?", aliases=tuple(names[1:]), api_key=args.api_key,
                           max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                           max_connections=args.max_connections, allowed_origins=args.allowed_origins)
@@ -446,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdin is None:  # started with stdin closed (a daemon, `<&-`): as if it were empty
+        sys.stdin = open(os.devnull)  # noqa: SIM115 - for the life of the process
     args = _parse(build_parser(), argv)
     try:
         if args.command == "bench":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import weakref
 from typing import Iterator, Sequence
@@ -80,8 +81,12 @@ def set_threads(threads: int | None) -> int:
     (a second hyper-thread on a core only contends for the same FMA units and cache)."""
     if threads is None:
         threads = machine().physical_cores
-    if not isinstance(threads, int) or threads < 1:
-        raise MinervaError(f"--threads must be an integer >= 1, got {threads!r}")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise MinervaError(f"threads (--threads) must be an integer >= 1, got {threads!r}")
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > 4 * cpus:  # past a few per CPU they only wait for each other (10,000 stalled the machine)
+        raise MinervaError(f"threads (--threads) {threads} is far more than the {cpus} CPUs this process may use; "
+                           f"give at most {4 * cpus} (the default is one a physical core)")
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads
@@ -140,6 +145,10 @@ class LLM:
         unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
         if unknown:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise MinervaError(f"model must be a name, a path or a Hugging Face repo (a string), got {model!r}")
+        if lora is not None and not (isinstance(lora, dict) and all(isinstance(k, str) for k in lora)):
+            raise MinervaError(f"lora must be a dict of adapter name -> path, got {type(lora).__name__}")
         engine_config = EngineConfig(**engine_options)
         self.group: launch.Group | None = None
         self._stop: _Stop | None = None
@@ -293,6 +302,8 @@ class LLM:
         """Yield (prompt index, completion index, delta) as the engine produces them."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None")
         if len(params) != len(prompts):
             raise MinervaError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
         groups = [self.make_requests(p, sp) for p, sp in zip(prompts, params)]  # all checked before any runs
@@ -319,6 +330,13 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise MinervaError("prompts must be a string, a list of token ids, or a list of those; got "
+                               f"{type(prompts).__name__}")
+        if not (params is None or isinstance(params, SamplingParams) or (
+                isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params))):
+            raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None; got "
+                               f"{type(params).__name__}")
         prompts = list(prompts)
         per_prompt = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]

@@ -258,9 +258,34 @@ def test_list_empty_store(tmp_path):
     assert proc.returncode == 0 and "no models pulled" in proc.stdout
 
 
-@pytest.mark.parametrize("value", ["0", "-2"])
+@pytest.mark.parametrize("value", ["0", "-2", "100000"])
 def test_bad_thread_count(tiny, value):
     assert_clean_error(run("generate", str(tiny), "hi", "--threads", value), "--threads")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seed", "99999999999999999999999"], "seed"),  # was a traceback from torch after the load
+])
+def test_bad_generate_options(tiny, args, words):
+    assert_clean_error(run("generate", str(tiny), "hi", "-n", "2", *args), words)
+
+
+def test_stdin_closed(tiny):
+    """Started with stdin closed (a daemon, `<&-`): as with an empty stdin, not a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(tiny), "-n", "2"], stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300, close_fds=True,
+                          preexec_fn=lambda: __import__("os").close(0))
+    assert_clean_error(proc, "the prompt is empty")
+
+
+@pytest.mark.parametrize("key, words", [("", "--api-key is empty"), ("sk-x ", "whitespace")])
+def test_serve_refuses_an_unusable_api_key(tiny, key, words):
+    assert_clean_error(run("serve", str(tiny), "--api-key", key, "--port", "1"), words)
+
+
+@pytest.mark.parametrize("args, words", [(["-p", "-1"], "--prompt"), (["-n", "-2"], "--gen"), (["-d", "-5"], "--depth")])
+def test_bench_latency_lengths(tiny, args, words):
+    assert_clean_error(run("bench", "latency", str(tiny), *args), words)
 
 
 def test_quantize_a_safetensors_model(tmp_path):

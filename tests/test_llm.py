@@ -86,6 +86,26 @@ def test_prompt_longer_than_context(smollm2_llm):
         smollm2_llm.generate([[10**9]], SamplingParams(max_tokens=1))
 
 
+@pytest.mark.parametrize("args, words", [
+    (({"prompt": "hi"},), "prompts must be"),  # a dict was read as its keys
+    (("hi", {"max_tokens": 3}), "params must be"),
+    ((None,), "prompts must be"), ((5,), "prompts must be"),
+    ((["hi"], [{"max_tokens": 3}]), "params must be"),
+])
+def test_generate_misuse_is_a_clear_error(smollm2_llm, args, words):
+    with pytest.raises(MinervaError, match=words):
+        smollm2_llm.generate(*args, use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs, words", [(dict(model=123), "model must be"),
+                                           (dict(model="smollm2-135m", lora=["a"]), "lora must be"),
+                                           (dict(model="smollm2-135m", threads=10**6), "threads")])
+def test_llm_misuse_is_a_clear_error_before_loading(kwargs, words):
+    with pytest.raises(MinervaError, match=words):
+        LLM(**kwargs)
+
+
 def test_gemma_chat_uses_builtin_template(gemma3_llm, gemma3_hf):
     prompt = gemma3_llm.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt.startswith("<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")

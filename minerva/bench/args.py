@@ -55,5 +55,11 @@ def check_args(args) -> None:
         v = getattr(args, name, None)
         if isinstance(v, int) and v < 1:
             raise MinervaError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
+    for name, least in (("prompt", 0), ("gen", 0), ("depth", 0)):  # bench latency's comma-separated lists
+        v = getattr(args, name, None)
+        if isinstance(v, list) and any(x < least for x in v):
+            raise MinervaError(f"--{name} takes lengths >= {least}, got {','.join(map(str, v))}")
+        if isinstance(v, int) and v < 1:  # bench speculative's -n
+            raise MinervaError(f"--{name} must be at least 1, got {v}")
     if getattr(args, "batch_sizes", None) is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
         raise MinervaError("--batch-sizes must be positive integers")

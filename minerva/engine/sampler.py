@@ -50,13 +50,15 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name, what in (("stop", "a string or a list of strings"), ("stop_token_ids", "a list of token ids")):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise MinervaError(f"invalid sampling parameter {name}={getattr(self, name)!r}: must be {what}")
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         rules = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-            ("n", isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("max_tokens", _integer(self.max_tokens) and self.max_tokens >= 1, "an integer >= 1"),
+            ("n", _integer(self.n) and self.n >= 1, "an integer >= 1"),
             ("temperature", _finite(self.temperature) and self.temperature >= 0, "a number >= 0"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_k", _integer(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
             ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
             ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
             ("repetition_penalty", _finite(self.repetition_penalty) and self.repetition_penalty > 0,
@@ -68,7 +70,8 @@ class SamplingParams:
             ("logit_bias", isinstance(self.logit_bias, dict) and all(
                 isinstance(k, int) and k >= 0 and _finite(v) and -100 <= v <= 100
                 for k, v in self.logit_bias.items()), "a map of token id -> bias in [-100, 100]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "an integer"),
+            ("seed", self.seed is None or (_integer(self.seed) and -2**63 <= self.seed < 2**63),
+             "an integer in [-2^63, 2^63)"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
                                                    and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"an integer in [0, {MAX_LOGPROBS}]"),
@@ -76,6 +79,7 @@ class SamplingParams:
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "token ids >= 0"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "true or false"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "true or false"),
             ("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
              "a minerva.engine.structured.StructuredOutput"),
             ("speculative_tokens", self.speculative_tokens is None or (
@@ -90,6 +94,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x) -> bool:

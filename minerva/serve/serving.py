@@ -64,6 +64,12 @@ class ServerConfig:
             raise MinervaError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout!r}")
         if not self.served_model_name or not all(self.aliases):
             raise MinervaError("--served-model-name must not be empty")
+        if self.api_key is not None and not self.api_key.strip():  # `--api-key "$KEY"` with KEY unset
+            raise MinervaError("--api-key is empty; give the key clients must send, or leave --api-key out to "
+                               "serve without one")
+        if self.api_key is not None and self.api_key != self.api_key.strip():
+            raise MinervaError("--api-key begins or ends with whitespace, which clients' keys are read without; "
+                               "remove it")
 
     @property
     def names(self) -> tuple[str, ...]:

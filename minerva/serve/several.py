@@ -41,7 +41,7 @@ def serve_several(args, load) -> int:
         raise MinervaError(f"the model name '{twice[0]}' is given twice; give each model once")
     if not 0 <= args.port <= 65535:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
-    config = ServerConfig(names[0], api_key=args.api_key or None, max_waiting=args.max_waiting,
+    config = ServerConfig(names[0], api_key=args.api_key, max_waiting=args.max_waiting,
                           shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout,
                           body_timeout=args.body_timeout, max_connections=args.max_connections,
                           allowed_origins=args.allowed_origins)

@@ -176,7 +176,9 @@ def test_logit_bias_forces_and_bans(logits):
                                     dict(n=0), dict(temperature=-0.1), dict(temperature=math.nan), dict(top_p=0.0),
                                     dict(top_k=-1), dict(min_p=1.5), dict(max_tokens=0),
                                     dict(repetition_penalty=0.0), dict(stop=[""]), dict(seed="x"),
-                                    dict(stop_token_ids=[-1])])
+                                    dict(stop_token_ids=[-1]), dict(seed=2**64), dict(seed=-2**63 - 1),
+                                    dict(stop=5), dict(stop_token_ids=5), dict(max_tokens=True), dict(n=True),
+                                    dict(ignore_eos="no")])
 def test_invalid_params(kwargs):
     with pytest.raises(MinervaError, match=next(iter(kwargs))):
         SamplingParams(**kwargs)

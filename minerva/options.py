@@ -60,7 +60,8 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
                         "GPUs, else float32)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: physical cores; at most 4 a CPU this process may use)")
     add_no_tune(p)
     p.add_argument("--activations", default="auto", choices=["auto", "float", "int8"],
                    help=ACTIVATIONS_HELP)

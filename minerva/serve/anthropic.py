@@ -209,6 +209,10 @@ def chat_tools(body: CountTokensRequest) -> dict:
     return out
 
 
+# the chat request's fields as this API names them, for the errors of the chat route's checks
+NAMES = {"stop": "stop_sequences", "response_format": "output_config.format", "reasoning_effort": "output_config.effort"}
+
+
 def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
     """The chat completion request that answers `body`."""
     fields: dict = {"model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
@@ -231,7 +235,7 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
                                                                             "schema": config.format.schema_}}
     if config is not None and config.effort is not None:  # a reasoning model's template reads it
         fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(config.effort, config.effort)
-    return validated(P.ChatCompletionRequest, fields)
+    return validated(P.ChatCompletionRequest, fields, NAMES)
 
 
 # ------------------------------------------------------------------ answers

@@ -48,15 +48,52 @@ def error_body(status: int, message: str, param: str | None = None,
 # ------------------------------------------------------------------ requests
 
 
-def validated(model, fields: dict):
+_UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_field(part) -> bool:
+    """Whether a part of a pydantic error location names a field or an index (not the
+    member of a union that failed, such as 'constrained-str' or 'list[int]')."""
+    return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
+
+
+def error_field(error: dict) -> str:
+    """The field (dotted, with indices) a pydantic error is about."""
+    return ".".join(str(x) for x in error.get("loc", ()) if _is_field(x))
+
+
+def telling_error(errors: list[dict]) -> dict:
+    """The error to report: the first field's, and of a field a union tried several ways (a
+    string or a list of them), the one that is not just "not this type" where there is one
+    (a list that is too long, an empty string in it) rather than the first member's."""
+    first = errors[0]
+    top = error_field(first).split(".")[0]
+    same = [e for e in errors if error_field(e).split(".")[0] == top] if top else [first]
+    return next((e for e in same if not e.get("type", "").endswith("_type")), first)
+
+
+def error_message(error: dict) -> str:
+    value = error.get("input")
+    if isinstance(value, float) and not math.isfinite(value):  # pydantic calls NaN out of range
+        return f"Input should be a finite number, got {value}"
+    return error.get("msg", "invalid request")
+
+
+def validated(model, fields: dict, names: dict[str, str] | None = None):
     """`fields` read by the pydantic `model` as a JSON body is (a converted request meets the
-    same checks as one sent to its route); a 400 naming the first problem."""
+    same checks as one sent to its route); a 400 naming the problem, its field under the name
+    the client sent (`names`: the converted request's top-level field -> the client's)."""
     try:
         return model.model_validate_json(json.dumps(fields))
     except ValueError as exc:
-        first = exc.errors()[0] if hasattr(exc, "errors") else {}
-        where = ".".join(str(x) for x in first.get("loc", ()))
-        raise APIError(400, f"invalid request: {where + ': ' if where else ''}{first.get('msg', exc)}") from None
+        errors = exc.errors() if hasattr(exc, "errors") else []
+        first = telling_error(errors) if errors else {}
+        where = error_field(first)
+        top, dot, rest = where.partition(".")
+        if names and top in names:
+            where = names[top] + dot + rest
+        raise APIError(400, f"invalid request: {where + ': ' if where else ''}{error_message(first) if first else exc}",
+                       where or None) from None
 
 
 def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict]:

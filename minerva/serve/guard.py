@@ -8,7 +8,6 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 import re
 import time
 
@@ -244,38 +243,12 @@ async def _minerva_error(request, exc: MinervaError):
     return error_response(400, str(exc), path=request.url.path)
 
 
-_UNION_TAGS = {"body", "str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _is_field(part) -> bool:
-    """Whether a part of a pydantic error location names a field or an index (not the
-    member of a union that failed, such as 'constrained-str' or 'list[int]')."""
-    return isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS)
-
-
-def _field(error: dict) -> str:
-    return ".".join(str(x) for x in error.get("loc", ()) if _is_field(x))
-
-
-def _telling(errors: list[dict]) -> dict:
-    """The error to report: the first field's, and of a field a union tried several ways (a
-    string or a list of them), the one that is not just "not this type" where there is one
-    (a list that is too long, an empty string in it) rather than the first member's."""
-    first = errors[0]
-    top = _field(first).split(".")[0]
-    same = [e for e in errors if _field(e).split(".")[0] == top] if top else [first]
-    return next((e for e in same if not e.get("type", "").endswith("_type")), first)
-
-
 async def _validation_error(request, exc: RequestValidationError):
     errors = exc.errors()
-    first = _telling(errors) if errors else {}
-    param = _field(first) or None
-    msg = first.get("msg", "invalid request")
-    value = first.get("input")
-    if isinstance(value, float) and not math.isfinite(value):
-        msg = f"Input should be a finite number, got {value}"
-    others = len({_field(e).split(".")[0] for e in errors} - {(param or "").split(".")[0]})
+    first = convert.telling_error(errors) if errors else {}
+    param = convert.error_field(first) or None
+    msg = convert.error_message(first)
+    others = len({convert.error_field(e).split(".")[0] for e in errors} - {(param or "").split(".")[0]})
     more = f" (and {others} more field{'s' if others > 1 else ''} with problems)" if others else ""
     text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
     if first.get("type") == "extra_forbidden":

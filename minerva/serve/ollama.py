@@ -39,6 +39,7 @@ NEUTRAL_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
            "min_p": "min_p", "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+OPTION_NAMES = {field: f"options.{name}" for name, field in OPTIONS.items()}  # for the chat route's errors
 
 
 def error_body(message: str) -> dict:
@@ -200,7 +201,7 @@ def chat_request(body: ChatRequest) -> P.ChatCompletionRequest:
     fields = {"model": served_name(body.model), "messages": chat_messages(body.messages), **sampling(body)}
     if body.tools:
         fields["tools"] = body.tools
-    return validated(P.ChatCompletionRequest, fields)
+    return validated(P.ChatCompletionRequest, fields, OPTION_NAMES)
 
 
 def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.CompletionRequest:
@@ -211,9 +212,10 @@ def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.Compl
     fields = {"model": served_name(body.model), **sampling(body)}
     if body.raw:
         fields.pop("chat_template_kwargs", None), fields.pop("reasoning_effort", None)
-        return validated(P.CompletionRequest, {**fields, "prompt": body.prompt})
+        return validated(P.CompletionRequest, {**fields, "prompt": body.prompt}, OPTION_NAMES)
     system = [{"role": "system", "content": body.system}] if body.system else []
-    return validated(P.ChatCompletionRequest, {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]})
+    return validated(P.ChatCompletionRequest, {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]},
+                     OPTION_NAMES)
 
 
 # ------------------------------------------------------------------ answers

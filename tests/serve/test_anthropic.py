@@ -121,6 +121,8 @@ def post(served, body, key="sk-test", path="/v1/messages"):
      400, "invalid_request_error", "needs tools"),
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "thinking": {"type": "bogus", "budget_tokens": "lots"}},
      400, "invalid_request_error", "thinking"),
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "stop_sequences": [""]}, 400, "invalid_request_error",
+     "stop_sequences.0: String should have at least 1 character"),
 ])
 def test_errors_in_anthropics_shape(served, body, status, kind, words):
     r = post(served, body)

@@ -150,6 +150,9 @@ def test_tags_show_ps_version(served, client, smollm2_gguf):
     *[("/api/chat", {"model": "smollm2", "messages": ASK, "keep_alive": v}, 400, "keep_alive must be a finite")
       for v in ("nan", "inf", "-Infinity")],
     ("/api/show", {}, 400, "model is required"),
+    ("/api/chat", {"model": "smollm2", "messages": ASK, "options": {"seed": "7"}}, 400, "options.seed"),
+    ("/api/chat", {"model": "smollm2", "messages": ASK, "options": {"stop": [""]}}, 400,
+     "options.stop.0: String should have at least 1 character"),
     ("/api/embed", {"model": "smollm2", "input": "hi", "options": {"warp": 1}}, 400, "unknown option 'warp'"),
     ("/api/embed", {"model": "smollm2", "input": "hi", "dimensions": 0}, 400, "dimensions must be at least 1"),
 ])

@@ -273,8 +273,11 @@ async def _http_error(request, exc: StarletteHTTPException):
                    if encoding and encoding != "identity" else
                    "the body could not be read as JSON (UTF-8 text, nested at most a few hundred levels, numbers "
                    "of at most a few thousand digits); send one JSON object")
-    elif exc.status_code == 405:
-        allowed = (exc.headers or {}).get("Allow")
+    elif exc.status_code == 405:  # every route of this path, not only the first one's methods
+        methods = sorted({m for route in request.app.router.routes if getattr(route, "methods", None)
+                          and route.matches(request.scope)[0] != Match.NONE for m in route.methods} - {"HEAD"})
+        allowed = ", ".join(methods) or (exc.headers or {}).get("Allow")
+        exc.headers = {**(exc.headers or {}), "Allow": allowed} if allowed else exc.headers
         message = f"Invalid method ({where})" + (f": this route takes {allowed}" if allowed else "")
     return error_response(exc.status_code, message, headers=getattr(exc, "headers", None), path=request.url.path)
 

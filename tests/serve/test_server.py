@@ -170,8 +170,9 @@ def test_bad_requests_are_400(client, served):
         client.completions.create(model="smollm2-135m", prompt="word " * 3000, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="prompt token id 99999999 is out of range"):
         client.completions.create(model="smollm2-135m", prompt=[1, 99999999], max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+    with pytest.raises(openai.BadRequestError, match="logit_bias") as e:
         client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1, logit_bias={"99999999": 1})
+    assert e.value.body["param"] == "logit_bias"
     with pytest.raises(openai.NotFoundError, match="smollm2-135m"):
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
     for body in (b"{not json", b"[]", b'{"prompt": 5}', b'{"messages": []}'):

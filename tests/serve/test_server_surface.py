@@ -36,6 +36,9 @@ def test_unknown_routes_and_methods(served):
     assert r.status_code == 405 and r.json()["error"]["message"] == (
         "Invalid method (GET /v1/chat/completions): this route takes POST")
     assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/v1/responses/resp_x")  # two routes of one path: both methods
+    assert r.status_code == 405 and r.json()["error"]["message"].endswith("this route takes DELETE, GET"), r.text
+    assert r.headers["allow"] == "DELETE, GET"
 
 
 def test_models_retrieve_and_names(served):

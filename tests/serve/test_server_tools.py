@@ -151,7 +151,7 @@ def test_bad_tool_requests_are_400(served):
     error(post(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
           "'nope', which is not among the tools")
     error(post(tool_choice="required"), "tool_choice", "needs tools")
-    error(post(tools=[WEATHER, WEATHER]), "tool_choice", "given twice")
+    error(post(tools=[WEATHER, WEATHER]), "tools", "given twice")
     error(post(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
           "response_format", "already constrains the output")
     error(post(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools.0.function.name",

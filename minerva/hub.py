@@ -65,8 +65,11 @@ def parse(name: str) -> RepoRef | None:
     lowered = name.lower()
     prefix = next((p for p in PREFIXES if lowered.startswith(p)), None)
     rest = name[len(prefix):] if prefix else name
-    repo, _, quant = rest.partition(":")
+    repo, colon, quant = rest.partition(":")
     repo = repo.strip("/") if prefix else repo
+    if colon and not quant and _REPO.fullmatch(repo):  # `OWNER/REPO:` (an unset $QUANT?): not the default quant
+        raise MinervaError(f"'{name}' ends in ':' without a quantization; write {repo}:QUANT (e.g. :Q4_K_M), or "
+                           f"{repo} alone for its default file")
     if _REPO.fullmatch(repo) and (not quant or _QUANT.fullmatch(quant)) and ".." not in repo:
         if prefix or not repo.lower().endswith((".gguf", ".safetensors", ".bin", ".pt", ".pth")):
             return RepoRef(repo, quant or None)

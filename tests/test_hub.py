@@ -104,6 +104,12 @@ def test_parse_refuses_malformed_hub_names(arg):
         hub.parse(arg)
 
 
+@pytest.mark.parametrize("arg", ["OWNER/REPO:", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:"])
+def test_an_empty_quant_tag_is_refused(arg):  # it meant the default file
+    with pytest.raises(MinervaError, match="without a quantization"):
+        hub.parse(arg)
+
+
 @pytest.mark.parametrize("name, tag", [
     ("Llama-3.2-1B-Instruct-Q4_K_M.gguf", "Q4_K_M"), ("SmolLM2-135M-Instruct.Q4_1.gguf", "Q4_1"),
     ("gemma-3-270m-q4_k_m.gguf", "Q4_K_M"), ("gpt-oss-20b-mxfp4.gguf", "MXFP4"), ("model-UD-Q4_K_XL.gguf", "Q4_K_XL"),

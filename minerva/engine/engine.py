@@ -150,8 +150,9 @@ def kv_cache(model: CausalLM, config: EngineConfig, device: torch.device, dtype:
     if comm is not None:
         num_blocks = int(comm.broadcast(torch.tensor([num_blocks]) if comm.rank == 0 else None)[0])
     if num_blocks < 1:
-        raise MinervaError(f"a KV budget of {config.kv_cache_memory} holds no block ({per_block} bytes each) "
-                           f"in the memory available on {device}; raise --kv-cache-memory or free memory")
+        budget = "the memory available" if config.kv_cache_memory is None else f"a KV budget of {config.kv_cache_memory}"
+        raise MinervaError(f"{budget} on {device} holds no KV block of {config.block_size} tokens ({per_block} bytes "
+                           "each); lower --block-size, raise --kv-cache-memory or free memory")
     return PagedKVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                         mc.head_dim, k_format=config.kv_cache_dtype_k,
                         v_format=config.kv_cache_dtype_v, dtype=dtype, device=device, layout=layout)

@@ -405,8 +405,9 @@ def ensure(kernels) -> None:
     if pinned:
         data = _read(Path(pinned).expanduser())
         if data is None:
-            raise MinervaError(f"MINERVA_CHOICES={pinned}: no such readable JSON file; "
-                               "write one with `minerva tune --out FILE`")
+            what = "not a JSON file of kernel choices" if Path(pinned).expanduser().is_file() else "no such file"
+            raise MinervaError(f"MINERVA_CHOICES={pinned}: {what}; write one with `minerva tune --out FILE`, or "
+                               "unset MINERVA_CHOICES")
         apply(kernels, data, f"MINERVA_CHOICES={pinned}")
         _applied, _source = data, f"pinned: {pinned}"
         return

@@ -258,5 +258,6 @@ def test_cli_tune_writes_a_file_others_can_pin_and_bad_ones_fail_cleanly(tmp_pat
     gen = subprocess.run([sys.executable, "-m", "minerva.cli", "generate", "smollm2-135m", "hi", "-n", "1"],
                          capture_output=True, text=True, env={**env, "MINERVA_CHOICES": str(bad)}, timeout=300)
     assert gen.returncode == 1
-    assert gen.stderr.strip().splitlines()[-1].startswith(f"minerva: error: MINERVA_CHOICES={bad}: no such readable")
+    assert gen.stderr.strip().splitlines()[-1].startswith(
+        f"minerva: error: MINERVA_CHOICES={bad}: not a JSON file of kernel choices")
     assert "Traceback" not in gen.stderr

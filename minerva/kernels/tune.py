@@ -403,11 +403,10 @@ def ensure(kernels) -> None:
     defaults(kernels)
     pinned = os.environ.get("MINERVA_CHOICES", "").strip()
     if pinned:
-        data = _read(Path(pinned).expanduser())
+        data, path = _read(Path(pinned).expanduser()), Path(pinned).expanduser()
         if data is None:
-            what = "not a JSON file of kernel choices" if Path(pinned).expanduser().is_file() else "no such file"
-            raise MinervaError(f"MINERVA_CHOICES={pinned}: {what}; write one with `minerva tune --out FILE`, or "
-                               "unset MINERVA_CHOICES")
+            what = "not a JSON file of kernel choices" if path.is_file() else "no such file"
+            raise MinervaError(f"MINERVA_CHOICES={pinned}: {what}; write one with `minerva tune --out FILE`")
         apply(kernels, data, f"MINERVA_CHOICES={pinned}")
         _applied, _source = data, f"pinned: {pinned}"
         return

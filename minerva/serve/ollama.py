@@ -218,6 +218,17 @@ def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.Compl
                      OPTION_NAMES)
 
 
+def embed_request(body: EmbedRequest) -> P.EmbeddingRequest:
+    for name in body.options or {}:  # none changes an embedding here; the rest are refused as for chat
+        if name not in NEUTRAL_OPTIONS and name not in IGNORED_OPTIONS and name not in OPTIONS:
+            raise APIError(400, f"unknown option '{name}'", f"options.{name}")
+    if body.dimensions is not None and body.dimensions < 1:
+        raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", "dimensions")
+    dimensions = {} if body.dimensions is None else {"dimensions": body.dimensions}
+    return validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": body.prompt if body.prompt
+                                          is not None else body.input, **dimensions})
+
+
 # ------------------------------------------------------------------ answers
 
 
@@ -379,15 +390,7 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
 
     async def api_embed(body: EmbedRequest, raw: HTTPRequest):
         start = time.perf_counter()
-        for name in body.options or {}:  # none changes an embedding here; the rest are refused as for chat
-            if name not in NEUTRAL_OPTIONS and name not in IGNORED_OPTIONS and name not in OPTIONS:
-                raise APIError(400, f"unknown option '{name}'", f"options.{name}")
-        if body.dimensions is not None and body.dimensions < 1:
-            raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", "dimensions")
-        inputs = body.prompt if body.prompt is not None else body.input
-        request = validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": inputs,
-                                                  **({"dimensions": body.dimensions} if body.dimensions is not None
-                                                     else {})})
+        request = embed_request(body)
         hold(body)
         out = await embed(request, raw)
         out = out if isinstance(out, dict) else json.loads(out.body)

@@ -17,6 +17,7 @@ import minerva.hub as hub
 from minerva.bench import roofline
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
+from minerva.formats.tokenizer import check_unicode
 from minerva.chat import ReplyWriter
 from minerva.parsers.reasoning import ReasoningParser
 from minerva.kernels import dispatch, tune
@@ -204,6 +205,7 @@ def cmd_generate(args) -> int:
         model, prompt = _model_and_rest(words, '"PROMPT"', rest_required=True)
     if not prompt.strip():
         raise MinervaError('the prompt is empty; give one: minerva generate [MODEL] "PROMPT", or pipe it in')
+    check_unicode(prompt)  # before the load, and counting in the prompt given rather than the templated one
     params = sampling(args)
     llm = _load(model, args)
     if args.raw:

@@ -270,6 +270,13 @@ def test_bad_generate_options(tiny, args, words):
     assert_clean_error(run("generate", str(tiny), "hi", "-n", "2", *args), words)
 
 
+def test_a_prompt_that_is_not_utf8(tiny):
+    proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(tiny), "-n", "2"],
+                          input=b"hello \xff\xfe world", capture_output=True, timeout=300)
+    proc.stderr = proc.stderr.decode()
+    assert_clean_error(proc, "not UTF-8: byte 0xFF at character 6")
+
+
 def test_stdin_closed(tiny):
     """Started with stdin closed (a daemon, `<&-`): as with an empty stdin, not a traceback."""
     proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(tiny), "-n", "2"], stdin=subprocess.DEVNULL,

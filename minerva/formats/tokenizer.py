@@ -250,7 +250,11 @@ def check_unicode(text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise MinervaError(f"the text has a lone surrogate U+{ord(text[exc.start]):04X} at character "
+        code = ord(text[exc.start])
+        if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8, kept by Python's surrogateescape (stdin, files)
+            raise MinervaError(f"the text is not UTF-8: byte 0x{code - 0xDC00:02X} at character {exc.start}; "
+                               "give UTF-8 text") from None
+        raise MinervaError(f"the text has a lone surrogate U+{code:04X} at character "
                            f"{exc.start}; send valid Unicode (surrogates only in pairs)") from None
 
 

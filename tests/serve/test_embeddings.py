@@ -72,7 +72,7 @@ def test_bad_inputs_are_400(served):
         ({"input": []}, "input", "an input is empty"),
         ({"input": ["a", ""]}, "input", "an input is empty"),
         ({"input": "hi", "dimensions": 7}, "dimensions", f"have {llm.config.hidden_size} dimensions"),
-        ({"input": [10**9]}, None, "out of range"),
+        ({"input": [10**9]}, "input", "out of range"),
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format", "float"),
         ({"input": [1] * llm.engine.max_model_len}, "input", "input 0 has"),
         ({"input": [[1]] * 300}, "input", "300 embeddings (inputs)"),

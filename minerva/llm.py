@@ -92,6 +92,18 @@ def set_threads(threads: int | None) -> int:
     return threads
 
 
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    """`params` (one SamplingParams for every prompt, one each, or None: the defaults) as one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * count
+    if not (isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
+        raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None; got "
+                           f"{type(params).__name__}")
+    if len(params) != count:
+        raise MinervaError(f"got {len(params)} sampling parameter sets for {count} prompts")
+    return list(params)
+
+
 class _Stop:
     """Stops a tensor-parallel LLM's workers and leaves its process group. The LLM's finalizer
     holds it, so it holds the group and the runner, never the LLM (which it would keep alive)."""
@@ -300,12 +312,7 @@ class LLM:
                     params: SamplingParams | Sequence[SamplingParams] | None = None,
                     ) -> Iterator[tuple[int, int, StreamDelta]]:
         """Yield (prompt index, completion index, delta) as the engine produces them."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if not all(isinstance(p, SamplingParams) for p in params):
-            raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None")
-        if len(params) != len(prompts):
-            raise MinervaError(f"got {len(params)} sampling parameter sets for {len(prompts)} prompts")
+        params = _per_prompt(params, len(prompts))
         groups = [self.make_requests(p, sp) for p, sp in zip(prompts, params)]  # all checked before any runs
         where = {}
         for i, group in enumerate(groups):
@@ -333,12 +340,8 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise MinervaError("prompts must be a string, a list of token ids, or a list of those; got "
                                f"{type(prompts).__name__}")
-        if not (params is None or isinstance(params, SamplingParams) or (
-                isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params))):
-            raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None; got "
-                               f"{type(params).__name__}")
         prompts = list(prompts)
-        per_prompt = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        per_prompt = _per_prompt(params, len(prompts))
         completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]
                        for sp in per_prompt]
         left = [sp.n for sp in per_prompt]

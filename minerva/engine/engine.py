@@ -225,7 +225,7 @@ class Engine:
             raise MinervaError(f"prompt token id {stray} is out of range: token ids must be in [0, {vocab})")
         bad = [t for t in request.params.logit_bias if t >= vocab]
         if bad:
-            raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}")
+            raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}", "logit_bias")
         if request.params.adapter is not None:
             if self.adapters is None:
                 raise MinervaError(f"the request asks for the LoRA adapter '{request.params.adapter}', and none "

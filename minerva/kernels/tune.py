@@ -403,7 +403,7 @@ def ensure(kernels) -> None:
     defaults(kernels)
     pinned = os.environ.get("MINERVA_CHOICES", "").strip()
     if pinned:
-        data, path = _read(Path(pinned).expanduser()), Path(pinned).expanduser()
+        data = _read(path := Path(pinned).expanduser())
         if data is None:
             what = "not a JSON file of kernel choices" if path.is_file() else "no such file"
             raise MinervaError(f"MINERVA_CHOICES={pinned}: {what}; write one with `minerva tune --out FILE`")

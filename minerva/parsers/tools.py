@@ -150,7 +150,7 @@ def make_plan(tools: Sequence[Mapping] | None, tool_choice: str | Mapping | None
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
-        raise MinervaError(f"tools: the function '{dup}' is given twice; give each function once")
+        raise MinervaError(f"tools: the function '{dup}' is given twice; give each function once", "tools")
     if isinstance(tool_choice, Mapping):
         choice = (tool_choice.get("function") or {}).get("name")
         if choice not in names:

@@ -119,8 +119,8 @@ def tool_plan(body: P.ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None
         plan = make_plan([t.model_dump(exclude_none=True) for t in body.tools or ()],
                          body.tool_choice.model_dump() if isinstance(body.tool_choice, P.NamedToolChoice)
                          else body.tool_choice, body.parallel_tool_calls)
-    except MinervaError as exc:  # a problem of the tools themselves (a name given twice) or of the choice
-        raise APIError(400, str(exc), "tools" if str(exc).startswith("tools") else "tool_choice") from None
+    except MinervaError as exc:  # a problem of the choice, or of the tools themselves (a name given twice)
+        raise APIError(400, str(exc), exc.field or "tool_choice") from None
     return plan
 
 

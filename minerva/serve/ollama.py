@@ -40,6 +40,7 @@ OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "
            "min_p": "min_p", "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 OPTION_NAMES = {field: f"options.{name}" for name, field in OPTIONS.items()}  # for the chat route's errors
+KNOWN_OPTIONS = OPTIONS.keys() | NEUTRAL_OPTIONS.keys() | IGNORED_OPTIONS
 
 
 def error_body(message: str) -> dict:
@@ -220,7 +221,7 @@ def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.Compl
 
 def embed_request(body: EmbedRequest) -> P.EmbeddingRequest:
     for name in body.options or {}:  # none changes an embedding here; the rest are refused as for chat
-        if name not in NEUTRAL_OPTIONS and name not in IGNORED_OPTIONS and name not in OPTIONS:
+        if name not in KNOWN_OPTIONS:
             raise APIError(400, f"unknown option '{name}'", f"options.{name}")
     if body.dimensions is not None and body.dimensions < 1:
         raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", "dimensions")

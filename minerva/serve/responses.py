@@ -121,9 +121,9 @@ def _text(content: Any, where: str) -> str:
             raise APIError(400, f"{where}.{i}: content of type '{kind}' is not supported: this server runs text-only "
                                 "models; send the text alone", "input")
         else:
-            raise APIError(400, f"{where}.{i}: expected an input_text part (an object with type and text), got "
-                                f"{kind!r}" if isinstance(part, dict) else f"{where}.{i}: expected an input_text part "
-                                "(an object with type and text)", "input")
+            got = f"a part of type {kind!r}" if isinstance(part, dict) else repr(part)[:80]
+            raise APIError(400, f"{where}.{i}: expected an input_text part (an object with type and text), got {got}",
+                           "input")
     return "".join(parts)
 
 

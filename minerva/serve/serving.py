@@ -184,7 +184,7 @@ class Serving:
             try:
                 requests += self.llm.make_requests(ids, params)
             except MinervaError as exc:  # the engine's checks: a token id out of range, in the prompt or logit_bias
-                raise APIError(400, str(exc), "logit_bias" if str(exc).startswith("logit_bias") else param) from None
+                raise APIError(400, str(exc), exc.field or param) from None
         if len(requests) > self.config.max_waiting:  # could never be queued: not a matter of retrying
             embeds = fixed is not None and fixed.embedding
             raise APIError(400, f"this request asks for {len(requests)} "

@@ -94,6 +94,11 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
                    help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
                    help="token budget of one step (prompt chunks + decodes)")
+    g.add_argument("--prefill-chunk-seconds", type=float, default=EngineConfig.prefill_chunk_seconds,
+                   metavar="S",
+                   help="while requests stream (or wait to start), a long prompt is computed in chunks of "
+                        "about S seconds each, at the measured speed, so their tokens keep coming "
+                        "(default %(default)s; 0 = chunks of the whole --max-num-batched-tokens)")
     g.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, metavar="N",
                    help=DECODE_STEPS_HELP)
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
@@ -132,7 +137,7 @@ def engine_options(args) -> dict:
     return dict(kv_cache_memory=args.kv_cache_memory, prefix_cache_memory=args.prefix_cache_memory,
                 block_size=args.block_size,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching, hybrid_kv_cache=not args.no_hybrid_kv_cache,
+                prefill_chunk_seconds=args.prefill_chunk_seconds, enable_prefix_caching=not args.no_prefix_caching, hybrid_kv_cache=not args.no_hybrid_kv_cache,
                 kv_cache_dtype_k=k, kv_cache_dtype_v=v, decode_steps=args.decode_steps,
                 max_model_len=args.max_model_len, **speculative_options(args))
 

@@ -45,6 +45,9 @@ class EngineConfig:
     kv_cache_dtype_v: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # while someone waits on a token (a stream, a prompt waiting to start), a step's prompt
+    # chunks take about this long at the measured speed of a row; 0: the whole token budget
+    prefill_chunk_seconds: float = 0.25
     enable_prefix_caching: bool = True
     # sliding-window layers give back the blocks behind their window (minerva/kernels/kv_layout.py)
     hybrid_kv_cache: bool = True
@@ -69,7 +72,8 @@ class EngineConfig:
             raise MinervaError(f"--prefix-cache-memory must be >= 0 (bytes, or a fraction <= 1 of free memory), "
                                f"got {self.prefix_cache_memory!r}")
         # checks them before the KV pool is sized
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, decode_steps=self.decode_steps)
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, decode_steps=self.decode_steps,
+                        chunk_seconds=self.prefill_chunk_seconds)
         if self.speculative:
             check_speculative(self.speculative, self.num_speculative_tokens, self.speculative_max_batch)
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -199,7 +203,8 @@ class Engine:
                                                           config.max_num_batched_tokens, config.context(mc))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len,
-                                                   1 if config.speculative else config.decode_steps), self.blocks)
+                                                   1 if config.speculative else config.decode_steps,
+                                                   config.prefill_chunk_seconds), self.blocks)
         self.runner = ModelRunner(model, self.cache, device, comm)
         self.runner.adapters = adapters
         self.speculator = None

@@ -5,7 +5,10 @@ gives running requests their next token(s) and new prompts chunks of their promp
 within a token budget and a cap on running requests. Order is priority, then
 arrival, with two exceptions that keep latency bounded under long prompts: requests
 past their prompt get their next token(s) before any prompt chunk, and while requests
-wait to start, running prompt chunks take at most half the budget. When KV blocks run
+wait to start, running prompt chunks take at most half the budget. While someone waits on
+a token (a request decoding, or a new one waiting behind a running prompt), a step's
+prompt chunks are also cut to about `chunk_seconds` of compute at the measured speed of a
+row, so streams keep getting tokens while a long prompt is prefilled. When KV blocks run
 out, the lowest-priority, latest running request is preempted: its blocks are freed and
 it is recomputed later (mostly from the prefix cache).
 
@@ -32,6 +35,10 @@ Sampled = list[tuple[int, TokenLogprob | None]]  # a request's new tokens in one
 # streams still get tokens about ten times a second: bursts pay where forwards are short and
 # the Python between them is a large share; a 7B model's 0.15 s forwards run one at a time.
 BURST_SECONDS = 0.1
+# A step's prompt chunks while someone waits on a token: at least this many tokens (so prompts
+# go on however slow a row is), and this many before a row's time has been measured.
+MIN_CHUNK = 16
+FIRST_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -40,11 +47,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 1 << 62  # prompt + output tokens a request may reach
     decode_steps: int = 1  # tokens each running request may decode in one step (a burst; see `_burst`)
+    # while someone waits on a token, a step's prompt chunks take about this long (0: no limit
+    # but the token budget)
+    chunk_seconds: float = 0.0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "decode_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise MinervaError(f"--{name.replace('_', '-')} must be an integer >= 1")
+        if (not isinstance(self.chunk_seconds, (int, float)) or isinstance(self.chunk_seconds, bool)
+                or not 0 <= self.chunk_seconds < float("inf")):
+            raise MinervaError(f"--prefill-chunk-seconds must be a number >= 0 (0: chunks of the whole "
+                               f"--max-num-batched-tokens), got {self.chunk_seconds!r}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,7 @@ class SchedulerOutput:
 
     scheduled: list[Scheduled]
     block_tables: list[list[list[int]]]  # per scheduled request, after allocation: a table per group
+    prompt_tokens: int = 0  # of prompt chunks (and recomputation) among the tokens
 
     def __bool__(self) -> bool:
         return bool(self.scheduled)
@@ -93,6 +108,7 @@ class Scheduler:
         self.outputs: dict[str, OutputProcessor] = {}  # request id -> its detokenizer and stop rules
         self.num_preemptions = 0
         self.forward_seconds: float | None = None  # of the last step of decodes, a forward (`timed`)
+        self.row_seconds: float | None = None  # a token's share of a step with a prompt chunk (`timed`)
 
     def add(self, request: Request, output: OutputProcessor) -> None:
         self.outputs[request.request_id] = output
@@ -150,10 +166,11 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted = False
         self.running.sort(key=lambda r: r.order)
-        # While requests wait to start, running prompt chunks take at most half the budget,
-        # so a new prompt starts in the next step however long the prompt ahead of it is.
         starting = len(self.running) < self.config.max_num_seqs and any(not r.blocked for r in self.waiting)
-        prompt_budget = budget - budget // 2 if starting else budget
+        prompt_budget = self._prompt_budget(budget, starting)
+        # While requests wait to start, running prompt chunks take at most half of it, so a
+        # new prompt starts in the next step however long the prompt ahead of it is.
+        running_prompt = prompt_budget - prompt_budget // 2 if starting else prompt_budget
         # Requests past their prompt (a token and any guesses to compute) go before prompt
         # chunks, so a long prompt never stalls the others' decoding.
         for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, r.order)):
@@ -161,9 +178,10 @@ class Scheduler:
                 continue  # preempted by an earlier request in this loop
             need = req.num_tokens - req.num_computed_tokens
             if need > 1:  # a prompt chunk (or a preempted request's recomputation)
-                n = min(need, budget, prompt_budget)
+                n = min(need, budget, running_prompt)
                 if n == 0:
                     continue
+                running_prompt -= n
                 prompt_budget -= n
             else:
                 if req.draft_token_ids and need + len(req.draft_token_ids) > budget:
@@ -189,7 +207,7 @@ class Scheduler:
                 budget -= n
         # New requests only when nobody had to give way this step.
         for req in list(self.waiting):
-            if preempted or budget == 0 or len(self.running) >= self.config.max_num_seqs:
+            if preempted or min(budget, prompt_budget) == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             if req.blocked:
                 continue
@@ -198,7 +216,7 @@ class Scheduler:
             hit = self.blocks.allocate(rid, tokens, 0, salt)  # take the cached prefix, if any
             if hit is None:
                 break
-            n = min(len(tokens) - hit, budget)
+            n = min(len(tokens) - hit, budget, prompt_budget)
             if self.blocks.allocate(rid, tokens, hit + n) is None:
                 self.blocks.free(rid)
                 break
@@ -208,9 +226,23 @@ class Scheduler:
             self.running.append(req)
             out.append(Scheduled(req, n))
             budget -= n
+            prompt_budget -= n
         if self.config.decode_steps > 1 and out and not preempted:
             out = self._burst(out)
-        return SchedulerOutput(out, [self.blocks.block_tables(s.request.request_id) for s in out])
+        prompt_tokens = sum(s.num_new_tokens for s in out if s.request.num_tokens - s.request.num_computed_tokens > 1)
+        return SchedulerOutput(out, [self.blocks.block_tables(s.request.request_id) for s in out], prompt_tokens)
+
+    def _prompt_budget(self, budget: int, starting: bool) -> int:
+        """The prompt tokens this step may compute: the token budget, or, while someone waits
+        on a token (a request past its prompt, or one waiting to start behind a running
+        prompt), about `chunk_seconds` of rows less the decoding requests' rows."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not self.config.chunk_seconds or not (decoding or (starting and self.running)):
+            return budget
+        if self.row_seconds is None:
+            return min(budget, FIRST_CHUNK)
+        rows = sum(1 + len(r.draft_token_ids) for r in decoding)
+        return min(budget, max(MIN_CHUNK, int(self.config.chunk_seconds / self.row_seconds) - rows))
 
     def _burst(self, out: list[Scheduled]) -> list[Scheduled]:
         """Let a step of decodes only run up to `decode_steps` forwards in a row (the runner
@@ -238,7 +270,13 @@ class Scheduler:
 
     def timed(self, output: SchedulerOutput, sampled: list[Sampled | None], seconds: float) -> None:
         """Note how long the runner took for a step of decodes only (one token each, bursts
-        included), a forward: what `_burst` sizes bursts by."""
+        included), a forward: what `_burst` sizes bursts by; and for a step with a prompt
+        chunk of enough rows, a row's share (averaged with the last): what prompt chunks are
+        cut to while someone waits on a token."""
+        rows = sum(s.num_new_tokens for s in output.scheduled)
+        if output.prompt_tokens and rows >= MIN_CHUNK:
+            per_row = seconds / rows
+            self.row_seconds = per_row if self.row_seconds is None else (self.row_seconds + per_row) / 2
         if all(s.num_new_tokens == 1 for s in output.scheduled):
             self.forward_seconds = seconds / max(1, max(len(t) for t in sampled if t) if any(sampled) else 1)
 

@@ -100,6 +100,36 @@ def test_chunked_prefill_equals_whole(model_dir):
     assert run_alone(chunked, p[0], SAMPLED) == run_alone(whole, p[0], SAMPLED)
 
 
+def test_prompts_cut_to_prefill_chunk_seconds_beside_decodes(model_dir):
+    """A prompt that arrives while another request decodes goes in the chunks
+    prefill_chunk_seconds allows at the measured speed of a row (here MIN_CHUNK, 16, a step:
+    no row is that fast); the tokens are those of a whole prefill."""
+    from minerva.engine.scheduler import MIN_CHUNK
+    whole = make_llm(model_dir, prefill_chunk_seconds=0)
+    cut = make_llm(model_dir, prefill_chunk_seconds=1e-9)
+    early, late = prompts(2, 70, 70, seed=8)
+    engine = cut.engine
+    first, second = Request(list(early), GREEDY), Request(list(late), GREEDY)
+    tokens = {first.request_id: [], second.request_id: []}
+    schedule, steps = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    engine.add_request(first)
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens[d.request_id] += d.token_ids
+        if len(steps) == 1:  # first's whole prompt, alone: a row's time measured
+            assert engine.scheduler.row_seconds > 0
+            engine.add_request(second)
+    assert [o.prompt_tokens for o in steps if o.prompt_tokens] == [70] + [MIN_CHUNK] * 4 + [70 - 4 * MIN_CHUNK]
+    assert tokens[first.request_id] == run_alone(whole, early, GREEDY)
+    assert tokens[second.request_id] == run_alone(whole, late, GREEDY)
+
+
+def test_prefill_chunk_seconds_is_checked(model_dir):
+    with pytest.raises(MinervaError, match="--prefill-chunk-seconds must be a number >= 0"):
+        make_llm(model_dir, prefill_chunk_seconds=-0.5)
+
+
 def test_prefix_cache_hit_equals_cold_run(model_dir):
     cold = make_llm(model_dir, enable_prefix_caching=False)
     warm = make_llm(model_dir)

@@ -14,6 +14,7 @@ from minerva.engine.output import OutputProcessor
 from minerva.engine.request import Request, Status
 from minerva.engine.sampler import SamplingParams, new_state
 from minerva.engine.scheduler import Scheduler, SchedulerConfig
+from minerva.errors import MinervaError
 from minerva.formats.tokenizer import Tokenizer
 
 VOCAB = 64
@@ -28,10 +29,10 @@ def tokenizer() -> Tokenizer:
 
 
 class Harness:
-    def __init__(self, tokenizer, *, num_blocks=64, block_size=4, max_num_seqs=8, budget=256):
+    def __init__(self, tokenizer, *, num_blocks=64, block_size=4, max_num_seqs=8, budget=256, chunk_seconds=0.0):
         self.tokenizer = tokenizer
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.blocks)
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, chunk_seconds=chunk_seconds), self.blocks)
         self.arrival = 0.0
 
     def add(self, prompt_len: int, priority: int = 0, max_tokens: int = 16, first: int = 10) -> Request:
@@ -131,6 +132,62 @@ def test_a_long_prompt_neither_stalls_decoding_nor_delays_new_prompts(tokenizer)
     assert who(out) == [(early, 1), (long, 8), (short, 5)]  # half the budget left for short
     out, _ = h.step()
     assert who(out) == [(early, 1), (short, 1), (long, 14)]  # nobody waits: no reserve
+
+
+def test_prompt_chunks_take_about_chunk_seconds_while_someone_waits_on_a_token(tokenizer):
+    """While a request decodes, a step's prompt chunks are cut to chunk_seconds at the
+    measured time of a row, less the decoding rows: FIRST_CHUNK (64) before any measurement,
+    never under MIN_CHUNK (16). With nobody waiting on a token a prompt takes the budget."""
+    h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=0.5)
+    alone = h.add(200)
+    out, _ = h.step()
+    assert who(out) == [(alone, 200)] and out.prompt_tokens == 200  # nobody else: the budget
+    h.sched.timed(out, [None], 200 / 128)  # a row: 1/128 s
+    assert h.sched.row_seconds == 1 / 128
+    long = h.add(600)
+    out, _ = h.step()
+    # alone decodes; 0.5 s is 64 rows, one of them alone's; long starts with the other 63
+    assert who(out) == [(alone, 1), (long, 63)] and out.prompt_tokens == 63
+    h.sched.timed(out, [None, None], 64 / 32)  # a row: 1/32 s now; the average: 5/256 s
+    assert h.sched.row_seconds == 5 / 256
+    out, _ = h.step()
+    assert who(out) == [(alone, 1), (long, 24)]  # 0.5 s is 25.6 rows: 25, less alone's
+    h.sched.timed(out, [None, None], 25 * 2.0)  # a row of 2 s: MIN_CHUNK rows still go
+    out, _ = h.step()
+    assert who(out) == [(alone, 1), (long, 16)]
+    h.step(token=EOS)  # alone ends: long has the budget again
+    out, _ = h.step()
+    assert who(out) == [(long, 256)]
+
+
+def test_before_any_measurement_a_prompt_beside_a_decode_takes_first_chunk(tokenizer):
+    h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=0.5)
+    early = h.add(3)
+    out, _ = h.step()
+    h.sched.timed(out, [None], 1.0)  # 3 rows: too few to time a row by
+    assert h.sched.row_seconds is None
+    long = h.add(200)
+    out, _ = h.step()
+    assert who(out) == [(early, 1), (long, 64)]
+
+
+def test_a_prompt_waiting_behind_a_running_prompt_shares_chunk_seconds(tokenizer):
+    """Nobody decodes, but short waits to start behind long's prompt: the step is still cut
+    to chunk_seconds, and long's chunk to half of it."""
+    h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=1.0)
+    long = h.add(600)
+    out, _ = h.step()
+    assert who(out) == [(long, 256)]
+    h.sched.timed(out, [None], 256 / 64)  # a row: 1/64 s, 1 s: 64 rows
+    short = h.add(40)
+    out, _ = h.step()
+    assert who(out) == [(long, 32), (short, 32)]
+
+
+def test_chunk_seconds_is_checked():
+    for bad in (-1, float("nan"), float("inf"), "1", True):
+        with pytest.raises(MinervaError, match="--prefill-chunk-seconds must be a number >= 0"):
+            SchedulerConfig(chunk_seconds=bad)
 
 
 def test_a_preempted_request_gives_back_the_token_it_was_given(tokenizer):

@@ -235,14 +235,16 @@ class Scheduler:
     def _prompt_budget(self, budget: int, starting: bool) -> int:
         """The prompt tokens this step may compute: the token budget, or, while someone waits
         on a token (a request past its prompt, or one waiting to start behind a running
-        prompt), about `chunk_seconds` of rows less the decoding requests' rows."""
+        prompt), about `chunk_seconds` of rows less the decoding requests' rows (at least
+        MIN_CHUNK, and at least as many as those rows)."""
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         if not self.config.chunk_seconds or not (decoding or (starting and self.running)):
             return budget
         if self.row_seconds is None:
             return min(budget, FIRST_CHUNK)
         rows = sum(1 + len(r.draft_token_ids) for r in decoding)
-        return min(budget, max(MIN_CHUNK, int(self.config.chunk_seconds / self.row_seconds) - rows))
+        # never fewer rows than the decodes beside them: under many streams prompts still start
+        return min(budget, max(MIN_CHUNK, rows, int(self.config.chunk_seconds / self.row_seconds) - rows))
 
     def _burst(self, out: list[Scheduled]) -> list[Scheduled]:
         """Let a step of decodes only run up to `decode_steps` forwards in a row (the runner

@@ -160,6 +160,18 @@ def test_prompt_chunks_take_about_chunk_seconds_while_someone_waits_on_a_token(t
     assert who(out) == [(long, 256)]
 
 
+def test_prompt_chunks_beside_many_decodes_take_as_many_rows_as_they(tokenizer):
+    """However slow a row, prompt chunks get as many rows as the decodes beside them (when
+    that is more than MIN_CHUNK): under many streams new prompts still start."""
+    h = Harness(tokenizer, num_blocks=256, max_num_seqs=32, budget=256, chunk_seconds=0.5)
+    streams = [h.add(3) for _ in range(20)]
+    out, _ = h.step()
+    h.sched.timed(out, [None] * 20, 60.0)  # 60 rows in 60 s: 0.5 s is no row at all
+    late = h.add(100)
+    out, _ = h.step()
+    assert who(out) == [(r, 1) for r in streams] + [(late, 20)]
+
+
 def test_before_any_measurement_a_prompt_beside_a_decode_takes_first_chunk(tokenizer):
     h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=0.5)
     early = h.add(3)

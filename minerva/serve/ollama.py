@@ -226,8 +226,10 @@ def embed_request(body: EmbedRequest) -> P.EmbeddingRequest:
     if body.dimensions is not None and body.dimensions < 1:
         raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", "dimensions")
     dimensions = {} if body.dimensions is None else {"dimensions": body.dimensions}
-    return validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": body.prompt if body.prompt
-                                          is not None else body.input, **dimensions})
+    request = validated(P.EmbeddingRequest, {"model": served_name(body.model), "input": body.prompt if body.prompt
+                                             is not None else body.input, **dimensions})
+    request._keep_start = body.truncate  # an input past the context keeps its start, as Ollama's does
+    return request
 
 
 # ------------------------------------------------------------------ answers

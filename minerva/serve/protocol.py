@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from minerva.engine.sampler import MAX_LOGPROBS, MAX_SPECULATIVE
 
@@ -237,6 +237,16 @@ class EmbeddingRequest(_Body):
         "float", description="base64: the float32 values, little-endian, base64-encoded")
     dimensions: PositiveInt | None = Field(None, description="Only the model's own hidden size is possible")
     user: str | None = None
+    truncate_prompt_tokens: int | None = Field(
+        None, description="Keep only the last k tokens of each input; -1: as many as the model takes (vLLM's)")
+    _keep_start: bool = PrivateAttr(False)  # an over-long input keeps its first tokens (Ollama's truncate)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _k(cls, k):
+        if k is not None and k != -1 and k < 1:
+            raise ValueError(f"must be -1 (as many as the model takes) or at least 1, got {k}")
+        return k
 
     @field_validator("input")
     @classmethod

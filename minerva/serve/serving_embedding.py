@@ -22,11 +22,7 @@ class EmbeddingServing(Serving):
         if body.dimensions is not None and body.dimensions != width:
             raise APIError(400, f"this model's embeddings have {width} dimensions; leave out dimensions "
                                 f"(got {body.dimensions})", "dimensions")
-        ids = [await self.encode(p, "input") for p in body.inputs()]
-        for i, one in enumerate(ids):
-            if len(one) >= self.max_model_len:
-                raise APIError(400, f"input {i} has {len(one)} tokens, more than an embedding of this model takes "
-                                    f"({self.max_model_len - 1}); shorten it", "input")
+        ids = [self.truncated(await self.encode(p, "input"), i, body) for i, p in enumerate(body.inputs())]
         requests = await self.requests(ids, body, 1, None, "input", fixed=convert.embedding_params())
         group = self.submit(requests)
         async for _ in self.whole(group, asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))):
@@ -38,3 +34,19 @@ class EmbeddingServing(Serving):
                           "embedding": convert.embedding_vector(r.embedding, body.encoding_format)}
                          for i, r in enumerate(requests)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    def truncated(self, ids: list[int], i: int, body: P.EmbeddingRequest) -> list[int]:
+        """Input i's tokens within what an embedding of this model takes: its last
+        truncate_prompt_tokens, or its first ones (Ollama's truncate), else all or a 400."""
+        most, k = self.max_model_len - 1, body.truncate_prompt_tokens
+        if k is not None:
+            if k > most:
+                raise APIError(400, f"truncate_prompt_tokens {k} is more than an embedding of this model takes "
+                                    f"({most}); give at most that, or -1", "truncate_prompt_tokens")
+            return ids[-(most if k == -1 else k):]
+        if len(ids) > most:
+            if body._keep_start:
+                return ids[:most]
+            raise APIError(400, f"input {i} has {len(ids)} tokens, more than an embedding of this model takes "
+                                f"({most}); shorten it", "input")
+        return ids

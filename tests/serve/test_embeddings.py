@@ -82,3 +82,20 @@ def test_bad_inputs_are_400(served):
         assert r.json()["error"]["param"] == param and fragment in r.json()["error"]["message"], r.text
     assert post(input="hi", model="other").status_code == 404
     assert post(input="hi", dimensions=llm.config.hidden_size).status_code == 200
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(served, client):
+    url, llm = served
+    ids = llm.encode_prompt(TEXTS[2])
+    cut = client.embeddings.create(model="smollm2", input=[ids], extra_body={"truncate_prompt_tokens": 4})
+    last = client.embeddings.create(model="smollm2", input=[ids[-4:]])
+    assert cut.usage.prompt_tokens == 4
+    np.testing.assert_allclose(cut.data[0].embedding, last.data[0].embedding, rtol=0, atol=1e-6)
+    whole = client.embeddings.create(model="smollm2", input=[ids], extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)  # -1: as many as the model takes, all of these
+    most = llm.engine.max_model_len - 1
+    for k, fragment in [(0, "must be -1"), (-2, "must be -1"), (most + 1, f"takes ({most})")]:
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": "smollm2", "input": "hi", "truncate_prompt_tokens": k},
+                       timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+        assert fragment in r.json()["error"]["message"], r.text

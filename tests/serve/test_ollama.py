@@ -122,6 +122,30 @@ def test_embed(served, client):
     assert old.embedding == pytest.approx(want.data[0].embedding, abs=1e-6)
 
 
+def test_embed_truncates_the_end_of_a_long_input(tiny):
+    """truncate (default true) keeps an over-long input's first tokens, as Ollama does; false
+    is a 400. /v1/embeddings' truncate_prompt_tokens -1 keeps the last ones instead."""
+    llm = LLM(str(tiny), dtype="float32", activations="float", kv_cache_memory=20e6)
+    text = "the cat sat on the mat. " * 20  # 480 bytes: past the 256-token context
+    ids = llm.encode_prompt(text)
+    most = llm.engine.max_model_len - 1
+    assert len(ids) > most
+    with running_server(llm, served_model_name="tiny") as (url, _):
+        client = ollama.Client(host=url, timeout=120)
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        r = client.embed(model="tiny", input=text)
+        assert r.prompt_eval_count == most
+        first = oai.embeddings.create(model="tiny", input=[ids[:most]]).data[0].embedding
+        assert r.embeddings[0] == pytest.approx(first, abs=1e-6)
+        with pytest.raises(ollama.ResponseError, match="shorten it"):
+            client.embed(model="tiny", input=text, truncate=False)
+        end = oai.embeddings.create(model="tiny", input=text, extra_body={"truncate_prompt_tokens": -1})
+        assert end.usage.prompt_tokens == most
+        last = oai.embeddings.create(model="tiny", input=[ids[-most:]]).data[0].embedding
+        assert end.data[0].embedding == pytest.approx(last, abs=1e-6)
+        assert end.data[0].embedding != pytest.approx(first, abs=1e-3)
+
+
 def test_tags_show_ps_version(served, client, smollm2_gguf):
     tags = client.list()
     assert [m.model for m in tags.models] == ["smollm2:latest"]

@@ -241,13 +241,6 @@ class EmbeddingRequest(_Body):
         None, description="Keep only the last k tokens of each input; -1: as many as the model takes (vLLM's)")
     _keep_start: bool = PrivateAttr(False)  # an over-long input keeps its first tokens (Ollama's truncate)
 
-    @field_validator("truncate_prompt_tokens")
-    @classmethod
-    def _k(cls, k):
-        if k is not None and k != -1 and k < 1:
-            raise ValueError(f"must be -1 (as many as the model takes) or at least 1, got {k}")
-        return k
-
     @field_validator("input")
     @classmethod
     def _not_empty(cls, x):

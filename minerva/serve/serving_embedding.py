@@ -40,6 +40,9 @@ class EmbeddingServing(Serving):
         truncate_prompt_tokens, or its first ones (Ollama's truncate), else all or a 400."""
         most, k = self.max_model_len - 1, body.truncate_prompt_tokens
         if k is not None:
+            if k < -1 or k == 0:
+                raise APIError(400, f"truncate_prompt_tokens must be -1 (as many as the model takes) or at least 1, "
+                                    f"got {k}", "truncate_prompt_tokens")
             if k > most:
                 raise APIError(400, f"truncate_prompt_tokens {k} is more than an embedding of this model takes "
                                     f"({most}); give at most that, or -1", "truncate_prompt_tokens")

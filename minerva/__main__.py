@@ -1,5 +1,5 @@
 import sys
 
-from minerva.cli import main
+from minerva.console import main
 
 sys.exit(main())

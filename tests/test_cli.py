@@ -337,3 +337,21 @@ def test_model_flag_is_the_model_argument(tiny):
 def test_served_model_name_does_not_swallow_the_model(tiny):
     assert_clean_error(run("serve", "--served-model-name", "a", str(tiny), "--port", "0"),
                        "looks like the model; put MODEL before --served-model-name")
+
+
+def test_ctrl_c_while_the_command_starts_exits_quietly(tiny):
+    """A Ctrl-C in the first moments (the CLI still importing torch) ends the command with
+    exit 130 and no traceback, as one later does; `import minerva` itself stays light."""
+    import signal
+    import time
+
+    light = subprocess.run([sys.executable, "-c", "import sys, minerva; print('torch' in sys.modules)"],
+                           capture_output=True, text=True, timeout=60)
+    assert light.stdout.strip() == "False", light.stderr
+    for delay in (0.5, 1.0):
+        proc = subprocess.Popen([sys.executable, "-m", "minerva", "generate", str(tiny), "hello", "-n", "200"],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "Traceback" not in err and "terminate called" not in err, err

@@ -39,6 +39,11 @@ def imported(node: ast.AST, module: str, names: set[str]) -> set[str]:
     return set()
 
 
+# The one function allowed a minerva import: the entry point holds a Ctrl-C while the CLI (and
+# torch) load, so it imports the CLI inside main().
+DEFERRED_IMPORTS = {"minerva/console.py:main"}
+
+
 def import_graph() -> tuple[dict[str, set[str]], list[str]]:
     """Module -> minerva modules it imports (anywhere in the file), and the minerva imports
     made inside functions."""
@@ -52,7 +57,8 @@ def import_graph() -> tuple[dict[str, set[str]], list[str]]:
             deps |= imported(node, name, names)
         graph[name] = deps - {name}
         for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and f"{path.relative_to(PACKAGE.parent)}:{fn.name}" not in DEFERRED_IMPORTS):
                 for node in ast.walk(fn):
                     if imported(node, name, names) or (
                             isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(

@@ -12,6 +12,7 @@ streamed, Anthropic's event sequence. Errors are in Anthropic's shape too.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any, Literal
 
@@ -211,6 +212,17 @@ def chat_tools(body: CountTokensRequest) -> dict:
 
 # the chat request's fields as this API names them, for the errors of the chat route's checks
 NAMES = {"stop": "stop_sequences", "response_format": "output_config.format", "reasoning_effort": "output_config.effort"}
+RENAMES = ((re.compile(r"\bresponse_format(\.json_schema)?"), "output_config.format"),
+           (re.compile(r"\breasoning_effort\b"), "output_config.effort"),
+           (re.compile(r'tool_choice "required" or a named function'), 'tool_choice "any" or "tool"'),
+           (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
+
+
+def in_anthropic_terms(message: str) -> str:
+    """An error of the chat route's checks, naming the fields a Messages request sent."""
+    for pattern, name in RENAMES:
+        message = pattern.sub(name, message)
+    return message
 
 
 def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
@@ -362,9 +374,10 @@ def register(app, chat, tokenize) -> None:
             raw.scope.setdefault(ACCESS, {})
             response = await chat(request, raw)
         except APIError as exc:
-            return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status, headers=exc.headers)
+            return JSONResponse(error_body(exc.status, in_anthropic_terms(exc.message)), status_code=exc.status,
+                                headers=exc.headers)
         except MinervaError as exc:
-            return JSONResponse(error_body(400, str(exc)), status_code=400)
+            return JSONResponse(error_body(400, in_anthropic_terms(str(exc))), status_code=400)
         if not body.stream:
             return JSONResponse(message(json.loads(response.body), body))
         stream = Stream(body, raw.scope[ACCESS].get("prompt", 0))

@@ -123,6 +123,11 @@ def post(served, body, key="sk-test", path="/v1/messages"):
      400, "invalid_request_error", "thinking"),
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "stop_sequences": [""]}, 400, "invalid_request_error",
      "stop_sequences.0: String should have at least 1 character"),
+    # the chat route's check, in this API's names (it said tool_choice "required", response_format)
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400,
+     "invalid_request_error", 'a forced tool call (tool_choice "any" or "tool") already constrains the output; '
+                              'leave out output_config.format'),
 ])
 def test_errors_in_anthropics_shape(served, body, status, kind, words):
     r = post(served, body)

@@ -265,9 +265,12 @@ def cmd_serve(args) -> int:
                           max_connections=args.max_connections, allowed_origins=args.allowed_origins)
     ranked = launch.torchrun_rank()  # under torchrun only rank 0 serves; the other ranks never return from _load
     sock = bind(args.host, args.port) if ranked is None or ranked[0] == 0 else None  # a port in use fails now
+    name = config.served_model_name if names else (DEFAULT_MODEL if model is None else several.served_name(model))
+    for clash in sorted(set(args.lora) & {name, *config.aliases}):
+        raise MinervaError(f"--lora names an adapter '{clash}', as the model is served; give the adapter a name "
+                           f"of its own (requests pick it by that name)")
     # Loaded on a thread of its own, so OpenMP stays off the main thread (see on_own_thread).
     llm, threads = on_own_thread(lambda: (_load(model, args), torch.get_num_threads()))
-    name = config.served_model_name if names else (DEFAULT_MODEL if model is None else several.served_name(model))
     serve(llm, dataclasses.replace(config, served_model_name=name), sock, threads=threads, log_level=args.log_level)
     return 0
 

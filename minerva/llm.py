@@ -159,8 +159,10 @@ class LLM:
             raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
         if model is not None and not isinstance(model, (str, os.PathLike)):
             raise MinervaError(f"model must be a name, a path or a Hugging Face repo (a string), got {model!r}")
-        if lora is not None and not (isinstance(lora, dict) and all(isinstance(k, str) for k in lora)):
-            raise MinervaError(f"lora must be a dict of adapter name -> path, got {type(lora).__name__}")
+        if lora is not None and not (isinstance(lora, dict) and all(
+                isinstance(k, str) and k.strip() and isinstance(v, (str, os.PathLike)) for k, v in lora.items())):
+            raise MinervaError(f"lora must be a dict of adapter name (not empty) -> path, got "
+                               f"{lora if isinstance(lora, dict) else type(lora).__name__!r}")
         engine_config = EngineConfig(**engine_options)
         self.group: launch.Group | None = None
         self._stop: _Stop | None = None

@@ -25,6 +25,10 @@ def hf_tokenizer_args(path: str | Path) -> dict[str, Any]:
         backend = tokenizers.Tokenizer.from_file(str(tj))
     except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
         raise MinervaError(f"{tj}: cannot load tokenizer: {str(e).splitlines()[0] if str(e) else e}") from None
+    # a truncation or padding block saved in the file is a training-time setting (transformers
+    # turns both off too): a prompt is neither cut nor padded
+    backend.no_truncation()
+    backend.no_padding()
 
     config = _read_json(path / "tokenizer_config.json")
     gen = _read_json(path / "generation_config.json")
@@ -142,7 +146,10 @@ def _read_json(path: Path) -> dict:
 def _chat_template_from_config(path: Path, config: dict) -> str | None:
     jinja = path / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise MinervaError(f"{jinja}: cannot read the chat template ({e})") from None
     template = config.get("chat_template")
     if isinstance(template, str):
         return template

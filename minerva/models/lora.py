@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from minerva.errors import MinervaError
 from minerva.kernels import native
@@ -146,11 +146,18 @@ def read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise MinervaError(f"'{path}' is not a LoRA adapter: it needs adapter_config.json and "
                            f"adapter_model.safetensors (PEFT's save_pretrained writes both)")
     try:
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
         with safe_open(str(weights), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError, SafetensorError) as exc:
         raise MinervaError(f"'{path}': cannot read the adapter ({exc})") from None
+    if not isinstance(config, dict):
+        raise MinervaError(f"'{cfg_path}' is not an adapter config: expected a JSON object")
+    r, alpha = config.get("r", 8), config.get("lora_alpha", config.get("r", 8))
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise MinervaError(f"'{cfg_path}': r (the rank) must be an integer >= 1, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise MinervaError(f"'{cfg_path}': lora_alpha must be a finite number, got {alpha!r}")
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise MinervaError(f"'{path}' is a {config.get('peft_type')} adapter; only LoRA adapters are served")
     for key, what in UNSUPPORTED.items():
@@ -194,7 +201,7 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
     owner = Adapters(list(adapters))
     for index, (name, path) in enumerate(adapters.items(), start=1):
         config, tensors = read_adapter(path)
-        r = int(config.get("r", 8))
+        r = config.get("r", 8)
         scale = float(config.get("lora_alpha", r)) / (math.sqrt(r) if config.get("use_rslora") else r)
         pairs: dict[tuple, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
@@ -215,6 +222,9 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
                 raise MinervaError(f"adapter '{name}' ({path}) does not fit this model: layer {layer} {proj} is "
                                    f"{n} x {lin.weight.shape[1]}, the adapter's A {tuple(A.shape)} and B "
                                    f"{tuple(B.shape)}; was it trained on another base model?")
+            if A.shape[0] != r:  # its scale is lora_alpha / r: a rank the config does not say is wrong
+                raise MinervaError(f"adapter '{name}' ({path}): layer {layer} {proj} has rank {A.shape[0]}, and "
+                                   f"adapter_config.json says r = {r}")
             if lin.lora is None:
                 lin.lora = LoraLinear(owner)
             lin.lora.parts.setdefault(index, []).append((start, n, A.to(device), (B * scale).to(device)))

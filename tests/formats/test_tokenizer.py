@@ -519,6 +519,28 @@ def test_from_pretrained_dir_reads_configs(tmp_path):
     assert Tokenizer.from_pretrained_dir(tmp_path).chat_template == "{{ messages[0]['content'] }}"
 
 
+def test_from_pretrained_dir_neither_cuts_nor_pads_a_prompt(tmp_path):
+    """A truncation or padding block saved in tokenizer.json (a training-time setting) is off,
+    as transformers has it: a prompt keeps every token and gets none added."""
+    gguf_tok = Tokenizer.from_gguf_metadata(_gpt2_md())
+    text = "hello world hello world hello world"
+    want = gguf_tok.encode(text, add_special_tokens=False)
+    assert len(want) > 3
+    saved = json.loads(gguf_tok.backend.to_str())
+    saved["truncation"] = {"direction": "Right", "max_length": 3, "strategy": "LongestFirst", "stride": 0}
+    saved["padding"] = {"strategy": {"Fixed": 40}, "direction": "Right", "pad_to_multiple_of": None,
+                        "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(saved))
+    assert Tokenizer.from_pretrained_dir(tmp_path).encode(text, add_special_tokens=False) == want
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_named(tmp_path):
+    Tokenizer.from_gguf_metadata(_gpt2_md()).backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(MinervaError, match=r"chat_template.jinja: cannot read the chat template \('utf-8' codec"):
+        Tokenizer.from_pretrained_dir(tmp_path)
+
+
 # ---------------------------------------------------------------------------
 # chat templates: sandbox, helpers, errors
 # ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ errors for adapters that cannot apply; the server's adapter model ids."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -120,6 +121,46 @@ def test_adapters_that_cannot_apply_are_refused(tiny_adapters, tmp_path):
         llm.generate([PROMPT], params("a1"), use_tqdm=False)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"r": 8}, "layer 0 down_proj has rank 4, and adapter_config.json says r = 8"),  # its scale would be wrong
+    ({"r": None}, "r (the rank) must be an integer >= 1, got None"),
+    ({"r": -4}, "r (the rank) must be an integer >= 1, got -4"),
+    ({"r": 0}, "got 0"), ({"r": "four"}, "got 'four'"), ({"r": True}, "got True"),
+    ({"lora_alpha": "eight"}, "lora_alpha must be a finite number, got 'eight'"),
+    ({"lora_alpha": float("nan")}, "lora_alpha must be a finite number, got nan"),
+])
+def test_an_adapter_config_that_does_not_say_how_to_scale_is_refused(tiny_adapters, tmp_path, change, words):
+    base, tmp, _ = tiny_adapters
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_model.safetensors").write_bytes((tmp / "a1" / "adapter_model.safetensors").read_bytes())
+    config = json.loads((tmp / "a1" / "adapter_config.json").read_text())
+    assert config["r"] == 4
+    (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(MinervaError, match=re.escape(words)):
+        LLM(str(base), dtype="float32", lora={"b": str(bad)})
+
+
+def test_an_unreadable_adapter_is_refused_in_one_line(tiny_adapters, tmp_path):
+    base, tmp, _ = tiny_adapters
+    for name, config, weights, words in [
+        ("list", b"[1, 2]", None, "is not an adapter config: expected a JSON object"),
+        ("deep", b"[" * 100000 + b"]" * 100000, None, "cannot read the adapter"),
+        ("empty", None, b"", "cannot read the adapter"),
+        ("corrupt", None, b"\xff" * 64, "cannot read the adapter"),
+    ]:
+        bad = tmp_path / name
+        bad.mkdir()
+        (bad / "adapter_config.json").write_bytes(config or (tmp / "a1" / "adapter_config.json").read_bytes())
+        (bad / "adapter_model.safetensors").write_bytes(
+            (tmp / "a1" / "adapter_model.safetensors").read_bytes() if weights is None else weights)
+        with pytest.raises(MinervaError, match=re.escape(words)):
+            LLM(str(base), dtype="float32", lora={"b": str(bad)})
+    for lora in ({"a": 5}, {"": str(tmp / "a1")}, ["a1"]):
+        with pytest.raises(MinervaError, match="lora must be a dict of adapter name"):
+            LLM(str(base), dtype="float32", lora=lora)
+
+
 def test_server_serves_each_adapter_as_a_model(tiny_adapters):
     base, tmp, refs = tiny_adapters
     llm = LLM(str(base), dtype="float32", lora={"a1": str(tmp / "a1")}, kv_cache_memory=8e6)
@@ -142,6 +183,10 @@ def test_lora_command_line(tiny, tiny_adapters):
     assert_clean_error(run("serve", str(tiny), "--lora", "a1"), "--lora takes NAME=PATH")
     assert_clean_error(run("serve", str(tiny), "--lora", "a=x", "--lora", "a=y"), "--lora names 'a' twice")
     assert_clean_error(run("serve", str(tiny), str(tiny), "--lora", "a=x"), "--lora adapts one base model")
+    assert_clean_error(run("serve", str(tiny), "--lora", f"tiny={tiny}", "--port", "0"),
+                       "--lora names an adapter 'tiny', as the model is served")
+    assert_clean_error(run("serve", str(tiny), "--served-model-name", "m", "n", "--lora", f"n={tiny}", "--port", "0"),
+                       "--lora names an adapter 'n'")
     base, tmp, _ = tiny_adapters
     assert_clean_error(run("serve", str(tiny), "--lora", f"a1={tmp / 'a1'}", "--port", "0"),
                        "does not fit this model")  # the tiny GGUF is not the adapter's base

@@ -301,6 +301,15 @@ def adapter_path(adapter: str | os.PathLike, auto_pull: bool = True) -> Path:
                        "give the folder PEFT's save_pretrained wrote")
 
 
+def utf8(name: str) -> bool:
+    """Whether a path (as Python decodes file names: bytes that are not UTF-8 as surrogates) is UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     """Turn a user's model argument into a .gguf file or a Hugging Face directory.
 
@@ -311,7 +320,14 @@ def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     name = DEFAULT_MODEL if model is None else os.fspath(model)
     if not name.strip():
         raise MinervaError("empty model argument; give a known model name, a .gguf file or a Hugging Face directory")
+    if not utf8(name):
+        raise MinervaError(f"the model path {os.fsencode(name)!r} is not valid UTF-8 (a model is named by its path); "
+                           f"rename the file or folder")
     path = Path(name).expanduser()
+    try:
+        path.is_file()
+    except OSError as exc:  # a name too long for the file system, ...
+        raise MinervaError(f"the model path '{name}' cannot be looked up: {exc.strerror or exc}") from None
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix == ".gguf":

@@ -355,3 +355,12 @@ def test_ctrl_c_while_the_command_starts_exits_quietly(tiny):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 130 and "Traceback" not in err and "terminate called" not in err, err
+
+
+def test_a_model_path_that_is_not_utf8_or_too_long_is_named(tmp_path, tiny):
+    import os
+    odd = tmp_path / os.fsdecode(b"bad\xffname.gguf")
+    odd.write_bytes(tiny.read_bytes())
+    assert_clean_error(run("generate", str(odd), "hi", "-n", "1"), "is not valid UTF-8", "rename the file")
+    assert_clean_error(run("generate", str(tmp_path / ("x" * 300 + ".gguf")), "hi"), "cannot be looked up",
+                       "File name too long")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +20,7 @@ from minerva.serve.router import Router
 from minerva.serve.server import bind, serve_models
 from minerva.serve.serving import ServerConfig
 from minerva.models.loader import read_config
-from minerva.store import KNOWN_MODELS, resolve
+from minerva.store import KNOWN_MODELS, resolve, utf8
 
 
 def serve_several(args, load) -> int:
@@ -109,6 +111,10 @@ def models_in(folder: str) -> list[str]:
     found = [p for p in sorted(root.iterdir()) if (p.suffix.lower() == ".gguf" and p.is_file()
                                                    and (split_parts(p) or [p])[0] == p)
              or (p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")))]
+    for p in [p for p in found if not utf8(p.name)]:  # clients could not name it
+        print(f"minerva: skipping {os.fsencode(p)!r} in --models-dir: its name is not valid UTF-8; rename it",
+              file=sys.stderr)
+        found.remove(p)
     if not found:
         raise MinervaError(f"--models-dir '{folder}' holds no .gguf file and no Hugging Face model folder")
     return [str(p) for p in found]

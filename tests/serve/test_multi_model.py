@@ -4,6 +4,7 @@ model loads on its first request and unloads when idle or when another needs its
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -207,6 +208,7 @@ def test_models_dir(tmp_path, tiny):
     (folder / "notes.txt").write_text("not a model")
     tiny_hf.save(folder, "llama-tied")
     (folder / "empty").mkdir()
+    (folder / os.fsdecode(b"bad\xffname.gguf")).write_bytes(tiny.read_bytes())  # clients could not name it
     found = models_in(str(folder))
     assert [served_name(m) for m in found] == ["a", "big-00001-of-00002", "llama-tied"]
     assert_clean_error(run("serve", "--models-dir", str(folder / "empty")), "holds no .gguf file")

@@ -29,10 +29,15 @@ def checkpoint_files(path: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = _read_json(index)["weight_map"]
-            return sorted({path / f for f in weight_map.values()})
+            shards = {Path(f) for f in weight_map.values()}
         except (KeyError, TypeError, AttributeError) as exc:
             raise MinervaError(f"'{index}' has no valid weight_map ({type(exc).__name__}: {exc}); "
                                "re-download the checkpoint") from None
+        for shard in shards:
+            if shard.is_absolute() or ".." in shard.parts:
+                raise MinervaError(f"'{index}' names the shard '{shard}' outside the model directory; "
+                                   "re-download the checkpoint")
+        return sorted(path / shard for shard in shards)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         if any(p.suffix.lower() in PICKLE_SUFFIXES for p in path.iterdir()):
@@ -63,9 +68,11 @@ class SafeTensorsDir:
             raise MinervaError(f"'{self.path / 'config.json'}' is not a JSON object")
         self._where: dict[str, Any] = {}
         self._handles = []
+        first: dict[str, Path] = {}
         for file in files:
             if not file.is_file():
-                raise MinervaError(f"shard '{file}' named in the index does not exist")
+                raise MinervaError(f"shard '{file}' named in the index does not exist" if (
+                    self.path / "model.safetensors.index.json").is_file() else f"'{file}' is not a file")
             try:
                 handle = safe_open(str(file), framework="pt")
             except Exception as exc:  # safetensors raises its own error types on bad headers
@@ -73,7 +80,10 @@ class SafeTensorsDir:
                                    "it may be truncated or corrupt") from None
             self._handles.append(handle)
             for name in handle.keys():
-                self._where[name] = handle
+                if name in first:  # which copy would be the model's?
+                    raise MinervaError(f"tensor '{name}' is in both '{first[name].name}' and '{file.name}' of "
+                                       f"'{self.path}'; a checkpoint holds each tensor once: remove the stray file")
+                self._where[name], first[name] = handle, file
 
     def tensor_names(self) -> list[str]:
         return list(self._where)

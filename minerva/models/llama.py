@@ -12,11 +12,16 @@ from minerva.models.weights import WeightSource
 FFN = ("gate_proj", "up_proj", "down_proj")
 
 
+def linear(w: WeightSource, name: str) -> Linear:
+    """The matrix `name`, with its bias where the file has one (attention_bias, mlp_bias)."""
+    return Linear(w.weight(name), w.tensor(name + ".bias") if w.has(name + ".bias") else None)
+
+
 def feed_forward(config: ModelConfig, w: WeightSource, prefix: str, activation: str) -> GatedMLP | MoE:
     """The layer's feed-forward: a MoE where the file has a router for it, else dense."""
     limit = config.swiglu_limit
     if not w.has(prefix + "router"):
-        return GatedMLP(*(Linear(w.weight(prefix + n)) for n in FFN), activation=activation, limit=limit)
+        return GatedMLP(*(linear(w, prefix + n) for n in FFN), activation=activation, limit=limit)
     names = [prefix + "experts." + n for n in FFN]
     weights = [w.experts(n) for n in names]
     biases = [w.expert_biases(n) or [None] * len(ws) for n, ws in zip(names, weights)]
@@ -35,7 +40,7 @@ def build(config: ModelConfig, w: WeightSource) -> CausalLM:
     for i in range(config.num_layers):
         p = f"layers.{i}."
         qk_norms = [RMSNorm(w.tensor(p + n), eps) if w.has(p + n) else None for n in ("q_norm", "k_norm")]
-        attn = Attention(config, i, *(Linear(w.weight(p + n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+        attn = Attention(config, i, *(linear(w, p + n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
                          rotary=rotary, q_norm=qk_norms[0], k_norm=qk_norms[1])
         layers.append(DecoderLayer(attn, feed_forward(config, w, p, "silu"),
                                    RMSNorm(w.tensor(p + "input_norm"), eps),

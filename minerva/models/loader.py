@@ -53,13 +53,13 @@ class GGUFWeights:
     def _get(self, name: str) -> tuple[GGUFTensor, torch.Tensor]:
         t = self._find(name)
         raw = t.read()
-        if self._permuted(name):
+        if self._permuted(name) and not name.endswith(".bias"):  # a bias: by `tensor`, as values
             heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
             raw = unpermute_qk(raw, heads)
         return t, raw
 
     def _permuted(self, name: str) -> bool:
-        return self.arch.permute_qk and name.endswith(("q_proj", "k_proj"))
+        return self.arch.permute_qk and name.endswith(("q_proj", "k_proj", "q_proj.bias", "k_proj.bias"))
 
     def check(self) -> None:
         """The file's tensors against the config, before any is read: its layers are those
@@ -121,6 +121,8 @@ class GGUFWeights:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' should be a float tensor, "
                                f"found {t.qtype.name}")
         out = _float_view(raw, t.qtype, t.shape).float()
+        if self._permuted(name):  # a Q or K bias, whose rows are permuted as the matrix's
+            out = unpermute_qk(out, self.config.num_heads if name.endswith("q_proj.bias") else self.config.num_kv_heads)
         return (out if self.shard is None else self.shard.tensor(name, out).contiguous()).to(self.device)
 
 
@@ -357,7 +359,7 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
             rms_norm_eps=real(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag(cfg, "tie_word_embeddings", source),
             **extra,
         )
         for name, key in _HF_STATED.items():
@@ -366,6 +368,14 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
     except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as exc:
         raise MinervaError(f"{source} lacks or has a bad field ({type(exc).__name__}: {exc})") from None
     return _named_config(source, fields, HF_KEYS), arch
+
+
+def flag(cfg: dict, key: str, source: str) -> bool:
+    """A true/false field of config.json (false when absent): a string "false" is no flag."""
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):
+        raise MinervaError(f"{source}: {key} must be true or false, got {value!r}")
+    return value
 
 
 # config.json fields read as `value or default` (a rope base of 0 would become the default):

@@ -254,6 +254,7 @@ HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appen
     ("head-dim-0", {"head_dim": 0}, ["head_dim = 0"]),
     ("context-0", {"max_position_embeddings": 0}, ["max_position_embeddings = 0"]),
     ("vocab-0", {"vocab_size": 0}, ["vocab_size = 0"]),
+    ("tie-string", {"tie_word_embeddings": "false"}, ["tie_word_embeddings must be true or false, got 'false'"]),
     ("layers-without-tensors", {}, ["num_hidden_layers = 3", "no tensors of layer 0"]),
     ("model-type-list", {"model_type": ["llama"]}, ["not supported"]),
     ("quantized-gptq", {"quantization_config": {"quant_method": "gptq", "bits": 4}},
@@ -379,6 +380,23 @@ def test_absurd_config_json_is_one_clean_error(results, case, config, fragments)
 @pytest.mark.parametrize("case", [c[0] for c in ST_CASES])
 def test_corrupt_safetensors_is_one_clean_error(results, case):
     _assert_clean(results[f"st:{case}"], ["model.safetensors", "not a readable safetensors file"])
+
+
+def test_a_tensor_in_two_files_or_a_shard_outside_the_folder_is_refused(tmp_path):
+    """Two files holding one tensor (which would be the model's?) and an index naming a shard
+    outside the model directory are errors, not the last file alphabetically winning."""
+    from minerva.errors import MinervaError
+    from minerva.formats.safetensors import SafeTensorsDir
+    two = Path(_hf_dir(tmp_path, "two", {}))
+    save_file({"model.norm.weight": np.zeros(64, dtype=np.float32)}, str(two / "stray.safetensors"))
+    with pytest.raises(MinervaError, match="tensor 'model.norm.weight' is in both 'model.safetensors' and "
+                                           "'stray.safetensors'"):
+        SafeTensorsDir(two)
+    outside = Path(_hf_dir(tmp_path, "outside", {}))
+    (outside / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "../two/model.safetensors"}}))
+    with pytest.raises(MinervaError, match="names the shard '../two/model.safetensors' outside the model directory"):
+        SafeTensorsDir(outside)
 
 
 def test_cli_reports_a_corrupt_array_length_on_one_line(base, tmp_path):

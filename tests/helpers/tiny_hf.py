@@ -34,6 +34,7 @@ MOE = dict(**COMMON, head_dim=16, moe_intermediate_size=32, initializer_range=0.
 CONFIGS = {
     "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
     "llama-untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500000.0),
+    "llama-bias": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
     "llama3-rope-scaling": lambda: LlamaConfig(
         **COMMON, tie_word_embeddings=False,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -73,7 +74,7 @@ def save(tmp_path, name, dtype=torch.float32, shard=None, config=None):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random norms too, so an off-by-one norm convention shows up
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n or (n.endswith(".bias") and name == "llama-bias"):  # biases start at 0
                 p.normal_(0.0, 0.5)
             if n.endswith("experts.gate_up_proj") and name == "gpt-oss":
                 p.mul_(40.0)  # gate and up values past GPT-OSS's clamp at ±7

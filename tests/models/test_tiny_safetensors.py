@@ -78,7 +78,7 @@ def test_incomplete_rope_scaling(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("name", ["llama-untied", "llama3-rope-scaling", "tinyllama-mha"])
+@pytest.mark.parametrize("name", ["llama-untied", "llama3-rope-scaling", "tinyllama-mha", "llama-bias"])
 def test_gguf_conversion_matches_transformers(tmp_path, name):
     """The same weights written as GGUF the way llama.cpp converts them (Q/K rows permuted,
     llama3 scaling as a rope_freqs tensor): Minerva's GGUF path against transformers."""

@@ -282,6 +282,8 @@ def cmd_perplexity(args) -> int:
         if value is not None and value < (2 if flag == "context" else 1):
             raise MinervaError(f"--{flag} must be at least {2 if flag == 'context' else 1}, got {value}")
     try:
+        if not Path(file).is_file() and Path(file).exists():  # a device, a FIFO: no end to read to
+            raise MinervaError(f"'{file}' is not a regular file; give a text file")
         text = Path(file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise MinervaError(f"cannot read text file '{file}': {exc}") from None

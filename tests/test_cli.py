@@ -364,3 +364,20 @@ def test_a_model_path_that_is_not_utf8_or_too_long_is_named(tmp_path, tiny):
     assert_clean_error(run("generate", str(odd), "hi", "-n", "1"), "is not valid UTF-8", "rename the file")
     assert_clean_error(run("generate", str(tmp_path / ("x" * 300 + ".gguf")), "hi"), "cannot be looked up",
                        "File name too long")
+
+
+def test_perplexity_of_a_model_giving_nan_and_of_a_device_are_errors(tiny, tmp_path):
+    """A perplexity of NaN is no measurement: the NaN-logits error; and /dev/zero (no end to
+    read to) is refused before it fills the memory."""
+    import math
+
+    import torch
+
+    from minerva import LLM, MinervaError
+    from minerva.engine.perplexity import perplexity
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory=4e6)
+    with torch.inference_mode():
+        llm.loaded.model.norm.weight.fill_(math.nan)
+    with pytest.raises(MinervaError, match="the model produced NaN/inf logits"):
+        perplexity(llm.loaded.model, list(range(3, 40)), context=16, device=llm.device, dtype=llm.dtype)
+    assert_clean_error(run("perplexity", str(tiny), "/dev/zero"), "'/dev/zero' is not a regular file")

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from minerva.engine.runner import PagedBackend
+from minerva.engine.sampler import check_logits
 from minerva.errors import MinervaError
 from minerva.kernels.attention import PagedKVCache
 from minerva.models.causal_lm import CausalLM
@@ -53,7 +54,9 @@ def window_nll(model: CausalLM, ids: list[int], num_scored: int, device: torch.d
     # hidden at position p predicts token p + 1; score the last num_scored tokens
     for r in range(len(ids) - 1 - num_scored, len(ids) - 1, 256):
         r2 = min(r + 256, len(ids) - 1)
-        logp = torch.log_softmax(model.logits(h[r:r2]), dim=-1)
+        logits = model.logits(h[r:r2])
+        check_logits(logits, dtype)  # a NaN perplexity is no measurement
+        logp = torch.log_softmax(logits, dim=-1)
         total -= logp.gather(1, tokens[r + 1:r2 + 1, None]).sum().double()
     return float(total)
 

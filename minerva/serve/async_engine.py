@@ -271,6 +271,10 @@ class AsyncEngine:
             self._fail(exc, out)
             self._commands.put(("stop", None))
             return
+        except MinervaError as exc:  # explained (the model's logits came out NaN, ...): no traceback
+            log.error("engine step failed: %s; failing the %d requests in flight", exc, len(self._live))
+            self._fail_live(RuntimeError(f"the engine failed on this request: {exc}"), out)
+            return
         except Exception as exc:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine step failed; failing the %d requests in flight", len(self._live))
             self._fail_live(RuntimeError(f"the engine failed on this request: {type(exc).__name__}: {exc}"), out)

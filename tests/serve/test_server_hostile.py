@@ -568,3 +568,21 @@ def test_a_compressed_body_is_named(served):
     r = httpx.post(f"{served[0]}/v1/completions", content=gzip.compress(b'{"prompt": "hi"}'),
                    headers={"content-type": "application/json", "content-encoding": "gzip"}, timeout=60)
     assert r.status_code == 400 and "gzip-encoded" in r.json()["error"]["message"], r.text
+
+
+def test_a_model_giving_nan_fails_its_requests_in_one_line_and_the_server_goes_on(tiny, caplog):
+    """The NaN-logits error reaches the client as it is (a 500: the server's model is at
+    fault, not the request), the log has one line and no traceback, and /health still answers."""
+    import logging
+    import math
+
+    import torch
+    llm = LLM(str(tiny), dtype="float32", kv_cache_memory=4e6)
+    with torch.inference_mode():
+        llm.loaded.model.norm.weight.fill_(math.nan)
+    with caplog.at_level(logging.ERROR), running_server(llm) as (url, _):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 500 and "the model produced NaN/inf logits" in r.json()["error"]["message"], r.text
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    failed = [rec for rec in caplog.records if "engine step failed" in rec.getMessage()]
+    assert failed and all(rec.exc_info is None for rec in failed)

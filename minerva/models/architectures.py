@@ -220,10 +220,21 @@ def _hf_layer_types(cfg: dict) -> dict[str, Any]:
     """Sliding-window layers as config.json's `layer_types` lists them (Qwen3 when
     `use_sliding_window` is set); none when it lists none."""
     types = cfg.get("layer_types")
-    if not types or "sliding_attention" not in types:
+    if not types or "sliding_attention" not in _attention_types(types):
         return {}
     return dict(layer_types=tuple(SLIDING if t == "sliding_attention" else FULL for t in types),
                 sliding_window=int(cfg["sliding_window"]))
+
+
+def _attention_types(types) -> list[str]:
+    """config.json's layer_types, each full_attention or sliding_attention (another would run as
+    the wrong attention)."""
+    if not isinstance(types, list):
+        raise MinervaError(f"layer_types must be a list of layer types, got {types!r}")
+    for t in types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise MinervaError(f"layer_types holds {t!r}; Minerva runs full_attention and sliding_attention layers")
+    return types
 
 
 def _hf_qwen3(cfg: dict) -> dict[str, Any]:
@@ -255,7 +266,7 @@ def _hf_gemma3(cfg: dict) -> dict[str, Any]:
         "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0 else "sliding_attention"
         for i in range(n)]
     return dict(
-        layer_types=tuple(SLIDING if t == "sliding_attention" else FULL for t in types),
+        layer_types=tuple(SLIDING if t == "sliding_attention" else FULL for t in _attention_types(types)),
         sliding_window=int(cfg["sliding_window"]),
         rope_local_theta=float(cfg.get("rope_local_base_freq")
                                or hf_rope(cfg, "sliding_attention")[0]),
@@ -273,6 +284,7 @@ class Architecture:
     gguf_layer_names: dict[str, str] = field(default_factory=lambda: GGUF_LAYER)
     permute_qk: bool = False  # GGUF llama stores Q/K rows in llama.cpp's interleaved rope order
     norm_offset: float = 0.0  # HF Gemma norms compute (1 + w); GGUF stores w + 1 already
+    activations: tuple[str, ...] = ("silu",)  # config.json's hidden_act values this computes
 
 
 ARCHITECTURES = {
@@ -284,7 +296,7 @@ ARCHITECTURES = {
     "qwen3moe": Architecture(llama.build, _gguf_llama, _hf_qwen3, HF_LAYER["qwen3"]),
     "gpt-oss": Architecture(gpt_oss.build, _gguf_gpt_oss, _hf_gpt_oss, HF_GPT_OSS, gguf_layer_names=GGUF_GPT_OSS),
     "gemma3": Architecture(gemma3.build, _gguf_gemma3, _hf_gemma3, HF_LAYER["gemma3"],
-                           norm_offset=1.0),
+                           norm_offset=1.0, activations=("gelu_pytorch_tanh",)),
 }
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "gemma3_text": "gemma3", "mixtral": "mixtral",
                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}

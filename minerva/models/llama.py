@@ -36,10 +36,11 @@ def build(config: ModelConfig, w: WeightSource) -> CausalLM:
     factors = w.tensor("rope_freqs") if w.has("rope_freqs") else None
     rotary = Rotary(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling, factors))
     eps = config.rms_norm_eps
+    qwen3 = config.architecture in ("qwen3", "qwen3moe")  # whose every layer norms its queries and keys
     layers = []
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        qk_norms = [RMSNorm(w.tensor(p + n), eps) if w.has(p + n) else None for n in ("q_norm", "k_norm")]
+        qk_norms = [RMSNorm(w.tensor(p + n), eps) if w.has(p + n) or qwen3 else None for n in ("q_norm", "k_norm")]
         attn = Attention(config, i, *(linear(w, p + n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
                          rotary=rotary, q_norm=qk_norms[0], k_norm=qk_norms[1])
         layers.append(DecoderLayer(attn, feed_forward(config, w, p, "silu"),

@@ -351,7 +351,14 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
         check_plausible(sizes, source, HF_KEYS)  # before the layer count sizes anything
         sizes["head_dim"] = whole(_given(cfg.get("head_dim"), hidden // heads))
         theta, scaling = hf_rope(cfg)
-        extra = arch.hf_config(cfg)
+        for key in ("hidden_act", "hidden_activation"):  # another function would run as this one
+            if cfg.get(key) is not None and cfg[key] not in arch.activations:
+                raise MinervaError(f"{source}: {key} is {cfg[key]!r}; Minerva computes a {arch_name} model's MLP "
+                                   f"with {' or '.join(arch.activations)}")
+        try:
+            extra = arch.hf_config(cfg)
+        except MinervaError as exc:
+            raise MinervaError(f"{source}: {exc}") from None
         check_plausible({**sizes, **extra}, source, HF_KEYS)
         fields = dict(
             architecture=arch_name,

@@ -47,7 +47,8 @@ def test_sharded_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("config,tensor", [("llama-untied", "model.layers.1.mlp.up_proj.weight"),
-                                           ("llama-untied", "lm_head.weight")])
+                                           ("llama-untied", "lm_head.weight"),
+                                           ("qwen3", "model.layers.0.self_attn.q_norm.weight")])
 def test_missing_tensor_is_a_clear_error(tmp_path, config, tensor):
     from safetensors.torch import load_file, save_file
 

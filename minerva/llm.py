@@ -126,6 +126,19 @@ class _Stop:
         group.close(10.0 if stopped else 0.0)  # workers never told to stop are killed at once
 
 
+def check_arguments(model, lora, engine_options: dict) -> None:
+    """LLM()'s arguments of the wrong kind, each a one-line error."""
+    unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise MinervaError(f"model must be a name, a path or a Hugging Face repo (a string), got {model!r}")
+    if lora is not None and not (isinstance(lora, dict) and all(
+            isinstance(k, str) and k.strip() and isinstance(v, (str, os.PathLike)) for k, v in lora.items())):
+        raise MinervaError(f"lora must be a dict of adapter name (not empty) -> path, got "
+                           f"{lora if isinstance(lora, dict) else type(lora).__name__!r}")
+
+
 class LLM:
     """A loaded model with its tokenizer and a batching engine, ready to generate.
 
@@ -154,15 +167,7 @@ class LLM:
                  quantize: str | None = None, activations: str = "auto",
                  tensor_parallel_size: int | None = None, kernels: str = "auto",
                  lora: dict[str, str] | None = None, **engine_options):
-        unknown = set(engine_options) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise MinervaError(f"unknown engine option(s) {', '.join(sorted(unknown))}")
-        if model is not None and not isinstance(model, (str, os.PathLike)):
-            raise MinervaError(f"model must be a name, a path or a Hugging Face repo (a string), got {model!r}")
-        if lora is not None and not (isinstance(lora, dict) and all(
-                isinstance(k, str) and k.strip() and isinstance(v, (str, os.PathLike)) for k, v in lora.items())):
-            raise MinervaError(f"lora must be a dict of adapter name (not empty) -> path, got "
-                               f"{lora if isinstance(lora, dict) else type(lora).__name__!r}")
+        check_arguments(model, lora, engine_options)
         engine_config = EngineConfig(**engine_options)
         self.group: launch.Group | None = None
         self._stop: _Stop | None = None

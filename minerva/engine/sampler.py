@@ -416,6 +416,18 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     kmax = max(ks)
     top_v, top_i = (torch.topk(logp, kmax) if kmax else (logp[:, :0], logp[:, :0].long()))
     top_v, top_i = top_v.tolist(), top_i.tolist()
-    return [TokenLogprob(t, lp, tuple(zip(ti[:k], tv[:k])))
-            for t, lp, ti, tv, k in zip(tokens, chosen, top_i, top_v, ks)]
+    return [TokenLogprob(t, lp, _top(logp[row], top_i[row][:k], top_v[row][:k]))
+            for row, (t, lp, k) in enumerate(zip(tokens, chosen, ks))]
+
+
+def _top(logp: torch.Tensor, ids: list[int], values: list[float]) -> tuple[tuple[int, float], ...]:
+    """A row's top k (ids, values of a top-k of at least k), the same whatever k the batch's
+    other rows want: equal values in id order, and of the tokens tied at the k-th value the
+    lowest ids (topk alone picks among ties as the size it was asked for falls)."""
+    if not ids:
+        return ()
+    edge = values[-1]
+    above = sorted(((i, v) for i, v in zip(ids, values) if v > edge), key=lambda p: (-p[1], p[0]))
+    tied = (logp == edge).nonzero()[:, 0][:len(ids) - len(above)].tolist()
+    return tuple(above + [(i, edge) for i in tied])
 

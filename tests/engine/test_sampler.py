@@ -115,6 +115,19 @@ def test_batched_logprobs_match_log_softmax():
         assert [t for t, _ in lp.top] == torch.topk(ref[row], k).indices.tolist()
 
 
+def test_top_logprobs_of_tied_tokens_do_not_depend_on_the_batch():
+    """A row's top k is the same alone and beside a row that wants more: tied values in id
+    order, and of the tokens tied at the k-th value the lowest ids."""
+    row = torch.full((V,), -5.0)
+    row[[40, 7, 49, 3]] = 2.0  # four tied at the top
+    row[[45, 11, 30, 25, 48]] = 1.0  # five tied next: k = 6 cuts through them
+    other = torch.randn(V, generator=torch.Generator().manual_seed(0))
+    alone = token_logprobs(row[None], [3], [6])[0].top
+    beside = token_logprobs(torch.stack([other, row]), [0, 3], [20, 6])[1].top
+    assert alone == beside
+    assert [t for t, _ in alone] == [3, 7, 40, 49, 11, 25]
+
+
 def test_sampled_tokens_stay_in_the_kept_set(logits):
     params = SamplingParams(top_k=20, top_p=0.8, min_p=0.1, temperature=0.6, seed=0)
     kept = set(torch.nonzero(torch.isfinite(hf_chain(logits, [], params))).flatten().tolist())

@@ -241,6 +241,11 @@ class _Track:
     runs: Acceptance | None = None  # how far its runs of guesses get accepted
 
 
+def seeded(r: Request) -> bool:
+    """A sampling request with a seed: its output repeats, so its guesses never vary."""
+    return not r.params.greedy and r.params.seed is not None
+
+
 class Speculator:
     """Chooses which decoding requests get guesses this step and how many, and keeps the stats."""
 
@@ -264,13 +269,15 @@ class Speculator:
     def propose(self, running: list[Request], room) -> None:
         """Set draft_token_ids on the eligible running requests. `room(r)` is how many more
         tokens the request may still produce."""
-        if len(running) > self.max_batch:
-            return
+        # Above max_batch only seeded sampling requests get guesses: which random draws meet
+        # which tokens depends on whether guesses run, so theirs run whatever the batch, and
+        # their output is the same alone or among any others.
+        crowded = len(running) > self.max_batch
         chosen, ks = [], []
         for r in running:
             k = self.k if r.params.speculative_tokens is None else min(r.params.speculative_tokens, self.k)
             if (k <= 0 or r.status is not Status.RUNNING or not r.output_token_ids
-                    or r.num_computed_tokens != r.num_tokens - 1):
+                    or r.num_computed_tokens != r.num_tokens - 1 or (crowded and not seeded(r))):
                 continue
             track = self.tracks.setdefault(r.request_id, _Track())
             if track.pause > 0:
@@ -285,7 +292,7 @@ class Speculator:
         # A seeded sampling request takes its k as set: which random draws its guesses meet
         # depends on k, and k chosen from timings would make its output differ run to run.
         # (Greedy output is the same whatever k; an unseeded request promises no repeat.)
-        adapts = [r.params.greedy or r.params.seed is None for r in chosen]
+        adapts = [not seeded(r) for r in chosen]
         if any(adapts):
             fixed = sum(k for k, a in zip(ks, adapts) if not a)
             best = self.choose_k([r for r, a in zip(chosen, adapts) if a], len(running) + fixed,

@@ -109,6 +109,19 @@ def test_greedy_is_unchanged_token_for_token(target_dir, draft_dir, method):
     assert llm.engine.blocks.num_used_blocks == 0
 
 
+def test_a_seeded_sampling_request_is_the_same_alone_and_in_a_crowded_batch(target_dir):
+    """Above speculative_max_batch the other requests get no guesses, a seeded sampling one
+    still does: which random draws meet which tokens stays as alone, so its tokens do too."""
+    prompts = repetitive_prompts(6)
+    seeded = SamplingParams(max_tokens=24, temperature=0.2, seed=1234, ignore_eos=True)
+    llm = make(target_dir, speculative="ngram", num_speculative_tokens=3, speculative_max_batch=2)
+    alone = llm.generate(prompts[:1], seeded)[0].token_ids
+    others = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    crowded = llm.generate(prompts, [seeded] + [others] * 5)[0].token_ids
+    assert crowded == alone
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
 def test_sampling_distribution_is_unchanged(target_dir, draft_dir):
     """The third generated token's distribution, sampled 1500 times with and without a
     draft model (whose distribution differs from the target's), passes a chi-square test of

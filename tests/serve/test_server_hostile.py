@@ -586,3 +586,17 @@ def test_a_model_giving_nan_fails_its_requests_in_one_line_and_the_server_goes_o
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     failed = [rec for rec in caplog.records if "engine step failed" in rec.getMessage()]
     assert failed and all(rec.exc_info is None for rec in failed)
+
+
+def test_a_conversation_that_cannot_fit_is_refused_before_its_template_runs(served):
+    """More messages than the context has tokens, or more characters than it can hold: a 400
+    naming messages before the chat template renders (60,000 messages took its whole time
+    budget on a busy server, and came back a 500 blaming the template)."""
+    url, _ = served
+    many = [{"role": "user", "content": "hi"}] * 300  # the tiny model's context: 256 tokens
+    assert_400(post(url, "/v1/chat/completions", {"messages": many, "max_tokens": 1}),
+               "300 messages cannot fit in this model's context of 256 tokens", param="messages")
+    long = [{"role": "user", "content": "x" * 100_000}]
+    assert_400(post(url, "/v1/chat/completions", {"messages": long, "max_tokens": 1}),
+               "the messages hold 100000 characters", param="messages")
+    assert post(url, "/v1/chat/completions", {"messages": many[:3], "max_tokens": 1}).status_code == 200

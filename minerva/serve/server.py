@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import math
 import logging
+import resource
 import socket
 import sys
+import time
 
 import uvicorn
 
@@ -33,6 +37,10 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain_timeout: float):
         super().__init__(config)
         self.drain_timeout = drain_timeout
+
+    async def startup(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(quiet_accept_errors())
+        await super().startup(sockets)
 
     async def shutdown(self, sockets=None) -> None:
         for server in self.servers:
@@ -64,9 +72,49 @@ def make_server(app, config: ServerConfig, log_level: str = "info", **options) -
     protocol with its request-head deadline and connection cap (see `connections`), keep-alive,
     and the drain on shutdown."""
     return Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_keep_alive=5,
-                                 http=http_protocol(config.header_timeout, config.max_connections),
+                                 http=http_protocol(config.header_timeout, connection_cap(config.max_connections)),
                                  timeout_graceful_shutdown=CLOSE_GRACE, **options),
                   drain_timeout=config.shutdown_timeout)
+
+
+def quiet_accept_errors():
+    """An event-loop exception handler that logs accept() running out of file descriptors at
+    most once in 10 s, without a traceback (asyncio retries and logs each failure, thousands a
+    second), and passes anything else to asyncio's own handler."""
+    last = [-math.inf]
+
+    def handler(loop, context: dict) -> None:
+        if "out of system resource" not in str(context.get("message", "")):
+            loop.default_exception_handler(context)
+        elif time.monotonic() - last[0] > 10:
+            last[0] = time.monotonic()
+            logging.getLogger("minerva.serve").warning(
+                "cannot accept connections: %s (the open-files limit, ulimit -n; see --max-connections)",
+                context.get("exception"))
+    return handler
+
+
+# File descriptors kept for the process's own files, pipes and threads beside its connections.
+RESERVED_FILES = 128
+
+
+def connection_cap(requested: int) -> int:
+    """--max-connections within the open-files limit (its soft limit raised to the hard one
+    first): past it accept() fails before the cap's 503 can answer, and asyncio retries it in
+    a loop that logs each failure and starves every other request."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or requested <= soft - RESERVED_FILES:
+        return requested
+    cap = max(1, soft - RESERVED_FILES)
+    logging.getLogger("minerva.serve").warning(
+        "--max-connections %d lowered to %d: the open-files limit (ulimit -n) is %d", requested, cap, soft)
+    return cap
 
 
 def bind(host: str, port: int) -> socket.socket:

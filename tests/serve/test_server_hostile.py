@@ -600,3 +600,41 @@ def test_a_conversation_that_cannot_fit_is_refused_before_its_template_runs(serv
     assert_400(post(url, "/v1/chat/completions", {"messages": long, "max_tokens": 1}),
                "the messages hold 100000 characters", param="messages")
     assert post(url, "/v1/chat/completions", {"messages": many[:3], "max_tokens": 1}).status_code == 200
+
+
+def test_max_connections_fits_the_open_files_limit(monkeypatch, caplog):
+    """The soft open-files limit is raised to the hard one, and a --max-connections past what
+    it holds is lowered with a warning (accept() failing first made asyncio spin and log)."""
+    import logging
+    import resource
+
+    from minerva.serve import server
+    limits = {"now": (1024, 4096)}
+    monkeypatch.setattr(resource, "getrlimit", lambda which: limits["now"])
+    monkeypatch.setattr(resource, "setrlimit", lambda which, value: limits.update(now=value))
+    assert server.connection_cap(1024) == 1024 and limits["now"] == (4096, 4096)
+    limits["now"] = (1024, 1024)
+    with caplog.at_level(logging.WARNING, logger="minerva.serve"):
+        assert server.connection_cap(1024) == 1024 - server.RESERVED_FILES
+    assert "--max-connections 1024 lowered to 896: the open-files limit (ulimit -n) is 1024" in caplog.text
+
+
+def test_accept_running_out_of_files_is_logged_once_without_a_traceback(caplog):
+    import asyncio
+    import logging
+
+    from minerva.serve.server import quiet_accept_errors
+    handler, loop, passed = quiet_accept_errors(), asyncio.new_event_loop(), []
+    loop.default_exception_handler = passed.append
+    try:
+        with caplog.at_level(logging.WARNING, logger="minerva.serve"):
+            for _ in range(1000):
+                handler(loop, {"message": "socket.accept() out of system resource",
+                               "exception": OSError(24, "Too many open files")})
+            handler(loop, {"message": "something else"})
+    finally:
+        loop.close()
+    assert [r.getMessage() for r in caplog.records].count(
+        "cannot accept connections: [Errno 24] Too many open files (the open-files limit, ulimit -n; "
+        "see --max-connections)") == 1
+    assert all(r.exc_info is None for r in caplog.records) and passed == [{"message": "something else"}]

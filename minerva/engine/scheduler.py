@@ -57,7 +57,7 @@ class SchedulerConfig:
                 raise MinervaError(f"--{name.replace('_', '-')} must be an integer >= 1")
         if (not isinstance(self.chunk_seconds, (int, float)) or isinstance(self.chunk_seconds, bool)
                 or not 0 <= self.chunk_seconds < float("inf")):
-            raise MinervaError(f"--prefill-chunk-seconds must be a number >= 0 (0: chunks of the whole "
+            raise MinervaError(f"--prefill-chunk-seconds must be a finite number >= 0 (0: chunks of the whole "
                                f"--max-num-batched-tokens), got {self.chunk_seconds!r}")
 
 

@@ -126,7 +126,7 @@ def test_prompts_cut_to_prefill_chunk_seconds_beside_decodes(model_dir):
 
 
 def test_prefill_chunk_seconds_is_checked(model_dir):
-    with pytest.raises(MinervaError, match="--prefill-chunk-seconds must be a number >= 0"):
+    with pytest.raises(MinervaError, match="--prefill-chunk-seconds must be a finite number >= 0"):
         make_llm(model_dir, prefill_chunk_seconds=-0.5)
 
 

@@ -198,7 +198,7 @@ def test_a_prompt_waiting_behind_a_running_prompt_shares_chunk_seconds(tokenizer
 
 def test_chunk_seconds_is_checked():
     for bad in (-1, float("nan"), float("inf"), "1", True):
-        with pytest.raises(MinervaError, match="--prefill-chunk-seconds must be a number >= 0"):
+        with pytest.raises(MinervaError, match="--prefill-chunk-seconds must be a finite number >= 0"):
             SchedulerConfig(chunk_seconds=bad)
 
 

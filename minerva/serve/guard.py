@@ -130,7 +130,7 @@ class Guard:
                                             headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
         length = headers.get("content-length")
         too_big = error_response(413, f"the request body is larger than the limit of {self.max_body} bytes",
-                                 path=scope["path"])
+                                 path=scope["path"], headers={"Connection": "close"})  # its rest goes unread
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return await too_big(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):

@@ -325,10 +325,10 @@ def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
                            f"rename the file or folder")
     path = Path(name).expanduser()
     try:
-        path.is_file()
+        is_file = path.is_file()
     except OSError as exc:  # a name too long for the file system, ...
         raise MinervaError(f"the model path '{name}' cannot be looked up: {exc.strerror or exc}") from None
-    if path.is_file():
+    if is_file:
         suffix = path.suffix.lower()
         if suffix == ".gguf":
             return path

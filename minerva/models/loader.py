@@ -53,13 +53,16 @@ class GGUFWeights:
     def _get(self, name: str) -> tuple[GGUFTensor, torch.Tensor]:
         t = self._find(name)
         raw = t.read()
-        if self._permuted(name) and not name.endswith(".bias"):  # a bias: by `tensor`, as values
-            heads = self.config.num_heads if name.endswith("q_proj") else self.config.num_kv_heads
-            raw = unpermute_qk(raw, heads)
+        if self._permuted(name):
+            raw = unpermute_qk(raw, self._heads(name))
         return t, raw
 
     def _permuted(self, name: str) -> bool:
-        return self.arch.permute_qk and name.endswith(("q_proj", "k_proj", "q_proj.bias", "k_proj.bias"))
+        """A Q or K matrix whose rows llama.cpp permuted (its bias, as values: `tensor`)."""
+        return self.arch.permute_qk and name.endswith(("q_proj", "k_proj"))
+
+    def _heads(self, name: str) -> int:
+        return self.config.num_heads if name.removesuffix(".bias").endswith("q_proj") else self.config.num_kv_heads
 
     def check(self) -> None:
         """The file's tensors against the config, before any is read: its layers are those
@@ -121,8 +124,8 @@ class GGUFWeights:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' should be a float tensor, "
                                f"found {t.qtype.name}")
         out = _float_view(raw, t.qtype, t.shape).float()
-        if self._permuted(name):  # a Q or K bias, whose rows are permuted as the matrix's
-            out = unpermute_qk(out, self.config.num_heads if name.endswith("q_proj.bias") else self.config.num_kv_heads)
+        if self._permuted(name.removesuffix(".bias")) and name.endswith(".bias"):  # rows permuted as the matrix's
+            out = unpermute_qk(out, self._heads(name))
         return (out if self.shard is None else self.shard.tensor(name, out).contiguous()).to(self.device)
 
 

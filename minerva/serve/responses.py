@@ -12,6 +12,7 @@ true) in a bounded in-memory store, so `previous_response_id` continues a conver
 from __future__ import annotations
 
 import collections
+import copy
 import json
 import re
 import time
@@ -225,6 +226,7 @@ def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], 
     if status is None:
         status = "incomplete" if finish == "length" else "completed"
     u = usage or {"prompt_tokens": 0, "completion_tokens": 0}
+    counted = usage is not None or status in ("completed", "incomplete")  # else null, as the created event's
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": body.model or model,
             "output": items, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -240,7 +242,8 @@ def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], 
             "truncation": "disabled", "metadata": body.metadata or {},
             "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                       "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-                      "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}} if counted else None}
 
 
 def history_of(items: list[dict]) -> list[dict]:
@@ -260,13 +263,15 @@ def history_of(items: list[dict]) -> list[dict]:
 
 
 class Store:
-    """The responses kept for GET and previous_response_id: each with the conversation it ends."""
+    """The responses kept for GET and previous_response_id: each with the conversation it ends.
+    A response still streaming is kept as its Stream, which GET shows as it stands (in_progress)."""
 
     def __init__(self, size: int = STORE_SIZE):
         self.size, self.items = size, collections.OrderedDict()
 
-    def put(self, rid: str, answer: dict, conversation: list[dict]) -> None:
+    def put(self, rid: str, answer: "dict | Stream", conversation: list[dict]) -> None:
         self.items[rid] = (answer, conversation)
+        self.items.move_to_end(rid)
         while len(self.items) > self.size:
             self.items.popitem(last=False)
 
@@ -274,7 +279,13 @@ class Store:
         if rid not in self.items:
             raise APIError(404, f"no stored response with id '{rid}' (responses are kept in memory, the last "
                                 f"{self.size}, and only with store: true)", param)
-        return self.items[rid]
+        answer, conversation = self.items[rid]
+        if isinstance(answer, Stream):
+            if param is not None:
+                raise APIError(400, f"response '{rid}' is still in progress: continue from it once it has "
+                                    "completed", param)
+            return answer.snapshot(), conversation
+        return answer, conversation
 
 
 def event(seq: list[int], kind: str, data: dict) -> str:
@@ -300,6 +311,15 @@ class Stream:
         snapshot = response(self.body, self.rid, self.created, [], None, None, "in_progress", self.model)
         return [event(self.seq, "response.created", {"response": snapshot}),
                 event(self.seq, "response.in_progress", {"response": snapshot})]
+
+    def snapshot(self, status: str = "in_progress", error: dict | None = None) -> dict:
+        """The response as it stands: the items so far, the one being written `in_progress` (or
+        `incomplete`, where the stream ended early: `status` cancelled or failed, with `error`)."""
+        items = copy.deepcopy(self.items)
+        if self.open is not None and "status" in self.open:
+            items[self.items.index(self.open)]["status"] = "in_progress" if status == "in_progress" else "incomplete"
+        answer = response(self.body, self.rid, self.created, items, None, self.usage, status, self.model)
+        return answer | {"error": error} if error else answer
 
     def _add(self, item: dict) -> list[str]:
         out = self.close()
@@ -378,26 +398,36 @@ class Stream:
 
 
 async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | None, conversation: list[dict]):
-    started = False  # response.created waits for the first chunk, which names the model that answers
-    async for chunk in chunks(chat_stream):
+    """The Responses events of a streamed chat completion. Stored (`store`) from the start:
+    in_progress while it streams; completed or incomplete at its end; failed after an error;
+    cancelled with what was said so far where the client hung up (which stops the generation)."""
+    if store is not None:
+        store.put(stream.rid, stream, conversation)
+    final = None
+    try:
+        started = False  # response.created waits for the first chunk, which names the model that answers
+        async for chunk in chunks(chat_stream):
+            if not started:
+                stream.model, started = chunk.get("model"), True
+                for e in stream.start():
+                    yield e
+            if "error" in chunk:
+                error = {"code": str(chunk["error"].get("code")), "message": chunk["error"]["message"]}
+                final = stream.snapshot("failed", error)
+                yield event(stream.seq, "error", {**error, "param": None})
+                return
+            for e in stream.feed(chunk):
+                yield e
         if not started:
-            stream.model, started = chunk.get("model"), True
             for e in stream.start():
                 yield e
-        if "error" in chunk:
-            yield event(stream.seq, "error", {"code": str(chunk["error"].get("code")),
-                                              "message": chunk["error"]["message"], "param": None})
-            return
-        for e in stream.feed(chunk):
+        closing, final = stream.end()
+        for e in closing:
             yield e
-    if not started:
-        for e in stream.start():
-            yield e
-    closing, final = stream.end()
-    for e in closing:
-        yield e
-    if store is not None:
-        store.put(final["id"], final, conversation + history_of(final["output"]))
+    finally:
+        if store is not None and stream.rid in store.items:  # not deleted (nor dropped) meanwhile
+            final = final or stream.snapshot("cancelled")
+            store.put(stream.rid, final, conversation + history_of(final["output"]))
 
 
 # the chat request's fields as this API names them, for the errors of the chat route's checks

@@ -11,6 +11,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers.server import metric, wait_for
+
 
 INSTRUCTIONS = "You are a terse assistant."
 QUESTION = "Name three colours of the rainbow."
@@ -161,3 +163,35 @@ def test_a_request_without_a_model_names_the_one_that_answered(served):
 def test_unknown_model(client):
     with pytest.raises(openai.NotFoundError, match="the model 'gpt-5' does not exist; this server serves 'smollm2'"):
         client.responses.create(model="gpt-5", input="Hi")
+
+
+def test_a_streamed_response_is_stored_while_it_streams_and_when_its_client_hangs_up(served, client):
+    headers = {"Authorization": "Bearer sk-test"}
+    body = {"model": "smollm2", "max_output_tokens": 1000, "temperature": 0, "stream": True,
+            "input": "Count from 1 to 500, separated by commas."}
+    with httpx.stream("POST", f"{served}/v1/responses", json=body, headers=headers, timeout=60) as s:
+        events = (json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: "))
+        rid = next(events)["response"]["id"]
+        said = "".join(next(e for e in events if e["type"] == "response.output_text.delta")["delta"]
+                       for _ in range(8))
+        streaming = client.responses.retrieve(rid)
+        assert streaming.status == "in_progress" and streaming.output_text.startswith(said[:1]), streaming
+        assert streaming.output[0].status == "in_progress" and streaming.usage is None
+        with pytest.raises(openai.BadRequestError, match="still in progress"):
+            client.responses.create(model="smollm2", input="Go on", previous_response_id=rid, max_output_tokens=2)
+    # hung up: the generation stops, and what was said is kept
+    wait_for(lambda: client.responses.retrieve(rid).status != "in_progress", what="the response stored")
+    cancelled = client.responses.retrieve(rid)
+    assert cancelled.status == "cancelled" and cancelled.output_text.startswith(said), cancelled
+    assert cancelled.output[0].status == "incomplete" and len(cancelled.output_text) < 1500
+    follow = client.responses.create(model="smollm2", input="Go on", previous_response_id=rid, max_output_tokens=2)
+    assert follow.status == "incomplete"
+    # deleted while streaming: it stays deleted
+    with httpx.stream("POST", f"{served}/v1/responses", json=body, headers=headers, timeout=60) as s:
+        events = (json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: "))
+        rid = next(events)["response"]["id"]
+        next(e for e in events if e["type"] == "response.output_text.delta")
+        client.responses.delete(rid)
+    wait_for(lambda: metric(served, "minerva:num_requests_running", headers=headers) == 0, what="the request ended")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(rid)

@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import minerva.hub as hub
-from minerva.errors import MinervaError
+from minerva.errors import MinervaError, not_a_file
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, pickle_refusal
 
@@ -339,6 +339,9 @@ def resolve(model: str | os.PathLike | None, *, auto_pull: bool = True) -> Path:
     if path.is_dir():
         checkpoint_files(path)  # a clear error now for a directory that is not a model
         return path
+    if os.path.lexists(path):  # a pipe, a device, a dangling or looping link, ...
+        raise MinervaError(f"the model path '{name}' {not_a_file(path)}; give a .gguf file or a Hugging Face "
+                           "directory (config.json + *.safetensors)")
     if name in KNOWN_MODELS:
         if auto_pull or _is_pulled(KNOWN_MODELS[name]):
             return pull(name)

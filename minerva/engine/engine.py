@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from minerva.models.config import SLIDING
 from minerva.models.causal_lm import CausalLM
 from minerva.models.fit import available_memory, step_bytes
 from minerva.models.loader import LoadedModel
+
+log = logging.getLogger("minerva")
 
 # Of the memory beside the weights and a step's activations, what a KV pool sized to fit
 # takes (by default, and for one request of --max-model-len): a tenth stays spare.
@@ -192,6 +195,10 @@ class Engine:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.device = device
         mc = model.config
+        if tokenizer.vocab_size > mc.vocab_size:
+            log.warning("the model's tokenizer has %d tokens and its embedding %d rows; a prompt that holds one of "
+                        "the last %d tokens will be refused", tokenizer.vocab_size, mc.vocab_size,
+                        tokenizer.vocab_size - mc.vocab_size)
         self.cache = kv_cache(model, config, device, dtype, comm)
         num_blocks = self.cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size,
@@ -226,6 +233,11 @@ class Engine:
         if n == 0:
             raise MinervaError("the prompt is empty after tokenization; give at least one token")
         stray = next((t for t in request.prompt_token_ids if not 0 <= t < vocab), None)
+        if stray is not None and 0 <= stray < self.tokenizer.vocab_size:  # the model's files disagree
+            text = self.tokenizer.decode([stray], skip_special_tokens=False)
+            raise MinervaError(f"the prompt holds token {text!r} (id {stray}), which the model's tokenizer has and "
+                               f"its embedding of {vocab} rows lacks: the model's tokenizer and weights do not "
+                               "match; leave that text out, or fix the model")
         if stray is not None:
             raise MinervaError(f"prompt token id {stray} is out of range: token ids must be in [0, {vocab})")
         bad = [t for t in request.params.logit_bias if t >= vocab]

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import torch
 
-from minerva.errors import MinervaError
+from minerva.errors import MinervaError, not_a_file
 
 
 # Bounds on what a header may claim, far above any released file (a few hundred metadata
@@ -187,10 +187,11 @@ class _Reader(gguf.GGUFReader):
             if following > end + -(end - start_offs) % self.alignment:
                 _, _, _, dims, raw_type, _ = fields[i].parts
                 qtype = gguf.GGMLQuantizationType(int(raw_type[0])).name
+                last = "; or bytes were added after the tensor data" if following == size else ""
                 raise _Corrupt(f"tensor '{name}' of type {qtype} and dims {[int(d) for d in dims]} takes "
                                f"{end - start} bytes, but the file holds {following - start} for it (allowed: "
                                f"what its type and dims take, padded to the alignment of {self.alignment}); "
-                               "its type or dims are wrong")
+                               f"its type or dims are wrong{last}")
 
     def _tensor_span(self, start_offs: int, field, size: int) -> tuple[int, int]:
         """Where a tensor's bytes lie, once its dims, type and offset are known to be sane."""
@@ -269,8 +270,21 @@ def split_parts(path: Path) -> list[Path] | None:
     return [path.with_name(f"{m['prefix']}-{i:05d}-of-{count:05d}{m['suffix']}") for i in range(1, count + 1)]
 
 
+def _check_version(path: Path) -> None:
+    """A GGUF file of a version the reader does not know is refused as such (not as corrupt)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        return  # the reader says what is wrong
+    version = int.from_bytes(head[4:], "little")
+    if version not in (2, 3) and int.from_bytes(head[4:], "big") not in (2, 3):  # (big-endian files: swapped)
+        raise MinervaError(f"'{path}' is a GGUF file of version {version}, and Minerva reads versions 2 and 3 "
+                           "(those llama.cpp writes); convert the model again with a current llama.cpp")
+
+
 def _read(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     """The metadata and tensors of one GGUF file (one part of a split model)."""
+    _check_version(path)
     try:
         # mode "c" (copy-on-write) gives writable arrays without copying the file,
         # so torch can wrap them without warnings.
@@ -312,7 +326,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
-            raise MinervaError(f"GGUF file '{self.path}' does not exist")
+            raise MinervaError(f"GGUF file '{self.path}' {not_a_file(self.path)}; give the path of a .gguf file")
         self.metadata, self.tensors = _read(self.path)
         self.paths = [self.path]
         count = self.metadata.get(gguf.Keys.Split.LLM_KV_SPLIT_COUNT)
@@ -355,8 +369,11 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
-        if not isinstance(arch, str):
+        if arch is None:
             raise MinervaError(f"'{self.path}' has no general.architecture in its metadata")
+        if not isinstance(arch, str):
+            raise MinervaError(f"'{self.path}': general.architecture = {str(arch)[:60]!r} is no architecture name "
+                               "(a string such as 'llama'); the file is corrupt")
         return arch
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -150,6 +150,15 @@ def check_token_ids(md: Mapping[str, Any], n_vocab: int) -> None:
                                    f"vocabulary (0 to {n_vocab - 1}, or {NO_TOKEN} for none); the file is corrupt")
 
 
+def _per_token(md: Mapping[str, Any], key: str, n_vocab: int) -> list | None:
+    """A list the file keeps one entry a token of (types, scores), None where it has none."""
+    values = _md_get(md, key)
+    if values is not None and len(values) != n_vocab:
+        raise MinervaError(f"GGUF metadata {key} has {len(values)} entries and tokenizer.ggml.tokens {n_vocab} "
+                           "(allowed: one a token); the file is corrupt")
+    return None if values is None else list(values)
+
+
 def _as_bool(value: Any, default: bool) -> bool:
     if value is None:
         return default
@@ -170,11 +179,12 @@ def gguf_tokenizer_args(md: Mapping[str, Any]) -> dict[str, Any]:
             "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
         )
 
+    if not tokens:
+        raise MinervaError("GGUF metadata tokenizer.ggml.tokens is an empty vocabulary; the file is corrupt")
     tokens = [tok or f"[EMPTY_{i}]" for i, tok in enumerate(tokens)]  # as llama.cpp names empty tokens
     n_vocab = len(tokens)
-    token_types = list(_md_get(md, "tokenizer.ggml.token_type", []))
-    if len(token_types) != n_vocab:
-        token_types = [TOKEN_NORMAL] * n_vocab
+    token_types = _per_token(md, "tokenizer.ggml.token_type", n_vocab) or [TOKEN_NORMAL] * n_vocab
+    _per_token(md, "tokenizer.ggml.scores", n_vocab)  # read by the SentencePiece tokenizer only; checked for all
 
     check_token_ids(md, n_vocab)
 
@@ -227,9 +237,7 @@ def _byte_level(md: Mapping[str, Any], tokens: list[str], token_types: list[int]
 
 def _sentencepiece(md: Mapping[str, Any], tokens: list[str], token_types: list[int], unk: int | None) -> _Built:
     """`llama`: SentencePiece-style BPE ranked by `tokenizer.ggml.scores`; BOS by default."""
-    scores = list(_md_get(md, "tokenizer.ggml.scores", []))
-    if len(scores) != len(tokens):
-        scores = [0.0] * len(tokens)
+    scores = _per_token(md, "tokenizer.ggml.scores", len(tokens)) or [0.0] * len(tokens)
     add_space_prefix = _as_bool(md.get("tokenizer.ggml.add_space_prefix"), True)
     unk_token = tokens[unk] if unk is not None else None
     backend = _sentencepiece_bpe(tokens, scores, token_types, add_space_prefix, unk_token)

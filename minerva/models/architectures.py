@@ -4,6 +4,8 @@ config rules each architecture adds (from GGUF metadata or config.json)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -260,6 +262,12 @@ def _hf_gpt_oss(cfg: dict) -> dict[str, Any]:
                 swiglu_limit=(float(cfg.get("swiglu_limit", 7.0)), float(cfg.get("swiglu_alpha", 1.702))))
 
 
+def _inverse_sqrt(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{key} = {value!r}, where a number > 0 belongs")
+    return float(value) ** -0.5
+
+
 def _hf_gemma3(cfg: dict) -> dict[str, Any]:
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types") or [
@@ -270,7 +278,7 @@ def _hf_gemma3(cfg: dict) -> dict[str, Any]:
         sliding_window=int(cfg["sliding_window"]),
         rope_local_theta=float(cfg.get("rope_local_base_freq")
                                or hf_rope(cfg, "sliding_attention")[0]),
-        attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        attn_scale=_inverse_sqrt(cfg.get("query_pre_attn_scalar", 256), "query_pre_attn_scalar"),
         final_logit_softcap=cfg.get("final_logit_softcapping"),
     )
 
@@ -304,7 +312,7 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "gemma3_text": "gemma3
 
 def find_architecture(name: str, source: str) -> Architecture:
     if name not in ARCHITECTURES:
-        raise MinervaError(f"{source}: architecture '{name}' is not supported "
+        raise MinervaError(f"{source}: architecture {name!r} is not supported "
                            f"(supported: {', '.join(sorted(ARCHITECTURES))})")
     return ARCHITECTURES[name]
 
@@ -316,8 +324,11 @@ def unpermute_qk(rows: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def whole(value: Any) -> Any:
-    """int(value), or the value itself when it is no number, for `check_plausible` to name."""
-    try:
+    """An integer count as an int (a float only where it is whole, as 30.0), else the value
+    itself (2.5, "64", true), for `check_plausible` to name."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+            and value == int(value):
+        return int(value)
+    return value

@@ -94,9 +94,10 @@ def check_plausible(values: Mapping[str, Any], source: str, keys: Mapping[str, s
     for name, (limit, what) in LIMITS.items():
         value = values.get(name)
         low = 0 if name in MAY_BE_ZERO else 1
-        if value is not None and not (isinstance(value, int) and low <= value <= limit):
+        counts = isinstance(value, int) and not isinstance(value, bool)
+        if value is not None and not (counts and low <= value <= limit):
             raise MinervaError(f"{source}: {keys.get(name, name)} = {value!r} is not a plausible {what} "
-                               f"({low} to {limit}); {_CORRUPT}")
+                               f"(a whole number, {low} to {limit}); {_CORRUPT}")
 
 
 def check_config(values: Mapping[str, Any], source: str, keys: Mapping[str, str]) -> None:

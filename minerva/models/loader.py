@@ -375,8 +375,12 @@ def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
         for name, key in _HF_STATED.items():
             if name in fields and cfg.get(key) is not None:
                 fields[name] = real(cfg[key])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as exc:
-        raise MinervaError(f"{source} lacks or has a bad field ({type(exc).__name__}: {exc})") from None
+    except KeyError as exc:
+        raise MinervaError(f"{source} lacks the field {exc.args[0]!r}, which a {model_type} model's config.json "
+                           "holds; the file is incomplete (download it again) or not a model Minerva can run") from None
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, AttributeError) as exc:
+        raise MinervaError(f"{source} has a bad field ({type(exc).__name__}: {exc}); the file is corrupt or not "
+                           "a model Minerva can run") from None
     return _named_config(source, fields, HF_KEYS), arch
 
 

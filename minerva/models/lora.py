@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from safetensors import SafetensorError, safe_open
 from minerva.errors import MinervaError
 from minerva.kernels import native
 from minerva.models.layers import Attention, GatedMLP, Linear, Projections
+
+log = logging.getLogger("minerva")
 
 KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
                  r"\.lora_([AB])(?:\.default)?\.weight$")
@@ -166,6 +169,17 @@ def read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
+def _check_effect(name: str, path: Path, scale: float, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse an adapter with NaN or infinite values; warn of one that changes nothing."""
+    bad = next((k for k, t in tensors.items() if not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise MinervaError(f"adapter '{name}' ({path}): {bad} holds NaN or infinite values; the adapter is "
+                           "damaged (or its training diverged)")
+    if scale == 0 or all(not t.any() for k, t in tensors.items() if "lora_B" in k):
+        why = "its lora_alpha is 0" if scale == 0 else "every lora_B is zero, as PEFT makes them before training"
+        log.warning("adapter '%s' (%s) changes nothing: %s; its requests run as the base model", name, path, why)
+
+
 def _targets(model, layer: int, block: str, name: str) -> tuple[Linear, int, int]:
     """The Linear computing HF module `layers.{layer}.{block}.{name}`, its first output column and columns."""
     if layer >= len(model.layers):
@@ -210,6 +224,10 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
                 raise MinervaError(f"adapter '{name}' ({path}) has '{key}': Minerva applies LoRA to the attention "
                                    "and MLP projections of decoder layers only")
             pairs.setdefault((int(m[1]), m[2], m[3]), {})[m[4]] = t
+        if not pairs:
+            raise MinervaError(f"adapter '{name}' ({path}) holds no LoRA tensors: it would change nothing; give "
+                               "the folder of a trained adapter")
+        _check_effect(name, path, scale, tensors)
         for (layer, block, proj), ab in sorted(pairs.items()):
             if set(ab) != {"A", "B"}:
                 have = next(iter(ab))

@@ -12,6 +12,7 @@ with a MemoryError or a timeout instead of taking the machine down.
 from __future__ import annotations
 
 import json
+import os
 import random
 import struct
 import time
@@ -22,6 +23,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.hostile import INTERESTING, M32, M64, put, retyped, run_worker, sites
 from tests.helpers.tiny_gguf import write_tiny_llama
@@ -62,12 +65,16 @@ GGUF_CASES = [
     ("offsets-overlap", "t:blk.0.ffn_up.weight:offset", 0, ["overlap", "blk.0.ffn_up.weight"]),
     ("truncated-header", None, "cut:40", ["re-download"]),
     ("truncated-data", None, "cut:-4", ["re-download"]),
+    ("trailing-bytes", None, "append:5", ["takes", "or bytes were added after the tensor data"]),
+    ("version-4", "version", 4, ["a GGUF file of version 4", "reads versions 2 and 3"]),
+    ("version-2^31", "version", 1 << 31, ["a GGUF file of version 2147483648"]),
 ]
 
 
 def _mutated(base: bytes, where: dict, site: str | None, value) -> bytes:
     if site is None:
-        return base[:int(value.split(":")[1])]
+        how, n = value.split(":")
+        return base[:int(n)] if how == "cut" else base + bytes(int(n))
     s = where[site]
     if value == "size":
         value = len(base)
@@ -145,6 +152,7 @@ LEGIT_KEYS = [
                               ("tokenizer.ggml.eot_token_id", 1, V.UINT32)]),
     ("rope-dims-8", [("llama.rope.dimension_count", 8, V.UINT32)]),
     ("rope-linear-2", [("llama.rope.scaling.type", "linear", V.STRING), ("llama.rope.scaling.factor", 2.0, V.FLOAT32)]),
+    ("block-count-float-1", [("llama.block_count", 1.0, V.FLOAT32)]),  # a whole number, if a float
 ]
 
 
@@ -213,6 +221,17 @@ RETYPED = [
      ["llama.block_count = inf is not a plausible layer count"]),
     ("heads-string", "llama.attention.head_count", "many", V.STRING, None,
      ["llama.attention.head_count = 'many' is not a plausible head count"]),
+    # a count that is not a whole number is not rounded into one
+    ("heads-2.5", "llama.attention.head_count", 2.5, V.FLOAT32, None, ["head_count = 2.5", "a whole number"]),
+    ("heads-string-2", "llama.attention.head_count", "2", V.STRING, None, ["head_count = '2'", "a whole number"]),
+    ("heads-true", "llama.attention.head_count", True, V.BOOL, None, ["head_count = True", "a whole number"]),
+    # one type and one score a token (llama.cpp reads them by token id, past the end of a short list)
+    ("types-short", "tokenizer.ggml.token_type", [1] * 10, V.ARRAY, V.INT32,
+     ["tokenizer.ggml.token_type has 10 entries and tokenizer.ggml.tokens 257"]),
+    ("scores-short", "tokenizer.ggml.scores", [0.0] * 10, V.ARRAY, V.FLOAT32,
+     ["tokenizer.ggml.scores has 10 entries"]),
+    ("arch-uint32", "general.architecture", 5, V.UINT32, None, ["general.architecture = '5' is no architecture"]),
+    ("arch-newline", "general.architecture", "llama\nx", V.STRING, None, ["architecture 'llama\\nx' is not"]),
 ]
 
 HF_CONFIG = dict(model_type="llama", vocab_size=257, hidden_size=64, intermediate_size=128,
@@ -235,7 +254,9 @@ HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appen
     ("nested-100000", '"a": ' + "[" * 100_000 + "]" * 100_000, ["nested too deeply"]),
     ("int-5000-digits", '"hidden_size": ' + "9" * 5000, ["cannot read"]),
     ("rope-list", {"rope_scaling": [1, 2]}, ["bad field"]),
-    ("yarn-without-factor", {"rope_scaling": {"rope_type": "yarn"}}, ["bad field"]),
+    ("yarn-without-factor", {"rope_scaling": {"rope_type": "yarn"}}, ["lacks the field 'factor'", "incomplete"]),
+    ("gemma3-query-scalar-negative", {"model_type": "gemma3_text", "sliding_window": 8, "query_pre_attn_scalar": -16},
+     ["query_pre_attn_scalar = -16, where a number > 0 belongs"]),
     ("experts-1e9", {"model_type": "mixtral", "num_local_experts": 10**9, "num_experts_per_tok": 2},
      ["num_local_experts = 1000000000", "plausible expert count"]),
     ("experts-per-token-past-experts", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 9,
@@ -253,6 +274,8 @@ HF_CASES = [  # (case, fields merged into a valid config, or raw JSON text appen
     ("kv-heads-3", {"num_key_value_heads": 3}, ["num_key_value_heads = 3", "a divisor of num_attention_heads = 4"]),
     ("head-dim-0", {"head_dim": 0}, ["head_dim = 0"]),
     ("context-0", {"max_position_embeddings": 0}, ["max_position_embeddings = 0"]),
+    ("heads-string-4", {"num_attention_heads": "4"}, ["num_attention_heads = '4'", "a whole number"]),
+    ("layers-2.5", {"num_hidden_layers": 2.5}, ["num_hidden_layers = 2.5", "a whole number"]),
     ("vocab-0", {"vocab_size": 0}, ["vocab_size = 0"]),
     ("tie-string", {"tie_word_embeddings": "false"}, ["tie_word_embeddings must be true or false, got 'false'"]),
     ("act-gelu", {"hidden_act": "gelu"}, ["hidden_act is 'gelu'", "llama model's MLP with silu"]),
@@ -480,3 +503,17 @@ def test_mutation_fuzz_loads_or_fails_cleanly(base, tmp_path):
     errors = sum(r["outcome"] == "MinervaError" for r in by_case.values())
     assert errors > len(cases) // 2, f"only {errors} of {len(cases)} mutations were refused"
     print(f"{len(cases)} cases, {errors} refused, {wall:.1f} s")
+
+
+def test_a_model_path_that_is_no_regular_file_says_what_it_is(tmp_path):
+    """A named pipe, a device, a looping or dangling link: said as such (not 'does not exist'),
+    by the CLI and by GGUFFile, and nothing blocks reading a pipe."""
+    fifo, loop, dangling = tmp_path / "pipe.gguf", tmp_path / "loop.gguf", tmp_path / "dangling.gguf"
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone.gguf")
+    for path, words in ((fifo, "is a named pipe, not a file"), (loop, "is a symbolic link that leads back to itself"),
+                        (dangling, "is a symbolic link to nothing"), (Path("/dev/zero"), "is a character device")):
+        with pytest.raises(MinervaError, match=words):
+            GGUFFile(path)
+        assert_clean_error(run("generate", str(path), "hi", timeout=60), f"'{path}' {words}")

@@ -54,7 +54,8 @@ def sites(path: Path) -> dict[str, Site]:
     """Every length, count, type and offset of the file's header, metadata and tensor infos,
     found with the `gguf` package's stock reader; keys look like 'kv:<key>:alen'."""
     reader = gguf.GGUFReader(path, "r")
-    out = {"tensor_count": Site("tensor_count", 8, 8), "kv_count": Site("kv_count", 16, 8)}
+    out = {"version": Site("version", 4, 4), "tensor_count": Site("tensor_count", 8, 8),
+           "kv_count": Site("kv_count", 16, 8)}
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
             continue
@@ -92,6 +93,8 @@ def retyped(src: Path, dst: Path, key: str, value, vtype: gguf.GGUFValueType,
     a well-formed file with a value of the wrong type."""
     reader = gguf.GGUFReader(src, "r")
     w = gguf.GGUFWriter(str(dst), str(reader.fields["general.architecture"].contents()))
+    if key == "general.architecture":
+        w.kv_data[0].pop(key)
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", key):
             continue

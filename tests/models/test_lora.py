@@ -242,3 +242,35 @@ def test_the_compiled_adapter_sum_equals_each_row_alone(act, weights):
     lins[0].add_(x[4:5], alone)
     owner.select(per_seq, tokens, torch.device("cpu"))
     assert torch.equal(y[0], alone[0])
+
+
+def test_an_adapter_that_changes_nothing_is_said_and_a_damaged_one_refused(tiny_adapters, tmp_path, caplog):
+    """No tensors, or NaN ones: refused; lora_alpha 0, or every lora_B zero (an untrained
+    adapter): a warning, and the adapter's answers are the base model's."""
+    from safetensors.torch import load_file, save_file
+
+    base, tmp, refs = tiny_adapters
+    config = json.loads((tmp / "a1" / "adapter_config.json").read_text())
+    tensors = load_file(str(tmp / "a1" / "adapter_model.safetensors"))
+
+    def adapter(name, config, tensors):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+        save_file(tensors, str(tmp_path / name / "adapter_model.safetensors"))
+        return str(tmp_path / name)
+
+    with pytest.raises(MinervaError, match="holds no LoRA tensors"):
+        LLM(str(base), dtype="float32", lora={"b": adapter("none", config, {})})
+    key = next(iter(tensors))
+    with pytest.raises(MinervaError, match=re.escape(f"{key} holds NaN or infinite values")):
+        LLM(str(base), dtype="float32", lora={"b": adapter("nan", config, {**tensors, key: tensors[key] * float("nan")})})
+    for name, why, cfg, ts in [
+        ("alpha0", "its lora_alpha is 0", {**config, "lora_alpha": 0}, tensors),
+        ("untrained", "every lora_B is zero", config,
+         {k: torch.zeros_like(t) if "lora_B" in k else t for k, t in tensors.items()}),
+    ]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="minerva"):
+            llm = LLM(str(base), dtype="float32", kv_cache_memory=4e6, lora={"z": adapter(name, cfg, ts)})
+        assert f"adapter 'z' ({tmp_path / name}) changes nothing: {why}" in caplog.text
+        assert llm.generate([PROMPT], params("z"), use_tqdm=False)[0].outputs[0].token_ids == refs[None]

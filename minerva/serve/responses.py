@@ -16,202 +16,34 @@ import copy
 import json
 import re
 import time
-import uuid
-from typing import Any, Literal
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.errors import MinervaError
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, chunks, validated
+from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields,
+                                             input_messages, new_id)
 
 PATH = "/v1/responses"
 STORE_SIZE = 1024  # responses kept for GET and previous_response_id, least recently stored dropped first
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class TextFormat(BaseModel):
-    """`text.format`: free text, or structured output (json_schema needs its schema)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # a hint for OpenAI's models: accepted, ignored
-
-
-class ReasoningOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    effort: Literal["minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # no summaries here: accepted, ignored
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
-
-
-class FunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["function"]
-    name: str
-
-
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=2**63 - 1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    tools: list[FunctionTool] | None = Field(None, max_length=128)
-    tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextOptions | None = None
-    reasoning: ReasoningOptions | None = None
-    store: bool = True
-    previous_response_id: str | None = None
-    stream: bool = False
-    background: bool = False
-    # what cannot change the answer here: accepted and ignored
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    truncation: str | None = None
-    include: list[str] | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    stream_options: dict[str, Any] | None = None
-    max_tool_calls: int | None = None
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-# ------------------------------------------------------------------ requests
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise APIError(400, f"{where}: expected a string or a list of input_text parts, got "
-                            f"{type(content).__name__ if content is not None else 'null'}", "input")
-    parts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text"):
-            if not isinstance(part.get("text"), str):
-                raise APIError(400, f"{where}.{i}: a part of type '{kind}' needs its text (a string)", "input")
-            parts.append(part["text"])
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise APIError(400, f"{where}.{i}: content of type '{kind}' is not supported: this server runs text-only "
-                                "models; send the text alone", "input")
-        else:
-            got = f"a part of type {kind!r}" if isinstance(part, dict) else repr(part)[:80]
-            raise APIError(400, f"{where}.{i}: expected an input_text part (an object with type and text), got {got}",
-                           "input")
-    return "".join(parts)
-
-
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
-    """A request's input as chat messages: messages, function calls (an assistant turn's tool
-    calls) and function call outputs (tool messages); earlier reasoning items are dropped."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not items:
-        raise APIError(400, "input: an empty list; send the text, or at least one message", "input")
-    out: list[dict] = []
-    for i, item in enumerate(items):
-        kind, where = item.get("type", "message"), f"input.{i}"
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise APIError(400, f"{where}: role must be user, assistant, system or developer, got {role!r}", "input")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content", ""), f"{where}.content")})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
-            if not all(isinstance(x, str) for x in (call["id"], call["function"]["name"], call["function"]["arguments"])):
-                raise APIError(400, f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
-                out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise APIError(400, f"{where}: a function_call_output needs its call_id", "input")
-            out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output", ""), f"{where}.output")})
-        elif kind != "reasoning":
-            raise APIError(400, f"{where}: input items of type '{kind}' are not supported (messages, function_call "
-                                "and function_call_output are)", "input")
-    return out
-
-
-def chat_fields(body: ResponsesRequest, history: list[dict]) -> dict:
-    """The chat completion request answering `body` after the stored conversation `history`."""
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
-    fields: dict = {"model": body.model, "messages": messages + input_messages(body.input), "stream": body.stream}
-    for name, value in (("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
-                        ("top_p", body.top_p), ("parallel_tool_calls", body.parallel_tool_calls)):
-        if value is not None:
-            fields[name] = value
-    if body.stream:
-        fields["stream_options"] = {"include_usage": True}
-    if body.tools:
-        bad = next((t for t in body.tools if t.type != "function"), None)
-        if bad is not None:
-            raise APIError(400, f"tools of type '{bad.type}' are not supported (function tools are)", "tools")
-        fields["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                             "parameters": t.parameters or {"type": "object"}}}
-                           for t in body.tools]
-    choice = body.tool_choice
-    if isinstance(choice, FunctionChoice):
-        choice = {"type": "function", "function": {"name": choice.name}}
-    if choice is not None:
-        fields["tool_choice"] = choice
-    fmt = body.text.format if body.text else None
-    if fmt is not None and fmt.type == "json_schema":
-        if fmt.schema_ is None:
-            raise APIError(400, "text.format: a json_schema format needs its schema", "text.format.schema")
-        fields["response_format"] = {"type": "json_schema", "json_schema": {
-            "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
-    elif fmt is not None and fmt.type == "json_object":
-        fields["response_format"] = {"type": "json_object"}
-    effort = body.reasoning.effort if body.reasoning else None
-    if effort is not None:
-        fields["reasoning_effort"] = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
-    return fields
-
-
 # ------------------------------------------------------------------ answers
 
 
-def output_items(message: dict) -> list[dict]:
-    """A chat completion's message as Response output items."""
+def output_items(message: dict, logprobs: list[dict] | None = None) -> list[dict]:
+    """A chat completion's message (and its tokens' `logprobs`, where asked for) as Response
+    output items."""
     items = []
     if message.get("reasoning_content"):
         items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
                       "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
     if message.get("content") or not message.get("tool_calls"):
         items.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": []}]})
+                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
+                                   **({"logprobs": logprobs} if logprobs is not None else {})}]})
     for call in message.get("tool_calls") or []:
         items.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -225,6 +57,8 @@ def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], 
     `model`: the name that answered, where the request named none)."""
     if status is None:
         status = "incomplete" if finish == "length" else "completed"
+        if status == "incomplete" and items and "status" in items[-1]:  # the item cut short says so too
+            items = items[:-1] + [{**items[-1], "status": "incomplete"}]
     u = usage or {"prompt_tokens": 0, "completion_tokens": 0}
     counted = usage is not None or status in ("completed", "incomplete")  # else null, as the created event's
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": body.model or model,
@@ -242,7 +76,7 @@ def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], 
             "truncation": "disabled", "metadata": body.metadata or {},
             "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                       "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-                      "input_tokens_details": {"cached_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}} if counted else None}
 
 
@@ -306,6 +140,8 @@ class Stream:
         self.open: dict | None = None  # the item being written
         self.calls: dict[int, dict] = {}  # a chat delta's tool call index -> its item
         self.finish, self.usage, self.model = None, None, None
+        # asked for: a message's output_text gathers its tokens' log probabilities
+        self.logprobs = body.top_logprobs is not None or LOGPROBS in (body.include or [])
 
     def start(self) -> list[str]:
         snapshot = response(self.body, self.rid, self.created, [], None, None, "in_progress", self.model)
@@ -344,7 +180,8 @@ class Stream:
                 **where, "content_index": 0, "text": item["content"][0]["text"]}))
         elif item["type"] == "message":
             part = item["content"][0]
-            out += [event(self.seq, "response.output_text.done", {**where, "content_index": 0, "text": part["text"]}),
+            out += [event(self.seq, "response.output_text.done", {**where, "content_index": 0, "text": part["text"],
+                                                                  "logprobs": part.get("logprobs", [])}),
                     event(self.seq, "response.content_part.done", {**where, "content_index": 0, "part": part})]
         else:
             out.append(event(self.seq, "response.function_call_arguments.done", {**where, "arguments": item["arguments"]}))
@@ -366,9 +203,13 @@ class Stream:
                 if self.open is None or self.open["type"] != "message":
                     out += self._add({"type": "message", "id": new_id("msg"), "status": "completed",
                                       "role": "assistant", "content": [{"type": "output_text", "text": "",
-                                                                        "annotations": []}]})
+                                                                        "annotations": [],
+                                                                        **({"logprobs": []} if self.logprobs else {})}]})
+                pieces = (choice.get("logprobs") or {}).get("content") or []
                 self.open["content"][0]["text"] += delta["content"]
-                out.append(self._delta("response.output_text.delta", delta["content"], 0))
+                if self.logprobs:
+                    self.open["content"][0]["logprobs"] += pieces
+                out.append(self._delta("response.output_text.delta", delta["content"], 0, pieces))
             for call in delta.get("tool_calls") or []:
                 if call["index"] not in self.calls:
                     out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or "",
@@ -383,15 +224,19 @@ class Stream:
             self.finish = choice.get("finish_reason") or self.finish
         return out
 
-    def _delta(self, kind: str, text: str, content_index: int) -> str:
+    def _delta(self, kind: str, text: str, content_index: int, logprobs: list | None = None) -> str:
+        extra = {"logprobs": logprobs or []} if kind == "response.output_text.delta" else {}
         return event(self.seq, kind, {"item_id": self.open["id"], "output_index": len(self.items) - 1,
-                                      "content_index": content_index, "delta": text})
+                                      "content_index": content_index, "delta": text, **extra})
 
     def end(self) -> tuple[list[str], dict]:
+        out = []
         if not self.items:  # nothing said: an empty message, as a whole response has
-            self._add({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
-                       "content": [{"type": "output_text", "text": "", "annotations": []}]})
-        out = self.close()
+            out = self._add({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+                             "content": [{"type": "output_text", "text": "", "annotations": []}]})
+        if self.finish == "length" and self.open is not None and "status" in self.open:
+            self.open["status"] = "incomplete"  # cut short
+        out += self.close()
         final = response(self.body, self.rid, self.created, self.items, self.finish, self.usage, model=self.model)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         return out + [event(self.seq, kind, {"response": final})], final
@@ -415,6 +260,7 @@ async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | 
                 error = {"code": str(chunk["error"].get("code")), "message": chunk["error"]["message"]}
                 final = stream.snapshot("failed", error)
                 yield event(stream.seq, "error", {**error, "param": None})
+                yield event(stream.seq, "response.failed", {"response": final})
                 return
             for e in stream.feed(chunk):
                 yield e
@@ -470,7 +316,7 @@ def register(app, chat) -> None:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         reply = json.loads(answered.body)
         choice = reply["choices"][0]
-        final = response(body, rid, created, output_items(choice["message"]), choice["finish_reason"], reply["usage"],
+        final = response(body, rid, created, output_items(choice["message"], (choice.get("logprobs") or {}).get("content")), choice["finish_reason"], reply["usage"],
                          model=reply.get("model"))
         if body.store:
             store.put(rid, final, conversation + history_of(final["output"]))

@@ -56,7 +56,30 @@ def test_whole_and_streamed_answers_are_the_chat_routes(client):
 def test_max_output_tokens_is_incomplete(client):
     r = client.responses.create(model="smollm2", input="Write a long story about a dragon.", max_output_tokens=5)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
-    assert r.usage.output_tokens == 5
+    assert r.usage.output_tokens == 5 and r.output[-1].status == "incomplete"  # the item cut short, too
+
+
+@pytest.mark.parametrize("body", [{"input": "Say hi", "max_output_tokens": 6},
+                                  {"input": "Weather in Paris?", "tool_choice": "required", "max_output_tokens": 40,
+                                   "tools": [WEATHER]}])
+def test_every_event_and_response_is_valid_as_the_sdk_types_say(served, body):
+    """Each streamed event validated (not merely constructed) as its type in the openai SDK, and
+    the Response of the same request: every field the SDK requires is there."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    events, headers = [], {"Authorization": "Bearer sk-test"}
+    with httpx.stream("POST", f"{served}/v1/responses", json={"model": "smollm2", "temperature": 0, "stream": True,
+                                                             **body}, headers=headers, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    assert [type(adapter.validate_python(e)).__name__ for e in events][-1] in ("ResponseCompletedEvent",
+                                                                              "ResponseIncompleteEvent")
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == events[-1]["response"]["output"]  # the items as the Response holds them, statuses too
+    whole = httpx.post(f"{served}/v1/responses", json={"model": "smollm2", "temperature": 0, **body},
+                       headers=headers, timeout=60).json()
+    Response.model_validate(whole)
 
 
 def test_function_call_and_its_output(client):
@@ -195,3 +218,24 @@ def test_a_streamed_response_is_stored_while_it_streams_and_when_its_client_hang
     wait_for(lambda: metric(served, "minerva:num_requests_running", headers=headers) == 0, what="the request ended")
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(rid)
+
+
+def test_logprobs_asked_by_include_or_top_logprobs(served, client):
+    """include: ["message.output_text.logprobs"] (and top_logprobs) give the output text's tokens
+    with their log probabilities, as the chat route computes them; streamed, on each delta."""
+    r = client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=2,
+                                include=["message.output_text.logprobs"])
+    text = r.output[0].content[0]
+    ref = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": QUESTION}],
+                                         max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    theirs = ref.choices[0].logprobs.content
+    assert [(p.token, p.logprob, len(p.top_logprobs)) for p in text.logprobs] == \
+        [(p.token, p.logprob, 2) for p in theirs] and len(theirs) == 6
+    assert client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=2).output[0].content[0].logprobs \
+        is None  # not asked: none
+    with client.responses.stream(model="smollm2", input=QUESTION, max_output_tokens=6, temperature=0,
+                                 include=["message.output_text.logprobs"]) as stream:
+        events = list(stream)
+    deltas = [p.token for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
+    final = events[-1].response  # response.incomplete: cut at 6 tokens (the SDK's helper wants a completed one)
+    assert deltas == [p.token for p in theirs] == [p.token for p in final.output[0].content[0].logprobs]

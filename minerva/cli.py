@@ -75,7 +75,7 @@ def _load(model: str | None, args, engine: bool = True):
     llm = LLM(model, device=args.device, kernels=args.kernels, dtype=args.dtype, threads=args.threads,
               quantize=args.quantize, activations=args.activations,
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None), lora=getattr(args, "lora", None),
-              **options)
+              chat_template=getattr(args, "chat_template", None), **options)
     c = llm.config
     stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
               if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
@@ -353,6 +353,12 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
+def _add_chat_template(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the Jinja chat template to render chats with instead of the model's own: a file, or the "
+                        "template's text")
+
+
 def _add_conversation_parsers(sub) -> None:
     """`generate`, `chat` and `run` (the one or the other, as `ollama run`)."""
     def conversation(name: str, positional: str, metavar: str, raw: bool, **parser) -> argparse.ArgumentParser:
@@ -361,6 +367,7 @@ def _add_conversation_parsers(sub) -> None:
         if raw:
             p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
         p.add_argument("--system", default=None, help="system message for the chat template")
+        _add_chat_template(p)
         _add_reasoning_effort(p)
         add_model_options(p)
         add_sampling_options(p)
@@ -404,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    _add_chat_template(p)
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
                    help="serve a LoRA adapter (PEFT's folder, or a Hugging Face repo) as model NAME on top of the "
                         "model; repeatable")

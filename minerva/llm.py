@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import weakref
@@ -17,7 +18,7 @@ from minerva.engine.speculative import early_exit_runner, self_layers
 from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
-from minerva.formats.chat import render_chat
+from minerva.formats.chat import check_template, read_template, render_chat
 from minerva.parsers.reasoning import reasoning_for
 from minerva.parsers.tool_calls import join_pieces
 from minerva.parsers.tools import make_plan, tools_for
@@ -30,6 +31,8 @@ from minerva.parallel import launch
 from minerva.parallel.comm import exchange_choice
 from minerva.parallel.shard import plan
 from minerva.store import adapter_path, resolve
+
+log = logging.getLogger("minerva")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Prompt = str | list[int]
@@ -104,6 +107,20 @@ def _per_prompt(params, count: int) -> list[SamplingParams]:
     return list(params)
 
 
+def continued(rendered: str, last: dict) -> str:
+    """A rendered conversation cut after the text of its last message, an assistant's, so that
+    the reply goes on from it (transformers' continue_final_message)."""
+    content = last.get("content") if isinstance(last, dict) else None
+    if not (isinstance(content, str) and content.strip() and last.get("role") == "assistant"):
+        raise MinervaError("continue_final_message goes on with the last message: it must be an assistant's, "
+                           "with text")
+    text = content.strip()
+    if text not in rendered:
+        raise MinervaError("continue_final_message: the chat template does not write the last message's text as "
+                           "given, so the reply cannot go on from it")
+    return rendered[:rendered.rindex(text) + len(text)]
+
+
 class _Stop:
     """Stops a tensor-parallel LLM's workers and leaves its process group. The LLM's finalizer
     holds it, so it holds the group and the runner, never the LLM (which it would keep alive)."""
@@ -166,8 +183,10 @@ class LLM:
                  dtype: str = "auto", auto_pull: bool = True, threads: int | None = None,
                  quantize: str | None = None, activations: str = "auto",
                  tensor_parallel_size: int | None = None, kernels: str = "auto",
-                 lora: dict[str, str] | None = None, **engine_options):
+                 lora: dict[str, str] | None = None, chat_template: str | os.PathLike | None = None,
+                 **engine_options):
         check_arguments(model, lora, engine_options)
+        given_template = None if chat_template is None else read_template(chat_template)  # before the load
         engine_config = EngineConfig(**engine_options)
         self.group: launch.Group | None = None
         self._stop: _Stop | None = None
@@ -220,7 +239,7 @@ class LLM:
                 raise SystemExit(0)
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
-        self.chat_template = self.tokenizer.resolved_chat_template
+        self._use_chat_template(given_template)
         self.reasoning = reasoning_for(self.tokenizer)  # how its replies split into reasoning and answer
         self.tool_format = tools_for(self.tokenizer, self._render)  # how its template and replies carry tools
         draft = engine_config.draft_model
@@ -236,6 +255,25 @@ class LLM:
         # what this model takes in this process, the KV pool counted full (minerva.models.fit)
         self.memory = fit.estimate(self.loaded.footprint, self.config, self.engine.cache.nbytes,
                                    engine_config.max_num_batched_tokens, base=before)
+
+    def _use_chat_template(self, given: tuple[str, str] | None) -> None:
+        """The template chat requests are rendered with: `given` (its text and where it comes
+        from), else the model's own (one that does not compile is a warning: completions work),
+        else the built-in one for its architecture."""
+        if given is not None:
+            text, self.chat_template_source = given
+            check_template(text, self.chat_template_source)
+            self.tokenizer.use_chat_template(text)
+        elif self.tokenizer.chat_template:
+            self.chat_template_source = (f"the chat template of '{self.path}'; give a working one with "
+                                         "--chat-template FILE")
+            try:
+                check_template(self.tokenizer.chat_template, self.chat_template_source)
+            except MinervaError as exc:
+                log.warning("%s; chat requests will fail (completions work)", exc)
+        else:
+            self.chat_template_source = f"Minerva's built-in chat template for {self.config.architecture}"
+        self.chat_template = self.tokenizer.resolved_chat_template
 
     def _attach_adapters(self, lora: dict[str, str], auto_pull: bool) -> None:
         """LoRA adapters: name -> directory (or Hugging Face repo), each a model id of its own."""
@@ -262,19 +300,26 @@ class LLM:
     # ------------------------------------------------------------ prompts
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **variables) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            **variables) -> str:
         """The prompt of a conversation; `tools` (OpenAI's function tools) and `variables` (e.g.
         reasoning_effort) go to the template too. Tools, tool calls and tool results are rendered
-        by the template when it supports them, else in the built-in format (`parsers.tools`)."""
+        by the template when it supports them, else in the built-in format (`parsers.tools`).
+        `continue_final_message`: the prompt ends inside the last message, an assistant's, for
+        the reply to go on from its text (a prefill), as transformers renders it."""
+        if continue_final_message and add_generation_prompt:
+            raise MinervaError("continue_final_message goes on with the last message, and add_generation_prompt "
+                               "starts a new one: set add_generation_prompt false")
         if tools or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages):
             messages, extra = self.tool_format.render(messages, tools)
             variables = {**variables, **extra}
-        return self._render(messages, add_generation_prompt, **variables)
+        text = self._render(messages, add_generation_prompt, **variables)
+        return continued(text, messages[-1]) if continue_final_message else text
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         return render_chat(self.chat_template, messages, bos_token=self._token(self.tokenizer.bos_token_id),
                            eos_token=self._token(self.tokenizer.eos_token_id),
-                           add_generation_prompt=add_generation_prompt, **variables)
+                           add_generation_prompt=add_generation_prompt, source=self.chat_template_source, **variables)
 
     def chat_params(self, params: SamplingParams, tools: bool = False) -> SamplingParams:
         """`params` for a chat reply: special tokens kept where the model's reasoning parser (or,

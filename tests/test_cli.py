@@ -9,6 +9,7 @@ import gguf
 import pytest
 
 from tests.helpers.cli import assert_clean_error, run
+from tests.helpers.hostile import retyped
 from tests.helpers.hf import hf_greedy, hf_perplexity, load_hf_quantized_reference, load_hf_reference
 from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
 from tests.helpers.tiny_hf import save
@@ -381,3 +382,32 @@ def test_perplexity_of_a_model_giving_nan_and_of_a_device_are_errors(tiny, tmp_p
     with pytest.raises(MinervaError, match="the model produced NaN/inf logits"):
         perplexity(llm.loaded.model, list(range(3, 40)), context=16, device=llm.device, dtype=llm.dtype)
     assert_clean_error(run("perplexity", str(tiny), "/dev/zero"), "'/dev/zero' is not a regular file")
+
+
+def test_chat_template_option(tiny, tmp_path):
+    """--chat-template renders the chat with the given template (the reply is transformers'
+    greedy one to what it renders); a bad one is one error line naming it."""
+    template = tmp_path / "qa.jinja"
+    template.write_text("{% for m in messages %}Q: {{ m.content }}\n{% endfor %}A:")
+    proc = run("generate", str(tiny), "hello", "--chat-template", str(template), "-n", "8", "--temperature", "0",
+               "--ignore-eos", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    tok = reference_tokenizer(tiny)
+    assert proc.stdout == tok.decode(hf_greedy(load_hf_reference(tiny), tok.encode("Q: hello\nA:"), 8)) + "\n"
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    assert_clean_error(run("generate", str(tiny), "hello", "--chat-template", str(bad)),
+                       "invalid chat template", f"the chat template file '{bad}'")
+    assert_clean_error(run("generate", str(tiny), "hello", "--chat-template", str(tmp_path / "none.jinja")),
+                       "none.jinja' cannot be read")
+    assert_clean_error(run("serve", str(tiny), str(tiny), "--chat-template", str(template)),
+                       "--chat-template replaces one model's template")
+
+
+def test_a_model_whose_template_does_not_compile(tiny, tmp_path):
+    """It loads with a warning: completions work, a chat is one error naming the file and the fix."""
+    broken = retyped(tiny, tmp_path / "broken.gguf", "tokenizer.chat_template", "{% for %}", gguf.GGUFValueType.STRING)
+    proc = run("generate", str(broken), "hello", "-n", "2")
+    assert_clean_error(proc, "invalid chat template", f"the chat template of '{broken}'", "--chat-template FILE")
+    assert "chat requests will fail (completions work)" in proc.stderr
+    assert run("generate", str(broken), "hello", "-n", "2", "--raw").returncode == 0

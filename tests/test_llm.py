@@ -128,3 +128,50 @@ def test_chat_takes_a_list_of_conversations(smollm2_llm, capsys):
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
     assert capsys.readouterr().err == ""
     assert repr(smollm2_llm).startswith("LLM('SmolLM2-135M-Instruct.Q4_1.gguf': llama, 30 layers")
+
+
+def test_chat_template_given_as_a_file_or_as_text(tiny, tmp_path):
+    """LLM(chat_template=...) renders as transformers' apply_chat_template does with that
+    template; a missing, empty-named, broken or non-UTF-8 one is a one-line error."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    path = tmp_path / "chatml.jinja"
+    path.write_text(template)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ref = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel({"<s>": 0, "</s>": 1}, unk_token="<s>")),
+                                  bos_token="<s>", eos_token="</s>")
+    for given in (path, str(path), template):
+        llm = LLM(str(tiny), chat_template=given, kv_cache_memory=1 << 20)
+        bos = llm.tokenizer.id_to_token(llm.tokenizer.bos_token_id) or ""
+        ref.bos_token = bos or None
+        expected = ref.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+        assert llm.apply_chat_template(messages) == expected
+        assert llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False).finish_reason in ("length", "stop")
+    for given, words in ((tmp_path / "none.jinja", "cannot be read"), ("", "must be a Jinja file's path"),
+                         ("{% if %}", "invalid chat template.*the chat template given")):
+        with pytest.raises(MinervaError, match=words):
+            LLM(str(tiny), chat_template=given, kv_cache_memory=1 << 20)
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'caf\xe9' }}".encode("latin-1"))
+    with pytest.raises(MinervaError, match="not UTF-8"):
+        LLM(str(tiny), chat_template=tmp_path / "latin1.jinja", kv_cache_memory=1 << 20)
+
+
+def test_a_tokenizer_larger_than_the_embedding(tmp_path, caplog):
+    """Tokens past the embedding's rows: a warning at load, and a prompt holding one refused
+    with an error that blames the model's files (not an out-of-range id), the rest usable."""
+    from transformers import LlamaConfig
+
+    from tests.helpers.tiny_hf import COMMON, save
+
+    path = save(tmp_path, "short-embedding", config=LlamaConfig(**{**COMMON, "vocab_size": 200}))
+    with caplog.at_level("WARNING", logger="minerva"):
+        llm = LLM(str(path), kv_cache_memory=1 << 20)
+    assert "the model's tokenizer has 257 tokens and its embedding 200 rows" in caplog.text
+    assert llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(MinervaError, match=r"the prompt holds token ' ' \(id \d+\), which the model's tokenizer has "
+                                           r"and its embedding of 200 rows lacks"):
+        llm.generate("hello world", SamplingParams(max_tokens=2), use_tqdm=False)

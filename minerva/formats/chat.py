@@ -15,6 +15,7 @@ server either.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping
@@ -30,11 +31,11 @@ from minerva.formats.chat_budget import DEFAULT_LIMITS, TemplateLimitError, Temp
 from minerva.formats.chat_limits import LimitedSandbox, limited_filter
 
 __all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "RESERVED_VARIABLES", "TemplateLimitError",
-           "TemplateLimits", "chat_template_for", "render_chat", "validate_messages"]
+           "TemplateLimits", "chat_template_for", "check_template", "read_template", "render_chat", "validate_messages"]
 
 # Names `render_chat` sets itself or takes as its own arguments: not for extra template variables.
 RESERVED_VARIABLES = frozenset({"template", "messages", "bos_token", "eos_token", "add_generation_prompt",
-                                "limits"})
+                                "limits", "source", "tools", "continue_final_message"})
 
 # The official Gemma 3 template (google/gemma-3-*-it): the system message is
 # put in front of the first user turn, and the assistant's role is "model".
@@ -265,27 +266,62 @@ def render_chat(
     eos_token: str | None,
     add_generation_prompt: bool = True,
     limits: TemplateLimits = DEFAULT_LIMITS,
+    source: str = "",
     **variables: Any,
 ) -> str:
     """Render `messages` with a Jinja chat `template`, as transformers' `apply_chat_template(tokenize=False)` does.
 
     Extra keyword arguments (e.g. `tools`, other special tokens) are passed to the template too.
     A template that runs past `limits` (time, loop iterations, size) raises `TemplateLimitError`.
-    Safe to call from any thread.
+    `source` says where the template comes from, for its errors. Safe to call from any thread.
     """
     if not isinstance(template, str) or not template:
         raise MinervaError("chat template is empty")
-    msgs = validate_messages(messages)
+    context = {k: _plain(v) for k, v in variables.items()}
+    context.update(messages=validate_messages(messages), bos_token=bos_token or "", eos_token=eos_token or "",
+                   add_generation_prompt=bool(add_generation_prompt))
+    try:
+        return _render(template, context, limits)
+    except MinervaError as e:
+        raise (type(e)(f"{e} ({source})") if source else e).with_traceback(None) from None
+
+
+def read_template(given: str | os.PathLike) -> tuple[str, str]:
+    """A chat template the user gives (--chat-template, LLM(chat_template=)): a file's path, or
+    the template's text itself (it holds Jinja's {{ or {%); its text and where it comes from."""
+    name = os.fspath(given) if isinstance(given, (str, os.PathLike)) else None
+    if not name or not name.strip():
+        raise MinervaError(f"chat_template (--chat-template) must be a Jinja file's path or a template's text, "
+                           f"got {given!r}")
+    if "{{" in name or "{%" in name:
+        return name, "the chat template given (--chat-template)"
+    try:
+        if os.path.getsize(name) > 4 * MAX_TEMPLATE_CHARS:
+            raise MinervaError(f"the chat template file '{name}' is over {4 * MAX_TEMPLATE_CHARS:,} bytes; give "
+                               "a Jinja chat template")
+        with open(name, "rb") as f:
+            text = f.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise MinervaError(f"the chat template file '{name}' is not UTF-8 text; give a Jinja chat template") from None
+    except OSError as exc:
+        raise MinervaError(f"the chat template file '{name}' cannot be read ({exc.strerror or exc}); give a Jinja "
+                           "file's path, or the template's text") from None
+    if not text.strip():
+        raise MinervaError(f"the chat template file '{name}' is empty; give a Jinja chat template")
+    return text, f"the chat template file '{name}'"
+
+
+def check_template(template: str, source: str) -> None:
+    """Refuse a template that does not compile, naming `source`."""
+    compiled = _compile(template)
+    if isinstance(compiled, MinervaError):
+        raise type(compiled)(f"{compiled} ({source})")
+
+
+def _render(template: str, context: dict, limits: TemplateLimits) -> str:
     compiled = _compile(template)
     if isinstance(compiled, MinervaError):
         raise type(compiled)(str(compiled))
-    context = {k: _plain(v) for k, v in variables.items()}
-    context.update(
-        messages=msgs,
-        bos_token=bos_token or "",
-        eos_token=eos_token or "",
-        add_generation_prompt=bool(add_generation_prompt),
-    )
     try:
         with limited(limits):
             return compiled.render(**context)

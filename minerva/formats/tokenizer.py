@@ -99,19 +99,23 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self.pad_token_id = pad_token_id
 
-        eos_ids = set(int(i) for i in extra_eos_ids if i is not None)
+        self._file_eos_ids = set(int(i) for i in extra_eos_ids if i is not None)
         if eos_token_id is not None:
-            eos_ids.add(int(eos_token_id))
-        # The end-of-turn token the chat template (the model's own, else the
-        # built-in one for its architecture) writes after each message.
-        template = chat_template_for(chat_template, architecture or "")
-        self.resolved_chat_template = template  # what chat requests are rendered with
+            self._file_eos_ids.add(int(eos_token_id))
+        # the model's own template, else the built-in one for its architecture
+        self.use_chat_template(chat_template_for(chat_template, architecture or ""))
+
+    def use_chat_template(self, template: str) -> None:
+        """Render chat requests with `template` (`resolved_chat_template`); the end-of-turn token
+        it writes after each message ends a generation too."""
+        self.resolved_chat_template = template
+        eos_ids = set(self._file_eos_ids)
         for name in END_OF_TURN_TOKENS:
             if name in template:
-                token_id = backend.token_to_id(name)
+                token_id = self._backend.token_to_id(name)
                 if token_id is not None:
                     eos_ids.add(token_id)
-        eos_ids = _harmony_ends(backend, eos_ids)
+        eos_ids = _harmony_ends(self._backend, eos_ids)
         self._eos_ids = frozenset(i for i in eos_ids if 0 <= i < self._vocab_size)
 
     # -- construction ------------------------------------------------------

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.serve import protocol as P
 from minerva.errors import MinervaError
-from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, validated
+from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
 
 PATH = "/v1/messages"
 # HTTP status -> Anthropic's error type
@@ -227,8 +227,9 @@ def in_anthropic_terms(message: str) -> str:
 
 def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
     """The chat completion request that answers `body`."""
-    fields: dict = {"model": body.model, "messages": chat_messages(body), "max_tokens": body.max_tokens,
-                    "temperature": body.temperature, "stream": body.stream, **chat_tools(body)}
+    messages = chat_messages(body)
+    fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
+                    "temperature": body.temperature, "stream": body.stream, **chat_tools(body), **prefill(messages)}
     if body.stop_sequences:
         fields["stop"] = body.stop_sequences
     if body.top_p is not None:
@@ -386,7 +387,8 @@ def register(app, chat, tokenize) -> None:
 
     async def count_tokens(body: CountTokensRequest):
         try:
-            fields = {"model": body.model, "messages": chat_messages(body), **chat_tools(body)}
+            messages = chat_messages(body)
+            fields = {"model": body.model, "messages": messages, **chat_tools(body), **prefill(messages)}
             fields.pop("tool_choice", None), fields.pop("parallel_tool_calls", None)
             counted = await tokenize(validated(P.TokenizeRequest, fields))
         except APIError as exc:

@@ -125,7 +125,8 @@ class Routes(Serving):
         self.check_model(body.model)
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt, tools=tools),
+            ids = await self.encode(await self.chat_prompt(body.messages, body.add_generation_prompt, tools=tools,
+                                                           continue_final_message=body.continue_final_message),
                                     "messages")
         else:
             ids = await self.encode(body.prompt, "prompt", body.add_special_tokens)

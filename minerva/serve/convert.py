@@ -112,6 +112,16 @@ def chat_messages(messages: Sequence[P.ChatMessage]) -> list[dict]:
     return out
 
 
+def prefill(messages: list[dict]) -> dict:
+    """The chat request's fields for a conversation whose last message is an assistant's text:
+    the reply goes on from that text (Anthropic's and Ollama's prefill), not in a new message."""
+    last = messages[-1] if messages else {}
+    text = last.get("content")
+    if last.get("role") == "assistant" and isinstance(text, str) and text.strip() and not last.get("tool_calls"):
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {}
+
+
 def tool_plan(body: P.ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan | None:
     """What a chat request asks of tools (None: nothing); a 400 for a choice that names nothing
     offered, or tools for a model whose calls this server cannot read."""
@@ -160,12 +170,17 @@ def check_supported(body: P._Sampling) -> None:
 def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
                     forced: StructuredOutput | None = None) -> SamplingParams:
     """The engine's parameters for one completion of `body` (SamplingParams checks the ranges);
-    a forced tool call (`forced`) constrains the output as structured output does."""
+    a forced tool call (`forced`) constrains the output as structured output does. A reply held
+    to JSON (a schema, a JSON object, a forced call) ends where the JSON does: stop strings,
+    which could cut it anywhere, do not apply to it."""
+    to_json = forced is not None or body.guided_json is not None or body.json_schema is not None or (
+        body.response_format is not None and body.response_format.type != "text")
     return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
                           top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
-                          seed=body.seed, logprobs=logprobs, stop=body.stop_list(), ignore_eos=body.ignore_eos,
+                          seed=body.seed, logprobs=logprobs, stop=() if to_json else body.stop_list(),
+                          ignore_eos=body.ignore_eos,
                           stop_token_ids=tuple(body.stop_token_ids or ()),
                           speculative_tokens=body.speculative_tokens, structured=structured(body, forced))
 

@@ -28,7 +28,7 @@ from minerva import __version__
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, validated
+from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
 
 PREFIX = "/api/"
 # options that cannot change the answer here (the context, threads, batch, memory layout) or
@@ -198,11 +198,18 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
+def to_context(request):
+    """A request whose num_predict is cut at the context, as Ollama's is (the API's 400 otherwise)."""
+    request._to_context = True
+    return request
+
+
 def chat_request(body: ChatRequest) -> P.ChatCompletionRequest:
-    fields = {"model": served_name(body.model), "messages": chat_messages(body.messages), **sampling(body)}
+    messages = chat_messages(body.messages)
+    fields = {"model": served_name(body.model), "messages": messages, **sampling(body), **prefill(messages)}
     if body.tools:
         fields["tools"] = body.tools
-    return validated(P.ChatCompletionRequest, fields, OPTION_NAMES)
+    return to_context(validated(P.ChatCompletionRequest, fields, OPTION_NAMES))
 
 
 def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.CompletionRequest:
@@ -213,10 +220,10 @@ def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.Compl
     fields = {"model": served_name(body.model), **sampling(body)}
     if body.raw:
         fields.pop("chat_template_kwargs", None), fields.pop("reasoning_effort", None)
-        return validated(P.CompletionRequest, {**fields, "prompt": body.prompt}, OPTION_NAMES)
+        return to_context(validated(P.CompletionRequest, {**fields, "prompt": body.prompt}, OPTION_NAMES))
     system = [{"role": "system", "content": body.system}] if body.system else []
-    return validated(P.ChatCompletionRequest, {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]},
-                     OPTION_NAMES)
+    return to_context(validated(P.ChatCompletionRequest,
+                                {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]}, OPTION_NAMES))
 
 
 def embed_request(body: EmbedRequest) -> P.EmbeddingRequest:
@@ -420,7 +427,8 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
             raise APIError(404, f"model '{body.model or body.name}' not found")
         info = details(card)
         return {"details": info["details"], "modified_at": info["modified_at"], "parameters": "", "template": "",
-                "model_info": {"general.architecture": info["details"]["family"],
+                "model_info": {"general.architecture": info["details"]["family"],  # the keys as Ollama's, by family
+                               f"{info['details']['family']}.context_length": card.get("max_model_len"),
                                "context_length": card.get("max_model_len")},
                 "capabilities": ["completion", "tools"]}
 

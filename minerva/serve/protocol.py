@@ -62,6 +62,7 @@ class _Sampling(_Body):
     """Fields shared by chat and text completions."""
 
     model: str | None = Field(None, description="Served model name; omitted means the served model.")
+    _to_context: bool = PrivateAttr(False)  # max_tokens past the context: up to it (Ollama's num_predict)
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: PositiveInt | None = None
     stop: (Annotated[str, Field(min_length=1)]
@@ -200,6 +201,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="Go on with the last message, an assistant's (a "
+                                                            "prefill); needs add_generation_prompt false")
     reasoning_effort: Literal["low", "medium", "high"] | None = Field(
         None, description="How much a reasoning model thinks first: passed to the chat template as "
                           "`reasoning_effort` (GPT-OSS's template reads it); omitted: the template's default.")
@@ -264,6 +267,7 @@ class TokenizeRequest(_Body):
     tools: list[Tool] | None = Field(None, max_length=128, description="With messages: the tools the template renders")
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):

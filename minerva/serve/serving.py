@@ -136,7 +136,8 @@ class Serving:
             raise MinervaError(error)
 
     async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
-                          variables: dict | None = None, tools: list[dict] | None = None) -> str:
+                          variables: dict | None = None, tools: list[dict] | None = None,
+                          continue_final_message: bool = False) -> str:
         """The conversation rendered by the model's chat template, on a worker thread: a template
         is code from the model file, and its time is bounded by the renderer, not the event loop.
         A conversation that cannot fit the context is refused before it is rendered."""
@@ -151,7 +152,7 @@ class Serving:
         try:
             return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
                                            add_generation_prompt=add_generation_prompt, tools=tools,
-                                           **(variables or {}))
+                                           continue_final_message=continue_final_message, **(variables or {}))
         except TemplateLimitError as exc:  # the model file's template ran away, not the request
             log.error("%s", exc)
             raise APIError(500, f"{exc}; the model's chat template is broken or hostile: fix it, or "
@@ -182,7 +183,10 @@ class Serving:
         requests = []
         forced = tools.output(self.llm.tool_format) if tools is not None else None
         for i, ids in enumerate(prompts):
-            limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param)
+            room = self.max_model_len - len(ids)
+            asked = min(max_tokens, max(room, 1)) if max_tokens is not None and getattr(body, "_to_context", False) \
+                else max_tokens
+            limit = convert.max_tokens_within(len(ids), asked, self.max_model_len, param)
             params = fixed or convert.sampling_params(body, limit, logprobs, forced)
             if body.model in self.llm.adapter_paths:  # the base model with that adapter
                 params = dataclasses.replace(params, adapter=body.model)

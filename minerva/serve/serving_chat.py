@@ -22,7 +22,7 @@ class ChatServing(Serving):
         if tools is not None and tools.forced:
             await self.check_parameters(tools)
         prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, variables,
-                                        tools.prompt_tools if tools else None)
+                                        tools.prompt_tools if tools else None, body.continue_final_message)
         ids = await self.encode(prompt, "messages")
         requests = await self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
                                  "messages", chat=True, tools=tools)

@@ -40,7 +40,11 @@ def serve_several(args, load) -> int:
     names = [served_name(m) for m in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise MinervaError(f"the model name '{twice[0]}' is given twice; give each model once")
+        same = [str(m) for m, n in zip(models, names) if n == twice[0]]
+        if len(set(same)) == 1:
+            raise MinervaError(f"the model '{same[0]}' is given twice; give each model once")
+        raise MinervaError(f"the models {' and '.join(repr(m) for m in same)} would both be served as "
+                           f"'{twice[0]}' (a file by its stem); serve one of them, or rename one")
     if not 0 <= args.port <= 65535:
         raise MinervaError(f"--port must be in [0, 65535], got {args.port}")
     config = ServerConfig(names[0], api_key=args.api_key, max_waiting=args.max_waiting,
@@ -76,6 +80,9 @@ def check_flags(args) -> float | None:
     if args.lora and (len(args.model) > 1 or args.models_dir):
         raise MinervaError("--lora adapts one base model: serve one model with it (several models and adapters "
                            "in one server are not supported yet)")
+    if args.chat_template is not None and (len(args.model) > 1 or args.models_dir):
+        raise MinervaError("--chat-template replaces one model's template: serve one model with it (models differ "
+                           "in their templates)")
     return parse_duration(args.keep_alive, "--keep-alive")
 
 

@@ -152,3 +152,35 @@ def test_structured_output(client):
     m = client.messages.create(model="smollm2", max_tokens=48, messages=ASK, extra_body=GREEDY,
                                output_config={"format": {"type": "json_schema", "schema": schema}})
     jsonschema.validate(json.loads(m.content[0].text), schema)
+
+
+def test_a_final_assistant_message_is_continued(served, client, smollm2_gguf, smollm2_hf):
+    """A prefill: the reply goes on from the last assistant text (Anthropic's documented
+    behaviour; Ollama's /api/chat too), as transformers renders continue_final_message; the
+    reply is transformers' greedy continuation of that prompt."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers.hf import hf_greedy
+
+    messages = [{"role": "user", "content": "What is the capital of France? Reply as JSON."},
+                {"role": "assistant", "content": '{"capital": "'}]
+    ref = AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    text = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith('<|im_start|>assistant\n{"capital": "')
+    ids = ref.encode(text, add_special_tokens=False)
+    assert client.messages.count_tokens(model="smollm2", messages=messages).input_tokens == len(ids)
+    expected = ref.decode(hf_greedy(smollm2_hf, ids, 8, {ref.eos_token_id, ref.convert_tokens_to_ids("<|im_end|>")}))
+    assert expected.startswith("Paris")
+    reply = client.messages.create(model="smollm2", max_tokens=8, messages=messages, extra_body=GREEDY)
+    assert reply.content[0].text == expected and reply.usage.input_tokens == len(ids)
+    ollama = httpx.post(f"{served}/api/chat", headers={"Authorization": "Bearer sk-test"}, timeout=60, json={
+        "model": "smollm2", "messages": messages, "stream": False, "options": {"temperature": 0, "num_predict": 8}})
+    assert ollama.json()["message"]["content"] == expected, ollama.text
+    # the chat route as vLLM names it; both at once is refused
+    oai = openai.OpenAI(base_url=f"{served}/v1", api_key="sk-test", max_retries=0)
+    chat = oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, extra_body={
+        **GREEDY, "add_generation_prompt": False, "continue_final_message": True})
+    assert chat.choices[0].message.content == expected
+    with pytest.raises(openai.BadRequestError, match="set add_generation_prompt false"):
+        oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
+                                    extra_body={"continue_final_message": True})

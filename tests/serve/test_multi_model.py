@@ -157,7 +157,11 @@ def test_serve_several_models_command_line(tmp_path, tiny):
                        "--served-model-name names one model")
     assert_clean_error(run("serve", str(tiny), "smollm2-135m", "--keep-alive", "soon"), "--keep-alive")
     assert_clean_error(run("serve", str(tiny), "smollm2-135m", "--max-loaded-models", "0"), "--max-loaded-models")
-    assert_clean_error(run("serve", str(tiny), str(tiny)), "the model name 'tiny' is given twice")
+    assert_clean_error(run("serve", str(tiny), str(tiny)), f"the model '{tiny}' is given twice")
+    upper = tmp_path / "tiny.GGUF"
+    upper.write_bytes(tiny.read_bytes())
+    assert_clean_error(run("serve", str(tiny), str(upper)), f"the models '{tiny}' and '{upper}' would both be "
+                       "served as 'tiny' (a file by its stem); serve one of them, or rename one")
     assert_clean_error(run("serve", str(tiny), str(tmp_path / "nope.gguf")), "is neither a file or folder here")
     assert_clean_error(run("serve", str(tiny), "--keep-alive", "soon"), "--keep-alive")  # one model too
 

@@ -154,6 +154,8 @@ def test_tags_show_ps_version(served, client, smollm2_gguf):
     assert m.details.parameter_size == "135M" and m.details.quantization_level == "Q4_1"
     shown = client.show("smollm2")
     assert shown.details.family == "llama" and "completion" in shown.capabilities
+    context = httpx.get(f"{served}/v1/models").json()["data"][0]["max_model_len"]
+    assert shown.modelinfo["llama.context_length"] == context > 0  # the key by family, as Ollama's
     assert [p.model for p in client.ps().models] == ["smollm2:latest"]
     assert httpx.get(f"{served}/api/version").json()["version"]
 
@@ -205,3 +207,17 @@ def test_keep_alive_per_request_unloads(smollm2_gguf, tiny):
         time.sleep(1)
         assert router.models["smol"].routes is not None
         assert [m.model for m in client.ps().models] == ["smol:latest"]
+
+
+def test_num_predict_past_the_context_stops_at_the_context(tiny):
+    """As Ollama does: a num_predict the context cannot hold generates up to the context (the
+    OpenAI routes' 400 is theirs alone)."""
+    llm = LLM(str(tiny), dtype="float32", activations="float", kv_cache_memory=20e6)
+    room = llm.engine.max_model_len - len(llm.encode_prompt("hello"))
+    with running_server(llm, served_model_name="tiny") as (url, _):
+        r = ollama.Client(host=url, timeout=120).generate(model="tiny", prompt="hello", raw=True,
+                                                          options={"num_predict": 1000, "temperature": 0})
+        assert r.done_reason in ("length", "stop") and 0 < r.eval_count <= room, r
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="max_tokens asks for 1000"):
+            oai.completions.create(model="tiny", prompt="hello", max_tokens=1000)

@@ -163,7 +163,9 @@ def test_bad_reasoning_effort_is_400(harmony, value):
 
 
 @pytest.mark.parametrize("kwargs,name", [({"messages": []}, "messages"),
-                                         ({"add_generation_prompt": False}, "add_generation_prompt")])
+                                         ({"add_generation_prompt": False}, "add_generation_prompt"),
+                                         ({"tools": []}, "tools"), ({"source": "x"}, "source"),
+                                         ({"continue_final_message": True}, "continue_final_message")])
 def test_template_kwargs_may_not_set_what_the_server_sets(harmony, kwargs, name):
     assert_400(chat(harmony[0], max_tokens=4, chat_template_kwargs=kwargs), "chat_template_kwargs", name)
 

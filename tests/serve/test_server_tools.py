@@ -120,6 +120,24 @@ def test_required_with_n_and_sampling(client):
     assert len(r.choices[0].message.tool_calls) == 1
 
 
+def test_stop_strings_do_not_cut_a_reply_held_to_json(client):
+    """A stop string the JSON would hold (here the city's name, or a key) does not end a forced
+    call or a schema-held answer: their JSON ends them (the stop string was matched inside them)."""
+    r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                       temperature=0, max_tokens=120, stop=["Paris", "city"])
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    schema = WEATHER["function"]["parameters"]
+    r = client.chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=60, stop=["city"],
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "w", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    free = client.chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=60, stop=["the"])
+    assert free.choices[0].finish_reason == "stop" and "the" not in free.choices[0].message.content  # others: as ever
+
+
 def test_cut_off_call_finishes_with_length(client):
     r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice=NAMED,
                                        temperature=0, max_tokens=3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from typing import Any, ClassVar, Sequence
 
@@ -322,13 +323,44 @@ class RequiredParser(ToolParser):
             value = json.loads(self._buffer)
         except ValueError:
             value = None
-        calls = [call_from_json(v) for v in value] if isinstance(value, list) else []
-        if calls and all(calls):
-            for call in calls:
-                self._call(*call)
-        else:
-            self._text(self._buffer)
+        if isinstance(value, list):
+            calls = [call_from_json(v) for v in value]
+            if not (calls and all(calls)):  # the grammar writes none such: another array is content
+                self._text(self._buffer)
+                calls = []
+        else:  # cut short (max_tokens): the array is the grammar's, never content
+            calls = _cut_calls(self._buffer)
+        for call in calls:
+            self._call(*call)
         self._buffer = ""
+
+
+_CALL_NAME = re.compile(r'\s*,?\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+_CALL_ARGUMENTS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _cut_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a JSON array of calls cut short: the whole ones, then the last one's name
+    with the arguments written so far, as a named call cut short gives them (none where not
+    even its name was written whole)."""
+    decoder, calls = json.JSONDecoder(), []
+    i = text.find("[") + 1
+    while i > 0:
+        name = _CALL_NAME.match(text, i)
+        if name is None:
+            break
+        head = _CALL_ARGUMENTS.match(text, name.end())
+        if head is None:
+            calls.append((json.loads(name[1]), ""))
+            break
+        try:
+            args, i = decoder.raw_decode(text, head.end())
+        except ValueError:
+            calls.append((json.loads(name[1]), text[head.end():]))
+            break
+        calls.append((json.loads(name[1]), json.dumps(args, ensure_ascii=False)))
+        i = text.find("}", i) + 1  # past the call's own brace
+    return calls
 
 
 class HarmonyCallParser(ToolParser):

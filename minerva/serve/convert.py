@@ -17,6 +17,7 @@ import time
 import uuid
 from typing import AsyncIterator, Callable, Sequence
 
+import pydantic_core
 import torch
 
 from minerva.engine.sampler import SamplingParams, TokenLogprob
@@ -426,9 +427,11 @@ def piece_delta(p: CallPiece) -> P.ToolCallDelta:
 
 
 def arguments_object(text: str) -> dict:
-    """A tool call's arguments (JSON text) as the object other APIs carry; {} for what is not one."""
+    """A tool call's arguments (JSON text) as the object other APIs carry; {} for what is not one.
+    Arguments cut short (max_tokens) keep what was written whole, as the SDKs assemble the same
+    arguments streamed (a string cut in the middle is left out)."""
     try:
-        value = json.loads(text)
+        value = pydantic_core.from_json(text, allow_partial=True)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -400,6 +400,11 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
 
     async def api_embed(body: EmbedRequest, raw: HTTPRequest):
         start = time.perf_counter()
+        if body.input == [] and body.prompt is None:  # nothing to embed: no vectors, as Ollama answers
+            if not any(c["id"] == served_name(body.model) for c in (await models())["data"]):
+                raise APIError(404, f"model '{body.model}' not found")
+            return {"model": body.model, "embeddings": [], "total_duration": int((time.perf_counter() - start) * 1e9),
+                    "load_duration": 0, "prompt_eval_count": 0}
         request = embed_request(body)
         hold(body)
         out = await embed(request, raw)

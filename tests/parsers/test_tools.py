@@ -167,8 +167,15 @@ def test_forced_parsers():
     assert calls_of(join_pieces(first + rest)) == [("get_weather", {"city": "Paris"})]
     content, calls = feed_all(RequiredParser(), '[{"name": "get_time", "arguments": {"zone": "UTC"}}]', 3)
     assert content == "" and calls_of(calls) == [("get_time", {"zone": "UTC"})]
-    content, calls = feed_all(RequiredParser(), '[{"name": "get_time", "argu', 3)  # cut off by max_tokens
-    assert calls == [] and content == '[{"name": "get_time", "argu'
+    # cut off by max_tokens: the calls written so far, as a named call cut short gives its own;
+    # the grammar's array is never content
+    for cut, expected in [('[{"name": "get_time", "argu', [("get_time", "")]),
+                          ('[{"name": "get_time", "arguments": {"zone": "U', [("get_time", '{"zone": "U')]),
+                          ('[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "get_weather", "arguments": ',
+                           [("get_time", '{"zone": "UTC"}'), ("get_weather", "")]),
+                          ('[{"name": "get_ti', []), ("[", [])]:
+        content, calls = feed_all(RequiredParser(), cut, 3)
+        assert content == "" and [(c.name, c.arguments) for c in calls] == expected, cut
 
 
 def test_plan_and_its_constraints():

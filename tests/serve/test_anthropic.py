@@ -84,6 +84,29 @@ def test_forced_tool_call_and_its_result(client):
     assert [b.type for b in none.content] == ["text"] and none.stop_reason != "tool_use"
 
 
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+def test_a_tool_call_cut_by_max_tokens_keeps_what_was_written(client, choice):
+    """Cut in its arguments: the input holds what was written whole, as the SDK assembles the
+    same call streamed (it was {} whole, and the internal JSON array as text with "any")."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model="smollm2", messages=ask, tools=[WEATHER], tool_choice=choice, extra_body=GREEDY)
+    whole = client.messages.create(max_tokens=64, **kwargs).content[0].input
+    assert whole == {"city": "Paris"}
+    inputs = []
+    for n in range(1, 40):
+        m = client.messages.create(max_tokens=n, **kwargs)
+        if m.stop_reason != "max_tokens":
+            break
+        with client.messages.stream(max_tokens=n, **kwargs) as stream:
+            streamed = stream.get_final_message()
+        assert [b.type for b in m.content] == [b.type for b in streamed.content], (m, streamed)
+        assert all(b.type == "tool_use" for b in m.content), m  # never the call's JSON as text
+        if m.content:
+            assert m.content[0].input == streamed.content[0].input and m.content[0].input.items() <= whole.items()
+            inputs.append(m.content[0].input)
+    assert whole in inputs  # cut after its last value, before the closing brace
+
+
 def test_count_tokens(client):
     counted = client.messages.count_tokens(model="smollm2", system=SYSTEM, messages=ASK)
     m = client.messages.create(model="smollm2", max_tokens=1, system=SYSTEM, messages=ASK)

@@ -120,6 +120,9 @@ def test_embed(served, client):
     assert r.prompt_eval_count == want.usage.prompt_tokens
     old = client.embeddings(model="smollm2", prompt="hello")
     assert old.embedding == pytest.approx(want.data[0].embedding, abs=1e-6)
+    assert client.embed(model="smollm2", input=[]).embeddings == []  # nothing to embed: no vectors, as Ollama
+    with pytest.raises(ollama.ResponseError, match="not found"):
+        client.embed(model="nothing", input=[])
 
 
 def test_embed_truncates_the_end_of_a_long_input(tiny):

@@ -145,6 +145,17 @@ def test_cut_off_call_finishes_with_length(client):
     assert c.finish_reason == "length" and c.message.tool_calls[0].function.name == "get_weather"
     with pytest.raises(json.JSONDecodeError):
         json.loads(c.message.tool_calls[0].function.arguments)
+    # "required" too: the call written so far, never the grammar's array as content, streamed or not
+    for tokens in (12, 16):
+        r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=0, max_tokens=tokens)
+        c = r.choices[0]
+        assert c.finish_reason == "length" and not c.message.content and c.message.tool_calls, c
+        assert c.message.tool_calls[0].function.name == "get_weather"
+        assert '{"city": "Paris"}'.startswith(c.message.tool_calls[0].function.arguments)
+        content, calls, finish = streamed(client, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                          temperature=0, max_tokens=tokens)
+        assert (content, finish) == ("", "length") and calls[0]["arguments"] == c.message.tool_calls[0].function.arguments
 
 
 def test_tool_choice_none_answers_in_text(client):

@@ -8,7 +8,9 @@ past their prompt get their next token(s) before any prompt chunk, and while req
 wait to start, running prompt chunks take at most half the budget. While someone waits on
 a token (a request decoding, or a new one waiting behind a running prompt), a step's
 prompt chunks are also cut to about `chunk_seconds` of compute at the measured speed of a
-row, so streams keep getting tokens while a long prompt is prefilled. When KV blocks run
+row, so streams keep getting tokens while a long prompt is prefilled. A new request whose
+prompt begins with blocks a running prompt is still computing waits for them, and takes
+them from the prefix cache. When KV blocks run
 out, the lowest-priority, latest running request is preempted: its blocks are freed and
 it is recomputed later (mostly from the prefix cache).
 
@@ -166,7 +168,8 @@ class Scheduler:
         out: list[Scheduled] = []
         preempted = False
         self.running.sort(key=lambda r: r.order)
-        starting = len(self.running) < self.config.max_num_seqs and any(not r.blocked for r in self.waiting)
+        starting = len(self.running) < self.config.max_num_seqs and any(
+            not r.blocked and not self._shares_prompt(r) for r in self.waiting)
         prompt_budget = self._prompt_budget(budget, starting)
         # While requests wait to start, running prompt chunks take at most half of it, so a
         # new prompt starts in the next step however long the prompt ahead of it is.
@@ -209,7 +212,7 @@ class Scheduler:
         for req in list(self.waiting):
             if preempted or min(budget, prompt_budget) == 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.blocked:
+            if req.blocked or self._shares_prompt(req):
                 continue
             rid, tokens = req.request_id, req.all_token_ids
             salt = b"lora:%d" % req.adapter if req.adapter else b""  # an adapter's K/V are its own
@@ -231,6 +234,24 @@ class Scheduler:
             out = self._burst(out)
         prompt_tokens = sum(s.num_new_tokens for s in out if s.request.num_tokens - s.request.num_computed_tokens > 1)
         return SchedulerOutput(out, [self.blocks.block_tables(s.request.request_id) for s in out], prompt_tokens)
+
+    def _shares_prompt(self, req: Request) -> bool:
+        """Whether a waiting request's prompt begins with a block or more that a running request
+        is still to compute in its own prompt (two requests with one long system prompt, sent
+        together): it starts once they are computed, from the prefix cache, instead of
+        computing them a second time beside it."""
+        if not self.blocks.enable_prefix_caching:
+            return False
+        bs, tokens = self.blocks.block_size, req.all_token_ids
+        usable = (len(tokens) - 1) // bs  # its last token it computes itself, for its logits
+        for r in self.running:
+            if r.num_computed_tokens >= len(r.prompt_token_ids) or r.adapter != req.adapter:
+                continue
+            # the next block r computes, and those before it, are shared: worth waiting for
+            upto = (r.num_computed_tokens // bs + 1) * bs
+            if upto <= min(usable * bs, len(r.prompt_token_ids)) and tokens[:upto] == r.all_token_ids[:upto]:
+                return True
+        return False
 
     def _prompt_budget(self, budget: int, starting: bool) -> int:
         """The prompt tokens this step may compute: the token budget, or, while someone waits

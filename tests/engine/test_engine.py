@@ -142,6 +142,20 @@ def test_prefix_cache_hit_equals_cold_run(model_dir):
     assert cold.engine.blocks.prefix_hits == 0
 
 
+@pytest.mark.parametrize("path", ["model_dir", "gemma_dir"])
+def test_prompts_sharing_a_prefix_sent_together_compute_it_once(request, path):
+    """Four prompts that begin with one 100-token prefix, sent together (budget 32 a step): the
+    first computes it, the others wait for it and take it from the cache; each answer is what
+    it is alone, with no cache (Gemma 3: its sliding-window layers too)."""
+    cold = make_llm(request.getfixturevalue(path), enable_prefix_caching=False)
+    shared = prompts(1, 100, 100, seed=3)[0]
+    ps = [shared + tail for tail in prompts(4, 1, 9, seed=4)]
+    expected = [run_alone(cold, p, SAMPLED) for p in ps]
+    llm = make_llm(request.getfixturevalue(path), max_num_batched_tokens=32)
+    assert [o.token_ids for o in llm.generate(ps, SAMPLED)] == expected
+    assert llm.engine.blocks.prefix_hits == 3 * (100 // 16 * 16)
+
+
 def test_preempted_request_equals_undisturbed(model_dir):
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True)
     ps = prompts(6, 30, 50, seed=2)

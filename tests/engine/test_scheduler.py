@@ -29,9 +29,10 @@ def tokenizer() -> Tokenizer:
 
 
 class Harness:
-    def __init__(self, tokenizer, *, num_blocks=64, block_size=4, max_num_seqs=8, budget=256, chunk_seconds=0.0):
+    def __init__(self, tokenizer, *, num_blocks=64, block_size=4, max_num_seqs=8, budget=256, chunk_seconds=0.0,
+                 prefix_caching=False):
         self.tokenizer = tokenizer
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, chunk_seconds=chunk_seconds), self.blocks)
         self.arrival = 0.0
 
@@ -268,3 +269,29 @@ def test_eos_inside_accepted_guesses_ends_the_request(tokenizer):
     assert delta.token_ids == [30] and delta.finish_reason == "stop" and delta.text.strip() == "w30"
     assert h.blocks.block_table(r.request_id) == [] and r.request_id not in h.sched.outputs
     assert h.sched.running == [other]
+
+
+def test_a_prompt_beginning_with_blocks_a_running_prompt_computes_waits_for_them(tokenizer):
+    """Rule: with prefix caching, a new request whose prompt begins with the next block (and
+    those before it) of a running request's prompt waits until they are computed, then takes
+    them from the cache; an unrelated one starts as ever. Budget 8, blocks of 4: `a` (20
+    tokens) computes 8, 8, 4; `b` (the same 20, then 2 more) starts after, with 20 cached."""
+    h = Harness(tokenizer, budget=8, prefix_caching=True)
+    a, b = h.add(20), h.add(22)
+    plan = []
+    for _ in range(4):
+        out, _ = h.step()
+        plan.append([(s.request, s.num_new_tokens) for s in out.scheduled])
+    assert plan == [[(a, 8)], [(a, 8)], [(a, 4)], [(a, 1), (b, 2)]]
+    assert h.blocks.prefix_hits == 20
+    # an unrelated prompt (other tokens) and one sharing less than the block being computed start at once
+    h = Harness(tokenizer, budget=8, prefix_caching=True)
+    a, c, d = h.add(20), h.add(6, first=50), h.add(3)
+    plan = [[(s.request, s.num_new_tokens) for s in h.step()[0].scheduled] for _ in range(3)]
+    # c starts as soon as the budget allows (a's chunk halved for it), d too (it shares no whole block)
+    assert plan[:2] == [[(a, 8)], [(a, 4), (c, 4)]] and (d, 3) in plan[2], plan
+    # without prefix caching: nothing to wait for
+    h = Harness(tokenizer, budget=8)
+    a, b = h.add(20), h.add(22)
+    plan = [[(s.request, s.num_new_tokens) for s in h.step()[0].scheduled] for _ in range(2)]
+    assert plan == [[(a, 8)], [(a, 4), (b, 4)]]

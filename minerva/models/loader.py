@@ -6,6 +6,7 @@ architecture and format (name tables, shapes, config rules) is in `architectures
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import Linear, freeze
 from minerva.parallel.shard import Shard, plan
 
+log = logging.getLogger("minerva")
+
 # -------------------------------------------------------------- weight sources
 
 class GGUFWeights:
@@ -42,6 +45,7 @@ class GGUFWeights:
         self.f, self.arch, self.config, self.device, self.dtype = f, arch, config, device, dtype
         self.shard: Shard | None = None  # under tensor parallelism, this rank's part of each weight
         self.by_name: dict[str, GGUFTensor] = {}
+        self.used: set[str] = set()  # the names the model has read
         for t in f.tensors.values():
             name = canonical(t.name, GGUF_GLOBAL, arch.gguf_layer_names, "blk.")
             if name is not None:
@@ -80,10 +84,17 @@ class GGUFWeights:
             raise MinervaError(f"'{self.f.path}' lacks the tensor for '{name}' "
                                f"that a {self.f.architecture} model needs; the file is incomplete")
         t = self.by_name[name]
+        self.used.add(name)
         if t.qtype not in _FLOAT_TYPES and t.qtype not in QUANT_TYPES:
             raise MinervaError(f"'{self.f.path}': tensor '{t.name}' has type {t.qtype.name}, "
                                "which Minerva cannot read")
         return t
+
+    def unused(self) -> list[str]:
+        """The file's tensors the model did not read (once it is built), but those it never
+        needs (llama.cpp's rope_freqs: Minerva computes them from the metadata)."""
+        used = {self.by_name[n].name for n in self.used}
+        return [n for n in self.f.tensors if n not in used and n not in _NOT_NEEDED]
 
     def weight(self, name: str) -> Weight:
         if self.shard is not None and not self._permuted(name):  # read only this rank's part
@@ -129,6 +140,7 @@ class GGUFWeights:
         return (out if self.shard is None else self.shard.tensor(name, out).contiguous()).to(self.device)
 
 
+_NOT_NEEDED = {"rope_freqs.weight"}
 _FLOAT_TYPES = {gguf.GGMLQuantizationType.F32: torch.float32,
                 gguf.GGMLQuantizationType.F16: torch.float16,
                 gguf.GGMLQuantizationType.BF16: torch.bfloat16}
@@ -469,6 +481,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     with torch.inference_mode():
         model = arch.build(config if shard is None else shard.local_config(config), weights)
         stored, compute = _prepare(model)
+    unused = weights.unused() if isinstance(weights, GGUFWeights) else []
+    if unused:
+        log.warning("'%s': %d of its tensors are not used by a %s model (%s%s): the file may be of another "
+                    "architecture than it says, and its answers wrong", path, len(unused), config.architecture,
+                    ", ".join(unused[:3]), ", ..." if len(unused) > 3 else "")
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     if activations == "int8":
         embedding = getattr(model, "embed", None)  # a tied LM head keeps the layout its lookups read (but LOOKUP_TYPES)

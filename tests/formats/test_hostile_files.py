@@ -517,3 +517,29 @@ def test_a_model_path_that_is_no_regular_file_says_what_it_is(tmp_path):
         with pytest.raises(MinervaError, match=words):
             GGUFFile(path)
         assert_clean_error(run("generate", str(path), "hi", timeout=60), f"'{path}' {words}")
+
+
+def test_tensors_the_model_does_not_use_are_a_warning(base, tmp_path, caplog):
+    """A tensor the architecture does not read (a Mamba layer's in a file that says llama): the
+    file may not be what it says, and its answers would be wrong without a word: a warning."""
+    from minerva.models.loader import load_model
+
+    reader = gguf.GGUFReader(base[0], "r")
+    w = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, field.contents(), field.types[0],
+                            sub_type=field.types[-1] if field.types[0] == V.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data)
+    w.add_tensor("blk.0.ssm_conv1d.weight", np.ones((16, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with caplog.at_level("WARNING", logger="minerva"):
+        load_model(base[0])
+    assert "not used" not in caplog.text
+    with caplog.at_level("WARNING", logger="minerva"):
+        load_model(tmp_path / "extra.gguf")
+    assert "1 of its tensors are not used by a llama model (blk.0.ssm_conv1d.weight)" in caplog.text

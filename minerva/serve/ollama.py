@@ -198,9 +198,11 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def to_context(request):
-    """A request whose num_predict is cut at the context, as Ollama's is (the API's 400 otherwise)."""
+def to_context(request, think=None):
+    """A request whose num_predict is cut at the context, as Ollama's is (the API's 400 otherwise);
+    one that asks to `think` is refused by a model that does not reason, as Ollama refuses it."""
     request._to_context = True
+    request._thinks = think is True or think in ("low", "medium", "high")
     return request
 
 
@@ -209,7 +211,7 @@ def chat_request(body: ChatRequest) -> P.ChatCompletionRequest:
     fields = {"model": served_name(body.model), "messages": messages, **sampling(body), **prefill(messages)}
     if body.tools:
         fields["tools"] = body.tools
-    return to_context(validated(P.ChatCompletionRequest, fields, OPTION_NAMES))
+    return to_context(validated(P.ChatCompletionRequest, fields, OPTION_NAMES), body.think)
 
 
 def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.CompletionRequest:
@@ -223,7 +225,8 @@ def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.Compl
         return to_context(validated(P.CompletionRequest, {**fields, "prompt": body.prompt}, OPTION_NAMES))
     system = [{"role": "system", "content": body.system}] if body.system else []
     return to_context(validated(P.ChatCompletionRequest,
-                                {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]}, OPTION_NAMES))
+                                {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]}, OPTION_NAMES),
+                      body.think)
 
 
 def embed_request(body: EmbedRequest) -> P.EmbeddingRequest:

@@ -7,6 +7,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from minerva.serve import convert
+from minerva.serve.convert import APIError
 from minerva.serve import protocol as P
 from minerva.serve.serving import Serving
 
@@ -17,6 +18,9 @@ class ChatServing(Serving):
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         self.check_model(body.model)
         convert.check_supported(body)
+        if body._thinks and self.llm.reasoning is None:
+            raise APIError(400, f"'{body.model or self.config.served_model_name}' does not think (it is no reasoning "
+                                "model); leave think out", "think")
         variables = convert.template_variables(body)
         tools = convert.tool_plan(body, self.llm.tool_format)
         if tools is not None and tools.forced:

@@ -191,6 +191,26 @@ def test_think_whole_and_streamed(think, script):
     assert not any("think>" in (d.get("reasoning_content") or "") + (d.get("content") or "") for d in deltas)
 
 
+def test_ollama_think_on_a_reasoning_model_and_on_one_that_is_not(think, script, tiny):
+    """Ollama's think: a reasoning model's thoughts in `thinking`; a model that does not reason
+    refuses it with a 400, as Ollama does (it was accepted and changed nothing)."""
+    url, llm = think
+    script.say(llm.tokenizer, THINK_REPLY)
+    name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    r = httpx.post(f"{url}/api/chat", json={"model": name, "messages": HI, "think": True, "stream": False,
+                                            "options": {"num_predict": 200}}, timeout=60)
+    assert (r.json()["message"]["thinking"], r.json()["message"]["content"]) == (REASONING, ANSWER), r.text
+    plain = LLM(str(tiny), dtype="float32", kv_cache_memory=4e6)
+    with running_server(plain, served_model_name="tiny") as (other, _):
+        for path, body in (("chat", {"messages": HI}), ("generate", {"prompt": "Hi"})):
+            r = httpx.post(f"{other}/api/{path}", json={"model": "tiny", "think": True, "stream": False, **body},
+                           timeout=60)
+            assert r.status_code == 400 and "'tiny' does not think" in r.json()["error"], r.text
+        r = httpx.post(f"{other}/api/chat", json={"model": "tiny", "messages": HI, "think": False, "stream": False,
+                                                  "options": {"num_predict": 2}}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def test_think_disabled_by_template_kwargs(think, script):
     url, llm = think
     script.say(llm.tokenizer, f"{ANSWER}<|im_end|>")

@@ -136,7 +136,10 @@ def to_the_context(llm, prompt: str, params: SamplingParams) -> tuple[list[int],
 
 def set_parameter(params: SamplingParams, words: list[str]) -> SamplingParams:
     """`/set parameter NAME VALUE`: params with NAME set (checked as any request's are)."""
-    if len(words) < 2 or words[0] not in PARAMETERS:
+    if words and words[0] not in PARAMETERS:
+        raise MinervaError(f"no parameter '{words[0]}': /set parameter NAME VALUE, NAME one of "
+                           + ", ".join(sorted(PARAMETERS)))
+    if len(words) < 2:
         raise MinervaError("usage: /set parameter NAME VALUE, NAME one of " + ", ".join(sorted(PARAMETERS)))
     field, kind = PARAMETERS[words[0]]
     text = " ".join(words[1:])
@@ -189,7 +192,7 @@ def chat(llm, params: SamplingParams, system: str | None, template_variables: di
             try:
                 if words[0] == "/show" and len(words) <= 2:
                     print(show(llm, params, words[1] if len(words) == 2 else ""), file=sys.stderr)
-                elif words[0] == "/set" and len(words) > 1 and words[1] == "parameter":
+                elif words[0] == "/set" and (len(words) == 1 or words[1] == "parameter"):
                     params = set_parameter(params, words[2:])
                     print(f"[set {words[2]} to {' '.join(words[3:])}]", file=sys.stderr)
                 else:

@@ -133,19 +133,20 @@ def device_notes(device, kernels: str, asked: bool) -> list[str]:
 def _stream_one(llm, prompt, params, parser: ReasoningParser | None = None) -> None:
     start = time.perf_counter()
     first = None
-    n = 0
+    n = n_first = 0  # tokens in all, and in the first delta (a decode burst may bring several)
     finish = None
     writer = ReplyWriter(parser)
     ids, params = chat.to_the_context(llm, prompt, params)  # (`run` without -n: no cap but the context's)
     for delta in llm.stream(ids, params):
         if first is None:
-            first = time.perf_counter()
+            first, n_first = time.perf_counter(), len(delta.token_ids)
         n += len(delta.token_ids)
         finish = delta.finish_reason or finish
         writer.write(delta.text, end=delta.finish_reason is not None)
     end = time.perf_counter()
     sys.stdout.write("\n")
-    decode = f", {max(n - 1, 0) / (end - first):.1f} tokens/s decode" if first and n > 1 and end > first else ""
+    # the tokens after the first delta, over the time since it: those that came with it took none of it
+    decode = f", {(n - n_first) / (end - first):.1f} tokens/s decode" if first and n > n_first and end > first else ""
     spec = llm.engine.speculator
     if spec is not None and spec.stats.num_draft_tokens:
         decode += (f", speculative: {100 * spec.stats.acceptance_rate:.0f}% of {spec.stats.num_draft_tokens} "
@@ -197,6 +198,10 @@ def _with_model_flag(args, rest: str) -> list[str]:
 def cmd_generate(args) -> int:
     words = _with_model_flag(args, '"PROMPT"')
     flagged = args.model_flag is not None
+    for flag, what in (("system", "is a message for the chat template"), ("chat_template", "renders chats")):
+        if args.raw and getattr(args, flag, None) is not None:
+            raise MinervaError(f"--{flag.replace('_', '-')} {what}, and --raw leaves the chat template out; drop "
+                               "one of them")
     if not sys.stdin.isatty() and (not words or (len(words) == 1 and (flagged or _looks_like_model(words[0])))):
         model, prompt = (words or [None])[0], sys.stdin.read()  # the prompt piped in
     elif flagged and len(words) == 1:
@@ -439,8 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with several models: how long a model stays loaded after its last request "
                         "(seconds, or 30s / 5m / 1h; 0 unloads at once, -1 never; default 5m)")
     p.add_argument("--models-dir", default=None, metavar="DIR",
-                   help="also serve every model in DIR (its .gguf files and Hugging Face model folders), "
-                        "each by its name without the extension")
+                   help="serve every model in DIR too (its .gguf files and Hugging Face model folders), each "
+                        "by its name without the extension, beside the MODELs given (none given: DIR's alone)")
     p.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
                    help="with several models: how many may be loaded at once; the least recently used idle "
                         "one makes room (default 3)")

@@ -89,7 +89,7 @@ def set_threads(threads: int | None) -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads > 4 * cpus:  # past a few per CPU they only wait for each other (10,000 stalled the machine)
         raise MinervaError(f"threads (--threads) {threads} is far more than the {cpus} CPUs this process may use; "
-                           f"give at most {4 * cpus} (the default is one a physical core)")
+                           f"give at most {4 * cpus}, four a CPU (the default is one a physical core)")
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

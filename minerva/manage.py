@@ -211,6 +211,8 @@ def cmd_rm(args) -> int:
 
 def cmd_ps(args) -> int:
     """Every server running here (as each recorded itself), or the one at --host/--port."""
+    if args.port is not None and not 0 < args.port <= 65535:
+        raise MinervaError(f"--port must be in [1, 65535], got {args.port}")
     found = urls(args.host, args.port)
     for i, url in enumerate(found):
         if len(found) > 1:

@@ -92,6 +92,11 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 def store_root() -> Path:
     home = os.environ.get("MINERVA_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
+    for folder in (base, base / "models"):  # a file in the way: said now, not as a traceback later
+        if os.path.lexists(folder) and not folder.is_dir():
+            where = "MINERVA_HOME" if home and folder == base else "the model store"
+            what = "is a file, not a folder" if folder.is_file() else not_a_file(folder)
+            raise MinervaError(f"{where} '{folder}' {what}; point MINERVA_HOME at a folder (or move what is there)")
     return base / "models"
 
 

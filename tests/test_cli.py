@@ -221,13 +221,15 @@ def test_chat_set_parameter_and_show(tiny):
     """Ollama's /set parameter NAME VALUE and /show; a bad name or value is one error line and
     the session goes on."""
     typed = ("/show\n/set parameter temperature 0\n/set parameter num_predict 2\n/show parameters\n"
-             "/set parameter top_k lots\n/set parameter bogus 1\n/set parameter temperature -1\n/show nonsense\nhi\n")
+             "/set parameter top_k lots\n/set parameter bogus 1\n/set parameter temperature -1\n/show nonsense\n/set\n"
+             "hi\n")
     proc = run("chat", str(tiny), input=typed)
     assert proc.returncode == 0, proc.stderr
     err = proc.stderr
     assert f"model        {tiny}" in err and "num_predict the context" in err and "architecture" in err
     assert "temperature 0.0" in err and "num_predict 2" in err  # /show parameters after the two /set
-    assert "error: top_k takes an integer, got 'lots'" in err and "usage: /set parameter NAME VALUE" in err
+    assert "error: top_k takes an integer, got 'lots'" in err and "error: no parameter 'bogus'" in err
+    assert "error: usage: /set parameter NAME VALUE" in err and "unknown command /set" not in err  # /set alone
     assert "error: invalid sampling parameter temperature" in err and "/show nonsense: show info or parameters" in err
     assert "[cut off: the reply reached 2 tokens" in err  # num_predict took
 
@@ -411,3 +413,20 @@ def test_a_model_whose_template_does_not_compile(tiny, tmp_path):
     assert_clean_error(proc, "invalid chat template", f"the chat template of '{broken}'", "--chat-template FILE")
     assert "chat requests will fail (completions work)" in proc.stderr
     assert run("generate", str(broken), "hello", "-n", "2", "--raw").returncode == 0
+
+
+def test_flags_for_the_chat_template_with_raw_and_a_home_that_is_a_file(tiny, tmp_path):
+    """--system and --chat-template with --raw: one line saying they do not go together (the
+    system message was dropped without a word); MINERVA_HOME, or its models folder, a file:
+    one line naming it (pull was a traceback, list said nothing was pulled)."""
+    for flag, value, words in (("--system", "be terse", "--system is a message for the chat template"),
+                               ("--chat-template", "{{ x }}", "--chat-template renders chats")):
+        assert_clean_error(run("generate", str(tiny), "hi", "--raw", flag, value), words, "--raw")
+    home = tmp_path / "home"
+    home.write_text("x")
+    for args in (("pull", "smollm2-135m"), ("list",)):
+        assert_clean_error(run(*args, env_home=home), f"MINERVA_HOME '{home}' is a file, not a folder")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "models").write_text("x")
+    assert_clean_error(run("list", env_home=folder), f"the model store '{folder / 'models'}' is a file")

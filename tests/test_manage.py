@@ -118,3 +118,8 @@ def test_ps_finds_the_servers_running_here_on_any_port(tiny, tmp_path, monkeypat
         reused.write_text(json.dumps({"url": "http://127.0.0.1:2", "pid": os.getpid(), "process_start": "1"}))
         assert [r["url"] for r in registry.running()] == [url] and not reused.exists()
     assert registry.running() == []  # removed when the server stops
+
+
+@pytest.mark.parametrize("port", ["-1", "0", "99999"])
+def test_ps_refuses_a_port_no_server_can_have(port):
+    assert_clean_error(run("ps", "--port", port), f"--port must be in [1, 65535], got {port}")

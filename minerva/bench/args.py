@@ -51,7 +51,7 @@ def add_common_options(q: argparse.ArgumentParser) -> None:
 
 
 def check_args(args) -> None:
-    for name in ("repetitions", "num_prompts", "threads", "output_len", "input_len"):
+    for name in ("repetitions", "num_prompts", "threads", "output_len", "input_len", "max_batch"):
         v = getattr(args, name, None)
         if isinstance(v, int) and v < 1:
             raise MinervaError(f"--{name.replace('_', '-')} must be at least 1, got {v}")
@@ -61,5 +61,7 @@ def check_args(args) -> None:
             raise MinervaError(f"--{name} takes lengths >= {least}, got {','.join(map(str, v))}")
         if isinstance(v, int) and v < 1:  # bench speculative's -n
             raise MinervaError(f"--{name} must be at least 1, got {v}")
+    if isinstance(getattr(args, "prompt", None), list) and not any(args.prompt) and not any(args.gen):
+        raise MinervaError("nothing to measure: every --prompt and --gen length is 0; give one above 0")
     if getattr(args, "batch_sizes", None) is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
         raise MinervaError("--batch-sizes must be positive integers")

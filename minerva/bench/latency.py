@@ -66,6 +66,11 @@ def cmd_latency(args) -> int:
             figures.append(fig)
         runner.close()
     print_report(lines, systems, figures)
+    untimed = [f.name for f in figures if f.samples and not f.timed]
+    if untimed:
+        print(f"{', '.join(untimed)}: n/a: every token came with the first (a decode burst computes up to "
+              f"--decode-steps {getattr(args, 'decode_steps', 1)} tokens at once), too few to time; give -n above "
+              "it, or --decode-steps 1")
     print("\n".join(roofline_lines))
     write_json(args.json, {"header": lines, "systems": [asdict(s) for s in systems],
                            "figures": [{**asdict(f), "mean": f.mean, "std": f.std} for f in figures],

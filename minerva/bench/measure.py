@@ -62,8 +62,10 @@ def minerva_prefill(llm: LLM, prompt: list[int], depth: int = 0) -> float:
 
 def minerva_decode(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, float]:
     """Generate n tokens for each prompt together. Returns (decode tokens/s, seconds in all):
-    the decode rate counts the tokens produced after every request has its first token,
-    over the time from that moment to the last token."""
+    the decode rate counts the tokens that came after every request had its first one, over
+    the time from then to the last token (a request's first delta may bring more than one
+    token, from a decode burst: they were computed before that moment, and do not count);
+    NaN when none came after."""
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     firsts: set[int] = set()
@@ -72,7 +74,6 @@ def minerva_decode(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, f
         now = time.perf_counter()
         if i not in firsts and delta.token_ids:
             firsts.add(i)
-            after += len(delta.token_ids) - 1
             if len(firsts) == len(prompts):
                 t_all_first = now
             t_last = now

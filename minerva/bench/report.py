@@ -24,15 +24,20 @@ class Figure:
     samples: list[float] = field(default_factory=list)
 
     @property
+    def timed(self) -> list[float]:
+        """The samples that are rates (a NaN: nothing could be timed)."""
+        return [s for s in self.samples if math.isfinite(s)]
+
+    @property
     def mean(self) -> float:
-        return statistics.fmean(self.samples) if self.samples else math.nan
+        return statistics.fmean(self.timed) if self.timed else math.nan
 
     @property
     def std(self) -> float:
-        return statistics.stdev(self.samples) if len(self.samples) > 1 else 0.0
+        return statistics.stdev(self.timed) if len(self.timed) > 1 else 0.0
 
     def text(self) -> str:
-        return f"{self.mean:9.1f} ± {self.std:6.1f}" if self.samples else "      n/a"
+        return f"{self.mean:9.1f} ± {self.std:6.1f}" if self.timed else "      n/a"
 
 
 @dataclass

@@ -15,6 +15,7 @@ next to each ceiling.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
@@ -277,7 +278,9 @@ class Row:
 
     def cells(self) -> list[str]:
         cells = [self.label, _rate(self.ceiling.tokens_per_second), self.ceiling.bound]
-        if self.measured is not None:
+        if self.measured is not None and not math.isfinite(self.measured):  # nothing could be timed
+            cells += ["n/a", "n/a"]
+        elif self.measured is not None:
             fraction = self.measured / self.ceiling.tokens_per_second
             cells += [_rate(self.measured), f"{100 * fraction:.1f}%"]
         return cells

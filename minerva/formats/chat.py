@@ -305,7 +305,7 @@ def read_template(given: str | os.PathLike) -> tuple[str, str]:
         raise MinervaError(f"the chat template file '{name}' is not UTF-8 text; give a Jinja chat template") from None
     except OSError as exc:
         raise MinervaError(f"the chat template file '{name}' cannot be read ({exc.strerror or exc}); give a Jinja "
-                           "file's path, or the template's text") from None
+                           "file's path, or the template's text (text holding Jinja's {{ }} or {% %})") from None
     if not text.strip():
         raise MinervaError(f"the chat template file '{name}' is empty; give a Jinja chat template")
     return text, f"the chat template file '{name}'"

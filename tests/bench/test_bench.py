@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
 import pytest
 
+from minerva.bench.report import Figure
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.peers import HAS_LLAMA_CPP, LLAMA_CPP_IMPORTS, LLAMA_CPP_INSTALLED, LLAMA_CPP_PROBLEM
 
@@ -36,6 +38,29 @@ def test_latency(tiny, tmp_path):
     assert set(roofline) == {f["name"] for f in figures} and report["roofline"]["hardware"]["bandwidth"] > 0
     assert roofline["tg8"]["bound"] == "memory" and all(t["fraction"] > 0 for t in roofline.values())
     assert "roofline: " in proc.stdout and "of ceiling" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_generation_too_short_to_time_is_no_traceback(smollm2_gguf):
+    """SmolLM2, -n 1 to 4 (decode bursts of 8): a repetition whose tokens all came with the
+    first is no sample, and a test with none says n/a and why; exit 0 (a NaN sample crashed
+    the report's standard deviation, and tokens that came with the first counted as decoded
+    in no time: 108% of the roofline's ceiling)."""
+    proc = run("bench", "latency", str(smollm2_gguf), "-p", "8", "-n", "1,2,4", "-r", "2")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert_report(proc.stdout, "tg1", "tg2", "tg4")
+    table = proc.stdout.split("\n\n")[1]  # the figures' table (then the note, then the roofline's)
+    untimed = [ln.split()[0] for ln in table.splitlines() if ln.startswith("tg") and ln.split()[1] == "n/a"]
+    assert not untimed or f"{', '.join(untimed)}: n/a: every token came with the first" in proc.stdout
+    for line in proc.stdout.splitlines():  # measured against its ceiling: never above it
+        if line.startswith("tg") and line.endswith("%"):
+            assert float(line.split()[-1].rstrip("%")) <= 100, line
+
+
+def test_a_rate_that_could_not_be_timed_is_no_sample():
+    figure = Figure("tg4", "minerva", [math.nan, 100.0, 110.0])
+    assert (figure.mean, figure.text()) == (105.0, "    105.0 ±    7.1")
+    assert Figure("tg1", "minerva", [math.nan, math.nan]).text().strip() == "n/a"
 
 
 def test_throughput(tiny):
@@ -67,6 +92,8 @@ def test_sweep_writes_csv_json_and_plot(tiny, tmp_path):
     (["throughput", "--num-prompts", "0"], "--num-prompts"),
     (["throughput", "--num-prompts", "2", "--sequential", "3"], "--sequential"),
     (["throughput", "--num-prompts", "2", "--sequential", "-1"], "--sequential"),
+    (["throughput", "--max-batch", "0"], "--max-batch must be at least 1"),
+    (["latency", "-p", "0", "-n", "0"], "nothing to measure"),
 ])
 def test_bad_arguments(tiny, args, fragment):
     assert_clean_error(run("bench", args[0], str(tiny), *args[1:]), fragment)

@@ -4,6 +4,8 @@ layer count (the layers the tensors hold) and each tensor's shape (the sizes it 
 
 from __future__ import annotations
 
+import logging
+
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.tokenizer_gguf import check_token_ids
@@ -57,3 +59,13 @@ def check_shape_of(name: str, file_name: str, shape: tuple[int, ...], config: Mo
     except MinervaError as exc:
         given = ", ".join(f"{keys.get(k, k)} = {getattr(config, k)}" for k in SHAPE_FIELDS if getattr(config, k))
         raise MinervaError(f"{exc} (from {given})") from None
+
+
+def warn_unused(path, unused: list[str], architecture: str) -> None:
+    """A warning naming the file's tensors the model did not read: a file of another
+    architecture than it says loads, and answers garbage, without a word otherwise."""
+    if unused:
+        logging.getLogger("minerva").warning(
+            "'%s': %d of its tensors are not used by a %s model (%s%s): the file may be of another architecture "
+            "than it says, and its answers wrong", path, len(unused), architecture, ", ".join(unused[:3]),
+            ", ..." if len(unused) > 3 else "")

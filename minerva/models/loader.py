@@ -6,7 +6,6 @@ architecture and format (name tables, shapes, config rules) is in `architectures
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,12 @@ from minerva.kernels.weights import PackedWeight, Weight, float_weight, into_hug
 from minerva.models.architectures import (
     GGUF_GLOBAL, HF_GLOBAL, HF_MODEL_TYPES, NORMS, Architecture, canonical, check_shape, find_architecture,
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
-from minerva.models.checks import check_layers, check_shape_of, check_vocabulary
+from minerva.models.checks import check_layers, check_shape_of, check_vocabulary, warn_unused
 from minerva.models.config import ModelConfig, check_config, check_plausible, real
 from minerva.models.fit import Footprint, check_fits, footprint
 from minerva.models.causal_lm import CausalLM
 from minerva.models.layers import Linear, freeze
 from minerva.parallel.shard import Shard, plan
-
-log = logging.getLogger("minerva")
 
 # -------------------------------------------------------------- weight sources
 
@@ -481,11 +478,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     with torch.inference_mode():
         model = arch.build(config if shard is None else shard.local_config(config), weights)
         stored, compute = _prepare(model)
-    unused = weights.unused() if isinstance(weights, GGUFWeights) else []
-    if unused:
-        log.warning("'%s': %d of its tensors are not used by a %s model (%s%s): the file may be of another "
-                    "architecture than it says, and its answers wrong", path, len(unused), config.architecture,
-                    ", ".join(unused[:3]), ", ..." if len(unused) > 3 else "")
+    if isinstance(weights, GGUFWeights):
+        warn_unused(path, weights.unused(), config.architecture)
     model.to(device).eval()  # moves the buffers (rope frequencies); weights are already there
     if activations == "int8":
         embedding = getattr(model, "embed", None)  # a tied LM head keeps the layout its lookups read (but LOOKUP_TYPES)

@@ -364,6 +364,13 @@ def header(root: Path) -> dict:
 # ------------------------------------------------------------------ routes
 
 
+async def no_vectors(body: EmbedRequest, models) -> dict:
+    """Nothing to embed: no vectors, as Ollama answers (for a model it serves)."""
+    if not any(c["id"] == served_name(body.model) for c in (await models())["data"]):
+        raise APIError(404, f"model '{body.model}' not found")
+    return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0}
+
+
 def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
     """Ollama's routes on `app`, answered through the OpenAI routes' handlers; `keep_alive(name,
     seconds)`, where the server can unload models (a server of several), takes a request's keep_alive."""
@@ -402,12 +409,9 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
                          False)
 
     async def api_embed(body: EmbedRequest, raw: HTTPRequest):
+        if body.input == [] and body.prompt is None:  # nothing to embed
+            return await no_vectors(body, models)
         start = time.perf_counter()
-        if body.input == [] and body.prompt is None:  # nothing to embed: no vectors, as Ollama answers
-            if not any(c["id"] == served_name(body.model) for c in (await models())["data"]):
-                raise APIError(404, f"model '{body.model}' not found")
-            return {"model": body.model, "embeddings": [], "total_duration": int((time.perf_counter() - start) * 1e9),
-                    "load_duration": 0, "prompt_eval_count": 0}
         request = embed_request(body)
         hold(body)
         out = await embed(request, raw)
@@ -433,12 +437,11 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
         card = next((c for c in (await models())["data"] if c["id"] == name), None)
         if card is None:
             raise APIError(404, f"model '{body.model or body.name}' not found")
-        info = details(card)
+        info, context = details(card), card.get("max_model_len")
+        family = info["details"]["family"]  # model_info's keys as Ollama's: by family
         return {"details": info["details"], "modified_at": info["modified_at"], "parameters": "", "template": "",
-                "model_info": {"general.architecture": info["details"]["family"],  # the keys as Ollama's, by family
-                               f"{info['details']['family']}.context_length": card.get("max_model_len"),
-                               "context_length": card.get("max_model_len")},
-                "capabilities": ["completion", "tools"]}
+                "model_info": {"general.architecture": family, f"{family}.context_length": context,
+                               "context_length": context}, "capabilities": ["completion", "tools"]}
 
     async def api_version():
         return {"version": __version__}

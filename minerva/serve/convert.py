@@ -174,8 +174,8 @@ def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
     a forced tool call (`forced`) constrains the output as structured output does. A reply held
     to JSON (a schema, a JSON object, a forced call) ends where the JSON does: stop strings,
     which could cut it anywhere, do not apply to it."""
-    to_json = forced is not None or body.guided_json is not None or body.json_schema is not None or (
-        body.response_format is not None and body.response_format.type != "text")
+    constraint = structured(body, forced)
+    to_json = forced is not None or (constraint is not None and (constraint.json is not None or constraint.json_object))
     return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
                           top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
                           repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
@@ -183,7 +183,7 @@ def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
                           seed=body.seed, logprobs=logprobs, stop=() if to_json else body.stop_list(),
                           ignore_eos=body.ignore_eos,
                           stop_token_ids=tuple(body.stop_token_ids or ()),
-                          speculative_tokens=body.speculative_tokens, structured=structured(body, forced))
+                          speculative_tokens=body.speculative_tokens, structured=constraint)
 
 
 def structured(body: P._Sampling, forced: StructuredOutput | None = None) -> StructuredOutput | None:
@@ -228,11 +228,14 @@ def chat_logprobs_count(body: P.ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def max_tokens_within(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
+def max_tokens_within(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str,
+                      to_context: bool = False) -> int:
     """`max_tokens`, or all the room the context leaves; a 400 when the prompt and the tokens
     asked for do not fit. Unlike the engine, which cuts a completion at the context, the API
-    refuses a max_tokens beyond it, as OpenAI does."""
+    refuses a max_tokens beyond it, as OpenAI does; `to_context` cuts it there (Ollama's way)."""
     room = max_model_len - prompt_len
+    if to_context and max_tokens is not None and room >= 1:
+        max_tokens = min(max_tokens, room)
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt "

@@ -183,10 +183,8 @@ class Serving:
         requests = []
         forced = tools.output(self.llm.tool_format) if tools is not None else None
         for i, ids in enumerate(prompts):
-            room = self.max_model_len - len(ids)
-            asked = min(max_tokens, max(room, 1)) if max_tokens is not None and getattr(body, "_to_context", False) \
-                else max_tokens
-            limit = convert.max_tokens_within(len(ids), asked, self.max_model_len, param)
+            limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param,
+                                              getattr(body, "_to_context", False))
             params = fixed or convert.sampling_params(body, limit, logprobs, forced)
             if body.model in self.llm.adapter_paths:  # the base model with that adapter
                 params = dataclasses.replace(params, adapter=body.model)

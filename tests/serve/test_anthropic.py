@@ -207,3 +207,6 @@ def test_a_final_assistant_message_is_continued(served, client, smollm2_gguf, sm
     with pytest.raises(openai.BadRequestError, match="set add_generation_prompt false"):
         oai.chat.completions.create(model="smollm2", messages=messages, max_tokens=8,
                                     extra_body={"continue_final_message": True})
+    with pytest.raises(openai.BadRequestError, match="it must be an assistant's, with text"):
+        oai.chat.completions.create(model="smollm2", messages=messages[:1], max_tokens=8, extra_body={
+            "add_generation_prompt": False, "continue_final_message": True})

@@ -143,6 +143,7 @@ def test_the_store(served, client):
     ({"input": "Hi", "background": True}, "background responses are not supported"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools of type 'web_search'"),
     ({"input": "Hi", "max_output_tokens": "4"}, "max_output_tokens"),
+    ({"input": "Hi", "top_logprobs": 21}, "top_logprobs"),
     # malformed fields of their own: 400s naming them (these were 500s)
     ({"input": "Hi", "text": {"format": "json"}}, "text.format"),
     ({"input": "Hi", "reasoning": {"effort": ["low"]}}, "reasoning.effort"),

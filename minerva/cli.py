@@ -75,7 +75,8 @@ def _load(model: str | None, args, engine: bool = True):
     llm = LLM(model, device=args.device, kernels=args.kernels, dtype=args.dtype, threads=args.threads,
               quantize=args.quantize, activations=args.activations,
               tensor_parallel_size=getattr(args, "tensor_parallel_size", None), lora=getattr(args, "lora", None),
-              chat_template=getattr(args, "chat_template", None), **options)
+              chat_template=getattr(args, "chat_template", None),
+              generation_config=getattr(args, "generation_config", "auto"), **options)
     c = llm.config
     stored = (f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights quantized to {args.quantize} at load"
               if args.quantize else f"{llm.loaded.weight_bytes / 1e6:.0f} MB of weights in the file")
@@ -211,8 +212,9 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise MinervaError('the prompt is empty; give one: minerva generate [MODEL] "PROMPT", or pipe it in')
     check_unicode(prompt)  # before the load, and counting in the prompt given rather than the templated one
-    params = sampling(args)
+    sampling(args)  # checked before the model loads
     llm = _load(model, args)
+    params = sampling(args, llm.sampling_defaults)
     if args.raw:
         _stream_one(llm, prompt, params)
         return 0
@@ -231,8 +233,9 @@ def cmd_chat(args) -> int:
     model = _one_model(args, args.model, "chat")
     if args.max_tokens is None:  # no -n: a reply runs to its end or the context's
         args.max_tokens = chat.UNCAPPED
-    params = sampling(args)  # checked before the model loads
+    sampling(args)  # checked before the model loads
     llm = _load(model, args)
+    params = sampling(args, llm.sampling_defaults)
     return chat.chat(llm, llm.chat_params(params), args.system, _template_variables(args))
 
 
@@ -362,6 +365,10 @@ def _add_chat_template(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="the Jinja chat template to render chats with instead of the model's own: a file, or the "
                         "template's text")
+    p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                   help="sampling defaults for what a request (or the command line) leaves out: 'auto' the "
+                        "model's own (generation_config.json, a GGUF's general.sampling.*), 'none' the API's, "
+                        "or DIR's generation_config.json")
 
 
 def _add_conversation_parsers(sub) -> None:

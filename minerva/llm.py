@@ -19,6 +19,7 @@ from minerva.engine.request import CompletionOutput, Request, RequestOutput, Str
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import check_template, read_template, render_chat
+from minerva.formats.generation import check_choice, describe, sampling_defaults
 from minerva.parsers.reasoning import reasoning_for
 from minerva.parsers.tool_calls import join_pieces
 from minerva.parsers.tools import make_plan, tools_for
@@ -95,10 +96,10 @@ def set_threads(threads: int | None) -> int:
     return threads
 
 
-def _per_prompt(params, count: int) -> list[SamplingParams]:
-    """`params` (one SamplingParams for every prompt, one each, or None: the defaults) as one each."""
+def _per_prompt(params, count: int, defaults: SamplingParams) -> list[SamplingParams]:
+    """`params` (one SamplingParams for every prompt, one each, or None: `defaults`) as one each."""
     if params is None or isinstance(params, SamplingParams):
-        return [params or SamplingParams()] * count
+        return [params or defaults] * count
     if not (isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
         raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None; got "
                            f"{type(params).__name__}")
@@ -172,7 +173,10 @@ class LLM:
     the model over N processes on this host (`minerva.parallel`; this process is rank 0 and
     starts the others, each with a 1/N share of the cores by default); under `torchrun`
     every rank constructs the same LLM, and on ranks other than 0 the constructor follows
-    rank 0's steps and then exits the process.
+    rank 0's steps and then exits the process. `generation_config` "auto" takes the model's
+    recommended sampling (a Hugging Face directory's generation_config.json, a GGUF file's
+    general.sampling.* keys) as the defaults of calls that give no parameters, "none" leaves
+    SamplingParams' defaults, a folder reads its generation_config.json.
 
     A tensor-parallel LLM holds worker processes and this process's `torch.distributed` group
     until `close()`, which runs by itself when the LLM is garbage-collected, at exit, and at
@@ -184,8 +188,9 @@ class LLM:
                  quantize: str | None = None, activations: str = "auto",
                  tensor_parallel_size: int | None = None, kernels: str = "auto",
                  lora: dict[str, str] | None = None, chat_template: str | os.PathLike | None = None,
-                 **engine_options):
+                 generation_config: str | os.PathLike = "auto", **engine_options):
         check_arguments(model, lora, engine_options)
+        check_choice(generation_config)
         given_template = None if chat_template is None else read_template(chat_template)  # before the load
         engine_config = EngineConfig(**engine_options)
         self.group: launch.Group | None = None
@@ -240,6 +245,10 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self._use_chat_template(given_template)
+        self.sampling_defaults = sampling_defaults(self.path, generation_config)
+        if self.sampling_defaults:
+            log.info("sampling defaults of the model's generation config (for requests that leave them out): %s",
+                     describe(self.sampling_defaults))
         self.reasoning = reasoning_for(self.tokenizer)  # how its replies split into reasoning and answer
         self.tool_format = tools_for(self.tokenizer, self._render)  # how its template and replies carry tools
         draft = engine_config.draft_model
@@ -360,11 +369,16 @@ class LLM:
 
     # --------------------------------------------------------- generation
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters of a call that gives none: SamplingParams' defaults with the model's
+        own sampling defaults (`sampling_defaults`, from `generation_config`) over them."""
+        return SamplingParams(**self.sampling_defaults)
+
     def stream_many(self, prompts: Sequence[Prompt],
                     params: SamplingParams | Sequence[SamplingParams] | None = None,
                     ) -> Iterator[tuple[int, int, StreamDelta]]:
         """Yield (prompt index, completion index, delta) as the engine produces them."""
-        params = _per_prompt(params, len(prompts))
+        params = _per_prompt(params, len(prompts), self.get_default_sampling_params())
         groups = [self.make_requests(p, sp) for p, sp in zip(prompts, params)]  # all checked before any runs
         where = {}
         for i, group in enumerate(groups):
@@ -393,7 +407,7 @@ class LLM:
             raise MinervaError("prompts must be a string, a list of token ids, or a list of those; got "
                                f"{type(prompts).__name__}")
         prompts = list(prompts)
-        per_prompt = _per_prompt(params, len(prompts))
+        per_prompt = _per_prompt(params, len(prompts), self.get_default_sampling_params())
         completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]
                        for sp in per_prompt]
         left = [sp.n for sp in per_prompt]
@@ -436,7 +450,7 @@ class LLM:
         `parallel_tool_calls` are OpenAI's: the calls the model makes are each completion's
         `tool_calls` (its finish_reason then "tool_calls"), and `text` what else it wrote."""
         many = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         calling = make_plan(tools, tool_choice, parallel_tool_calls)
         if calling is not None and calling.forced:
             if params.structured is not None:

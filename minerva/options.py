@@ -142,14 +142,19 @@ def engine_options(args) -> dict:
                 max_model_len=args.max_model_len, **speculative_options(args))
 
 
+# the command line's own sampling defaults, for what neither a flag nor the model sets
+FALLBACK = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+
+
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", "-n", type=int, default=256)
-    g.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--max-tokens", "-n", type=int, default=256, help="tokens to generate at most")
+    model = "(default: the model's generation config, else {})"
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy " + model.format(0.8))
+    g.add_argument("--top-k", type=int, default=None, help="0 = off " + model.format(40))
+    g.add_argument("--top-p", type=float, default=None, help=model.format(0.95))
+    g.add_argument("--min-p", type=float, default=None, help=model.format(0.05))
+    g.add_argument("--repetition-penalty", type=float, default=None, help=model.format(1.0))
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
@@ -157,10 +162,11 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def sampling(args) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty,
+def sampling(args, defaults: dict | None = None) -> SamplingParams:
+    """The command's parameters: its flags, else the model's sampling `defaults`, else FALLBACK."""
+    chosen = {name: value if (value := getattr(args, name)) is not None else (defaults or {}).get(name, fallback)
+              for name, fallback in FALLBACK.items()}
+    return SamplingParams(max_tokens=args.max_tokens, **chosen,
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed,
                           stop=tuple(args.stop), ignore_eos=args.ignore_eos)

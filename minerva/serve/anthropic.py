@@ -229,7 +229,9 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
     """The chat completion request that answers `body`."""
     messages = chat_messages(body)
     fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
-                    "temperature": body.temperature, "stream": body.stream, **chat_tools(body), **prefill(messages)}
+                    "stream": body.stream, **chat_tools(body), **prefill(messages)}
+    if "temperature" in body.model_fields_set:  # else the model's default
+        fields["temperature"] = body.temperature
     if body.stop_sequences:
         fields["stop"] = body.stop_sequences
     if body.top_p is not None:

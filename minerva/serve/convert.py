@@ -24,6 +24,7 @@ from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
 from minerva.formats.chat import RESERVED_VARIABLES
+from minerva.formats.generation import FIELDS as GENERATION_FIELDS
 from minerva.parsers.tool_calls import CallPiece, ToolCall
 from minerva.parsers.tools import ToolFormat, ToolPlan, make_plan
 from minerva.serve import protocol as P
@@ -169,16 +170,20 @@ def check_supported(body: P._Sampling) -> None:
 
 
 def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
-                    forced: StructuredOutput | None = None) -> SamplingParams:
+                    forced: StructuredOutput | None = None, defaults: dict | None = None) -> SamplingParams:
     """The engine's parameters for one completion of `body` (SamplingParams checks the ranges);
     a forced tool call (`forced`) constrains the output as structured output does. A reply held
     to JSON (a schema, a JSON object, a forced call) ends where the JSON does: stop strings,
-    which could cut it anywhere, do not apply to it."""
+    which could cut it anywhere, do not apply to it. The sampling fields the body leaves out
+    take the model's `defaults` (its generation config), else the route's (Ollama's)."""
     constraint = structured(body, forced)
     to_json = forced is not None or (constraint is not None and (constraint.json is not None or constraint.json_object))
-    return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=body.temperature,
-                          top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p,
-                          repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+    chosen = {**body._fallback, **(defaults or {}), **{name: getattr(body, name) for name in GENERATION_FIELDS
+                                                       if name in body.model_fields_set}}
+    value = {name: chosen.get(name, getattr(body, name)) for name in GENERATION_FIELDS}
+    return SamplingParams(max_tokens=max_tokens, n=body.n, temperature=value["temperature"],
+                          top_k=max(value["top_k"], 0), top_p=value["top_p"], min_p=value["min_p"],
+                          repetition_penalty=value["repetition_penalty"], presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, logit_bias=logit_bias(body.logit_bias),
                           seed=body.seed, logprobs=logprobs, stop=() if to_json else body.stop_list(),
                           ignore_eos=body.ignore_eos,

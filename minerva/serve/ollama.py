@@ -41,6 +41,10 @@ OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
 OPTION_NAMES = {field: f"options.{name}" for name, field in OPTIONS.items()}  # for the chat route's errors
 KNOWN_OPTIONS = OPTIONS.keys() | NEUTRAL_OPTIONS.keys() | IGNORED_OPTIONS
+# Ollama's defaults for the options a request leaves out (its repeat_penalty 1.1 over the last 64
+# tokens is left out: Ollama's own engine applies no repeat penalty, and it would act here on
+# the whole conversation)
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 
 
 def error_body(message: str) -> dict:
@@ -200,8 +204,10 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 
 def to_context(request, think=None):
     """A request whose num_predict is cut at the context, as Ollama's is (the API's 400 otherwise);
-    one that asks to `think` is refused by a model that does not reason, as Ollama refuses it."""
+    one that asks to `think` is refused by a model that does not reason, as Ollama refuses it; its
+    sampling options default to Ollama's where the model has no default of its own."""
     request._to_context = True
+    request._fallback = DEFAULTS
     request._thinks = think is True or think in ("low", "medium", "high")
     return request
 

@@ -64,6 +64,7 @@ class _Sampling(_Body):
     model: str | None = Field(None, description="Served model name; omitted means the served model.")
     _to_context: bool = PrivateAttr(False)  # max_tokens past the context: up to it (Ollama's num_predict)
     _thinks: bool = PrivateAttr(False)  # asks a reasoning model to think (Ollama's think)
+    _fallback: dict = PrivateAttr(default_factory=dict)  # sampling defaults under the model's (Ollama's)
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: PositiveInt | None = None
     stop: (Annotated[str, Field(min_length=1)]

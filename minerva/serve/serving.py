@@ -185,7 +185,7 @@ class Serving:
         for i, ids in enumerate(prompts):
             limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param,
                                               getattr(body, "_to_context", False))
-            params = fixed or convert.sampling_params(body, limit, logprobs, forced)
+            params = fixed or convert.sampling_params(body, limit, logprobs, forced, self.llm.sampling_defaults)
             if body.model in self.llm.adapter_paths:  # the base model with that adapter
                 params = dataclasses.replace(params, adapter=body.model)
             if i == 0:  # every prompt has the same constraint

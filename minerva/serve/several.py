@@ -83,6 +83,9 @@ def check_flags(args) -> float | None:
     if args.chat_template is not None and (len(args.model) > 1 or args.models_dir):
         raise MinervaError("--chat-template replaces one model's template: serve one model with it (models differ "
                            "in their templates)")
+    if args.generation_config not in ("auto", "none") and (len(args.model) > 1 or args.models_dir):
+        raise MinervaError("--generation-config DIR gives one model's sampling defaults: serve one model with it, "
+                           "or give auto or none")
     return parse_duration(args.keep_alive, "--keep-alive")
 
 

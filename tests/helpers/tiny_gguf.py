@@ -16,20 +16,24 @@ TINY_CONTEXT = 256  # the context of the shared `tiny` fixture (conftest.py)
 def write_tiny_llama(path: Path, *, arch: str = "llama", context: int = 64,
                      odd_tensor_type: gguf.GGMLQuantizationType | None = None,
                      claimed_heads: int = HEADS, chat_template: str | None = None,
-                     special_tokens: tuple[str, ...] = (), eos_token: str | None = None) -> Path:
+                     special_tokens: tuple[str, ...] = (), eos_token: str | None = None,
+                     metadata: dict | None = None) -> Path:
     """A 1-layer llama with a byte-level GPT-2 tokenizer (256 bytes + one merge) and random F32 weights.
 
     `odd_tensor_type` stores ffn_up with that type (raw random bytes) to exercise type checks;
     `claimed_heads` writes a head count into the metadata that the tensors may not match;
     `chat_template` is stored as the file's `tokenizer.chat_template`; `special_tokens` are
     appended to the vocabulary as control tokens (as a converted model's `<|im_end|>` & co.);
-    `eos_token`, one of them, is the EOS (else id 1, a byte: `"`).
+    `eos_token`, one of them, is the EOS (else id 1, a byte: `"`); `metadata` adds keys (a
+    float32, int32 or string value each).
     """
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     vocab = _add_tokenizer(w, special_tokens, eos_token)
     if chat_template is not None:
         w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        {float: w.add_float32, int: w.add_int32, str: w.add_string}[type(value)](key, value)
     w.add_block_count(LAYERS)
     w.add_context_length(context)
     w.add_embedding_length(HIDDEN)

@@ -101,9 +101,8 @@ class ToolParser:
         self.names = names  # the functions offered: a block calling another is given back as content
         self.calls = 0  # calls given out so far
         self._buffer = ""
-        self._content = ""
+        self._runs: list[tuple[list[str], list[CallPiece]]] = []  # content, then the calls after it
         self._space = ""  # trailing whitespace of the content, given out only if more text follows
-        self._pieces: list[CallPiece] = []
         self._started = False  # content given out already (a reply's leading whitespace is dropped)
 
     @property
@@ -111,13 +110,18 @@ class ToolParser:
         return self.calls > 0
 
     def feed(self, text: str, end: bool = False) -> tuple[str, list[CallPiece]]:
+        runs = self.feed_runs(text, end)
+        return "".join(c for c, _ in runs), [p for _, pieces in runs for p in pieces]
+
+    def feed_runs(self, text: str, end: bool = False) -> list[tuple[str, list[CallPiece]]]:
+        """As `feed`, in the reply's order: runs of content each followed by the call pieces
+        that came after it (text after a call is the next run's)."""
         self._buffer += text
         self._consume(end)
         if end:
             self._space = ""  # whitespace at the end of a reply says nothing
-        out, pieces = self._content, self._pieces
-        self._content, self._pieces = "", []
-        return out, pieces
+        runs, self._runs = self._runs, []
+        return [("".join(content), pieces) for content, pieces in runs]
 
     def _consume(self, end: bool) -> None:
         raise NotImplementedError
@@ -132,8 +136,18 @@ class ToolParser:
         if not self._started:
             body = body.lstrip()
         if body:
-            self._content += body
+            self._add_content(body)
             self._started = True
+
+    def _add_content(self, text: str) -> None:
+        if not self._runs or self._runs[-1][1]:  # a call came last: the text after it is a new run
+            self._runs.append(([], []))
+        self._runs[-1][0].append(text)
+
+    def _add_piece(self, piece: CallPiece) -> None:
+        if not self._runs:
+            self._runs.append(([], []))
+        self._runs[-1][1].append(piece)
 
     def _offered(self, call: tuple[str, str] | None) -> tuple[str, str] | None:
         """`call` if it calls one of the functions offered."""
@@ -142,7 +156,7 @@ class ToolParser:
     def _call(self, name: str, arguments: str) -> None:
         if self.calls and not self.parallel:
             return
-        self._pieces.append(CallPiece(self.calls, arguments, name, self.new_id()))
+        self._add_piece(CallPiece(self.calls, arguments, name, self.new_id()))
         self.calls += 1
 
 
@@ -306,10 +320,10 @@ class NamedParser(ToolParser):
     def _consume(self, end: bool) -> None:
         text, self._buffer = self._buffer, ""
         if not self.calls:
-            self._pieces.append(CallPiece(0, text, self.name, new_call_id()))
+            self._add_piece(CallPiece(0, text, self.name, new_call_id()))
             self.calls = 1
         elif text:
-            self._pieces.append(CallPiece(0, text))
+            self._add_piece(CallPiece(0, text))
 
 
 class RequiredParser(ToolParser):
@@ -374,7 +388,8 @@ class HarmonyCallParser(ToolParser):
         self._taken = 0
 
     def _consume(self, end: bool) -> None:
-        self._content += self._buffer
+        if self._buffer:
+            self._add_content(self._buffer)
         self._buffer = ""
         for name, arguments in self.source.calls[self._taken:]:
             if self._offered((name, arguments)):

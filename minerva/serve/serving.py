@@ -300,18 +300,24 @@ class Serving:
                 completion_tokens += len(d.token_ids)
                 note(access, completion_tokens)
                 thought, text, news = "", d.text, d.text or d.token_ids
-                pieces, finish, end = [], d.finish_reason, d.finish_reason is not None
+                finish, end = d.finish_reason, d.finish_reason is not None
                 if parsers:  # a chunk only for new text: marker tokens alone say nothing
                     thought, text = parsers[t.index].feed(d.text, end=end)
                     news = thought or text or d.logprobs
+                runs = [(text, [])]
                 if callers:  # text inside a call is held until the call is whole
-                    text, pieces = callers[t.index].feed(text, end=end)
-                    news = thought or text or pieces or d.logprobs
+                    runs = callers[t.index].feed_runs(text, end=end)
+                    news = thought or runs or d.logprobs
+                    runs = runs or [("", [])]
                     finish = convert.finish_reason(finish, callers[t.index].called)
                 if news or finish:
-                    yield reply.chunk([reply.delta(t.index, text, finish, d.logprobs, offsets[t.index],
-                                                   thought, pieces, d.stop_reason)])
-                    offsets[t.index] += len(text)
+                    # text after a call goes in a chunk of its own: a chunk's content comes before its calls
+                    for k, (text, pieces) in enumerate(runs):
+                        last = k == len(runs) - 1
+                        yield reply.chunk([reply.delta(t.index, text, finish if last else None,
+                                                       d.logprobs if k == 0 else [], offsets[t.index],
+                                                       thought if k == 0 else "", pieces, d.stop_reason)])
+                        offsets[t.index] += len(text)
             if include_usage:
                 yield reply.chunk([], usage=convert.usage(prompt_tokens, completion_tokens),
                                   timings=convert.group_timings(group.tracked, prompt_tokens, completion_tokens))

@@ -105,6 +105,24 @@ def test_hermes_gives_back_what_is_not_a_call(step):
     assert content == "" and calls_of(calls) == [("f", {"a": 1})]
 
 
+@pytest.mark.parametrize("step", [None, 1, 5])
+def test_runs_keep_the_replys_order(step):
+    """Text after a call is a run of its own, whatever the pieces: content, then the calls after it."""
+    text = 'Checking. <tool_call>{"name": "a", "arguments": {}}</tool_call> Then <tool_call>' \
+           '{"name": "b", "arguments": {}}</tool_call><tool_call>{"name": "c", "arguments": {}}</tool_call> done.'
+    parser, events = HermesParser(), []
+    chunks = [text] if step is None else [text[i:i + step] for i in range(0, len(text), step)]
+    for k, chunk in enumerate(chunks):
+        for content, pieces in parser.feed_runs(chunk, end=k == len(chunks) - 1):
+            if content and events and events[-1][0] == "text":
+                events[-1] = ("text", events[-1][1] + content)
+            elif content:
+                events.append(("text", content))
+            events += [("call", p.name) for p in pieces]
+    assert events == [("text", "Checking."), ("call", "a"), ("text", "  Then"), ("call", "b"), ("call", "c"),
+                      ("text", "  done.")]
+
+
 def test_hermes_streams_text_before_the_marker_is_decided():
     parser = HermesParser()
     assert parser.feed("Sure, <tool") == ("Sure,", [])  # the space is held with the possible marker

@@ -307,3 +307,42 @@ def test_harmony_forced_call_grammar(tmp_path, choice):
     assert not accepted(head.format("get_weather") + '{"city": "Paris"}')  # not closed
     assert not accepted("<|channel|>final<|message|>It is sunny.<|return|>")  # an answer, not a call
     llm.close()
+
+
+def test_text_after_a_call_streams_after_it(tmp_path):
+    """A reply that writes text, a call, then more text: the chat stream's chunks, the Responses
+    stream's items and Anthropic's content blocks come in that order, however the decode bursts
+    cut the reply."""
+    import anthropic
+
+    path = write_tiny_llama(tmp_path / "hermes.gguf", context=1024, special_tokens=("<|end|>",),
+                            eos_token="<|end|>")  # no template: the built-in format
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    assert llm.tool_format.name == "hermes"
+    reply = 'Checking. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call> Done.'
+    with scripted() as script, running_server(llm) as (url, _):
+        script.say(llm.tokenizer, reply + "<|end|>")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
+        order = []
+        for chunk in client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER], stream=True,
+                                                    max_tokens=200):
+            for choice in chunk.choices:  # a chunk's content comes before its calls
+                if choice.delta.content and order and order[-1] != "call":
+                    order[-1] += choice.delta.content
+                elif choice.delta.content:
+                    order.append(choice.delta.content)
+                order += ["call"] * len(choice.delta.tool_calls or [])
+        assert [text.strip() for text in order] == ["Checking.", "call", "Done."]
+        stream = client.responses.create(model="test-model", input="Rome?", tools=[
+            {"type": "function", **WEATHER["function"]}], stream=True)
+        items = [e.item for e in stream if e.type == "response.output_item.done"]
+        assert [i.type for i in items] == ["message", "function_call", "message"]
+        assert items[0].content[0].text == "Checking." and items[2].content[0].text.strip() == "Done."
+        messages = anthropic.Anthropic(base_url=url, api_key="unused", timeout=60, max_retries=0)
+        with messages.messages.stream(model="test-model", max_tokens=200, messages=ASK, tools=[{
+                "name": "get_weather", "description": WEATHER["function"]["description"],
+                "input_schema": WEATHER["function"]["parameters"]}]) as events:
+            final = events.get_final_message()
+        assert [b.type for b in final.content] == ["text", "tool_use", "text"]
+        assert final.content[1].input == {"city": "Rome"}
+    llm.close()

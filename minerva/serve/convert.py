@@ -42,6 +42,13 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.headers = status, message, param, type, headers
 
 
+class ContextError(APIError):
+    """A 400 for a prompt (with the tokens asked for) that does not fit the model's context."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(400, message, param)
+
+
 def error_body(status: int, message: str, param: str | None = None,
                type: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": status}}
@@ -243,8 +250,8 @@ def max_tokens_within(prompt_len: int, max_tokens: int | None, max_model_len: in
         max_tokens = min(max_tokens, room)
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but the prompt "
-                            f"has {prompt_len} tokens{asked}; shorten the prompt or lower max_tokens", param)
+        raise ContextError(f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+                           f"has {prompt_len} tokens{asked}; shorten the prompt or lower max_tokens", param)
     return max_tokens or room
 
 

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from minerva.errors import MinervaError
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, chunks, validated
-from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields,
+from minerva.serve.convert import ACCESS, APIError, ContextError, chunks, validated
+from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields, drop_oldest,
                                              input_messages, new_id)
 
 PATH = "/v1/responses"
@@ -73,7 +73,7 @@ def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], 
             "text": (body.text.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format
                      else {"format": {"type": "text"}}),
             "reasoning": body.reasoning.model_dump(exclude_none=True) if body.reasoning else None, "store": body.store,
-            "truncation": "disabled", "metadata": body.metadata or {},
+            "truncation": body.truncation or "disabled", "metadata": body.metadata or {},
             "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                       "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
                       "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -301,9 +301,15 @@ def register(app, chat) -> None:
             raise APIError(400, "background responses are not supported; leave background out (or false)", "background")
         history = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
         raw.scope.setdefault(ACCESS, {})
+        fields = chat_fields(body, history)
         try:
-            request = validated(P.ChatCompletionRequest, chat_fields(body, history))
-            answered = await chat(request, raw)
+            while True:
+                try:
+                    answered = await chat(validated(P.ChatCompletionRequest, fields), raw)
+                    break
+                except ContextError:
+                    if body.truncation != "auto" or not drop_oldest(fields["messages"]):
+                        raise
         except MinervaError as exc:
             raise in_responses_terms(APIError(400, str(exc))) from None
         except APIError as exc:

@@ -71,7 +71,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     service_tier: str | None = None
-    truncation: str | None = None
+    # "auto": a conversation past the context drops its oldest items until it fits
+    truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None  # message.output_text.logprobs is read; the rest changes nothing here
     top_logprobs: int | None = Field(None, ge=0, le=20)
     prompt_cache_key: str | None = None
@@ -144,6 +145,18 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
             raise APIError(400, f"{where}: input items of type '{kind}' are not supported (messages, function_call "
                                 "and function_call_output are)", "input")
     return out
+
+
+def drop_oldest(messages: list[dict]) -> bool:
+    """Drop the conversation's oldest item (and the tool results it leaves without their call),
+    instructions and system messages kept; False where only the last message is left."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), None)
+    if first is None or first == len(messages) - 1:
+        return False
+    del messages[first]
+    while first < len(messages) - 1 and messages[first].get("role") == "tool":
+        del messages[first]
+    return True
 
 
 def chat_fields(body: ResponsesRequest, history: list[dict]) -> dict:

@@ -240,3 +240,28 @@ def test_logprobs_asked_by_include_or_top_logprobs(served, client):
     deltas = [p.token for e in events if e.type == "response.output_text.delta" for p in e.logprobs]
     final = events[-1].response  # response.incomplete: cut at 6 tokens (the SDK's helper wants a completed one)
     assert deltas == [p.token for p in theirs] == [p.token for p in final.output[0].content[0].logprobs]
+
+
+def test_truncation_auto_drops_the_oldest_items_until_it_fits(served, client):
+    room = httpx.get(f"{served}/v1/models", headers={"Authorization": "Bearer sk-test"}).json()["data"][0]
+    context = room["max_model_len"]
+    old = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "Noted."},
+           {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+           {"type": "function_call_output", "call_id": "c1", "output": '{"temp": 20}'}]
+    ask = [{"role": "user", "content": "Hi"}]
+    body = dict(model="smollm2", input=old + ask, instructions=INSTRUCTIONS, max_output_tokens=context - 250,
+                temperature=0, tools=[WEATHER])
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens asks for"):
+        client.responses.create(**body)  # truncation "disabled", the default
+    r = client.responses.create(**body, truncation="auto")
+    want = client.chat.completions.create(model="smollm2", messages=[{"role": "system", "content": INSTRUCTIONS}, *ask],
+                                          tools=[{"type": "function", "function": {
+                                              k: v for k, v in WEATHER.items() if k != "type"}}],
+                                          max_tokens=context - 250, temperature=0)
+    assert r.truncation == "auto" and r.usage.input_tokens == want.usage.prompt_tokens
+    assert r.output_text == want.choices[0].message.content
+    # What fits is not cut; what cannot fit even alone is still refused.
+    short = client.responses.create(**{**body, "max_output_tokens": 8}, truncation="auto")
+    assert short.usage.input_tokens > want.usage.prompt_tokens + 400
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens asks for"):
+        client.responses.create(**{**body, "max_output_tokens": context}, truncation="auto")

@@ -12,7 +12,7 @@ import torch
 import minerva.hub as hub
 from minerva.engine.engine import FIT
 from minerva.errors import MinervaError
-from minerva.formats.gguf import split_parts
+from minerva.formats.gguf import GGUFFile, split_parts
 from minerva.models.fit import RUNTIME, available_memory, weight_bytes
 from minerva.llm import parse_device, resolve_dtype
 from minerva.options import engine_options
@@ -125,6 +125,12 @@ def models_in(folder: str) -> list[str]:
         print(f"minerva: skipping {os.fsencode(p)!r} in --models-dir: its name is not valid UTF-8; rename it",
               file=sys.stderr)
         found.remove(p)
+    for p in [p for p in found if p.is_file()]:  # a file that is no GGUF model is not offered to clients
+        try:
+            GGUFFile(p)
+        except MinervaError as exc:
+            print(f"minerva: skipping '{p.name}' in --models-dir: {exc}", file=sys.stderr)
+            found.remove(p)
     if not found:
         raise MinervaError(f"--models-dir '{folder}' holds no .gguf file and no Hugging Face model folder")
     return [str(p) for p in found]

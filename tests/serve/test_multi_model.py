@@ -201,20 +201,25 @@ def test_ps_shows_which_models_are_loaded(serve_models, tiny):
     assert lines[1].split()[:2] == ["smollm2", "no"] and lines[2].split()[:2] == ["tiny", "yes"]
 
 
-def test_models_dir(tmp_path, tiny):
+def test_models_dir(tmp_path, tiny, capsys):
     from minerva.serve.several import models_in, served_name
     from tests.helpers import tiny_hf
     folder = tmp_path / "models"
     folder.mkdir()
     (folder / "a.gguf").write_bytes(tiny.read_bytes())
     for i in (1, 2):
-        (folder / f"big-0000{i}-of-00002.gguf").write_bytes(b"part")
+        (folder / f"big-0000{i}-of-00002.gguf").write_bytes(b"part")  # a split model's parts, but junk
+    (folder / "cut.gguf").write_bytes(tiny.read_bytes()[:3000])
     (folder / "notes.txt").write_text("not a model")
     tiny_hf.save(folder, "llama-tied")
     (folder / "empty").mkdir()
     (folder / os.fsdecode(b"bad\xffname.gguf")).write_bytes(tiny.read_bytes())  # clients could not name it
     found = models_in(str(folder))
-    assert [served_name(m) for m in found] == ["a", "big-00001-of-00002", "llama-tied"]
+    assert [served_name(m) for m in found] == ["a", "llama-tied"]
+    skipped = [line for line in capsys.readouterr().err.splitlines() if "skipping" in line]
+    assert len(skipped) == 3 and "not valid UTF-8" in skipped[0]
+    assert "'big-00001-of-00002.gguf'" in skipped[1] and "not a readable GGUF" in skipped[1]
+    assert "'cut.gguf'" in skipped[2] and "re-download the file" in skipped[2]
     assert_clean_error(run("serve", "--models-dir", str(folder / "empty")), "holds no .gguf file")
     assert_clean_error(run("serve", "--models-dir", str(folder / "nothing")), "is not a folder")
 

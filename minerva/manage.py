@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import minerva.hub as hub
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
+from minerva.formats.generation import describe, sampling_defaults
 from minerva.formats.safetensors import SafeTensorsDir
 from minerva.models.loader import read_config
 from minerva.serve.registry import urls
@@ -36,6 +37,7 @@ class ModelInfo:
     chat_template: str | None
     size: int  # bytes on disk
     sha256: str
+    sampling: dict = dataclasses.field(default_factory=dict)  # the model's own sampling defaults
 
     @property
     def kind(self) -> str:
@@ -77,7 +79,8 @@ def model_info(model: str) -> ModelInfo:
     types = {k: (counts[k], numels[k] / total if total else 0.0) for k in sorted(numels, key=numels.get, reverse=True)}
     return ModelInfo(path, config.architecture, total, config.max_position, config.num_layers,
                      f"{config.num_heads} ({config.num_kv_heads} KV)", quant, types,
-                     template if isinstance(template, str) and template else None, size, digest)
+                     template if isinstance(template, str) and template else None, size, digest,
+                     sampling_defaults(path))
 
 
 def _hf_template(path: Path) -> str | None:
@@ -111,6 +114,7 @@ def show_text(info: ModelInfo, template: bool = False) -> str:
         f"  quantization    {info.quantization}: {mix}",
         f"  chat template   {len(info.chat_template)} characters (`--template` prints it)" if info.chat_template
         else "  chat template   none",
+        f"  sampling        {describe(info.sampling) or 'no defaults of its own'}",
         f"  file            {info.path} ({info.size / 1e6:.1f} MB)",
         f"  sha256          {info.sha256}",
     ]

@@ -146,3 +146,10 @@ def test_the_command_line_takes_the_models_defaults(hf_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "minerva", "generate", str(hf_dir), "hi", "--generation-config",
                           str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--generation-config" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_show_names_the_models_defaults(gguf_file, tiny):
+    from minerva.manage import model_info, show_text
+
+    assert "  sampling        temperature=0.25, top_k=7, top_p=0.5, min_p=0.125\n" in show_text(model_info(str(gguf_file)))
+    assert "  sampling        no defaults of its own\n" in show_text(model_info(str(tiny)))

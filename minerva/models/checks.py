@@ -36,6 +36,16 @@ def check_vocabulary(f: GGUFFile) -> None:
         raise MinervaError(f"'{f.path}': {exc}") from None
 
 
+def check_value_length(f: GGUFFile, head_dim: int) -> None:
+    """Values of the key size: a file whose `<arch>.attention.value_length` says otherwise holds a
+    kind of attention the architectures here do not have."""
+    stated = f.get("attention.value_length")
+    if stated is not None and stated != head_dim:
+        raise MinervaError(f"'{f.path}': {f.architecture}.attention.value_length = {stated!r} differs from the "
+                           f"head size {head_dim} (attention.key_length); heads whose values differ in size from "
+                           f"their keys are not supported")
+
+
 def check_layers(names, prefix: str, config: ModelConfig, keys: dict[str, str], source: str) -> None:
     """The layer count against the layers the tensors hold (`<prefix><i>.*`): each of
     0..count-1 present, none past it."""

@@ -25,7 +25,7 @@ from minerva.kernels.weights import PackedWeight, Weight, float_weight, into_hug
 from minerva.models.architectures import (
     GGUF_GLOBAL, HF_GLOBAL, HF_MODEL_TYPES, NORMS, Architecture, canonical, check_shape, find_architecture,
     gguf_rope_scaling, hf_rope, unpermute_qk, whole)
-from minerva.models.checks import check_layers, check_shape_of, check_vocabulary, warn_unused
+from minerva.models.checks import check_layers, check_shape_of, check_value_length, check_vocabulary, warn_unused
 from minerva.models.config import ModelConfig, check_config, check_plausible, real
 from minerva.models.fit import Footprint, check_fits, footprint
 from minerva.models.causal_lm import CausalLM
@@ -335,6 +335,7 @@ def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
     except (TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
         raise MinervaError(f"'{f.path}' has invalid model metadata ({exc})") from None
     check_vocabulary(f)
+    check_value_length(f, config.head_dim)
     return config
 
 

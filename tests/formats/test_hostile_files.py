@@ -133,6 +133,8 @@ GARBAGE_KEYS = [
       for what in ("padding", "unknown", "eot", "eom", "sep") for v, vtype in ((257, V.UINT32), (10**6, V.UINT32),
                                                                           (M32, V.UINT32), (-2, V.INT32))],
     ("key-length-0", [("llama.attention.key_length", 0, V.UINT32)], ["llama.attention.key_length = 0"]),
+    ("value-length-4", [("llama.attention.value_length", 4, V.UINT32)],
+     ["llama.attention.value_length = 4", "head size 8", "not supported"]),
     ("rope-dims-7", [("llama.rope.dimension_count", 7, V.UINT32)], ["llama.rope.dimension_count = 7", "even"]),
     *[(f"rope-linear-factor-{x}", [("llama.rope.scaling.type", "linear", V.STRING),
                                    ("llama.rope.scaling.factor", x, V.FLOAT32)], ["llama.rope.scaling.factor"])
@@ -151,6 +153,7 @@ LEGIT_KEYS = [
                               ("tokenizer.ggml.unknown_token_id", 0, V.UINT32),
                               ("tokenizer.ggml.eot_token_id", 1, V.UINT32)]),
     ("rope-dims-8", [("llama.rope.dimension_count", 8, V.UINT32)]),
+    ("value-length-8", [("llama.attention.value_length", 8, V.UINT32)]),
     ("rope-linear-2", [("llama.rope.scaling.type", "linear", V.STRING), ("llama.rope.scaling.factor", 2.0, V.FLOAT32)]),
     ("block-count-float-1", [("llama.block_count", 1.0, V.FLOAT32)]),  # a whole number, if a float
 ]

@@ -10,6 +10,7 @@ import sys
 
 import gguf
 import httpx
+import ollama as ollama_sdk
 import pytest
 from transformers import GenerationConfig
 
@@ -123,6 +124,9 @@ def test_every_route_takes_the_models_defaults(gguf_file):
                     assert (p.temperature, p.top_p, p.top_k) == (0.0, 0.75, 7), path
                 else:
                     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.25, 0.5, 7, 0.125), path
+        shown = ollama_sdk.Client(host=url).show("test-model").parameters  # as a Modelfile's PARAMETER lines
+        assert [line.split() for line in shown.splitlines()] == [
+            ["temperature", "0.25"], ["top_k", "7"], ["top_p", "0.5"], ["min_p", "0.125"]]
 
 
 def test_the_command_line_takes_the_models_defaults(hf_dir, tmp_path):

@@ -11,6 +11,7 @@ NDJSON by default, with the timing fields (`total_duration`, `prompt_eval_durati
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva import __version__
 from minerva.errors import MinervaError
+from minerva.formats.generation import sampling_defaults
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
@@ -200,6 +202,16 @@ def chat_messages(messages: list[Message]) -> list[dict]:
             raise APIError(400, f"messages.{i}: role must be system, user, assistant or tool, got {m.role!r}",
                            "messages")
     return out
+
+
+def model_parameters(root: str) -> str:
+    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines)."""
+    try:
+        defaults = sampling_defaults(Path(root))
+    except (MinervaError, OSError):  # not a local model (a repo not yet fetched): none known
+        return ""
+    names = {option: name for name, option in OPTIONS.items()}
+    return "\n".join(f"{names[field]:<30} {value:g}" for field, value in defaults.items())
 
 
 def to_context(request, think=None):
@@ -445,7 +457,8 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
             raise APIError(404, f"model '{body.model or body.name}' not found")
         info, context = details(card), card.get("max_model_len")
         family = info["details"]["family"]  # model_info's keys as Ollama's: by family
-        return {"details": info["details"], "modified_at": info["modified_at"], "parameters": "", "template": "",
+        parameters = await asyncio.to_thread(model_parameters, card["root"])
+        return {"details": info["details"], "modified_at": info["modified_at"], "parameters": parameters, "template": "",
                 "model_info": {"general.architecture": family, f"{family}.context_length": context,
                                "context_length": context}, "capabilities": ["completion", "tools"]}
 

@@ -19,7 +19,7 @@ from minerva.engine.request import CompletionOutput, Request, RequestOutput, Str
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
 from minerva.formats.chat import check_template, read_template, render_chat
-from minerva.formats.generation import check_choice, describe, sampling_defaults
+from minerva.formats.generation import check_choice, sampling_defaults
 from minerva.parsers.reasoning import reasoning_for
 from minerva.parsers.tool_calls import join_pieces
 from minerva.parsers.tools import make_plan, tools_for
@@ -245,10 +245,7 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self._use_chat_template(given_template)
-        self.sampling_defaults = sampling_defaults(self.path, generation_config)
-        if self.sampling_defaults:
-            log.info("sampling defaults of the model's generation config (for requests that leave them out): %s",
-                     describe(self.sampling_defaults))
+        self.sampling_defaults = sampling_defaults(self.path, generation_config, announce=True)
         self.reasoning = reasoning_for(self.tokenizer)  # how its replies split into reasoning and answer
         self.tool_format = tools_for(self.tokenizer, self._render)  # how its template and replies carry tools
         draft = engine_config.draft_model

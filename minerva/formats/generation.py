@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from minerva.errors import MinervaError
+from minerva.formats.gguf import GGUFFile
 
 log = logging.getLogger("minerva")
 
@@ -81,19 +82,23 @@ def check_choice(choice: Any) -> None:
         raise MinervaError(f"generation_config (--generation-config) must be {CHOICES}; got {str(choice)!r}")
 
 
-def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto") -> dict[str, float | int]:
+def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto",
+                      announce: bool = False) -> dict[str, float | int]:
     """The sampling defaults a model's requests start from: its own (`choice` "auto"), none
-    ("none"), or those of another folder's generation_config.json."""
+    ("none"), or those of another folder's generation_config.json; logged with `announce`."""
     check_choice(choice)
     if choice == "none":
-        return {}
-    if choice != "auto":
-        return from_hf_dir(Path(choice))
-    if model_path.is_dir():
-        return from_hf_dir(model_path)
-    from minerva.formats.gguf import GGUFFile  # only a GGUF model reads its header again
-
-    return from_gguf_metadata(GGUFFile(model_path).metadata, str(model_path))
+        defaults = {}
+    elif choice != "auto":
+        defaults = from_hf_dir(Path(choice))
+    elif model_path.is_dir():
+        defaults = from_hf_dir(model_path)
+    else:
+        defaults = from_gguf_metadata(GGUFFile(model_path).metadata, str(model_path))
+    if announce and defaults:
+        log.info("sampling defaults of the model's generation config (for requests that leave them out): %s",
+                 describe(defaults))
+    return defaults
 
 
 def describe(defaults: dict[str, float | int]) -> str:

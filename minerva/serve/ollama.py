@@ -204,6 +204,14 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
+def shown(card: dict, info: dict, parameters: str) -> dict:
+    """/api/show's answer for a model's card, its /api/tags entry and its sampling `parameters`."""
+    context, family = card.get("max_model_len"), info["details"]["family"]  # model_info's keys by family
+    return {"details": info["details"], "modified_at": info["modified_at"], "template": "", "parameters": parameters,
+            "model_info": {"general.architecture": family, f"{family}.context_length": context,
+                           "context_length": context}, "capabilities": ["completion", "tools"]}
+
+
 def model_parameters(root: str) -> str:
     """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines)."""
     try:
@@ -455,12 +463,7 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
         card = next((c for c in (await models())["data"] if c["id"] == name), None)
         if card is None:
             raise APIError(404, f"model '{body.model or body.name}' not found")
-        info, context = details(card), card.get("max_model_len")
-        family = info["details"]["family"]  # model_info's keys as Ollama's: by family
-        parameters = await asyncio.to_thread(model_parameters, card["root"])
-        return {"details": info["details"], "modified_at": info["modified_at"], "parameters": parameters, "template": "",
-                "model_info": {"general.architecture": family, f"{family}.context_length": context,
-                               "context_length": context}, "capabilities": ["completion", "tools"]}
+        return shown(card, details(card), await asyncio.to_thread(model_parameters, card["root"]))
 
     async def api_version():
         return {"version": __version__}

@@ -1,10 +1,10 @@
 """Request and response bodies of the OpenAI-compatible API (the subset Minerva serves).
 
-Field limits live here, so FastAPI rejects bad values before a handler runs and
-publishes them in the OpenAPI schema. Types are strict, as in OpenAI's API ("4" is not
-a number, "yes" not a boolean), and a field Minerva does not implement is a 400 naming
-it, never silently ignored: unknown fields are refused by the models, and OpenAI fields
-Minerva lacks (`UNSUPPORTED`) are accepted only with the value that asks for nothing.
+Field limits live here, so FastAPI rejects bad values before a handler runs and publishes them
+in the OpenAPI schema. Types are strict, as in OpenAI's API ("4" is not a number, "yes" not a
+boolean), and a field Minerva does not implement is a 400 naming it, never silently ignored:
+unknown fields are refused by the models, and OpenAI fields Minerva lacks (`UNSUPPORTED`) are
+accepted only with the value that asks for nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from minerva.engine.sampler import MAX_LOGPROBS, MAX_SPECULATIVE
 
-MAX_N = 16  # completions per request
-MAX_STOP = 16  # stop strings per request
+MAX_N, MAX_STOP = 16, 16  # completions, and stop strings, per request
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 INT64 = 2**63 - 1
 

@@ -15,7 +15,7 @@ import pytest
 from transformers import GenerationConfig
 
 from minerva import LLM, MinervaError, SamplingParams
-from minerva.formats.generation import FIELDS
+from minerva.formats.generation import FIELDS, from_hf_dir
 from minerva.serve import ollama
 from minerva.serve import protocol as P
 from minerva.serve.convert import sampling_params
@@ -98,6 +98,15 @@ def test_precedence_request_then_model_then_route():
     asked = ollama.chat_request(ollama.ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
                                                    options={"temperature": 0.0}))
     assert sampling_params(asked, 4, None, defaults=model).temperature == 0.0
+    # null, which OpenAI's API takes, is the field left out: the model's default, else the API's
+    body = P.ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": "hi"}], "temperature": null, "top_p": null, "n": null, '
+        '"presence_penalty": null, "stream": null, "logprobs": null}')
+    p = sampling_params(body, 4, None, defaults=model)
+    assert (p.temperature, p.top_k, p.top_p, p.n, p.presence_penalty, body.stream) == (0.25, 7, 1.0, 1, 0.0, False)
+    asked = ollama.chat_request(ollama.ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                   options={"temperature": None}))
+    assert sampling_params(asked, 4, None, defaults=model).temperature == 0.25
 
 
 def test_every_route_takes_the_models_defaults(gguf_file):
@@ -157,3 +166,19 @@ def test_show_names_the_models_defaults(gguf_file, tiny):
 
     assert "  sampling        temperature=0.25, top_k=7, top_p=0.5, min_p=0.125\n" in show_text(model_info(str(gguf_file)))
     assert "  sampling        no defaults of its own\n" in show_text(model_info(str(tiny)))
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"temperature": 1' + "0" * 400 + ', "top_k": 5}', "temperature = 100000"),
+    ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+    ("[0.5]", "holds an array, not a JSON object"),
+    ("null", "holds null, not a JSON object"),
+    ('{"top_k": 18446744073709551615, "top_p": NaN}', "top_k = 18446744073709551615"),
+    ("\xff{", "not readable JSON"),
+])
+def test_a_broken_generation_config_is_a_warning(tmp_path, caplog, text, words):
+    (tmp_path / "generation_config.json").write_bytes(text.encode("latin-1"))
+    with caplog.at_level("WARNING", logger="minerva"):
+        defaults = from_hf_dir(tmp_path)
+    assert defaults == ({"top_k": 5} if '"top_k": 5' in text else {})
+    assert words in caplog.text and len(caplog.text) < 1000

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,10 @@ CHOICES = "'auto' (the model's own), 'none' (the API's defaults) or a folder wit
 
 
 def _valid(name: str, value: Any) -> bool:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return False
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > 2**62 or not math.isfinite(value):
+        return False  # (an integer past a float's range is refused before isfinite would overflow)
     if name == "top_k":
-        return value == int(value) and value >= 0
+        return value == int(value) and 0 <= value < 2**31
     if name == "temperature":
         return 0 <= value <= 2
     if name == "repetition_penalty":
@@ -49,8 +50,8 @@ def _pick(values: dict[str, Any], names: dict[str, str], where: str) -> dict[str
             continue
         value = values[key]
         if not _valid(field, value):
-            log.warning("%s: %s = %r is not a usable %s; requests that leave it out get the API's default",
-                        where, key, value, field)
+            log.warning("%s: %s = %s is not a usable %s; requests that leave it out get the API's default",
+                        where, key, reprlib.repr(value), field)
             continue
         out[field] = int(value) if field == "top_k" else float(value)
     if out.get("top_k") == 0:
@@ -64,10 +65,15 @@ def from_hf_dir(folder: Path) -> dict[str, float | int]:
         return {}
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        log.warning("%s: not readable JSON (%s); its sampling defaults are not used", path, exc)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        log.warning("%s: not readable JSON (%s); its sampling defaults are not used", path,
+                    "nested too deep" if isinstance(exc, RecursionError) else exc)
         return {}
-    return _pick(values, HF_NAMES, str(path)) if isinstance(values, dict) else {}
+    if not isinstance(values, dict):
+        kind = {list: "an array", str: "a string", type(None): "null", bool: "a boolean"}.get(type(values), "a number")
+        log.warning("%s: holds %s, not a JSON object; its sampling defaults are not used", path, kind)
+        return {}
+    return _pick(values, HF_NAMES, str(path))
 
 
 def from_gguf_metadata(metadata: dict[str, Any], where: str) -> dict[str, float | int]:
@@ -102,4 +108,5 @@ def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto",
 
 
 def describe(defaults: dict[str, float | int]) -> str:
-    return ", ".join(f"{name}={value:g}" for name, value in defaults.items())
+    return ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+                     for name, value in defaults.items())

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from minerva.serve import anthropic, ollama, responses
 from minerva.serve import protocol as P
+from minerva.serve import response_bodies as R
 from minerva.serve.async_engine import AsyncEngine
 from minerva.serve.guard import error_response, install
 from minerva.serve.metrics import Metrics
@@ -34,7 +35,7 @@ __all__ = ["ServerConfig", "build_app"]
 STATIC = Path(__file__).parent / "static"  # the chat page
 
 
-ERRORS = {code: {"model": P.ErrorResponse, "description": what} for code, what in [
+ERRORS = {code: {"model": R.ErrorResponse, "description": what} for code, what in [
     (400, "Invalid request: a field out of range, or a prompt beyond the context"),
     (401, "Missing or wrong API key (when the server runs with --api-key)"),
     (404, "Unknown model"),
@@ -50,22 +51,22 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
                     detokenize, keep_alive=None) -> None:
     """Every route of the API on `app`, each answered by the handler given for it (one model's,
     or a server of several's that hands each request to the model it names)."""
-    app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS,
+    app.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses=ERRORS,
              summary="Chat completion (streamed as server-sent events with stream: true)")(chat)
-    app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS,
+    app.post("/v1/completions", response_model=R.CompletionResponse, responses=ERRORS,
              summary="Text completion (streamed as server-sent events with stream: true)")(text)
-    app.post("/v1/embeddings", response_model=P.EmbeddingResponse, responses=ERRORS,
+    app.post("/v1/embeddings", response_model=R.EmbeddingResponse, responses=ERRORS,
              summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(embed)
-    app.get("/v1/models", response_model=P.ModelList, responses={401: ERRORS[401]})(models)
-    app.get("/v1/models/{model_id:path}", response_model=P.ModelCard,
+    app.get("/v1/models", response_model=R.ModelList, responses={401: ERRORS[401]})(models)
+    app.get("/v1/models/{model_id:path}", response_model=R.ModelCard,
             responses={401: ERRORS[401], 404: ERRORS[404]})(model)
-    app.get("/health", response_model=P.Health, responses={503: ERRORS[503]})(health)
+    app.get("/health", response_model=R.Health, responses={503: ERRORS[503]})(health)
     app.get("/metrics", response_class=PlainTextResponse,
             summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(metrics)
     app.get("/", response_class=HTMLResponse, include_in_schema=False)(page)
     app.mount("/ui", StaticFiles(directory=STATIC), name="ui")
-    app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)(tokenize)
-    app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)(detokenize)
+    app.post("/tokenize", response_model=R.TokenizeResponse, responses=ERRORS)(tokenize)
+    app.post("/detokenize", response_model=R.DetokenizeResponse, responses=ERRORS)(detokenize)
     anthropic.register(app, chat, tokenize)
     responses.register(app, chat)
     ollama.register(app, chat=chat, text=text, embed=embed, models=models, keep_alive=keep_alive)

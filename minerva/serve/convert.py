@@ -28,6 +28,7 @@ from minerva.formats.generation import FIELDS as GENERATION_FIELDS
 from minerva.parsers.tool_calls import CallPiece, ToolCall
 from minerva.parsers.tools import ToolFormat, ToolPlan, make_plan
 from minerva.serve import protocol as P
+from minerva.serve import response_bodies as R
 
 DONE = "data: [DONE]\n\n"
 ACCESS = "minerva.access"  # the scope key of a request's access record, which the routes fill in
@@ -395,7 +396,7 @@ class Reply:
 
     def delta(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
               offset: int = 0, reasoning: str = "", pieces: Sequence[CallPiece] = (),
-              stop_reason: str | int | None = None) -> P.ChatChunkChoice | P.CompletionChoice:
+              stop_reason: str | int | None = None) -> R.ChatChunkChoice | R.CompletionChoice:
         """One choice of a stream chunk (a chat delta carries no content once it has finished;
         with reasoning or tool calls, only the fields that have something new)."""
         lp = self.logprobs(items, offset)
@@ -408,22 +409,22 @@ class Reply:
             if pieces:
                 delta["tool_calls"] = [piece_delta(p) for p in pieces]
             extra = {} if stop_reason is None else {"stop_reason": stop_reason}
-            return P.ChatChunkChoice(index=index, delta=P.ChatDelta(**delta), logprobs=lp,
+            return R.ChatChunkChoice(index=index, delta=R.ChatDelta(**delta), logprobs=lp,
                                      finish_reason=finish, **extra)
         extra = {} if stop_reason is None else {"stop_reason": stop_reason}
-        return P.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, **extra)
+        return R.CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=finish, **extra)
 
     def opening(self, prefixes: list[str]) -> list:
         """The choices of the first chunk: the assistant role of every chat choice, or the echoed
         prompts of a text completion; none when there is nothing to say yet."""
         if self.chat:
-            return [P.ChatChunkChoice(index=i, delta=P.ChatDelta(role="assistant", content=""),
+            return [R.ChatChunkChoice(index=i, delta=R.ChatDelta(role="assistant", content=""),
                                              logprobs=None, finish_reason=None) for i in range(len(prefixes))]
         return [self.delta(i, p, None, []) for i, p in enumerate(prefixes) if p]
 
     def chunk(self, choices: list, **extra) -> str:
         """A server-sent event with one chunk (`extra`: usage and timings, with no choices)."""
-        kind = P.ChatCompletionChunk if self.chat else P.CompletionChunk
+        kind = R.ChatCompletionChunk if self.chat else R.CompletionChunk
         body = kind(**self.head, choices=choices, **extra).model_dump(exclude_unset=True)
         return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
@@ -433,12 +434,12 @@ def finish_reason(finish: str | None, calls: Sequence | bool) -> str | None:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-def piece_delta(p: CallPiece) -> P.ToolCallDelta:
+def piece_delta(p: CallPiece) -> R.ToolCallDelta:
     """A stream's tool-call delta: the id, type and name with the first piece of a call."""
     if p.name is None:
-        return P.ToolCallDelta(index=p.index, function=P.FunctionCallDelta(arguments=p.arguments))
-    return P.ToolCallDelta(index=p.index, id=p.id, type="function",
-                                  function=P.FunctionCallDelta(name=p.name, arguments=p.arguments))
+        return R.ToolCallDelta(index=p.index, function=R.FunctionCallDelta(arguments=p.arguments))
+    return R.ToolCallDelta(index=p.index, id=p.id, type="function",
+                                  function=R.FunctionCallDelta(name=p.name, arguments=p.arguments))
 
 
 def arguments_object(text: str) -> dict:

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from minerva.engine.sampler import MAX_LOGPROBS, MAX_SPECULATIVE
 
-MAX_N, MAX_STOP = 16, 16  # completions, and stop strings, per request
-MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_N, MAX_STOP, MAX_PROMPTS = 16, 16, 64  # completions and stop strings a request, prompts a /v1/completions one
+NULLABLE = {"n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "stream", "logprobs", "top_logprobs"}
 INT64 = 2**63 - 1
 
 # Fields of OpenAI's API that Minerva does not implement yet -> the values that ask for nothing.
@@ -63,7 +64,15 @@ class _Sampling(_Body):
     model: str | None = Field(None, description="Served model name; omitted means the served model.")
     _to_context: bool = PrivateAttr(False)  # max_tokens past the context: up to it (Ollama's num_predict)
     _thinks: bool = PrivateAttr(False)  # asks a reasoning model to think (Ollama's think)
+    _truncate: bool = PrivateAttr(False)  # a conversation past the context drops its oldest turns (Responses')
     _fallback: dict = PrivateAttr(default_factory=dict)  # sampling defaults under the model's (Ollama's)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data):
+        """null, which OpenAI's API takes for these fields, is the field left out (its default)."""
+        return {k: v for k, v in data.items() if v is not None or k not in NULLABLE} if isinstance(data, dict) else data
+
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: PositiveInt | None = None
     stop: (Annotated[str, Field(min_length=1)]
@@ -280,220 +289,3 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]
-
-
-# ---------------------------------------------------------------- responses
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class Timings(BaseModel):
-    """llama.cpp's per-response timings."""
-
-    prompt_n: int
-    prompt_ms: float
-    prompt_per_token_ms: float
-    prompt_per_second: float
-    predicted_n: int
-    predicted_ms: float
-    predicted_per_token_ms: float
-    predicted_per_second: float
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprobOut(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprobOut]
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = Field(description="The answer; null when the reply is only tool calls")
-    tool_calls: list[ToolCallOut] | None = Field(None, description="Present when the model called tools "
-                                                                   "(finish_reason is then \"tool_calls\")")
-    reasoning_content: str | None = Field(
-        None, description="What a reasoning model thought before its answer (absent for other models).")
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None
-    stop_reason: str | int | None = Field(None, description="With finish_reason \"stop\": the stop string or "
-                                                            "stop token id that ended it (vLLM's); absent otherwise")
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    timings: Timings | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None
-    stop_reason: str | int | None = Field(None, description="With finish_reason \"stop\": the stop string or "
-                                                            "stop token id that ended it (vLLM's); absent otherwise")
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    timings: Timings | None = None
-
-
-
-# ------------------------------------------------------------------ stream chunks
-# Each is written with exclude_unset: a chunk holds the fields given to it, no more (a chat
-# delta only what is new; logprobs and finish_reason always, null or not).
-
-
-class FunctionCallDelta(BaseModel):
-    name: str | None = Field(None, description="With the first piece of a call")
-    arguments: str = Field(description="The next piece of the arguments' JSON text")
-
-
-class ToolCallDelta(BaseModel):
-    index: int = Field(description="Which call of the reply this piece belongs to")
-    id: str | None = Field(None, description="With the first piece of a call")
-    type: Literal["function"] | None = None
-    function: FunctionCallDelta
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = Field(None, description="In the first chunk")
-    content: str | None = None
-    reasoning_content: str | None = Field(None, description="New thoughts of a reasoning model")
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = Field(None, description="With finish_reason \"stop\": the stop string or "
-                                                            "stop token id that ended it (vLLM's); absent otherwise")
-
-
-class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, description="In a last chunk with no choices, with stream_options.include_usage")
-    timings: Timings | None = None
-
-
-class CompletionChunk(BaseModel):
-    """One server-sent event of a streamed text completion."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    timings: Timings | None = None
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "minerva"
-    root: str = Field(description="The model file or directory served (the model as given, while not loaded)")
-    max_model_len: int | None = Field(description="Prompt and output tokens a request may reach (null: not loaded)")
-    loaded: bool = Field(True, description="Whether the model is loaded now (a server of several loads on demand)")
-    parent: str | None = Field(None, description="For a LoRA adapter: the base model it runs on")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class Embedding(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Embedding]
-    model: str
-    usage: EmbeddingUsage
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class Health(BaseModel):
-    status: str

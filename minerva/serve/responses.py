@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from minerva.errors import MinervaError
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, ContextError, chunks, validated
-from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields, drop_oldest,
+from minerva.serve.convert import ACCESS, APIError, chunks, validated
+from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields,
                                              input_messages, new_id)
 
 PATH = "/v1/responses"
@@ -301,15 +301,10 @@ def register(app, chat) -> None:
             raise APIError(400, "background responses are not supported; leave background out (or false)", "background")
         history = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
         raw.scope.setdefault(ACCESS, {})
-        fields = chat_fields(body, history)
         try:
-            while True:
-                try:
-                    answered = await chat(validated(P.ChatCompletionRequest, fields), raw)
-                    break
-                except ContextError:
-                    if body.truncation != "auto" or not drop_oldest(fields["messages"]):
-                        raise
+            request = validated(P.ChatCompletionRequest, chat_fields(body, history))
+            request._truncate = body.truncation == "auto"
+            answered = await chat(request, raw)
         except MinervaError as exc:
             raise in_responses_terms(APIError(400, str(exc))) from None
         except APIError as exc:

@@ -147,18 +147,6 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
     return out
 
 
-def drop_oldest(messages: list[dict]) -> bool:
-    """Drop the conversation's oldest item (and the tool results it leaves without their call),
-    instructions and system messages kept; False where only the last message is left."""
-    first = next((i for i, m in enumerate(messages) if m.get("role") not in ("system", "developer")), None)
-    if first is None or first == len(messages) - 1:
-        return False
-    del messages[first]
-    while first < len(messages) - 1 and messages[first].get("role") == "tool":
-        del messages[first]
-    return True
-
-
 def chat_fields(body: ResponsesRequest, history: list[dict]) -> dict:
     """The chat completion request answering `body` after the stored conversation `history`."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history

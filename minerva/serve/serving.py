@@ -142,13 +142,14 @@ class Serving:
         is code from the model file, and its time is bounded by the renderer, not the event loop.
         A conversation that cannot fit the context is refused before it is rendered."""
         if len(messages) > self.max_model_len:  # every message takes a token at least
-            raise convert.ContextError(f"{len(messages)} messages cannot fit in this model's context of "
-                                       f"{self.max_model_len} tokens; send fewer", "messages")
+            raise convert.ContextError(f"the conversation (messages) has {len(messages)} items, more than this "
+                                       f"model's context of {self.max_model_len} tokens can hold; send fewer",
+                                       "messages")
         chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in messages)
         if chars > self.max_prompt_chars:
-            raise convert.ContextError(f"the messages hold {chars} characters, more than this model's maximum "
-                                       f"context length of {self.max_model_len} tokens can hold (at most "
-                                       f"{self.max_prompt_chars}); shorten them", "messages")
+            raise convert.ContextError(f"the conversation (messages) holds {chars} characters, more than this "
+                                       f"model's maximum context length of {self.max_model_len} tokens can hold (at most "
+                                       f"{self.max_prompt_chars}); shorten it", "messages")
         try:
             return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
                                            add_generation_prompt=add_generation_prompt, tools=tools,

@@ -10,6 +10,7 @@ from minerva.serve import convert
 from minerva.serve.convert import APIError
 from minerva.serve import protocol as P
 from minerva.serve.serving import Serving
+from minerva.serve.truncation import fitting
 
 
 class ChatServing(Serving):
@@ -25,9 +26,7 @@ class ChatServing(Serving):
         tools = convert.tool_plan(body, self.llm.tool_format)
         if tools is not None and tools.forced:
             await self.check_parameters(tools)
-        prompt = await self.chat_prompt(body.messages, body.add_generation_prompt, variables,
-                                        tools.prompt_tools if tools else None, body.continue_final_message)
-        ids = await self.encode(prompt, "messages")
+        prompt, ids = await self.chat_ids(body, variables, tools)
         requests = await self.requests([ids], body, convert.chat_max_tokens(body), convert.chat_logprobs_count(body),
                                  "messages", chat=True, tools=tools)
         fmt = self.llm.reasoning  # a model that reasons first: each choice split by a parser of its own
@@ -40,3 +39,19 @@ class ChatServing(Serving):
                        for i in range(len(requests))]
         return await self.answer(raw, requests, body, True, body.logprobs, len(ids), [""] * len(requests),
                                  parsers, callers)
+
+    async def chat_ids(self, body: P.ChatCompletionRequest, variables: dict, tools) -> tuple[str, list[int]]:
+        """The prompt and its token ids; a request that asks (`_truncate`) drops the oldest
+        turns of a conversation that does not fit the context with the tokens it asks for."""
+        async def attempt(messages: list[P.ChatMessage]) -> tuple[str, list[int]]:
+            prompt = await self.chat_prompt(messages, body.add_generation_prompt, variables,
+                                            tools.prompt_tools if tools else None, body.continue_final_message)
+            ids = await self.encode(prompt, "messages")
+            if body._truncate:  # the 400 the engine's requests would give, raised here to try a shorter one
+                convert.max_tokens_within(len(ids), convert.chat_max_tokens(body), self.max_model_len, "messages",
+                                          body._to_context)
+            return prompt, ids
+
+        if not body._truncate:
+            return await attempt(body.messages)
+        return await fitting(body.messages, [m.role for m in body.messages], attempt)

@@ -16,6 +16,7 @@ from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.errors import MinervaError
 from minerva.serve import convert
 from minerva.serve import protocol as P
+from minerva.serve import response_bodies as R
 from minerva.serve.convert import APIError, Reply
 
 CHAT = [{"role": "user", "content": "Hi"}]
@@ -166,7 +167,7 @@ def test_timings():
     assert got == pytest.approx({"prompt_n": 4, "prompt_ms": 200.0, "prompt_per_token_ms": 50.0,
                                  "prompt_per_second": 20.0, "predicted_n": 5, "predicted_ms": 1000.0,
                                  "predicted_per_token_ms": 200.0, "predicted_per_second": 5.0})
-    P.Timings.model_validate(got)
+    R.Timings.model_validate(got)
     assert convert.timings([10.0], [], [11.0], 4, 5) is None  # no token yet
     zero = convert.timings([1.0], [1.0], [1.0], 0, 0)
     assert zero["prompt_per_token_ms"] == zero["predicted_per_second"] == 0.0
@@ -195,7 +196,7 @@ def test_chat_response_is_openai_shaped():
     assert got.choices[0].message.content == "Hello" and got.choices[0].message.role == "assistant"
     assert [t.token for t in got.choices[0].logprobs.content] == ["Hel", "lo"]
     assert got.choices[1].logprobs.content == [] and got.usage.total_tokens == 5
-    P.ChatCompletionResponse.model_validate(body)
+    R.ChatCompletionResponse.model_validate(body)
     assert chat_reply().choice(0, "a", "stop", [lp(0, -0.1)])["logprobs"] is None  # none asked for
 
 
@@ -207,7 +208,7 @@ def test_completion_response_is_openai_shaped():
     assert got.object == "text_completion" and got.choices[0].text == "echo:Hello"
     assert got.choices[0].logprobs.text_offset == [5, 8]
     assert body["timings"]["predicted_n"] == 2
-    P.CompletionResponse.model_validate(body)
+    R.CompletionResponse.model_validate(body)
 
 
 def test_chat_stream_chunks_are_openai_shaped():
@@ -235,7 +236,7 @@ def test_reasoning_replies_carry_reasoning_content():
     assert got.choices[0].message.content == "Hi!"
     assert got.choices[0].message.model_extra["reasoning_content"] == "They greet me."
     assert body["choices"][1]["message"]["reasoning_content"] is None  # no reasoning: null, not ""
-    assert P.ChatCompletionResponse.model_validate(body).choices[0].message.reasoning_content == "They greet me."
+    assert R.ChatCompletionResponse.model_validate(body).choices[0].message.reasoning_content == "They greet me."
     deltas = [reply.delta(0, "", None, [], reasoning="They"), reply.delta(0, "Hi", None, [], reasoning=" greet."),
               reply.delta(0, "!", None, []), reply.delta(0, "", "stop", [])]
     assert [d.model_dump(exclude_unset=True)["delta"] for d in deltas] == [{"reasoning_content": "They"},
@@ -295,4 +296,4 @@ def test_stream_error_events():
 def test_error_body():
     assert convert.error_body(404, "no", "model") == {
         "error": {"message": "no", "type": "invalid_request_error", "param": "model", "code": 404}}
-    P.ErrorResponse.model_validate(convert.error_body(400, "x"))
+    R.ErrorResponse.model_validate(convert.error_body(400, "x"))

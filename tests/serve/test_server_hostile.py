@@ -595,10 +595,11 @@ def test_a_conversation_that_cannot_fit_is_refused_before_its_template_runs(serv
     url, _ = served
     many = [{"role": "user", "content": "hi"}] * 300  # the tiny model's context: 256 tokens
     assert_400(post(url, "/v1/chat/completions", {"messages": many, "max_tokens": 1}),
-               "300 messages cannot fit in this model's context of 256 tokens", param="messages")
+               "the conversation (messages) has 300 items, more than this model's context of 256 tokens",
+               param="messages")
     long = [{"role": "user", "content": "x" * 100_000}]
     assert_400(post(url, "/v1/chat/completions", {"messages": long, "max_tokens": 1}),
-               "the messages hold 100000 characters", param="messages")
+               "the conversation (messages) holds 100000 characters", param="messages")
     assert post(url, "/v1/chat/completions", {"messages": many[:3], "max_tokens": 1}).status_code == 200
 
 

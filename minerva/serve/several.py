@@ -11,7 +11,7 @@ import torch
 
 import minerva.hub as hub
 from minerva.engine.engine import FIT
-from minerva.errors import MinervaError
+from minerva.errors import MinervaError, not_a_file
 from minerva.formats.gguf import GGUFFile, split_parts
 from minerva.models.fit import RUNTIME, available_memory, weight_bytes
 from minerva.llm import parse_device, resolve_dtype
@@ -121,6 +121,9 @@ def models_in(folder: str) -> list[str]:
     found = [p for p in sorted(root.iterdir()) if (p.suffix.lower() == ".gguf" and p.is_file()
                                                    and (split_parts(p) or [p])[0] == p)
              or (p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")))]
+    for p in sorted(root.iterdir()):  # named .gguf, but no file to read
+        if p.suffix.lower() == ".gguf" and not p.is_file() and not (p / "config.json").is_file():
+            print(f"minerva: skipping '{p.name}' in --models-dir: it {not_a_file(p)}", file=sys.stderr)
     for p in [p for p in found if not utf8(p.name)]:  # clients could not name it
         print(f"minerva: skipping {os.fsencode(p)!r} in --models-dir: its name is not valid UTF-8; rename it",
               file=sys.stderr)

@@ -210,6 +210,8 @@ def test_models_dir(tmp_path, tiny, capsys):
     for i in (1, 2):
         (folder / f"big-0000{i}-of-00002.gguf").write_bytes(b"part")  # a split model's parts, but junk
     (folder / "cut.gguf").write_bytes(tiny.read_bytes()[:3000])
+    (folder / "dir.gguf").mkdir()
+    (folder / "gone.gguf").symlink_to(folder / "nowhere.gguf")
     (folder / "notes.txt").write_text("not a model")
     tiny_hf.save(folder, "llama-tied")
     (folder / "empty").mkdir()
@@ -217,9 +219,12 @@ def test_models_dir(tmp_path, tiny, capsys):
     found = models_in(str(folder))
     assert [served_name(m) for m in found] == ["a", "llama-tied"]
     skipped = [line for line in capsys.readouterr().err.splitlines() if "skipping" in line]
-    assert len(skipped) == 3 and "not valid UTF-8" in skipped[0]
-    assert "'big-00001-of-00002.gguf'" in skipped[1] and "not a readable GGUF" in skipped[1]
-    assert "'cut.gguf'" in skipped[2] and "re-download the file" in skipped[2]
+    assert len(skipped) == 5, skipped
+    assert "'dir.gguf'" in skipped[0] and "is a directory, not a file" in skipped[0]
+    assert "'gone.gguf'" in skipped[1] and "a symbolic link to nothing" in skipped[1]
+    assert "not valid UTF-8" in skipped[2]
+    assert "'big-00001-of-00002.gguf'" in skipped[3] and "not a readable GGUF" in skipped[3]
+    assert "'cut.gguf'" in skipped[4] and "re-download the file" in skipped[4]
     assert_clean_error(run("serve", "--models-dir", str(folder / "empty")), "holds no .gguf file")
     assert_clean_error(run("serve", "--models-dir", str(folder / "nothing")), "is not a folder")
 

@@ -228,8 +228,9 @@ def in_anthropic_terms(message: str) -> str:
 def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
     """The chat completion request that answers `body`."""
     messages = chat_messages(body)
-    fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
-                    "stream": body.stream, **chat_tools(body), **prefill(messages)}
+    # streamed whether or not the client streams: a whole message is what the stream wrote
+    fields: dict = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens, "stream": True,
+                    "stream_options": {"include_usage": True}, **chat_tools(body), **prefill(messages)}
     if "temperature" in body.model_fields_set:  # else the model's default
         fields["temperature"] = body.temperature
     if body.stop_sequences:
@@ -240,8 +241,6 @@ def chat_request(body: MessagesRequest) -> P.ChatCompletionRequest:
         fields["top_k"] = body.top_k
     if body.thinking is not None and body.thinking.type != "adaptive":  # Qwen3-style templates read it
         fields["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
-    if body.stream:
-        fields["stream_options"] = {"include_usage": True}
     if body.container is not None:
         raise APIError(400, "container (code execution) is not supported by this server; leave it out", "container")
     config = body.output_config
@@ -263,26 +262,6 @@ def stop_of(finish: str | None, stop_reason, stops: list[str] | None) -> tuple[s
     return STOP_REASONS.get(finish or "stop", "end_turn"), None
 
 
-def message(reply: dict, body: MessagesRequest) -> dict:
-    """A whole chat completion as an Anthropic message."""
-    choice = reply["choices"][0]
-    m = choice["message"]
-    content: list[dict] = []
-    if m.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": m["reasoning_content"], "signature": ""})
-    if m.get("content"):
-        content.append({"type": "text", "text": m["content"]})
-    for call in m.get("tool_calls") or []:
-        content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": arguments_object(call["function"]["arguments"])})
-    reason, sequence = stop_of(choice["finish_reason"], choice.get("stop_reason"), body.stop_sequences)
-    usage = reply["usage"]
-    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": body.model,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
-
-
-
 def event(kind: str, data: dict) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
@@ -294,6 +273,8 @@ class Stream:
 
     def __init__(self, body: MessagesRequest, prompt_tokens: int):
         self.body, self.index, self.open = body, -1, None  # open: the kind of the block being written
+        self.content: list[dict] = []  # the blocks written so far (a tool_use's input as JSON text)
+        self.prompt_tokens, self.error = prompt_tokens, None
         self.calls: dict[int, int] = {}  # a chat delta's tool call index -> its block index
         self.finish = self.stop_reason = None
         self.output_tokens = 0
@@ -306,6 +287,7 @@ class Stream:
         out = self.close()
         self.index += 1
         self.open = kind
+        self.content.append({**block, "input": ""} if kind == "tool_use" else dict(block))
         return out + [event("content_block_start", {"index": self.index, "content_block": block})]
 
     def close(self) -> list[str]:
@@ -318,6 +300,7 @@ class Stream:
         """The events of one chat completion chunk."""
         if "error" in chunk:
             status = chunk["error"].get("code", 500)
+            self.error = APIError(status if isinstance(status, int) else 500, chunk["error"]["message"])
             return self.close() + [f"event: error\ndata: {json.dumps(error_body(status, chunk['error']['message']))}\n\n"]
         if chunk.get("usage"):
             self.output_tokens = chunk["usage"]["completion_tokens"]
@@ -327,11 +310,16 @@ class Stream:
             if delta.get("reasoning_content"):
                 if self.open != "thinking":
                     out += self._block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                self.content[-1]["thinking"] += delta["reasoning_content"]
                 out.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning_content"]}))
-            if delta.get("content"):
+            text = delta.get("content")
+            if text and self.open != "text" and self.index >= 0:
+                text = text.lstrip()  # the space between a call (or the thinking) and the text after it
+            if text:
                 if self.open != "text":
                     out += self._block("text", {"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+                self.content[-1]["text"] += text
+                out.append(self._delta({"type": "text_delta", "text": text}))
             for call in delta.get("tool_calls") or []:
                 if call["index"] not in self.calls:
                     out += self._block("tool_use", {"type": "tool_use", "id": call.get("id") or "",
@@ -339,6 +327,7 @@ class Stream:
                     self.calls[call["index"]] = self.index
                 piece = (call.get("function") or {}).get("arguments")
                 if piece:
+                    self.content[self.calls[call["index"]]]["input"] += piece
                     out.append(event("content_block_delta", {"index": self.calls[call["index"]], "delta": {
                         "type": "input_json_delta", "partial_json": piece}}))
             if choice.get("finish_reason"):
@@ -353,6 +342,25 @@ class Stream:
         return self.close() + [event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                                        "usage": {"output_tokens": self.output_tokens}}),
                                event("message_stop", {})]
+
+
+    def message(self) -> dict:
+        """The whole message the stream wrote."""
+        reason, sequence = stop_of(self.finish, self.stop_reason, self.body.stop_sequences)
+        content = [{**b, "input": arguments_object(b["input"])} if b["type"] == "tool_use" else b for b in self.content]
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": self.body.model,
+                "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}}
+
+
+async def whole(response: StreamingResponse, stream: Stream) -> dict:
+    """The message of a streamed chat completion, as the stream writes it (its blocks in the
+    order they were written); a generation that failed is its error."""
+    async for chunk in chunks(response):
+        stream.feed(chunk)
+    if stream.error is not None:
+        raise stream.error
+    return stream.message()
 
 
 async def events(response: StreamingResponse, stream: Stream):
@@ -381,9 +389,12 @@ def register(app, chat, tokenize) -> None:
                                 headers=exc.headers)
         except MinervaError as exc:
             return JSONResponse(error_body(400, in_anthropic_terms(str(exc))), status_code=400)
-        if not body.stream:
-            return JSONResponse(message(json.loads(response.body), body))
         stream = Stream(body, raw.scope[ACCESS].get("prompt", 0))
+        if not body.stream:
+            try:
+                return JSONResponse(await whole(response, stream))
+            except APIError as exc:
+                return JSONResponse(error_body(exc.status, exc.message), status_code=exc.status)
         return StreamingResponse(events(response, stream), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

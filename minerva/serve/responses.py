@@ -33,24 +33,6 @@ STORE_SIZE = 1024  # responses kept for GET and previous_response_id, least rece
 # ------------------------------------------------------------------ answers
 
 
-def output_items(message: dict, logprobs: list[dict] | None = None) -> list[dict]:
-    """A chat completion's message (and its tokens' `logprobs`, where asked for) as Response
-    output items."""
-    items = []
-    if message.get("reasoning_content"):
-        items.append({"type": "reasoning", "id": new_id("rs"), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})
-    if message.get("content") or not message.get("tool_calls"):
-        items.append({"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
-                      "content": [{"type": "output_text", "text": message.get("content") or "", "annotations": [],
-                                   **({"logprobs": logprobs} if logprobs is not None else {})}]})
-    for call in message.get("tool_calls") or []:
-        items.append({"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
-                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                      "status": "completed"})
-    return items
-
-
 def response(body: ResponsesRequest, rid: str, created: int, items: list[dict], finish: str | None,
              usage: dict | None, status: str | None = None, model: str | None = None) -> dict:
     """The Response object (`status`: in_progress while streaming, else from the finish reason;
@@ -140,6 +122,7 @@ class Stream:
         self.open: dict | None = None  # the item being written
         self.calls: dict[int, dict] = {}  # a chat delta's tool call index -> its item
         self.finish, self.usage, self.model = None, None, None
+        self.final: dict | None = None  # the Response once the stream has ended
         # asked for: a message's output_text gathers its tokens' log probabilities
         self.logprobs = body.top_logprobs is not None or LOGPROBS in (body.include or [])
 
@@ -199,17 +182,20 @@ class Stream:
                                       "content": [{"type": "reasoning_text", "text": ""}]})
                 self.open["content"][0]["text"] += delta["reasoning_content"]
                 out.append(self._delta("response.reasoning_text.delta", delta["reasoning_content"], 0))
-            if delta.get("content"):
+            text = delta.get("content")
+            if text and (self.open is None or self.open["type"] != "message") and self.items:
+                text = text.lstrip()  # the space between a call (or the reasoning) and the text after it
+            if text:
                 if self.open is None or self.open["type"] != "message":
                     out += self._add({"type": "message", "id": new_id("msg"), "status": "completed",
                                       "role": "assistant", "content": [{"type": "output_text", "text": "",
                                                                         "annotations": [],
                                                                         **({"logprobs": []} if self.logprobs else {})}]})
                 pieces = (choice.get("logprobs") or {}).get("content") or []
-                self.open["content"][0]["text"] += delta["content"]
+                self.open["content"][0]["text"] += text
                 if self.logprobs:
                     self.open["content"][0]["logprobs"] += pieces
-                out.append(self._delta("response.output_text.delta", delta["content"], 0, pieces))
+                out.append(self._delta("response.output_text.delta", text, 0, pieces))
             for call in delta.get("tool_calls") or []:
                 if call["index"] not in self.calls:
                     out += self._add({"type": "function_call", "id": new_id("fc"), "call_id": call.get("id") or "",
@@ -268,12 +254,27 @@ async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | 
             for e in stream.start():
                 yield e
         closing, final = stream.end()
+        stream.final = final
         for e in closing:
             yield e
     finally:
         if store is not None and stream.rid in store.items:  # not deleted (nor dropped) meanwhile
             final = final or stream.snapshot("cancelled")
             store.put(stream.rid, final, conversation + history_of(final["output"]))
+
+
+async def whole(chat_stream: StreamingResponse, stream: Stream, store: Store | None, conversation: list[dict]) -> dict:
+    """The Response a streamed chat completion ends in, built as the events are (the items in
+    the order they were written), stored (`store`) as `events` stores it; a generation that
+    failed is its error (500, or 400 where the input was at fault)."""
+    error = None
+    async for e in events(chat_stream, stream, store, conversation):
+        if e.startswith("event: error\n"):
+            error = json.loads(e.split("data: ", 1)[1])
+    if error is not None:
+        status = int(error["code"]) if str(error.get("code")).isdigit() else 500
+        raise APIError(status, error["message"], type="server_error" if status >= 500 else "invalid_request_error")
+    return stream.final
 
 
 # the chat request's fields as this API names them, for the errors of the chat route's checks
@@ -315,13 +316,8 @@ def register(app, chat) -> None:
             return StreamingResponse(events(answered, Stream(body, rid, created), store if body.store else None,
                                             conversation), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        reply = json.loads(answered.body)
-        choice = reply["choices"][0]
-        final = response(body, rid, created, output_items(choice["message"], (choice.get("logprobs") or {}).get("content")), choice["finish_reason"], reply["usage"],
-                         model=reply.get("model"))
-        if body.store:
-            store.put(rid, final, conversation + history_of(final["output"]))
-        return JSONResponse(final)
+        return JSONResponse(await whole(answered, Stream(body, rid, created), store if body.store else None,
+                                        conversation))
 
     async def retrieve(response_id: str):
         return store.get(response_id)[0]

@@ -150,13 +150,13 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict]:
 def chat_fields(body: ResponsesRequest, history: list[dict]) -> dict:
     """The chat completion request answering `body` after the stored conversation `history`."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
-    fields: dict = {"model": body.model, "messages": messages + input_messages(body.input), "stream": body.stream}
+    # streamed whether or not the client streams: a whole Response is the stream's last state
+    fields: dict = {"model": body.model, "messages": messages + input_messages(body.input), "stream": True,
+                    "stream_options": {"include_usage": True}}
     for name, value in (("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
                         ("top_p", body.top_p), ("parallel_tool_calls", body.parallel_tool_calls)):
         if value is not None:
             fields[name] = value
-    if body.stream:
-        fields["stream_options"] = {"include_usage": True}
     if body.top_logprobs is not None or LOGPROBS in (body.include or []):
         fields.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     if body.tools:

@@ -309,10 +309,10 @@ def test_harmony_forced_call_grammar(tmp_path, choice):
     llm.close()
 
 
-def test_text_after_a_call_streams_after_it(tmp_path):
+def test_text_after_a_call_comes_after_it(tmp_path):
     """A reply that writes text, a call, then more text: the chat stream's chunks, the Responses
-    stream's items and Anthropic's content blocks come in that order, however the decode bursts
-    cut the reply."""
+    items and Anthropic's content blocks, streamed or whole, come in that order, however the
+    decode bursts cut the reply."""
     import anthropic
 
     path = write_tiny_llama(tmp_path / "hermes.gguf", context=1024, special_tokens=("<|end|>",),
@@ -337,12 +337,25 @@ def test_text_after_a_call_streams_after_it(tmp_path):
             {"type": "function", **WEATHER["function"]}], stream=True)
         items = [e.item for e in stream if e.type == "response.output_item.done"]
         assert [i.type for i in items] == ["message", "function_call", "message"]
-        assert items[0].content[0].text == "Checking." and items[2].content[0].text.strip() == "Done."
+        assert items[0].content[0].text == "Checking." and items[2].content[0].text == "Done."
+        whole = client.responses.create(model="test-model", input="Rome?", tools=[
+            {"type": "function", **WEATHER["function"]}])  # the same items, in the same order
+        assert [(i.type, getattr(i, "name", None) or i.content[0].text) for i in whole.output] == [
+            ("message", "Checking."), ("function_call", "get_weather"), ("message", "Done.")]
         messages = anthropic.Anthropic(base_url=url, api_key="unused", timeout=60, max_retries=0)
         with messages.messages.stream(model="test-model", max_tokens=200, messages=ASK, tools=[{
                 "name": "get_weather", "description": WEATHER["function"]["description"],
                 "input_schema": WEATHER["function"]["parameters"]}]) as events:
             final = events.get_final_message()
         assert [b.type for b in final.content] == ["text", "tool_use", "text"]
-        assert final.content[1].input == {"city": "Rome"}
+        assert final.content[1].input == {"city": "Rome"} and final.content[2].text == "Done."
+        whole = messages.messages.create(model="test-model", max_tokens=200, messages=ASK, tools=[{
+            "name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}])
+        assert [b.model_dump(include={"type", "text", "input"}) for b in whole.content] == [
+            {"type": "text", "text": "Checking."}, {"type": "tool_use", "input": {"city": "Rome"}},
+            {"type": "text", "text": "Done."}]
+        chat = client.chat.completions.create(model="test-model", messages=ASK, tools=[WEATHER], max_tokens=200)
+        assert whole.stop_reason == "tool_use" and (whole.usage.input_tokens, whole.usage.output_tokens) == (
+            chat.usage.prompt_tokens, chat.usage.completion_tokens)
     llm.close()

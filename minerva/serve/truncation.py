@@ -11,6 +11,7 @@ that fits is found by bisection: a few renderings, however long the conversation
 
 from __future__ import annotations
 
+from collections import abc
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 from minerva.serve.convert import ContextError
@@ -19,20 +20,27 @@ T = TypeVar("T")
 KEPT = ("system", "developer")
 
 
-def cuts(roles: Sequence[str]) -> list[list[int]]:
-    """The indices each cut keeps, from the smallest cut to the largest (the uncut list not
-    among them)."""
-    kept = [i for i, r in enumerate(roles) if r in KEPT]
-    rest = [i for i, r in enumerate(roles) if r not in KEPT]
-    users = [k for k, i in enumerate(rest) if roles[i] == "user"]
-    if not users:
-        return []
-    last = users[-1]
-    starts = [k for k in users if k > 0]  # drop every item before each later turn's user message
-    steps = [k for k in range(last + 1, len(rest)) if roles[rest[k]] == "assistant"]
-    out = [sorted(kept + rest[k:]) for k in starts]
-    out += [sorted(kept + [rest[last]] + rest[k:]) for k in steps[1:]]  # the last turn's oldest steps
-    return out
+class Cuts(abc.Sequence):
+    """The indices each cut of a conversation with these `roles` keeps, from the smallest cut to
+    the largest (the uncut list not among them); each list made when asked for."""
+
+    def __init__(self, roles: Sequence[str]):
+        self.kept = [i for i, r in enumerate(roles) if r in KEPT]
+        self.rest = [i for i, r in enumerate(roles) if r not in KEPT]
+        users = [k for k, i in enumerate(self.rest) if roles[i] == "user"]
+        self.options: list[tuple[bool, int]] = []  # (the last user message kept apart, where the rest resumes)
+        if users:
+            self.last = users[-1]
+            self.options = [(False, k) for k in users if k > 0]  # every item before a later turn's user message
+            steps = [k for k in range(self.last + 1, len(self.rest)) if roles[self.rest[k]] == "assistant"]
+            self.options += [(True, k) for k in steps[1:]]  # then the last turn's oldest steps
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __getitem__(self, i):
+        apart, k = self.options[i]
+        return sorted(self.kept + ([self.rest[self.last]] if apart else []) + self.rest[k:])
 
 
 async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list], Awaitable[T]]) -> T:
@@ -41,7 +49,7 @@ async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list
     try:
         return await attempt(list(items))
     except ContextError as first:
-        options = cuts(roles)
+        options = Cuts(roles)
         if not options:
             raise
         try:

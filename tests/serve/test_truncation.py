@@ -12,21 +12,21 @@ import pytest
 
 from minerva import LLM
 from minerva.serve.convert import ContextError
-from minerva.serve.truncation import cuts, fitting
+from minerva.serve.truncation import Cuts, fitting
 from tests.helpers.server import running_server
 
 
 def test_whole_turns_go_first_then_the_last_turns_oldest_steps():
     roles = ["system", "user", "assistant", "user", "assistant", "tool", "developer", "user", "assistant", "tool",
              "assistant", "tool", "assistant", "tool"]
-    assert cuts(roles) == [
+    assert list(Cuts(roles)) == [
         [0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],  # the first turn
         [0, 6, 7, 8, 9, 10, 11, 12, 13],  # the second: the rest starts at the last user message
         [0, 6, 7, 10, 11, 12, 13],  # then the last turn's first step (a call and its result)
         [0, 6, 7, 12, 13],  # its latest step stays
     ]
-    assert cuts(["system", "user"]) == [] and cuts(["system", "assistant"]) == []
-    assert cuts(["assistant", "tool", "user"]) == [[2]]  # a conversation that starts without a user message
+    assert list(Cuts(["system", "user"])) == [] and list(Cuts(["system", "assistant"])) == []
+    assert list(Cuts(["assistant", "tool", "user"])) == [[2]]  # a conversation that starts without a user message
 
 
 @pytest.mark.parametrize("fits", [1, 2, 5, 999, 1000])
@@ -43,7 +43,7 @@ def test_the_smallest_cut_that_fits_in_a_few_tries(fits):
 
     kept = asyncio.run(fitting(items, roles, attempt))
     assert kept == [0] + items[len(items) - 1 - 2 * fits:]
-    assert len(tries) <= 2 + math.ceil(math.log2(len(cuts(roles)))) + 1
+    assert len(tries) <= 2 + math.ceil(math.log2(len(Cuts(roles)))) + 1
 
 
 def test_nothing_fits_is_the_first_error():

@@ -343,7 +343,6 @@ class Stream:
                                                        "usage": {"output_tokens": self.output_tokens}}),
                                event("message_stop", {})]
 
-
     def message(self) -> dict:
         """The whole message the stream wrote."""
         reason, sequence = stop_of(self.finish, self.stop_reason, self.body.stop_sequences)

@@ -86,6 +86,8 @@ def test_question_streams_the_greedy_answer(browser, served):
     browser.execute_script("localStorage.clear()")
     browser.get(url + "/")
     wait_for(lambda: browser.find_element(By.ID, "model").text == "smollm2", what="the model name")
+    # left empty, temperature and top-p are not sent: the model's own defaults apply
+    assert browser.execute_script("return [temperature.value, document.getElementById('top-p').value]") == ["", ""]
     settings(browser, temperature=0, **{"max-tokens": 48})
     # Every change of the page, recorded by the page itself: the answer's length each time.
     browser.execute_script("window.seen = []; new MutationObserver(() => {"

@@ -245,7 +245,8 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.config = self.loaded.config
         self._use_chat_template(given_template)
-        self.sampling_defaults = sampling_defaults(self.path, generation_config, announce=True)
+        self.sampling_defaults = sampling_defaults(self.path, generation_config, announce=True,
+                                                   metadata=self.loaded.metadata)
         self.reasoning = reasoning_for(self.tokenizer)  # how its replies split into reasoning and answer
         self.tool_format = tools_for(self.tokenizer, self._render)  # how its template and replies carry tools
         draft = engine_config.draft_model

@@ -88,10 +88,11 @@ def check_choice(choice: Any) -> None:
         raise MinervaError(f"generation_config (--generation-config) must be {CHOICES}; got {str(choice)!r}")
 
 
-def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto",
-                      announce: bool = False) -> dict[str, float | int]:
+def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto", announce: bool = False,
+                      metadata: dict[str, Any] | None = None) -> dict[str, float | int]:
     """The sampling defaults a model's requests start from: its own (`choice` "auto"), none
-    ("none"), or those of another folder's generation_config.json; logged with `announce`."""
+    ("none"), or those of another folder's generation_config.json; logged with `announce`. A
+    GGUF model's header `metadata`, where it is read already, spares reading it again."""
     check_choice(choice)
     if choice == "none":
         defaults = {}
@@ -100,7 +101,8 @@ def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto",
     elif model_path.is_dir():
         defaults = from_hf_dir(model_path)
     else:
-        defaults = from_gguf_metadata(GGUFFile(model_path).metadata, str(model_path))
+        defaults = from_gguf_metadata(metadata if metadata is not None else GGUFFile(model_path).metadata,
+                                      str(model_path))
     if announce and defaults:
         log.info("sampling defaults of the model's generation config (for requests that leave them out): %s",
                  describe(defaults))

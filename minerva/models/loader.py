@@ -259,6 +259,7 @@ class LoadedModel:
     compute_bytes: int  # what the matmuls read: packed bytes, or dequantized copies
     shard: Shard | None = None  # under tensor parallelism, the part of the model this rank holds
     footprint: Footprint | None = None  # what its headers say it takes (minerva.models.fit)
+    metadata: dict | None = None  # a GGUF file's header (None for a Hugging Face directory)
 
 
 # The file's own name for each config field, for errors that name what to look at.
@@ -493,5 +494,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         layer.make_fused()
     model.stack_layers()
     freeze(model)
-    return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored,
-                       compute, shard, sizes)
+    return LoadedModel(model, config, tokenizer, path, time.perf_counter() - start, stored, compute, shard, sizes,
+                       weights.f.metadata if isinstance(weights, GGUFWeights) else None)

@@ -159,6 +159,7 @@ def test_the_store(served, client):
     # the chat route's checks, in this API's names
     ({"input": []}, "input: an empty list"),
     ({"input": "Hi", "max_output_tokens": 10**6}, "max_output_tokens asks for"),
+    ({"input": "Hi", "truncation": "sometimes"}, "truncation"),
     ({"input": "Hi", "tools": [{"type": "function", "name": "f b"}]}, "tools.0.name"),
     ({"input": "Hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": 5}},
      "tool_choice"),

@@ -231,8 +231,6 @@ def _template_variables(args) -> dict:
 
 def cmd_chat(args) -> int:
     model = _one_model(args, args.model, "chat")
-    if args.max_tokens is None:  # no -n: a reply runs to its end or the context's
-        args.max_tokens = chat.UNCAPPED
     sampling(args)  # checked before the model loads
     llm = _load(model, args)
     params = sampling(args, llm.sampling_defaults)
@@ -248,8 +246,6 @@ def cmd_run(args) -> int:
     if chats:
         args.model = words
         return cmd_chat(args)
-    if args.max_tokens is None:
-        args.max_tokens = chat.UNCAPPED
     return cmd_generate(args)
 
 
@@ -388,14 +384,14 @@ def _add_conversation_parsers(sub) -> None:
     conversation("generate", "args", "[MODEL] PROMPT", True, help="generate an answer to a prompt, streamed",
                  description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "
                              "file or a Hugging Face directory (default smollm2-135m)").set_defaults(func=cmd_generate)
-    # chat and run: no -n, no cap on a reply but the context's
+    # chat and run: without -n (or the model's max_new_tokens), no cap on a reply but the context's
     conversation("chat", "model", "MODEL", False, help="interactive chat with the model's template"
-                 ).set_defaults(func=cmd_chat, max_tokens=None)
+                 ).set_defaults(func=cmd_chat, max_tokens_fallback=chat.UNCAPPED)
     conversation("run", "args", "[MODEL] [PROMPT]", True,
                  help="chat with MODEL, or answer PROMPT and end (as `ollama run`)",
                  description="minerva run [MODEL] [PROMPT]: with no PROMPT on a terminal, chat (as `minerva "
                              "chat`); with one, or one piped in, answer it (as `minerva generate`)"
-                 ).set_defaults(func=cmd_run, max_tokens=None)
+                 ).set_defaults(func=cmd_run, max_tokens_fallback=chat.UNCAPPED)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -148,7 +148,9 @@ FALLBACK = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repe
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", "-n", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="tokens to generate at most (default: the model's generation config, else 256; "
+                        "chat and run: the context)")
     model = "(default: the model's generation config, else {})"
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy " + model.format(0.8))
     g.add_argument("--top-k", type=int, default=None, help="0 = off " + model.format(40))
@@ -163,10 +165,12 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def sampling(args, defaults: dict | None = None) -> SamplingParams:
-    """The command's parameters: its flags, else the model's sampling `defaults`, else FALLBACK."""
-    chosen = {name: value if (value := getattr(args, name)) is not None else (defaults or {}).get(name, fallback)
-              for name, fallback in FALLBACK.items()}
-    return SamplingParams(max_tokens=args.max_tokens, **chosen,
+    """The command's parameters: its flags, else the model's sampling `defaults`, else FALLBACK
+    (and the command's own `max_tokens_fallback`)."""
+    fallback = {**FALLBACK, "max_tokens": getattr(args, "max_tokens_fallback", 256)}
+    chosen = {name: value if (value := getattr(args, name)) is not None else (defaults or {}).get(name, otherwise)
+              for name, otherwise in fallback.items()}
+    return SamplingParams(**chosen,
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed,
                           stop=tuple(args.stop), ignore_eos=args.ignore_eos)

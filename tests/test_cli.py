@@ -324,7 +324,7 @@ def test_mistyped_flag_gets_its_subcommands_usage_and_a_hint():
     assert "minerva bench serve: error: unrecognized arguments: --num-promts (did you mean --num-prompts?)" \
         in proc.stderr
     helped = run("generate", "--help")
-    assert helped.returncode == 0 and "(default: 256)" in helped.stdout  # defaults are shown
+    assert helped.returncode == 0 and "(default: 16)" in helped.stdout  # defaults are shown
     assert "(default: the model's generation config, else 0.8)" in " ".join(helped.stdout.split())
     assert "(default: None)" not in helped.stdout and "(default: False)" not in helped.stdout
 

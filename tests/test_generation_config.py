@@ -44,11 +44,13 @@ def gguf_file(tmp_path_factory):
 def test_hf_defaults_are_what_transformers_reads(hf_dir):
     llm = LLM(str(hf_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20)
     reference = GenerationConfig.from_pretrained(hf_dir).to_diff_dict()  # only the keys the file sets
-    assert llm.sampling_defaults == {name: reference[name] for name in FIELDS if name in reference}
-    assert llm.sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.05}
+    assert llm.sampling_defaults == {**{name: reference[name] for name in FIELDS if name in reference},
+                                     "max_tokens": reference["max_new_tokens"]}
+    assert llm.sampling_defaults == {"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.05,
+                                     "max_tokens": 100}
     params = llm.get_default_sampling_params()
-    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == (
-        0.6, 20, 0.9, 0.0, 1.05)
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty,
+            params.max_tokens) == (0.6, 20, 0.9, 0.0, 1.05, 100)
     off = LLM(str(hf_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20, generation_config="none")
     assert off.sampling_defaults == {} and off.get_default_sampling_params() == SamplingParams()
 
@@ -138,6 +140,33 @@ def test_every_route_takes_the_models_defaults(gguf_file):
             ["temperature", "0.25"], ["top_k", "7"], ["top_p", "0.5"], ["min_p", "0.125"]]
 
 
+def test_a_models_reply_length_is_a_default_cut_at_the_context(hf_dir):
+    """generation_config's max_new_tokens is the max_tokens of a request that leaves it out,
+    cut to the room the context leaves (as vLLM's); a request's own max_tokens (or Ollama's
+    num_predict -1) is not held to it."""
+    llm = LLM(str(hf_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20, max_model_len=120)
+    seen: list[SamplingParams] = []
+    make = llm.make_requests
+    llm.make_requests = lambda ids, params: (seen.append((len(ids), params.max_tokens)), make(ids, params))[1]
+    calls = [("/v1/completions", {"prompt": "hi"}, None, 100),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 3}, None, 3),
+             ("/v1/completions", {"prompt": "hi " * 10}, None, "room"),
+             ("/v1/completions", {"prompt": "hi", "max_tokens": 104}, None, 104),
+             ("/api/generate", {"prompt": "hi", "raw": True, "stream": False}, {}, 100),
+             ("/api/generate", {"prompt": "hi", "raw": True, "stream": False}, {"num_predict": -1}, "room")]
+    with running_server(llm) as (url, _):
+        for path, body, options, expected in calls:
+            seen.clear()
+            fields = {**body, **({"options": {**options, "temperature": 0.0}} if options is not None else {})}
+            r = httpx.post(url + path, json={"model": "test-model", **fields}, timeout=120)
+            assert r.status_code == 200, (path, r.text)
+            prompt_len, max_tokens = seen[0]
+            assert max_tokens == (120 - prompt_len if expected == "room" else expected), (path, body, options)
+            assert expected != "room" or max_tokens != 100  # (the room is not the default by chance)
+        r = httpx.post(url + "/v1/completions", json={"model": "test-model", "prompt": "hi " * 40}, timeout=60)
+        assert r.status_code == 400 and "asks for" not in r.json()["error"]["message"]  # nothing was asked
+
+
 def test_the_command_line_takes_the_models_defaults(hf_dir, tmp_path):
     """A model whose own temperature is 0 answers greedily: the same text as --temperature 0,
     whatever the seed; with --generation-config none it samples (temperature 0.8)."""
@@ -156,6 +185,12 @@ def test_the_command_line_takes_the_models_defaults(hf_dir, tmp_path):
     assert run("--generation-config", str(greedy_dir), "--seed", "1") == greedy
     assert run("--generation-config", str(greedy_dir), "--seed", "2") == greedy
     assert run("--generation-config", "none", "--seed", "1") != greedy
+    (greedy_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    short = run("--temperature", "0", "-n", "5")
+    assert short != greedy and greedy.startswith(short.rstrip("\n"))
+    assert subprocess.run([sys.executable, "-m", "minerva", "generate", str(hf_dir), "hello", "--raw", "--ignore-eos",
+                           "--dtype", "float32", "--generation-config", str(greedy_dir)], capture_output=True,
+                          text=True, timeout=300).stdout == short  # no -n: the model's max_new_tokens
     bad = subprocess.run([sys.executable, "-m", "minerva", "generate", str(hf_dir), "hi", "--generation-config",
                           str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--generation-config" in bad.stderr and "Traceback" not in bad.stderr

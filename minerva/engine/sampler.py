@@ -129,10 +129,13 @@ def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.devic
 
 
 # What to try when a model's logits come out NaN/inf, by the dtype it ran in: float16
-# overflows past 65504, bfloat16 has float32's range but only 8 bits of mantissa.
+# overflows past 65504, bfloat16 has float32's range but only 8 bits of mantissa. Weights that
+# hold NaN give the same logits in every dtype: the last resort names them.
 _OVERFLOW_ADVICE = {
-    torch.float16: "numeric overflow in float16; run with --dtype bfloat16 or float32",
-    torch.bfloat16: "numeric overflow in bfloat16; run with --dtype float32",
+    torch.float16: "numeric overflow in float16; run with --dtype bfloat16 or float32, and if that fails too, "
+                   "the model's weights may be damaged",
+    torch.bfloat16: "numeric overflow in bfloat16, or damaged weights; run with --dtype float32, and if that fails "
+                    "too, the model's weights are damaged",
 }
 
 

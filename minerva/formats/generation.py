@@ -1,9 +1,10 @@
 """A model's own sampling defaults: the temperature, top-k, top-p, min-p and repetition penalty
-its makers recommend, for requests that do not set them (as vLLM and llama.cpp apply them).
+its makers recommend, and the length of a reply, for requests that do not set them (as vLLM
+and llama.cpp apply them).
 
 They come from a Hugging Face directory's `generation_config.json` (the keys it writes, not
-transformers' built-in defaults), or from a GGUF file's `general.sampling.*` keys (llama.cpp's
-names). A value of the wrong kind or out of range is left out with a warning: the model still
+transformers' built-in defaults; `max_new_tokens` is the reply's length), or from a GGUF
+file's `general.sampling.*` keys (llama.cpp's names; they hold no length). A value of the wrong kind or out of range is left out with a warning: the model still
 loads, and requests fall back to the API's own default for it.
 """
 
@@ -22,9 +23,9 @@ from minerva.formats.gguf import GGUFFile
 
 log = logging.getLogger("minerva")
 
-FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-# generation_config.json's names and general.sampling.*'s, for each field
-HF_NAMES = {name: name for name in FIELDS}
+FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # the sampling fields
+# generation_config.json's names and general.sampling.*'s, for each field (and max_tokens)
+HF_NAMES = {**{name: name for name in FIELDS}, "max_tokens": "max_new_tokens"}
 GGUF_NAMES = {"temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
               "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
               "repetition_penalty": "general.sampling.penalty_repeat"}
@@ -36,6 +37,8 @@ def _valid(name: str, value: Any) -> bool:
         return False  # (an integer past a float's range is refused before isfinite would overflow)
     if name == "top_k":
         return value == int(value) and 0 <= value < 2**31
+    if name == "max_tokens":
+        return value == int(value) and 1 <= value < 2**31
     if name == "temperature":
         return 0 <= value <= 2
     if name == "repetition_penalty":
@@ -53,7 +56,7 @@ def _pick(values: dict[str, Any], names: dict[str, str], where: str) -> dict[str
             log.warning("%s: %s = %s is not a usable %s; requests that leave it out get the API's default",
                         where, key, reprlib.repr(value), field)
             continue
-        out[field] = int(value) if field == "top_k" else float(value)
+        out[field] = int(value) if field in ("top_k", "max_tokens") else float(value)
     if out.get("top_k") == 0:
         del out["top_k"]  # 0 is off, as it is already
     return out
@@ -110,5 +113,8 @@ def sampling_defaults(model_path: Path, choice: str | os.PathLike = "auto", anno
 
 
 def describe(defaults: dict[str, float | int]) -> str:
-    return ", ".join(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
-                     for name, value in defaults.items())
+    return ", ".join(f"{name}={value_text(value)}" for name, value in defaults.items())
+
+
+def value_text(value: float | int) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)

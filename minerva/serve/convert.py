@@ -250,7 +250,7 @@ def max_tokens_within(prompt_len: int, max_tokens: int | None, max_model_len: in
     if to_context and max_tokens is not None and room >= 1:
         max_tokens = min(max_tokens, room)
     if room < 1 or (max_tokens is not None and max_tokens > room):
-        asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
+        asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None and not to_context else ""
         raise ContextError(f"this model's maximum context length is {max_model_len} tokens, but the prompt "
                            f"has {prompt_len} tokens{asked}; shorten the prompt or lower max_tokens", param)
     return max_tokens or room

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minerva import __version__
 from minerva.errors import MinervaError
-from minerva.formats.generation import sampling_defaults
+from minerva.formats.generation import sampling_defaults, value_text
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
@@ -154,9 +154,9 @@ def sampling(body: _Request) -> dict:
                 if not isinstance(value, int) or isinstance(value, bool) or not (value > 0 or value in (-1, -2)):
                     raise APIError(400, "options.num_predict must be a positive integer, -1 (no limit) or -2 (fill "
                                         f"the context), got {value!r}", "options.num_predict")
-                if value > 0:
-                    fields["max_tokens"] = value
-                continue  # -1 (no limit) and -2 (fill the context): up to the context
+                # -1 (no limit) and -2 (fill the context): up to the context, past a model's own default
+                fields["max_tokens"] = value if value > 0 else 2**31 - 1
+                continue
             fields[OPTIONS[name]] = [value] if name == "stop" and isinstance(value, str) else value
         elif name in NEUTRAL_OPTIONS:
             if value != NEUTRAL_OPTIONS[name]:
@@ -219,7 +219,7 @@ def model_parameters(root: str) -> str:
     except (MinervaError, OSError):  # not a local model (a repo not yet fetched): none known
         return ""
     names = {option: name for name, option in OPTIONS.items()}
-    return "\n".join(f"{names[field]:<30} {value:g}" for field, value in defaults.items())
+    return "\n".join(f"{names[field]:<30} {value_text(value)}" for field, value in defaults.items())
 
 
 def to_context(request, think=None):

@@ -183,9 +183,10 @@ class Serving:
         `fixed` parameters instead of the body's sampling fields (an embedding's)."""
         requests = []
         forced = tools.output(self.llm.tool_format) if tools is not None else None
+        own = max_tokens is None and self.llm.sampling_defaults.get("max_tokens")  # the model's, cut at the context
         for i, ids in enumerate(prompts):
-            limit = convert.max_tokens_within(len(ids), max_tokens, self.max_model_len, param,
-                                              getattr(body, "_to_context", False))
+            limit = convert.max_tokens_within(len(ids), own or max_tokens, self.max_model_len, param,
+                                              bool(own) or getattr(body, "_to_context", False))
             params = fixed or convert.sampling_params(body, limit, logprobs, forced, self.llm.sampling_defaults)
             if body.model in self.llm.adapter_paths:  # the base model with that adapter
                 params = dataclasses.replace(params, adapter=body.model)

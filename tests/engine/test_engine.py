@@ -309,7 +309,8 @@ def test_random_add_abort_step_never_leaks(tight_llm, actions):
 
 @pytest.mark.parametrize("dtype,norm_weight,advice", [
     ("float16", 1e6, r"overflow in float16; run with --dtype bfloat16 or float32"),  # finite in the wider dtypes
-    ("bfloat16", math.nan, r"in bfloat16; run with --dtype float32\)"),
+    ("bfloat16", math.nan, r"in bfloat16, or damaged weights; run with --dtype float32, and if that fails too, "
+                           r"the model's weights are damaged\)"),
     ("float32", math.nan, r"ran in float32, so no wider dtype helps"),
 ])
 def test_nan_logits_advice_fits_the_dtype_of_the_run(model_dir, dtype, norm_weight, advice):

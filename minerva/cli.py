@@ -21,10 +21,13 @@ from minerva.formats.tokenizer import check_unicode
 from minerva.chat import ReplyWriter
 from minerva.parsers.reasoning import ReasoningParser
 from minerva.kernels import dispatch, tune
+from minerva.kernels.kv_quant import resolve_format
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb
 from minerva.options import (
+    add_chat_template,
     add_model_options,
+    add_reasoning_effort,
     add_sampling_options,
     engine_options,
     kv_formats,
@@ -214,6 +217,8 @@ def cmd_generate(args) -> int:
     check_unicode(prompt)  # before the load, and counting in the prompt given rather than the templated one
     sampling(args)  # checked before the model loads
     llm = _load(model, args)
+    if not args.raw:
+        _cap_a_base_model(llm, args)
     params = sampling(args, llm.sampling_defaults)
     if args.raw:
         _stream_one(llm, prompt, params)
@@ -225,6 +230,17 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _cap_a_base_model(llm: LLM, args) -> None:
+    """A model with no chat template of its own (a base model, chatting in the built-in one)
+    seldom ends a reply: without -n (or the model's max_new_tokens), its replies stop at 256
+    tokens, not at the context, and a line says so."""
+    if llm.built_in_template and args.max_tokens is None and "max_tokens" not in llm.sampling_defaults:
+        args.max_tokens_fallback = min(getattr(args, "max_tokens_fallback", 256), 256)
+        print(f"minerva: {llm.path.name} has no chat template of its own (a base model, not tuned to chat), so its "
+              f"replies may not end: each stops at {args.max_tokens_fallback} tokens (give -n for more, or --raw to "
+              "complete text)", file=sys.stderr)
+
+
 def _template_variables(args) -> dict:
     return {"reasoning_effort": args.reasoning_effort} if args.reasoning_effort else {}
 
@@ -233,6 +249,7 @@ def cmd_chat(args) -> int:
     model = _one_model(args, args.model, "chat")
     sampling(args)  # checked before the model loads
     llm = _load(model, args)
+    _cap_a_base_model(llm, args)
     params = sampling(args, llm.sampling_defaults)
     return chat.chat(llm, llm.chat_params(params), args.system, _template_variables(args))
 
@@ -303,15 +320,9 @@ def cmd_perplexity(args) -> int:
     print(file=sys.stderr)
     print(f"perplexity {r.perplexity:.4f}  (nll {r.nll:.4f} nats/token over {r.tokens} tokens, "
           f"{r.windows} windows, context {context}, stride {args.stride or context}, "
-          f"KV cache k={k_format} v={v_format}, "
+          f"KV cache k={resolve_format(k_format, llm.dtype)} v={resolve_format(v_format, llm.dtype)}, "
           f"{r.tokens / seconds:.0f} tokens/s)")
     return 0
-
-
-def _add_reasoning_effort(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None,
-                   help="how much a reasoning model thinks first (GPT-OSS's template reads it; "
-                        "default: the template's)")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -357,16 +368,6 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
-def _add_chat_template(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="the Jinja chat template to render chats with instead of the model's own: a file, or the "
-                        "template's text")
-    p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
-                   help="sampling defaults for what a request (or the command line) leaves out: 'auto' the "
-                        "model's own (generation_config.json, a GGUF's general.sampling.*), 'none' the API's, "
-                        "or DIR's generation_config.json")
-
-
 def _add_conversation_parsers(sub) -> None:
     """`generate`, `chat` and `run` (the one or the other, as `ollama run`)."""
     def conversation(name: str, positional: str, metavar: str, raw: bool, **parser) -> argparse.ArgumentParser:
@@ -375,18 +376,19 @@ def _add_conversation_parsers(sub) -> None:
         if raw:
             p.add_argument("--raw", action="store_true", help="complete the prompt as is, without the chat template")
         p.add_argument("--system", default=None, help="system message for the chat template")
-        _add_chat_template(p)
-        _add_reasoning_effort(p)
+        add_chat_template(p)
+        add_reasoning_effort(p)
         add_model_options(p)
         add_sampling_options(p)
         return p
 
     conversation("generate", "args", "[MODEL] PROMPT", True, help="generate an answer to a prompt, streamed",
                  description="minerva generate [MODEL] [PROMPT]: MODEL is a pulled name, a .gguf "
-                             "file or a Hugging Face directory (default smollm2-135m)").set_defaults(func=cmd_generate)
+                             "file, a Hugging Face directory or repo (OWNER/REPO[:QUANT]; default smollm2-135m)").set_defaults(func=cmd_generate)
     # chat and run: without -n (or the model's max_new_tokens), no cap on a reply but the context's
-    conversation("chat", "model", "MODEL", False, help="interactive chat with the model's template"
-                 ).set_defaults(func=cmd_chat, max_tokens_fallback=chat.UNCAPPED)
+    conversation("chat", "model", "MODEL", False, help="interactive chat with the model's template",
+                 description="minerva chat [MODEL]: an interactive chat with MODEL (default smollm2-135m) in its "
+                             "chat template; /help lists the commands").set_defaults(func=cmd_chat, max_tokens_fallback=chat.UNCAPPED)
     conversation("run", "args", "[MODEL] [PROMPT]", True,
                  help="chat with MODEL, or answer PROMPT and end (as `ollama run`)",
                  description="minerva run [MODEL] [PROMPT]: with no PROMPT on a terminal, chat (as `minerva "
@@ -418,14 +420,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="*", metavar="MODEL")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    _add_chat_template(p)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but "
+                                                          "/health and the chat page")
+    add_chat_template(p)
     p.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
                    help="serve a LoRA adapter (PEFT's folder, or a Hugging Face repo) as model NAME on top of the "
                         "model; repeatable")
     p.add_argument("--allowed-origins", type=_origins, default=None, metavar="ORIGINS",
                    help="origins a browser page may call the API from (CORS): '*' for any, or a comma-separated "
-                        "list (default: pages of this machine, http(s)://localhost and 127.0.0.1)")
+                        "list (default: pages of this machine, http(s)://localhost, 127.0.0.1 and [::1])")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may send, the first one reported in responses and "
                         "metrics (default: the pulled name or the file's stem)")

@@ -280,6 +280,7 @@ class LLM:
                 log.warning("%s; chat requests will fail (completions work)", exc)
         else:
             self.chat_template_source = f"Minerva's built-in chat template for {self.config.architecture}"
+        self.built_in_template = given is None and not self.tokenizer.chat_template  # a base model's, mostly
         self.chat_template = self.tokenizer.resolved_chat_template
 
     def _attach_adapters(self, lora: dict[str, str], auto_pull: bool) -> None:

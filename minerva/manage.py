@@ -153,12 +153,13 @@ def server_status(url: str, api_key: str | None = None, timeout: float = 5.0) ->
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=timeout)
-        metrics = httpx.get(f"{url}/metrics", timeout=timeout)
+        metrics = httpx.get(f"{url}/metrics", headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise MinervaError(f"no Minerva server answers at {url} ({exc}); start one with `minerva serve`, "
                            f"or give --host/--port") from None
-    if models.status_code == 401:
-        raise MinervaError(f"the server at {url} wants an API key: give --api-key")
+    if 401 in (models.status_code, metrics.status_code):
+        raise MinervaError(f"the server at {url} wants an API key: give --api-key" if not api_key else
+                           f"the server at {url} refuses the API key given (--api-key)")
     try:
         cards = models.json()["data"]
         families = {f.name: f for f in text_string_to_metric_families(metrics.text)}

@@ -54,14 +54,14 @@ def add_device_options(p: argparse.ArgumentParser) -> None:
 
 def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--model", "-m", dest="model_flag", default=None, metavar="MODEL",
-                   help="the model, as the MODEL argument takes it (a pulled name, a .gguf file or a Hugging "
-                        "Face directory), for those used to vLLM's --model")
+                   help="the model, as the MODEL argument takes it (a pulled name, a .gguf file, a Hugging "
+                        "Face directory or repo), for those used to vLLM's --model")
     add_device_options(p)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activation dtype (default auto: bfloat16 on CPUs with AVX-512 BF16 and on "
                         "GPUs, else float32)")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: physical cores; at most 4 a CPU this process may use)")
+                   help="CPU threads (default: physical cores; at most 4 per CPU this process may use)")
     add_no_tune(p)
     p.add_argument("--activations", default="auto", choices=["auto", "float", "int8"],
                    help=ACTIVATIONS_HELP)
@@ -174,3 +174,20 @@ def sampling(args, defaults: dict | None = None) -> SamplingParams:
                           presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed,
                           stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def add_chat_template(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="the Jinja chat template to render chats with instead of the model's own: a file, or the "
+                        "template's text")
+    p.add_argument("--generation-config", default="auto", metavar="auto|none|DIR",
+                   help="sampling defaults for what a request (or the command line) leaves out: 'auto' the "
+                        "model's own (generation_config.json, a GGUF's general.sampling.*), 'none' without them "
+                        "(serve: the API's defaults; generate, chat, run: their flags' defaults), or DIR's "
+                        "generation_config.json")
+
+
+def add_reasoning_effort(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reasoning-effort", choices=("low", "medium", "high"), default=None,
+                   help="how much a reasoning model thinks first (GPT-OSS's template reads it; "
+                        "default: the template's)")

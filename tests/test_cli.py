@@ -14,6 +14,8 @@ from tests.helpers.hf import hf_greedy, hf_perplexity, load_hf_quantized_referen
 from tests.helpers.tiny_gguf import TINY_CONTEXT, write_tiny_llama
 from tests.helpers.tiny_hf import save
 
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"  # a chat template for the tiny models
+
 
 def reference_tokenizer(path):
     from transformers import AutoTokenizer
@@ -178,7 +180,7 @@ def test_perplexity_tiny(tiny, tmp_path):
     text.write_text("the quick brown fox jumps over the lazy dog " * 3)
     proc = run("perplexity", str(tiny), str(text), "--context", "16", "--stride", "8", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("perplexity ")
+    assert proc.stdout.startswith("perplexity ") and "KV cache k=float32 v=float32," in proc.stdout  # "auto" resolved
     ours = float(proc.stdout.split()[1])
     ref = hf_perplexity(load_hf_reference(tiny), reference_tokenizer(tiny).encode(text.read_text()), 16, 8)
     assert abs(ours - ref) / ref < 1e-4, (ours, ref)
@@ -217,9 +219,10 @@ def test_chat_commands_and_multiline(tiny):
     assert proc.stderr.count("[cut off") == 1  # one reply: to the two-line message; /bye left before the last
 
 
-def test_chat_set_parameter_and_show(tiny):
+def test_chat_set_parameter_and_show(tiny, tmp_path):
     """Ollama's /set parameter NAME VALUE and /show; a bad name or value is one error line and
     the session goes on."""
+    tiny = write_tiny_llama(tmp_path / "tiny.gguf", context=TINY_CONTEXT, chat_template=TEMPLATE)  # no cap at 256
     typed = ("/show\n/set parameter temperature 0\n/set parameter num_predict 2\n/show parameters\n"
              "/set parameter top_k lots\n/set parameter bogus 1\n/set parameter temperature -1\n/show nonsense\n/set\n"
              "hi\n")
@@ -234,11 +237,25 @@ def test_chat_set_parameter_and_show(tiny):
     assert "[cut off: the reply reached 2 tokens" in err  # num_predict took
 
 
-def test_chat_replies_are_not_capped_silently(tiny):
+def test_chat_replies_are_not_capped_silently(tmp_path):
     """Without -n a reply runs to its end or the context's (it was cut at 256 tokens)."""
-    proc = run("chat", str(tiny), "--temperature", "0", "--ignore-eos", input="hi\n")
+    model = write_tiny_llama(tmp_path / "chatty.gguf", context=400, chat_template=TEMPLATE)
+    proc = run("chat", str(model), "--temperature", "0", "--ignore-eos", input="hi\n")
     assert proc.returncode == 0, proc.stderr
-    assert "[cut off: the reply reached the context]" in proc.stderr
+    assert "[cut off: the reply reached the context]" in proc.stderr and "base model" not in proc.stderr
+
+
+def test_a_base_models_replies_stop_at_256_tokens(tmp_path):
+    """A model without a chat template of its own seldom ends a chat reply: without -n, chat
+    and run stop it at 256 tokens and say why; -n and --raw are taken as they are."""
+    model = write_tiny_llama(tmp_path / "base.gguf", context=400)
+    for proc in (run("chat", str(model), "--temperature", "0", "--ignore-eos", input="hi\n"),
+                 run("run", str(model), "hi", "--temperature", "0", "--ignore-eos")):
+        assert proc.returncode == 0, proc.stderr
+        assert "has no chat template of its own (a base model" in proc.stderr and "stops at 256 tokens" in proc.stderr
+        assert "[cut off: the reply reached 256 tokens" in proc.stderr or "[256 tokens, finish=length" in proc.stderr
+    proc = run("run", str(model), "hi", "--temperature", "0", "--ignore-eos", "-n", "300")
+    assert "base model" not in proc.stderr and "[300 tokens, finish=length" in proc.stderr
 
 
 def test_run_answers_a_prompt_or_chats(tiny, monkeypatch):

@@ -79,6 +79,12 @@ def test_ps_reads_a_running_server(tiny):
                                                 "MODEL"]
     with pytest.raises(MinervaError, match="no Minerva server answers"):
         manage.server_status(url, timeout=2)
+    with running_server(llm, served_model_name="tiny", api_key="sk-local") as (url, _):
+        assert [r["name"] for r in manage.server_status(url, api_key="sk-local")] == ["tiny"]  # /metrics too
+        with pytest.raises(MinervaError, match="wants an API key: give --api-key"):
+            manage.server_status(url)
+        with pytest.raises(MinervaError, match="refuses the API key given"):
+            manage.server_status(url, api_key="sk-other")
 
 
 def test_hf_directory_is_shown(tmp_path):

@@ -29,7 +29,7 @@ def int_range(text: str) -> tuple[int, int]:
 
 def add_common_options(q: argparse.ArgumentParser) -> None:
     q.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="pulled name, .gguf file or Hugging Face directory (default smollm2-135m)")
+                   help="pulled name, .gguf file, Hugging Face directory or repo (default smollm2-135m)")
     q.add_argument("--compare", action="append", default=[], choices=PEERS,
                    help="also run this peer on the same model file (repeatable)")
     add_device_options(q)

@@ -411,8 +411,9 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     out += _context_table(costs, hw, args)
     if args.tensor_parallel_size:
         out += ["", _parallel_table(costs, hw, config, args)]
-    source, chosen = tune.in_force()
-    out += ["", f"int8 kernel choices: {source}"]
+    source, chosen = tune.in_force() if probed else (None, None)  # this machine's: not for --hardware
+    if probed:
+        out += ["", f"int8 kernel choices: {source}"]
     if chosen is not None:
         out += tune.table(chosen, hw.bandwidth if probed else None)
         if tune.busy_note(chosen):
@@ -432,7 +433,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "bandwidth and compute peak (probed here in a few seconds, or from --hardware), "
                     "and with --measure how close the engine gets")
     p.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="a pulled name, a .gguf file or a Hugging Face directory (default smollm2-135m)")
+                   help="a pulled name, a .gguf file, a Hugging Face directory or repo (default smollm2-135m)")
     p.add_argument("--hardware", default=None, metavar="NAME",
                    help=f"predict for other hardware instead of probing this one: {', '.join(PRESETS)}")
     p.add_argument("--bandwidth", type=float, default=None, metavar="GB/s",

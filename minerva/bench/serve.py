@@ -304,7 +304,12 @@ async def _model_name(args) -> str:
     try:
         async with httpx.AsyncClient(timeout=30) as client:
             resp = await client.get(args.base_url.rstrip("/") + "/v1/models", headers=headers)
+            if resp.status_code == 401:
+                raise MinervaError(f"the server at {args.base_url} wants an API key: give --api-key" if not args.api_key
+                                   else f"the server at {args.base_url} refuses the API key given (--api-key)")
             return resp.json()["data"][0]["id"]
+    except MinervaError:
+        raise
     except Exception as exc:  # noqa: BLE001
         raise MinervaError(f"cannot list models at {args.base_url}/v1/models ({type(exc).__name__}: {exc}); "
                            "is the server running? (or pass --model-name)") from None

@@ -77,6 +77,11 @@ class PagedKVCache:
         return num_pools * total
 
     @property
+    def formats(self) -> dict[str, str]:
+        """The K and V formats, "auto" resolved ({"k": "bfloat16", "v": "int8"})."""
+        return dict(self._formats)
+
+    @property
     def token_blocks(self) -> int:
         """How many blocks of block_size tokens the pool holds for every layer at once: what a
         pool of the same bytes with one table for all layers would have (a draft's pool size)."""

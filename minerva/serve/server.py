@@ -62,7 +62,7 @@ def describe(llm, config: ServerConfig, url: str) -> str:
         f"{sum(w is not None for w in layout.group_windows)} of them sliding-window")
     return (f"serving {llm.path.name} as {names} on {llm.device} ({str(llm.dtype)[6:]}); "
             f"KV cache {blocks} blocks x {size} tokens{tables} "
-            f"({cache.nbytes / 1e6:.0f} MB, k={cache.k_format} v={cache.v_format}), "
+            f"({cache.nbytes / 1e6:.0f} MB, k={cache.formats['k']} v={cache.formats['v']}), "
             f"max model length {e.max_model_len}; at most {config.max_waiting} requests waiting; "
             f"OpenAI API at {url}/v1")
 

@@ -115,7 +115,7 @@ def check_model(model: str) -> None:
 def models_in(folder: str) -> list[str]:
     """The models in a folder: its GGUF files (a split one by its first part) and its Hugging
     Face model folders (config.json and *.safetensors), by name."""
-    root = Path(folder).expanduser()
+    root = Path(folder).expanduser().absolute()  # the files' paths are /v1/models' `root` before they load
     if not root.is_dir():
         raise MinervaError(f"--models-dir '{folder}' is not a folder")
     found = [p for p in sorted(root.iterdir()) if (p.suffix.lower() == ".gguf" and p.is_file()

@@ -47,6 +47,13 @@ def test_bench_serve_no_server(tiny):
                        "is the server running")
 
 
+def test_bench_serve_names_a_missing_key(tiny):
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    with running_server(llm, served_model_name="tiny", api_key="sk-local") as (base_url, _):
+        assert_clean_error(run("bench", "serve", str(tiny), "--base-url", base_url, "--num-prompts", "1"),
+                           "wants an API key: give --api-key")
+
+
 def test_bench_serve_bad_flags(tiny):
     assert_clean_error(run("bench", "serve", str(tiny), "--max-concurrency", "0"), "--max-concurrency")
     assert_clean_error(run("bench", "serve", str(tiny), "--json-schemas", "11"), "--json-schemas must be in [0, 10]")

@@ -12,6 +12,7 @@ import gguf
 import pytest
 import torch
 
+from minerva.bench import roofline
 from minerva.bench.hardware import PRESETS, Hardware, hardware_from_args, probe
 from minerva.bench.roofline import (
     ModelCosts,
@@ -287,6 +288,10 @@ def test_roofline_says_when_the_choices_were_planned_on_a_busy_machine(smollm2_g
     planned = {"types": {}, "threads": 2, "cpu_share": 0.48, "busy": True}
     monkeypatch.setattr(tune, "in_force", lambda: ("planned: choices.json", planned))
     args = _parse([str(smollm2_gguf), "--hardware", "h100"])
+    assert args.func(args) == 0
+    assert "kernel choices" not in capsys.readouterr().out  # this CPU's: not shown for other hardware
+    monkeypatch.setattr(roofline, "probe", lambda: PRESETS["h100"])  # this machine, without the probe's seconds
+    args = _parse([str(smollm2_gguf)])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "int8 kernel choices: planned: choices.json" in out

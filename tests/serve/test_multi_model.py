@@ -201,7 +201,7 @@ def test_ps_shows_which_models_are_loaded(serve_models, tiny):
     assert lines[1].split()[:2] == ["smollm2", "no"] and lines[2].split()[:2] == ["tiny", "yes"]
 
 
-def test_models_dir(tmp_path, tiny, capsys):
+def test_models_dir(tmp_path, tiny, capsys, monkeypatch):
     from minerva.serve.several import models_in, served_name
     from tests.helpers import tiny_hf
     folder = tmp_path / "models"
@@ -225,6 +225,8 @@ def test_models_dir(tmp_path, tiny, capsys):
     assert "not valid UTF-8" in skipped[2]
     assert "'big-00001-of-00002.gguf'" in skipped[3] and "not a readable GGUF" in skipped[3]
     assert "'cut.gguf'" in skipped[4] and "re-download the file" in skipped[4]
+    monkeypatch.chdir(tmp_path)  # a relative folder: its models by their whole paths (/v1/models' root)
+    assert models_in("models") == found == [str(folder / "a.gguf"), str(folder / "llama-tied")]
     assert_clean_error(run("serve", "--models-dir", str(folder / "empty")), "holds no .gguf file")
     assert_clean_error(run("serve", "--models-dir", str(folder / "nothing")), "is not a folder")
 

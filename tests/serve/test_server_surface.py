@@ -16,6 +16,8 @@ import openai
 import pytest
 
 from minerva import LLM, __version__
+from minerva.serve.app import ServerConfig
+from minerva.serve.server import describe
 from tests.helpers.server import running_server
 
 
@@ -104,3 +106,10 @@ def test_the_chat_page_is_served_without_the_api_key(tiny):
         assert httpx.get(f"{url}/ui/nothing.js").status_code == 404
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_the_start_line_names_the_kv_formats_in_use(tiny):
+    """`minerva serve`'s start line gives the KV cache's precision, "auto" resolved to the dtype."""
+    llm = LLM(str(tiny), device="cpu", dtype="float32", kv_cache_memory=4e6, kv_cache_dtype_v="int8")
+    line = describe(llm, ServerConfig(served_model_name="tiny"), "http://127.0.0.1:8000")
+    assert "k=float32 v=int8)" in line, line

@@ -458,7 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("perplexity", help="perplexity of a model over a text file")
+    p = sub.add_parser("perplexity", help="perplexity of a model over a text file",
+                       description="minerva perplexity [MODEL] FILE: the perplexity of MODEL (default "
+                                   "smollm2-135m) over the text in FILE, in sliding windows")
     p.add_argument("args", nargs="+", metavar="[MODEL] FILE")
     p.add_argument("--context", type=int, default=None, help="window length in tokens (default min(1024, model context))")
     p.add_argument("--stride", type=int, default=None, help="window step in tokens (default = context)")

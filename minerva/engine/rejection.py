@@ -9,18 +9,23 @@ keeps a prefix of the guesses:
 
 p_i is the target's distribution at position i after every sampling transform the
 request asked for (`probabilities`, with penalties counting the guesses before i:
-`states_along`), and q_i the distribution the guess was drawn from (one-hot for
-deterministic proposers). Each emitted token is then distributed exactly as without
-speculation; for greedy requests p_i is one-hot at the argmax, so the output is token for
-token the same. Draws invert the CDF at one uniform from the request's generator, as the
-sampler does (`sampler.invert_cdf`).
+`states_along`), and q_i the distribution the guess was drawn from. Each emitted token is
+then distributed exactly as without speculation; for greedy requests p_i is one-hot at the
+argmax, so the output is token for token the same. Draws invert the CDF at one uniform from
+the request's generator, as the sampler does (`sampler.invert_cdf`).
+
+Guesses chosen deterministically (prompt lookup; a draft model's for a seeded request) have
+q_i one-hot, and there `sample_along` gives the same outcome with the sampler's own draws:
+the token at each position drawn as without guesses, a guess kept while it is the token
+drawn. A seeded request's output is then the same token for token with or without guesses,
+however many its steps verify.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minerva.engine.sampler import SamplerState, invert_cdf, process_batch
+from minerva.engine.sampler import SamplerState, invert_cdf, process_batch, sample_batch
 
 
 def probabilities(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
@@ -57,6 +62,21 @@ def accepted(best: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
+def sample_along(logits: torch.Tensor, drafts: list[int], states: list[SamplerState]) -> list[int]:
+    """`verify` for guesses chosen deterministically (q_i one-hot), from the rows' logits
+    (masked by a grammar where there is one): each position's token is drawn as the sampler
+    draws it (`sample_batch`, one uniform from the request's generator), and a guess is kept
+    while it is the token drawn. A guess d is kept with probability p(d), and at the first miss
+    the token drawn follows p without d: rejection sampling's outcome, with one draw per token
+    emitted, the draws the request makes without guesses."""
+    out = []
+    for i, state in enumerate(states[:len(drafts) + 1]):
+        out.append(sample_batch(logits[i:i + 1], [state])[0])
+        if i == len(drafts) or out[-1] != drafts[i]:
+            break
+    return out
+
+
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """A token from one (unnormalized) distribution row, by inverting its CDF at one uniform."""
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
@@ -78,23 +98,18 @@ def states_along(state: SamplerState, drafts: list[int]) -> list[SamplerState]:
     return out
 
 
-def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:
+def verify(p: torch.Tensor, drafts: list[int], q: torch.Tensor, generator: torch.Generator) -> list[int]:
     """Rejection sampling. p [k + 1, vocab]: target distributions at the k guesses and after
-    them; q [k, vocab] the distributions the guesses were drawn from, or None when they
-    were chosen deterministically (q one-hot). Returns the accepted guesses plus one token."""
+    them; q [k, vocab] the distributions the guesses were drawn from (`sample_along` where
+    they were chosen deterministically). Returns the accepted guesses plus one token."""
     out = []
     for i, d in enumerate(drafts):
-        pd = float(p[i, d])
-        qd = 1.0 if q is None else float(q[i, d])
+        pd, qd = float(p[i, d]), float(q[i, d])
         u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=p.device))
         if qd > 0 and u * qd < pd:  # accept with probability min(1, p/q)
             out.append(d)
             continue
-        residual = p[i].clone()
-        if q is None:
-            residual[d] = 0.0
-        else:
-            residual = (residual - q[i].to(residual.dtype)).clamp_(min=0.0)
+        residual = (p[i].clone() - q[i].to(p.dtype)).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p <= q everywhere only when p == q: then d was accepted
             residual = p[i]
         out.append(draw(residual, generator))

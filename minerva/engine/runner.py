@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minerva.engine.rejection import accepted, greedy_verify, probabilities, states_along, verify
+from minerva.engine.rejection import accepted, greedy_verify, probabilities, sample_along, states_along, verify
 from minerva.engine.sampler import check_logits, greedy_tokens, plain, plain_greedy, sample_batch, token_logprobs
 from minerva.engine.scheduler import Sampled, Scheduled, SchedulerOutput
 from minerva.engine.step_batch import DRAFT, FORWARD, STOP, Seq, StepBatch
@@ -323,6 +323,8 @@ class ModelRunner:
         states = states_along(r.sampler, drafts)
         if r.params.greedy:
             tokens = greedy_verify(logits, drafts, states)
+        elif r.draft_probs is None:  # guessed deterministically
+            tokens = sample_along(logits, drafts, states)
         else:
             tokens = verify(probabilities(logits, states), drafts, r.draft_probs, r.sampler.generator)
         if matcher is not None:

@@ -10,7 +10,8 @@ Proposers:
 - `ngram` (prompt lookup): the tokens that followed the most recent earlier occurrence of
   the longest suffix (up to 4 tokens) of the request's own prompt and output.
 - `draft:MODEL`: a second model with the same vocabulary drafts k tokens, sampling with
-  the request's parameters, over its own paged KV cache kept in step with the request.
+  the request's parameters (its most likely tokens for a greedy or seeded request), over
+  its own paged KV cache kept in step with the request.
 - `self`: the target's own first layers with its final norm and head (early exit),
   as a draft model with its own KV for those layers.
 
@@ -20,8 +21,8 @@ runs that were all accepted counting as cut short, with recent steps weighing mo
 the machine how long a step of so many rows took (guesses proposed and verified); it takes
 the k that gives the most tokens per second, k = 0 (no guesses) included. One step in
 EXPLORE verifies the most guesses allowed or, in turn, each smaller k, so both estimates keep
-reaching every k. A seeded sampling request keeps the k it was given, so that its output
-repeats run to run (which guesses meet which random draws depends on k).
+reaching every k. A seeded sampling request's guesses are deterministic and checked with the
+sampler's own draws (`rejection.sample_along`), so its output is the same whatever k.
 
 Speculation stands down where it would cost throughput: for a request whose guesses
 are mostly rejected (it retries after a back-off), and for a step with more running
@@ -137,13 +138,13 @@ class ModelProposer:
             nxt = []
             for i, (r, k, qs) in enumerate(live):
                 self.computed[r.request_id] = r.all_token_ids + r.draft_token_ids
-                token = int(probs[i].argmax()) if r.params.greedy else draw(probs[i], r.sampler.generator)
+                token = int(probs[i].argmax()) if deterministic(r) else draw(probs[i], r.sampler.generator)
                 r.draft_token_ids.append(token)
                 qs.append(probs[i])
                 if len(r.draft_token_ids) < k:
                     nxt.append((r, k, qs))
                 else:
-                    r.draft_probs = None if r.params.greedy else torch.stack(qs)
+                    r.draft_probs = None if deterministic(r) else torch.stack(qs)
             live = nxt
 
     def finished(self, request: Request) -> None:
@@ -241,9 +242,10 @@ class _Track:
     runs: Acceptance | None = None  # how far its runs of guesses get accepted
 
 
-def seeded(r: Request) -> bool:
-    """A sampling request with a seed: its output repeats, so its guesses never vary."""
-    return not r.params.greedy and r.params.seed is not None
+def deterministic(r: Request) -> bool:
+    """A request whose draft guesses are its draft's most likely tokens (q one-hot): a greedy
+    one, and a seeded one, whose output then does not depend on its guesses (`sample_along`)."""
+    return r.params.greedy or r.params.seed is not None
 
 
 class Speculator:
@@ -269,15 +271,12 @@ class Speculator:
     def propose(self, running: list[Request], room) -> None:
         """Set draft_token_ids on the eligible running requests. `room(r)` is how many more
         tokens the request may still produce."""
-        # Above max_batch only seeded sampling requests get guesses: which random draws meet
-        # which tokens depends on whether guesses run, so theirs run whatever the batch, and
-        # their output is the same alone or among any others.
         crowded = len(running) > self.max_batch
         chosen, ks = [], []
         for r in running:
             k = self.k if r.params.speculative_tokens is None else min(r.params.speculative_tokens, self.k)
             if (k <= 0 or r.status is not Status.RUNNING or not r.output_token_ids
-                    or r.num_computed_tokens != r.num_tokens - 1 or (crowded and not seeded(r))):
+                    or r.num_computed_tokens != r.num_tokens - 1 or crowded):
                 continue
             track = self.tracks.setdefault(r.request_id, _Track())
             if track.pause > 0:
@@ -289,29 +288,21 @@ class Speculator:
                 ks.append(k)
         if not chosen:
             return
-        # A seeded sampling request takes its k as set: which random draws its guesses meet
-        # depends on k, and k chosen from timings would make its output differ run to run.
-        # (Greedy output is the same whatever k; an unseeded request promises no repeat.)
-        adapts = [not seeded(r) for r in chosen]
-        if any(adapts):
-            fixed = sum(k for k, a in zip(ks, adapts) if not a)
-            best = self.choose_k([r for r, a in zip(chosen, adapts) if a], len(running) + fixed,
-                                 [k for k, a in zip(ks, adapts) if a], others=len(running) - sum(adapts))
-            ks = [min(k, best) if a else k for k, a in zip(ks, adapts)]
+        best = self.choose_k(chosen, len(running), ks)
+        ks = [min(k, best) for k in ks]
         chosen, ks = [r for r, k in zip(chosen, ks) if k > 0], [k for k in ks if k > 0]
         if chosen:
             self.proposer.propose(chosen, ks)
 
-    def choose_k(self, chosen: list[Request], running: int, caps: list[int] | None = None,
-                 others: int | None = None) -> int:
+    def choose_k(self, chosen: list[Request], running: int, caps: list[int] | None = None) -> int:
         """The guesses per request that emit the most tokens per second: one k for the step's
         `chosen` requests, each taking at most its cap of `caps`, on top of `running` rows
         (the step's rows without them); the tokens are their expected ones (each request's
-        acceptance runs) plus `others` (the other requests', one each by default), the
+        acceptance runs) plus the other requests' (one each), the
         seconds those measured for the step's rows. The most allowed where its cost is not
         known yet; one step in EXPLORE explores (the module's docstring)."""
         caps = caps or [self.k] * len(chosen)
-        others = running - len(chosen) if others is None else others
+        others = running - len(chosen)
         most = max(caps)
         self.steps += 1
         if self.steps % self.EXPLORE == 0:  # the most guesses, then in turn each smaller k, 0 included

@@ -20,7 +20,9 @@ import torch
 from scipy.stats import chi2_contingency, chisquare
 
 from minerva import LLM, SamplingParams
-from minerva.engine.rejection import verify
+from minerva.engine.rejection import sample_along, verify
+from minerva.engine.sampler import SamplerState, sample_batch
+from minerva.engine import speculative
 from minerva.engine.speculative import Acceptance, NgramProposer, Speculator, StepCosts, expected_tokens
 from minerva.errors import MinervaError
 from tests.helpers.cli import assert_clean_error, run
@@ -37,18 +39,21 @@ def dist(values) -> torch.Tensor:
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["draft-q", "one-hot-q"])
 def test_verify_emits_the_target_distribution(deterministic):
+    """Rejection sampling with a draft's q (`verify`), and with guesses made deterministically
+    (`sample_along`, from logits whose softmax is p)."""
     p = torch.stack([dist([5, 1, 1, 2, 0.5, 0.5]), dist([1, 3, 0, 1, 4, 1]), dist([2, 2, 2, 1, 1, 2])])
     q = torch.stack([dist([1, 4, 1, 1, 2, 1]), dist([3, 1, 1, 1, 1, 3])])
+    logits = p.log().float()
     gen = torch.Generator().manual_seed(0)
+    state = SamplerState(SamplingParams(temperature=1.0), gen)
     n = 20000
     first, second = np.zeros(6), np.zeros(6)
     for _ in range(n):
         if deterministic:
-            drafts, qs = [0, 4], None  # e.g. prompt lookup
+            out = sample_along(logits, [0, 4], [state] * 3)  # e.g. prompt lookup
         else:
             drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-            qs = q
-        out = verify(p, drafts, qs, gen)
+            out = verify(p, drafts, q, gen)
         assert 1 <= len(out) <= 3
         first[out[0]] += 1
         if len(out) > 1:  # position 2 was reached through an accepted guess
@@ -58,6 +63,26 @@ def test_verify_emits_the_target_distribution(deterministic):
         assert counts[~keep].sum() == 0
         expected = target.numpy()[keep] * counts.sum()
         assert chisquare(counts[keep], expected).pvalue > ALPHA
+
+
+def test_deterministic_guesses_meet_the_draws_made_without_them():
+    """`sample_along` draws each position's token as the sampler does, one uniform of the
+    request's generator a token emitted: with any guesses, the tokens are those of plain
+    sampling from the same seed."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.5, top_p=0.95)
+    plain_state = SamplerState(params, torch.Generator().manual_seed(7))
+    plain = [sample_batch(logits[i:i + 1], [plain_state])[0] for i in range(6)]
+    for drafts in ([], plain[:5], plain[:2] + [(plain[2] + 1) % 50], [(plain[0] + 1) % 50, plain[1]]):
+        state = SamplerState(params, torch.Generator().manual_seed(7))
+        out, at = [], 0
+        while at < 6:  # steps of up to len(drafts) guesses each, guessed from `drafts`' pattern
+            guesses = [plain[at + j] if j < len(drafts) and drafts[j] == plain[j] else (plain[at + j] + 1) % 50
+                       for j in range(min(len(drafts), 5 - at))]
+            step = sample_along(logits[at:at + len(guesses) + 1], guesses, [state] * (len(guesses) + 1))
+            out += step
+            at += len(step)
+        assert out[:6] == plain, drafts
 
 
 def test_ngram_lookup():
@@ -109,23 +134,33 @@ def test_greedy_is_unchanged_token_for_token(target_dir, draft_dir, method):
     assert llm.engine.blocks.num_used_blocks == 0
 
 
-def test_a_seeded_sampling_request_is_the_same_alone_and_in_a_crowded_batch(target_dir):
-    """Above speculative_max_batch the other requests get no guesses, a seeded sampling one
-    still does: which random draws meet which tokens stays as alone, so its tokens do too."""
+@pytest.mark.parametrize("method", ["ngram", "self:1", "draft"])
+def test_a_seeded_sampling_request_is_the_same_with_speculation_or_without(target_dir, draft_dir, method):
+    """A seeded sampling request's guesses are deterministic and its tokens drawn as without
+    guesses: the same tokens as without speculation, alone, in a crowded batch (above
+    speculative_max_batch: no guesses) and with a token budget that cuts guesses short."""
     prompts = repetitive_prompts(6)
-    seeded = SamplingParams(max_tokens=24, temperature=0.2, seed=1234, ignore_eos=True)
-    llm = make(target_dir, speculative="ngram", num_speculative_tokens=3, speculative_max_batch=2)
-    alone = llm.generate(prompts[:1], seeded)[0].token_ids
-    others = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    crowded = llm.generate(prompts, [seeded] + [others] * 5)[0].token_ids
-    assert crowded == alone
-    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    seeded = [SamplingParams(max_tokens=24, temperature=0.7, seed=1234 + i, ignore_eos=True, repetition_penalty=1.1)
+              for i in range(3)]
+    plain = make(target_dir).generate(prompts[:3], seeded)
+    spec_name = f"draft:{draft_dir}" if method == "draft" else method
+    others = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    for options in ({"speculative_max_batch": 64}, {"speculative_max_batch": 3},
+                    {"speculative_max_batch": 64, "max_num_batched_tokens": 16}):
+        llm = make(target_dir, speculative=spec_name, num_speculative_tokens=3, **options)
+        alone = llm.generate(prompts[:3], seeded)
+        crowded = llm.generate(prompts, seeded + [others] * 3)[:3]
+        assert [o.token_ids for o in alone] == [o.token_ids for o in crowded] == [o.token_ids for o in plain], options
+        assert llm.engine.speculator.stats.num_draft_tokens > 0
 
 
-def test_sampling_distribution_is_unchanged(target_dir, draft_dir):
+def test_sampling_distribution_is_unchanged(target_dir, draft_dir, monkeypatch):
     """The third generated token's distribution, sampled 1500 times with and without a
     draft model (whose distribution differs from the target's), passes a chi-square test of
-    homogeneity; with a penalty and top-k so the transforms are part of what is preserved."""
+    homogeneity; with a penalty and top-k so the transforms are part of what is preserved.
+    The requests are seeded, so the test repeats; their draft samples its guesses, as it does
+    for requests without a seed (a seeded one's are its most likely tokens)."""
+    monkeypatch.setattr(speculative, "deterministic", lambda r: r.params.greedy)
     prompt = [3, 17, 42, 99, 5]
     n = 1500
 

@@ -9,7 +9,8 @@ own mask, so a request's output is bitwise the same whatever it is batched with
 (no padding to another request's length, no shared reduction). The C++ kernel
 (csrc/attention.cpp) keeps that property with one work item per query row and KV
 head; it covers float32/bfloat16/int8 pools on CPUs that run the native kernels
-(`minerva.kernels.dispatch` decides), and the torch path covers everything else.
+(`minerva.kernels.dispatch` decides), and attends over the other pools (float16, fp8) widened
+to float32 a request at a time; the torch path covers everything else.
 """
 
 from __future__ import annotations
@@ -163,6 +164,11 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
     if kernel is None:
         if impl == "native":
             raise RuntimeError(f"no attention kernel for this case ({dispatch.backend(q.device).unavailable_reason})")
+        wide = torch.empty((1, 1, cache.num_kv_heads, cache.head_dim), device=q.device)  # float32 pools
+        kernel = dispatch.attention_kernel(q.dtype, wide, wide) if impl == "auto" else None
+        if kernel is not None:  # a pool the kernel does not read (float16, fp8), widened request by request
+            return _widened(kernel, q, cache, layer, list(map(int, query_start_loc)), list(map(int, seq_lens)),
+                            block_tables, positions, window, scale, sinks)
         return paged_attention_torch(q, cache, layer, query_start_loc=list(map(int, query_start_loc)),
                                      seq_lens=list(map(int, seq_lens)), block_tables=block_tables,
                                      positions=positions, window=window, scale=scale, sinks=sinks)
@@ -173,6 +179,27 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
         as_table_tensor(block_tables, q.device), torch.as_tensor(seq_lens, dtype=torch.int64),
         torch.as_tensor(query_start_loc, dtype=torch.int64), positions, window or 0, scale,
         EMPTY if sinks is None else sinks.float().contiguous())
+
+
+def _widened(kernel, q: torch.Tensor, cache: PagedKVCache, layer: int, query_start_loc: list[int],
+             seq_lens: list[int], block_tables, positions: torch.Tensor, window: int | None, scale: float,
+             sinks: torch.Tensor | None) -> torch.Tensor:
+    """`paged_attention` over a pool whose format the kernel does not read: each request's keys
+    and values (from the first its queries can reach) widened to float32 and attended by the
+    kernel, positions counted from there, so that a row's result is the same in any chunk of
+    its prompt and any batch (torch's attention blocks its sums by the lengths it is given)."""
+    out = torch.empty_like(q)
+    for b, seq_len in enumerate(seq_lens):
+        s, e = query_start_loc[b], query_start_loc[b + 1]
+        if e == s:
+            continue
+        start = 0 if window is None else max(0, int(positions[s:e].min()) - window + 1)
+        k, v = cache.gather(layer, block_tables[b], seq_len, torch.float32, start=start)
+        out[s:e] = kernel.paged_attention(
+            q[s:e], k[None], v[None], EMPTY, EMPTY, torch.zeros((1, 1), dtype=torch.int64),
+            torch.tensor([seq_len - start]), torch.tensor([0, e - s]), positions[s:e] - start, window or 0, scale,
+            EMPTY if sinks is None else sinks.float().contiguous())
+    return out
 
 
 def paged_attention_torch(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_start_loc: list[int],

@@ -253,13 +253,13 @@ def check_batch_invariance(batch, window, impl):
 
 @pytest.mark.skipif(not native.capable(), reason="CPU lacks the native kernels")
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_alone_as_among_its_requests_rows(dtype, window, impl="auto"):
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "float32"), (torch.bfloat16, "auto"),
+                                       (torch.bfloat16, "fp8"), (torch.bfloat16, "float16"), (torch.float32, "fp8")])
+def test_a_row_is_the_same_alone_as_among_its_requests_rows(dtype, fmt, window, impl="auto"):
     """Each row of a request's several (a verification step, a prefill chunk) bitwise equals
     that row asked alone, as the one-row decode step at its position asks it (the bf16 kernel
-    takes a request's rows together). The native kernel's promise: the torch path multiplies a
-    request's rows as one matrix."""
-    fmt = "auto" if dtype is torch.bfloat16 else "float32"
+    takes a request's rows together). The native kernel's promise, over the pools it widens
+    (fp8, float16) too: the torch path multiplies a request's rows as one matrix."""
     batch = Batch([(40, 9), (96, 3), (37, 37), (200, 70)], 16, fmt, fmt, dtype=dtype)
     batch.q = batch.q.to(dtype)
     full = batch.paged(window, impl=impl)

@@ -222,6 +222,11 @@ class LLM:
         set_threads(threads)
         self.dtype_name = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[self.dtype_name]
+        if self.device.type == "cpu" and dispatch.layer_kernel(self.device, self.dtype) is None \
+                and dispatch.layer_kernel(self.device, torch.bfloat16) is not None:
+            log.warning("%s activations run torch's reference ops on this CPU, not Minerva's kernels: slower, and a "
+                        "request's output may change with its batch; --dtype bfloat16 or float32 run the kernels",
+                        self.dtype_name)
         self.activations = activations = resolve_activations(activations, self.device)
         group = self.group
         before = fit.resident()

@@ -359,11 +359,12 @@ class LLM:
     def make_requests(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """The engine requests of one prompt, one per completion (n of them), checked by the
         engine (a MinervaError for one that could never run); siblings get seeds seed, seed + 1, ...
-        and share the prompt's KV through the prefix cache."""
+        (past 2^63 - 1 from -2^63 on) and share the prompt's KV through the prefix cache."""
         ids = self.encode_prompt(prompt)
         text = prompt if isinstance(prompt, str) else None
         group = [Request(ids, dataclasses.replace(
-                     params, seed=None if params.seed is None else params.seed + i), prompt=text)
+                     params, seed=None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63),
+                         prompt=text)
                  for i in range(params.n)]
         for sibling in group[1:]:
             sibling.wait_for = group[0]

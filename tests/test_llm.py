@@ -24,6 +24,17 @@ def test_same_seed_same_text(smollm2_llm):
     assert other.token_ids != a.token_ids
 
 
+def test_seeds_across_the_int64_range(smollm2_llm):
+    """Every int64 seed is its own (torch's generator keeps 32 bits of a seed: 5 and 5 + 2^32
+    drew alike); n siblings of seed 2^63 - 1 go on from -2^63 (was a 400 naming a seed never sent)."""
+    def sample(seed, n=1):
+        p = SamplingParams(max_tokens=12, temperature=1.5, seed=seed, n=n, ignore_eos=True)
+        return [c.token_ids for c in smollm2_llm.generate("Write a word:", p)[0].outputs]
+
+    assert sample(5) != sample(5 + 2**32) and sample(0) != sample(-2**63) and sample(-1) != sample(0)
+    assert sample(2**63 - 1, n=2) == sample(2**63 - 1) + sample(-2**63)
+
+
 def test_top_k_one_equals_greedy(smollm2_llm):
     greedy = smollm2_llm.generate("Tell me a fact:", SamplingParams(max_tokens=12, temperature=0))[0]
     topk1 = smollm2_llm.generate("Tell me a fact:", SamplingParams(max_tokens=12, temperature=1.5,

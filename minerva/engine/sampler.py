@@ -119,10 +119,18 @@ class SamplerState:
         self.generated[token] = self.generated.get(token, 0) + 1
 
 
+def generator_seed(seed: int) -> int:
+    """What a request's `seed` (any int64) seeds its generator with: torch's CPU generator keeps
+    a seed's low 32 bits only (5 and 5 + 2^32 drew alike, 0 and -2^63 too), so both halves go
+    into them; seeds in [0, 2^32) are themselves."""
+    u = seed % 2**64
+    return (u + (u >> 32) * 0x9E3779B1) % 2**32
+
+
 def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.device) -> SamplerState:
     gen = torch.Generator(device=device)
     if params.seed is not None:
-        gen.manual_seed(params.seed)
+        gen.manual_seed(generator_seed(params.seed))
     else:
         gen.seed()
     return SamplerState(params, gen, dict.fromkeys(prompt_ids))

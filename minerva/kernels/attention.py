@@ -164,9 +164,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, query_s
     if kernel is None:
         if impl == "native":
             raise RuntimeError(f"no attention kernel for this case ({dispatch.backend(q.device).unavailable_reason})")
-        wide = torch.empty((1, 1, cache.num_kv_heads, cache.head_dim), device=q.device)  # float32 pools
-        kernel = dispatch.attention_kernel(q.dtype, wide, wide) if impl == "auto" else None
-        if kernel is not None:  # a pool the kernel does not read (float16, fp8), widened request by request
+        wide = torch.empty((1, 1, cache.num_kv_heads, cache.head_dim))  # float32 pools
+        native = impl == "auto" and q.device.type == "cpu" and dispatch.backend(q.device).name == "cpu"
+        kernel = dispatch.attention_kernel(q.dtype, wide, wide) if native else None
+        if kernel is not None:  # a pool the CPU kernel does not read (float16, fp8), widened request by request
             return _widened(kernel, q, cache, layer, list(map(int, query_start_loc)), list(map(int, seq_lens)),
                             block_tables, positions, window, scale, sinks)
         return paged_attention_torch(q, cache, layer, query_start_loc=list(map(int, query_start_loc)),

@@ -188,3 +188,14 @@ def test_paged_attention(backend, fmt, dtype, window, block_size):
     ref = batch.reference(window)
     atol, rtol = TOLERANCE["bfloat16" if dtype == torch.bfloat16 else fmt]
     torch.testing.assert_close(ours, ref, atol=atol * 4, rtol=rtol * 4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "float16"])
+def test_paged_attention_over_pools_the_kernel_does_not_read(backend, fmt):
+    """fp8 and float16 pools: the CPU backend widens each request's K/V to float32 for its
+    kernel, any other backend takes the torch path (a Triton pool must have a power-of-two
+    block size, which a request's length need not be)."""
+    batch = Batch(MIXED_BATCH, 16, fmt, fmt, device=DEVICE)
+    ours = batch.paged(5).double()
+    atol, rtol = TOLERANCE[fmt]
+    torch.testing.assert_close(ours, batch.reference(5), atol=atol * 4, rtol=rtol * 4)

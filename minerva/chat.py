@@ -126,11 +126,13 @@ def _read_message() -> str | None:
 
 
 def to_the_context(llm, prompt: str, params: SamplingParams) -> tuple[list[int], SamplingParams]:
-    """The prompt's tokens and params; with no -n (UNCAPPED) the reply may take what the
-    context (or the KV pool, where it holds less) leaves after the prompt."""
+    """The prompt's tokens and params, the reply cut at what the context (or the KV pool, where
+    it holds less) leaves after the prompt: with no -n (UNCAPPED) it may take all of that; -n
+    or the model's max_new_tokens past it stop there (as llama.cpp's -n)."""
     ids = llm.encode_prompt(prompt)
-    if params.max_tokens >= UNCAPPED:
-        params = dataclasses.replace(params, max_tokens=max(1, llm.engine.max_model_len - len(ids)))
+    room = max(1, llm.engine.max_model_len - len(ids))
+    if params.max_tokens > room:
+        params = dataclasses.replace(params, max_tokens=room)
     return ids, params
 
 
@@ -208,7 +210,7 @@ def chat(llm, params: SamplingParams, system: str | None, template_variables: di
         history.append({"role": "user", "content": line})
         prompt = llm.apply_chat_template(system_turn + history, **template_variables)
         writer = ReplyWriter(llm.reasoning.parser(prompt) if llm.reasoning else None)
-        reached = "the context" if params.max_tokens >= UNCAPPED else f"{params.max_tokens} tokens (-n) or the context"
+        reached = "the context" if params.max_tokens >= UNCAPPED else f"{params.max_tokens} tokens or the context"
         try:
             ids, turn = to_the_context(llm, prompt, params)
             for delta in llm.stream(ids, turn):

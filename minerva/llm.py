@@ -18,7 +18,7 @@ from minerva.engine.speculative import early_exit_runner, self_layers
 from minerva.engine.request import CompletionOutput, Request, RequestOutput, StreamDelta
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
-from minerva.formats.chat import check_template, read_template, render_chat
+from minerva.formats.chat import check_template, continued, read_template, render_chat
 from minerva.formats.generation import check_choice, sampling_defaults
 from minerva.parsers.reasoning import reasoning_for
 from minerva.parsers.tool_calls import join_pieces
@@ -70,6 +70,15 @@ def resolve_dtype(name: str, device: torch.device) -> str:
     return dispatch.default_dtype(device)
 
 
+def _warn_off_the_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """A dtype the CPU kernels do not run (float16) where they run others: a warning why not."""
+    if device.type == "cpu" and dispatch.layer_kernel(device, dtype) is None \
+            and dispatch.layer_kernel(device, torch.bfloat16) is not None:
+        log.warning("%s activations run torch's reference ops on this CPU, not Minerva's kernels: slower, and a "
+                    "request's output may change with its batch; --dtype bfloat16 or float32 run the kernels",
+                    str(dtype).removeprefix("torch."))
+
+
 def resolve_activations(name: str, device: torch.device) -> str:
     """What multiplies quantized weights: "float" activations or "int8" ones; "auto" is int8
     where the kernels' integer dot products are the fast choice (Minerva's CPU kernels, both
@@ -96,30 +105,16 @@ def set_threads(threads: int | None) -> int:
     return threads
 
 
-def _per_prompt(params, count: int, defaults: SamplingParams) -> list[SamplingParams]:
-    """`params` (one SamplingParams for every prompt, one each, or None: `defaults`) as one each."""
-    if params is None or isinstance(params, SamplingParams):
-        return [params or defaults] * count
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    """`params` (one SamplingParams for every prompt, or one each) as one each."""
+    if isinstance(params, SamplingParams):
+        return [params] * count
     if not (isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params)):
         raise MinervaError("params must be a SamplingParams, a list of them (one a prompt) or None; got "
                            f"{type(params).__name__}")
     if len(params) != count:
         raise MinervaError(f"got {len(params)} sampling parameter sets for {count} prompts")
     return list(params)
-
-
-def continued(rendered: str, last: dict) -> str:
-    """A rendered conversation cut after the text of its last message, an assistant's, so that
-    the reply goes on from it (transformers' continue_final_message)."""
-    content = last.get("content") if isinstance(last, dict) else None
-    if not (isinstance(content, str) and content.strip() and last.get("role") == "assistant"):
-        raise MinervaError("continue_final_message goes on with the last message: it must be an assistant's, "
-                           "with text")
-    text = content.strip()
-    if text not in rendered:
-        raise MinervaError("continue_final_message: the chat template does not write the last message's text as "
-                           "given, so the reply cannot go on from it")
-    return rendered[:rendered.rindex(text) + len(text)]
 
 
 class _Stop:
@@ -222,11 +217,7 @@ class LLM:
         set_threads(threads)
         self.dtype_name = resolve_dtype(dtype, self.device)
         self.dtype = DTYPES[self.dtype_name]
-        if self.device.type == "cpu" and dispatch.layer_kernel(self.device, self.dtype) is None \
-                and dispatch.layer_kernel(self.device, torch.bfloat16) is not None:
-            log.warning("%s activations run torch's reference ops on this CPU, not Minerva's kernels: slower, and a "
-                        "request's output may change with its batch; --dtype bfloat16 or float32 run the kernels",
-                        self.dtype_name)
+        _warn_off_the_kernels(self.device, self.dtype)
         self.activations = activations = resolve_activations(activations, self.device)
         group = self.group
         before = fit.resident()
@@ -379,11 +370,19 @@ class LLM:
         own sampling defaults (`sampling_defaults`, from `generation_config`) over them."""
         return SamplingParams(**self.sampling_defaults)
 
+    def _defaults_for(self, ids: list[int]) -> SamplingParams:
+        """get_default_sampling_params for a prompt of `ids`, max_tokens cut at the context's room."""
+        params, room = self.get_default_sampling_params(), max(1, self.engine.max_model_len - len(ids))
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+
     def stream_many(self, prompts: Sequence[Prompt],
                     params: SamplingParams | Sequence[SamplingParams] | None = None,
                     ) -> Iterator[tuple[int, int, StreamDelta]]:
         """Yield (prompt index, completion index, delta) as the engine produces them."""
-        params = _per_prompt(params, len(prompts), self.get_default_sampling_params())
+        if params is None:  # the defaults, fitted to each prompt
+            prompts = [self.encode_prompt(p) for p in prompts]
+            params = [self._defaults_for(ids) for ids in prompts]
+        params = _per_prompt(params, len(prompts))
         groups = [self.make_requests(p, sp) for p, sp in zip(prompts, params)]  # all checked before any runs
         where = {}
         for i, group in enumerate(groups):
@@ -412,11 +411,11 @@ class LLM:
             raise MinervaError("prompts must be a string, a list of token ids, or a list of those; got "
                                f"{type(prompts).__name__}")
         prompts = list(prompts)
-        per_prompt = _per_prompt(params, len(prompts), self.get_default_sampling_params())
+        ids = [self.encode_prompt(p) for p in prompts]  # once: the engine and the outputs take these
+        per_prompt = [self._defaults_for(i) for i in ids] if params is None else _per_prompt(params, len(prompts))
         completions = [[{"text": [], "ids": [], "finish": None, "logprobs": []} for _ in range(sp.n)]
                        for sp in per_prompt]
         left = [sp.n for sp in per_prompt]
-        ids = [self.encode_prompt(p) for p in prompts]  # once: the engine and the outputs take these
         start, produced, prompt_tokens = time.perf_counter(), 0, 0
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="Processed prompts", unit="prompt") as bar:
             for i, j, delta in self.stream_many(ids, per_prompt):
@@ -455,18 +454,16 @@ class LLM:
         `parallel_tool_calls` are OpenAI's: the calls the model makes are each completion's
         `tool_calls` (its finish_reason then "tool_calls"), and `text` what else it wrote."""
         many = bool(messages) and all(isinstance(m, (list, tuple)) for m in messages)
-        params = params or self.get_default_sampling_params()
         calling = make_plan(tools, tool_choice, parallel_tool_calls)
-        if calling is not None and calling.forced:
-            if params.structured is not None:
-                raise MinervaError("a forced tool call already constrains the output; "
-                                   "leave out SamplingParams.structured")
-            params = dataclasses.replace(params, structured=calling.output(self.tool_format))
+        if calling is not None and calling.forced and params is not None and params.structured is not None:
+            raise MinervaError("a forced tool call already constrains the output; leave out SamplingParams.structured")
         prompts = [self.apply_chat_template(list(c), tools=calling.prompt_tools if calling else None, **variables)
                    for c in (messages if many else [messages])]
-        params = self.chat_params(params, tools=calling is not None and calling.choice == "auto")
+        forced = {"structured": calling.output(self.tool_format)} if calling is not None and calling.forced else {}
+        each = [self.chat_params(dataclasses.replace(params or self._defaults_for(self.encode_prompt(p)), **forced),
+                                 tools=calling is not None and calling.choice == "auto") for p in prompts]
         outs = [self._reply(out, prompt, calling)
-                for out, prompt in zip(self.generate(prompts, params, use_tqdm=use_tqdm), prompts)]
+                for out, prompt in zip(self.generate(prompts, each, use_tqdm=use_tqdm), prompts)]
         return outs if many else outs[0]
 
     def _reply(self, out: RequestOutput, prompt: str, calling) -> RequestOutput:

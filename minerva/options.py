@@ -149,8 +149,8 @@ FALLBACK = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repe
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", "-n", type=int, default=None,
-                   help="tokens to generate at most (default: the model's generation config, else 256; "
-                        "chat and run: the context)")
+                   help="tokens to generate at most, cut at the context (default: the model's generation "
+                        "config; else 256 for generate, and the context for chat and run)")
     model = "(default: the model's generation config, else {})"
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy " + model.format(0.8))
     g.add_argument("--top-k", type=int, default=None, help="0 = off " + model.format(40))

@@ -256,6 +256,8 @@ def test_a_base_models_replies_stop_at_256_tokens(tmp_path):
         assert "[cut off: the reply reached 256 tokens" in proc.stderr or "[256 tokens, finish=length" in proc.stderr
     proc = run("run", str(model), "hi", "--temperature", "0", "--ignore-eos", "-n", "300")
     assert "base model" not in proc.stderr and "[300 tokens, finish=length" in proc.stderr
+    proc = run("generate", str(model), "hi", "--raw", "--temperature", "0", "--ignore-eos")  # no template: no line
+    assert "base model" not in proc.stderr and "[256 tokens, finish=length" in proc.stderr
 
 
 def test_run_answers_a_prompt_or_chats(tiny, monkeypatch):
@@ -342,6 +344,7 @@ def test_mistyped_flag_gets_its_subcommands_usage_and_a_hint():
         in proc.stderr
     helped = run("generate", "--help")
     assert helped.returncode == 0 and "(default: 16)" in helped.stdout  # defaults are shown
+    assert "else 256 for generate" in " ".join(helped.stdout.split())
     assert "(default: the model's generation config, else 0.8)" in " ".join(helped.stdout.split())
     assert "(default: None)" not in helped.stdout and "(default: False)" not in helped.stdout
 

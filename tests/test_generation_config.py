@@ -167,6 +167,25 @@ def test_a_models_reply_length_is_a_default_cut_at_the_context(hf_dir):
         assert r.status_code == 400 and "asks for" not in r.json()["error"]["message"]  # nothing was asked
 
 
+def test_offline_the_models_reply_length_is_cut_at_the_context(hf_dir, tmp_path):
+    """LLM.generate/chat without parameters, and the commands without -n, cut the model's
+    max_new_tokens (100) to the room a 110-token context leaves, as the server does (the engine
+    refused the request: "needs N tokens of KV cache")."""
+    llm = LLM(str(hf_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20, max_model_len=110)
+    seen = []
+    make = llm.make_requests
+    llm.make_requests = lambda ids, params: (seen.append((len(ids), params.max_tokens)), make(ids, params))[1]
+    llm.generate("hello there " * 3)
+    llm.chat([{"role": "user", "content": "hi"}])
+    list(llm.stream("hello there " * 3))
+    assert len(seen) == 3 and all(0 < m == 110 - n < 100 for n, m in seen), seen
+    assert llm.generate("hi", SamplingParams(max_tokens=3))[0].token_ids.__len__() <= 3  # asked for: as given
+    for command in ("generate", "run"):
+        out = subprocess.run([sys.executable, "-m", "minerva", command, str(hf_dir), "hello", "--dtype", "float32",
+                              "--max-model-len", "110", "--ignore-eos"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "finish=length" in out.stderr, out.stderr
+
+
 def test_the_command_line_takes_the_models_defaults(hf_dir, tmp_path):
     """A model whose own temperature is 0 answers greedily: the same text as --temperature 0,
     whatever the seed; with --generation-config none it samples (temperature 0.8)."""

@@ -25,8 +25,9 @@ def test_same_seed_same_text(smollm2_llm):
 
 
 def test_seeds_across_the_int64_range(smollm2_llm):
-    """Every int64 seed is its own (torch's generator keeps 32 bits of a seed: 5 and 5 + 2^32
-    drew alike); n siblings of seed 2^63 - 1 go on from -2^63 (was a 400 naming a seed never sent)."""
+    """Seeds that differ only in their high 32 bits or their sign draw apart (torch's CPU
+    generator keeps 32 bits of a seed: 5 and 5 + 2^32 drew alike); n siblings of seed 2^63 - 1
+    go on from -2^63 (was a 400 naming a seed never sent)."""
     def sample(seed, n=1):
         p = SamplingParams(max_tokens=12, temperature=1.5, seed=seed, n=n, ignore_eos=True)
         return [c.token_ids for c in smollm2_llm.generate("Write a word:", p)[0].outputs]

@@ -120,17 +120,18 @@ class SamplerState:
 
 
 def generator_seed(seed: int) -> int:
-    """What a request's `seed` (any int64) seeds its generator with: torch's CPU generator keeps
-    a seed's low 32 bits only (5 and 5 + 2^32 drew alike, 0 and -2^63 too), so both halves go
-    into them; seeds in [0, 2^32) are themselves."""
+    """What a request's `seed` (any int64) seeds a CPU generator with: torch's CPU generator
+    keeps a seed's low 32 bits only (5 and 5 + 2^32 drew alike, 0 and -2^63 too), so both halves
+    go into them. Seeds in [0, 2^32) are themselves; 2^64 seeds onto 2^32 still meet somewhere,
+    but no longer where seeds differ only in their high half or sign."""
     u = seed % 2**64
     return (u + (u >> 32) * 0x9E3779B1) % 2**32
 
 
 def new_state(params: SamplingParams, prompt_ids: list[int], device: torch.device) -> SamplerState:
     gen = torch.Generator(device=device)
-    if params.seed is not None:
-        gen.manual_seed(generator_seed(params.seed))
+    if params.seed is not None:  # (a GPU's generator keeps all 64 bits)
+        gen.manual_seed(generator_seed(params.seed) if gen.device.type == "cpu" else params.seed % 2**64)
     else:
         gen.seed()
     return SamplerState(params, gen, dict.fromkeys(prompt_ids))

@@ -335,3 +335,17 @@ def _render(template: str, context: dict, limits: TemplateLimits) -> str:
         raise MinervaError("chat template error: recursion too deep") from None
     except Exception as e:  # noqa: BLE001 - a template is input; any failure is the input's
         raise MinervaError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from None
+
+
+def continued(rendered: str, last: dict) -> str:
+    """A rendered conversation cut after the text of its last message, an assistant's, so that
+    the reply goes on from it (transformers' continue_final_message)."""
+    content = last.get("content") if isinstance(last, dict) else None
+    if not (isinstance(content, str) and content.strip() and last.get("role") == "assistant"):
+        raise MinervaError("continue_final_message goes on with the last message: it must be an assistant's, "
+                           "with text")
+    text = content.strip()
+    if text not in rendered:
+        raise MinervaError("continue_final_message: the chat template does not write the last message's text as "
+                           "given, so the reply cannot go on from it")
+    return rendered[:rendered.rindex(text) + len(text)]

@@ -229,6 +229,9 @@ def test_show_names_the_models_defaults(gguf_file, tiny):
     ("null", "holds null, not a JSON object"),
     ('{"top_k": 18446744073709551615, "top_p": NaN}', "top_k = 18446744073709551615"),
     ("\xff{", "not readable JSON"),
+    ('{"max_new_tokens": 0, "top_k": 5}', "max_new_tokens = 0"),
+    ('{"max_new_tokens": 12.5, "top_k": 5}', "max_new_tokens = 12.5"),
+    ('{"max_new_tokens": "lots"}', "max_new_tokens = 'lots'"),
 ])
 def test_a_broken_generation_config_is_a_warning(tmp_path, caplog, text, words):
     (tmp_path / "generation_config.json").write_bytes(text.encode("latin-1"))

@@ -460,10 +460,11 @@ class LLM:
         prompts = [self.apply_chat_template(list(c), tools=calling.prompt_tools if calling else None, **variables)
                    for c in (messages if many else [messages])]
         forced = {"structured": calling.output(self.tool_format)} if calling is not None and calling.forced else {}
-        each = [self.chat_params(dataclasses.replace(params or self._defaults_for(self.encode_prompt(p)), **forced),
-                                 tools=calling is not None and calling.choice == "auto") for p in prompts]
-        outs = [self._reply(out, prompt, calling)
-                for out, prompt in zip(self.generate(prompts, each, use_tqdm=use_tqdm), prompts)]
+        ids = [self.encode_prompt(p) for p in prompts]  # once: the defaults' fit and the engine take these
+        each = [self.chat_params(dataclasses.replace(params or self._defaults_for(i), **forced),
+                                 tools=calling is not None and calling.choice == "auto") for i in ids]
+        outs = [self._reply(dataclasses.replace(out, prompt=prompt), prompt, calling)
+                for out, prompt in zip(self.generate(ids, each, use_tqdm=use_tqdm), prompts)]
         return outs if many else outs[0]
 
     def _reply(self, out: RequestOutput, prompt: str, calling) -> RequestOutput:

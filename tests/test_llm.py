@@ -139,6 +139,9 @@ def test_chat_takes_a_list_of_conversations(smollm2_llm, capsys):
     alone = [smollm2_llm.chat(c, greedy, use_tqdm=False) for c in conversations]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
     assert capsys.readouterr().err == ""
+    for out, c in zip(together, conversations):  # the rendered prompt, as text and as the ids that ran
+        assert out.prompt == smollm2_llm.apply_chat_template(c)
+        assert out.prompt_token_ids == smollm2_llm.encode_prompt(out.prompt)
     assert repr(smollm2_llm).startswith("LLM('SmolLM2-135M-Instruct.Q4_1.gguf': llama, 30 layers")
 
 

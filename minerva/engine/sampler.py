@@ -184,24 +184,40 @@ def _top_k(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
 def _top_p(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
     """A token stays while the probability ranked above it is under top_p (as transformers'
     warper; the most likely token always). Only the head of each row is sorted, as far as the
-    top_p mass reaches: sorting whole rows took 3.8 ms a row over 49152 tokens."""
+    top_p mass reaches: sorting whole rows took 3.8 ms a row over 49152 tokens. Each row takes
+    the head or the whole-row sort by its own values, never by its batch's: the two ways can
+    round a token at the top_p boundary differently, and a row's tokens must not depend on
+    the rows beside it."""
     dev, vocab = x.device, x.shape[-1]
     limit = torch.tensor([p.top_p for p in ps], device=dev)[:, None]
+    below = torch.tensor([1 - p.top_p for p in ps], device=dev)[:, None]  # the mass the sort drops (as transformers)
     probs = torch.softmax(x, -1)
+    out = torch.full_like(x, -math.inf)
+    rows = torch.arange(x.shape[0], device=dev)  # those not yet cut
     k = TOP_P_HEAD
-    while k <= vocab // TOP_P_GROWTH:  # a head of more than 1/8 of the row: sorting it all costs as much
-        top, order = probs.topk(k, dim=-1)
+    while rows.numel() and k <= vocab // TOP_P_GROWTH:  # a head of more than 1/8 of the row: sorting it all costs as much
+        top, order = probs[rows].topk(k, dim=-1)
         reach = top.cumsum(-1)
-        if bool((reach[:, -1:] >= limit).all()):
-            keep = (reach - top) < limit
+        done = reach[:, -1] >= limit[rows, 0]
+        if bool(done.any()):
+            keep = (reach[done] - top[done]) < limit[rows[done]]
             keep[:, 0] = True
-            return torch.full_like(x, -math.inf).scatter_(1, order, x.gather(1, order).masked_fill(~keep, -math.inf))
-        if bool((reach[:, -1:] < limit / 2).any()):  # far from top_p (a flat row): a larger head would not do
-            break
+            at, o = rows[done], order[done]
+            out[at] = out[at].scatter_(1, o, x[at].gather(1, o).masked_fill(~keep, -math.inf))
+        going = ~done & (reach[:, -1] >= limit[rows, 0] / 2)  # far from top_p (a flat row): a larger head would not do
+        flat = rows[~done & ~going]
+        if flat.numel():
+            out[flat] = _top_p_sorted(x[flat], below[flat])
+        rows = rows[going]
         k *= TOP_P_GROWTH
-    # rows as flat as this (or a small vocabulary): the whole row sorted, as transformers does
+    if rows.numel():  # rows as flat as this (or a small vocabulary): the whole row sorted, as transformers does
+        out[rows] = _top_p_sorted(x[rows], below[rows])
+    return out
+
+
+def _top_p_sorted(x: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
     ascending, order = torch.sort(x, dim=-1)
-    drop = torch.softmax(ascending, -1).cumsum(-1) <= torch.tensor([1 - p.top_p for p in ps], device=dev)[:, None]
+    drop = torch.softmax(ascending, -1).cumsum(-1) <= below
     drop[:, -1] = False  # always keep the most likely token
     return x.masked_fill(drop.scatter(1, order, drop), -math.inf)
 

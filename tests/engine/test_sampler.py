@@ -226,6 +226,23 @@ def test_top_p_over_a_real_vocabulary_keeps_what_transformers_keeps(spread, top_
     assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(want)])
 
 
+def test_a_rows_top_p_cut_does_not_depend_on_the_rows_beside_it():
+    """A row whose top_p ends exactly at a cumulative probability (where rounding decides the
+    last token) keeps the same tokens alone and beside a flat row, which takes the whole-row
+    sort: each row takes the head or the sort by its own values."""
+    g = torch.Generator().manual_seed(5)
+    cpu = torch.device("cpu")
+    for _ in range(40):
+        row = torch.randn(1, 4096, generator=g) * 4
+        top = torch.softmax(row, -1).topk(64).values.cumsum(-1)[0]
+        top_p = float(top[int(torch.randint(1, 40, (1,), generator=g))])
+        peaked = new_state(SamplingParams(top_p=min(top_p, 1.0), seed=0), [], cpu)
+        flat = new_state(SamplingParams(top_p=0.99, seed=0), [], cpu)
+        alone = process_batch(row, [peaked])
+        beside = process_batch(torch.cat([row, torch.zeros(1, 4096)]), [peaked, flat])
+        assert torch.equal(beside[:1], alone)
+
+
 @pytest.mark.parametrize("kinds", [["t"], ["t", "g"], ["g", "p"], ["t", "p"], ["k", "k"]])
 def test_processing_leaves_the_callers_logits_alone(kinds):
     """All rows sampled, greedy among sampled, penalties: the result is new, the input unchanged,

@@ -54,6 +54,7 @@ from minerva.store import resolve, store_root  # noqa: E402
 
 QT = gguf.GGMLQuantizationType
 NORMS = ("attn_norm", "ffn_norm", "output_norm")
+ROLES = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 class Sizes:
@@ -135,7 +136,7 @@ def widen(source: Path, path: Path, wide_sizes: dict[str, int], layers: int | No
     f = GGUFFile(source)
     if f.architecture != "llama":
         raise MinervaError(f"'{source}' is a {f.architecture} model; widening takes the llama architecture")
-    hd = int(f.get("rope.dimension_count") or f.require("embedding_length") // f.require("attention.head_count"))
+    hd = int(f.get("attention.key_length") or f.require("embedding_length") // f.require("attention.head_count"))
     small = Sizes(int(f.require("embedding_length")), int(f.require("feed_forward_length")),
                   int(f.require("attention.head_count")), int(f.require("attention.head_count_kv")), hd)
     wide = Sizes(*(wide_sizes.get(k) or getattr(small, k) for k in ("hidden", "ffn", "heads", "kv_heads")), hd)
@@ -145,8 +146,8 @@ def widen(source: Path, path: Path, wide_sizes: dict[str, int], layers: int | No
     if not 1 <= layers <= block_count:
         raise MinervaError(f"--layers takes 1 to {block_count} (the model's layers), got {layers}")
     reader = gguf.GGUFReader(source)
-    tensors = {t.name: t for t in reader.tensors}
     eps = float(f.require("attention.layer_norm_rms_epsilon"))
+    tensors = list(_widened_tensors(source, reader, small, wide, layers))  # checked before anything is written
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     w = gguf.GGUFWriter(partial, "llama")
@@ -159,43 +160,60 @@ def widen(source: Path, path: Path, wide_sizes: dict[str, int], layers: int | No
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab = len(f.metadata["tokenizer.ggml.tokens"])
     w.add_vocab_size(vocab)
-    w.add_context_length(int(f.require("context_length")))
     w.add_embedding_length(wide.hidden)
     w.add_block_count(layers)
     w.add_feed_forward_length(wide.ffn)
-    w.add_rope_dimension_count(hd)
     w.add_head_count(wide.heads)
     w.add_head_count_kv(wide.kv_heads)
-    w.add_key_length(hd)
-    w.add_value_length(hd)
+    w.add_key_length(small.head_dim)
+    w.add_value_length(small.head_dim)
     w.add_layer_norm_rms_eps(eps * small.hidden / wide.hidden)
-    w.add_rope_freq_base(float(f.get("rope.freq_base") or 10000.0))
+    written = {"vocab_size", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+               "attention.head_count_kv", "attention.key_length", "attention.value_length",
+               "attention.layer_norm_rms_epsilon"}
+    for field in reader.fields.values():  # the rest of the model's own: context, rope base and scaling, ...
+        if field.name.startswith("llama.") and field.name.removeprefix("llama.") not in written:
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
     for key, value in fit_vocabulary(f.metadata, vocab).items():
         if key in TOKENIZER_WRITERS:
             getattr(w, TOKENIZER_WRITERS[key])(value)
+    for plan, data in tensors:
+        if isinstance(data, WidenedMatrix):
+            w.add_tensor(plan.name, data, raw_shape=data.shape, raw_dtype=plan.qtype)  # type: ignore[arg-type]
+        else:
+            w.add_tensor(plan.name, data)
+    finish(w, partial, path, progress)
+    return [plan for plan, _ in tensors]
+
+
+def _widened_tensors(source: Path, reader: gguf.GGUFReader, small: Sizes, wide: Sizes, layers: int):
+    """(plan, data) of each tensor the widened file holds: float32 arrays for the norms (and
+    rope_freqs), WidenedMatrix for the matrices."""
     norm_scale = math.sqrt(small.hidden / wide.hidden)
-    out = []
     for t in reader.tensors:
         name = t.name
+        role = name.split(".")[-2] if "." in name else ""
+        if name == "rope_freqs.weight":  # per rotary pair: the heads' size is kept
+            yield TensorPlan(name, tuple(int(n) for n in t.shape), QT.F32), np.asarray(t.data, np.float32)
+            continue
+        if role not in NORMS and (role not in ROLES or not name.endswith(".weight") or len(t.shape) != 2):
+            raise MinervaError(f"'{source}' holds tensor {name}, which widening does not place; "
+                               f"it takes {', '.join(ROLES)} matrices and norm weights")
         if name.startswith("blk.") and int(name.split(".")[1]) >= layers:
             continue
-        role = name.split(".")[-2]
         if role in NORMS:
             data = np.zeros(wide.hidden, np.float32)
             data[:small.hidden] = np.asarray(t.data, np.float32) * norm_scale
-            w.add_tensor(name, data)
-            out.append(TensorPlan(name, (wide.hidden,), QT.F32))
+            yield TensorPlan(name, (wide.hidden,), QT.F32), data
             continue
         shape, rows, cols = placements(role, small, wide)
         src = np.asarray(t.data).view(np.uint8).reshape(int(t.shape[1]), -1)
         shape = (src.shape[0] if shape[0] == -1 else shape[0], shape[1])
-        run_rows = src.shape[0] if len(rows) == 1 else hd
-        run_cols = int(t.shape[0]) if len(cols) == 1 else hd
-        data = WidenedMatrix(src, t.tensor_type, shape, rows, cols, run_rows, run_cols)
-        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)  # type: ignore[arg-type]
-        out.append(TensorPlan(name, shape, t.tensor_type))
-    finish(w, partial, path, progress)
-    return out
+        run_rows = src.shape[0] if len(rows) == 1 else small.head_dim
+        run_cols = int(t.shape[0]) if len(cols) == 1 else small.head_dim
+        yield (TensorPlan(name, shape, t.tensor_type),
+               WidenedMatrix(src, t.tensor_type, shape, rows, cols, run_rows, run_cols))
 
 
 def main(argv: list[str] | None = None) -> int:

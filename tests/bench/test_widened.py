@@ -14,6 +14,7 @@ import torch
 from benchmarks import widened
 from minerva import LLM, SamplingParams
 from minerva.errors import MinervaError
+from tests.helpers import tiny_gguf
 from tests.helpers.hf import load_hf_reference
 
 TEXTS = ["The three primary colors are", "def add(a, b):\n    return a + b  # 12345"]
@@ -100,3 +101,34 @@ def test_command_line_errors(smollm2_gguf, gemma3_gguf, tmp_path, capsys):
     assert widened.main([str(smollm2_gguf), "--layers", "31", "-o", str(tmp_path / "s.gguf")]) == 1
     assert "--layers takes 1 to 30 (the model's layers), got 31" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_float_model_widens_and_a_tensor_it_cannot_place_is_refused(tiny, tmp_path):
+    """The tiny F32 llama widens (its float rows copied as bytes) and the engine loads it; a
+    file with a tensor widening does not place (a bias) is refused before anything is written."""
+    wide = tmp_path / "wide.gguf"
+    widened.widen(tiny, wide, {"hidden": 2 * tiny_gguf.HIDDEN, "ffn": 2 * tiny_gguf.FFN})
+    llm = LLM(str(wide), device="cpu", dtype="float32", activations="float", kv_cache_memory=float(8 << 20))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    small = LLM(str(tiny), device="cpu", dtype="float32", activations="float", kv_cache_memory=float(8 << 20))
+    assert llm.generate(["ab"], params)[0].outputs[0].token_ids == small.generate(["ab"], params)[0].outputs[0].token_ids
+
+    reader = gguf.GGUFReader(tiny)
+    biased = tmp_path / "biased.gguf"
+    w = gguf.GGUFWriter(biased, "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(field.name, field.contents(), field.types[0],
+                            field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data))
+    w.add_tensor("blk.0.attn_q.bias", np.zeros(tiny_gguf.HIDDEN, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(MinervaError, match="holds tensor blk.0.attn_q.bias, which widening does not place"):
+        widened.widen(biased, out / "w.gguf", {"hidden": 2 * tiny_gguf.HIDDEN})
+    assert not list(out.iterdir())

@@ -101,6 +101,8 @@ class StructuredOutput:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as exc:
                     raise MinervaError(f"the JSON schema is not valid JSON: {exc}") from None
+                except RecursionError:
+                    raise MinervaError("the JSON schema is nested too deeply to read") from None
             if not isinstance(schema, (dict, bool)):
                 raise MinervaError("the JSON schema must be a JSON object")
             try:

@@ -226,7 +226,7 @@ class HarmonyParser(ReasoningParser):
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return True
 

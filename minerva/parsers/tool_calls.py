@@ -78,7 +78,7 @@ def call_from_json(value: Any) -> tuple[str, str] | None:
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -195,7 +195,7 @@ class HermesParser(ToolParser):
     def _block(self, body: str, closed: bool) -> None:
         try:
             call = self._offered(call_from_json(json.loads(body)))
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
@@ -260,7 +260,7 @@ class MistralParser(_WholeReplyParser):
                 name, sep, args = part.partition(MISTRAL_ARGS)
                 try:
                     call = call_from_json({"name": name.strip(), "arguments": json.loads(args)}) if sep else None
-                except ValueError:
+                except (ValueError, RecursionError):
                     call = None
                 if call is None:
                     return None
@@ -268,7 +268,7 @@ class MistralParser(_WholeReplyParser):
             return calls
         try:
             value = json.loads(tail)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         calls = [call_from_json(v) for v in (value if isinstance(value, list) else [value])]
         return calls if calls and all(calls) else None
@@ -299,7 +299,7 @@ class Llama3Parser(_WholeReplyParser):
         while rest:
             try:
                 value, stop = decoder.raw_decode(rest)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = call_from_json(value)
             if call is None:
@@ -335,7 +335,7 @@ class RequiredParser(ToolParser):
             return
         try:
             value = json.loads(self._buffer)
-        except ValueError:
+        except (ValueError, RecursionError):
             value = None
         if isinstance(value, list):
             calls = [call_from_json(v) for v in value]
@@ -369,7 +369,7 @@ def _cut_calls(text: str) -> list[tuple[str, str]]:
             break
         try:
             args, i = decoder.raw_decode(text, head.end())
-        except ValueError:
+        except (ValueError, RecursionError):
             calls.append((json.loads(name[1]), text[head.end():]))
             break
         calls.append((json.loads(name[1]), json.dumps(args, ensure_ascii=False)))

@@ -193,7 +193,7 @@ def _arguments_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (text that is no JSON, or too deeply nested to read, stays text)
             return arguments
     return arguments
 

@@ -19,7 +19,7 @@ from minerva.formats.chat import GEMMA3_TEMPLATE, render_chat
 from minerva.parsers.reasoning import HarmonyParser
 from minerva.parsers.tool_calls import (HarmonyCallParser, HermesParser, Llama3Parser, MistralParser, NamedParser,
                                           RequiredParser, join_pieces)
-from minerva.parsers.tools import ToolFormat, detect, make_plan
+from minerva.parsers.tools import ToolFormat, detect, make_plan, native_messages
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -164,6 +164,26 @@ def test_llama3_json_replies(step):
     text = 'Here is an example: {"name": "get_weather", "parameters": {"city": "Paris"}}'
     content, calls = feed_all(Llama3Parser(), text, step)  # JSON inside an answer is no call
     assert calls == [] and content == text
+
+
+DEEP = "[" * 5000 + "]" * 5000  # JSON too deeply nested for Python's reader (a RecursionError)
+
+
+def test_output_nested_too_deeply_to_read_is_text_not_a_crash():
+    """A reply whose would-be call holds JSON nested past what the reader takes is given back as
+    text, as any other call that cannot be read, by every parser."""
+    cases = [(HermesParser(), f'<tool_call>{{"name": "f", "arguments": {DEEP}}}</tool_call>'),
+             (HermesParser(), f'<tool_call>{{"name": "f", "arguments": "{DEEP}"}}</tool_call>'),
+             (MistralParser(), f"[TOOL_CALLS][{DEEP}]"),
+             (MistralParser(), f"[TOOL_CALLS]f[ARGS]{DEEP}"),
+             (Llama3Parser(), f'{{"name": "f", "parameters": {DEEP}}}')]
+    for parser, text in cases:
+        content, calls = feed_all(parser, text)
+        assert calls == [] and content == text, type(parser).__name__
+    # a conversation's earlier call with such arguments goes to a template as the text it is
+    earlier = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}]}]
+    assert native_messages(earlier)[0]["tool_calls"][0]["function"]["arguments"] == DEEP
 
 
 def test_only_offered_functions_are_called():

@@ -28,6 +28,11 @@ from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, Responses
 
 PATH = "/v1/responses"
 STORE_SIZE = 1024  # responses kept for GET and previous_response_id, least recently stored dropped first
+STORE_CHARS = 256 << 20  # ... and while their conversations' text adds up to more than this, the newest kept
+# A stored conversation keeps its turns up to this much text, the oldest dropped first: more text than
+# any model's context holds (a later turn with truncation "auto" drops them anyway; one without it
+# could not fit them either), so what a client sees is the same.
+CONVERSATION_CHARS = 32 << 20
 
 
 # ------------------------------------------------------------------ answers
@@ -78,18 +83,55 @@ def history_of(items: list[dict]) -> list[dict]:
     return messages
 
 
+def text_size(message: dict) -> int:
+    """About the characters a message holds (its content and tool calls)."""
+    content = message.get("content")
+    size = len(content) if isinstance(content, str) else len(json.dumps(content)) if content else 0
+    return size + sum(len(json.dumps(c)) for c in message.get("tool_calls") or ())
+
+
+def within(conversation: list[dict], most: int) -> tuple[list[dict], int]:
+    """The conversation with its oldest whole turns (a user message and all up to the next)
+    dropped while it holds more than `most` characters, its system messages and last turn
+    kept; and the characters it holds."""
+    sizes = [text_size(m) for m in conversation]
+    total = sum(sizes)
+    if total <= most:
+        return conversation, total
+    users = [i for i, m in enumerate(conversation) if m.get("role") == "user"]
+    drop = set()
+    for start, end in zip(users, users[1:]):
+        if total <= most:
+            break
+        turn = [i for i in range(start, end) if conversation[i].get("role") not in ("system", "developer")]
+        drop.update(turn)
+        total -= sum(sizes[i] for i in turn)
+    return [m for i, m in enumerate(conversation) if i not in drop], total
+
+
 class Store:
     """The responses kept for GET and previous_response_id: each with the conversation it ends.
-    A response still streaming is kept as its Stream, which GET shows as it stands (in_progress)."""
+    A response still streaming is kept as its Stream, which GET shows as it stands (in_progress).
+    At most `size` of them, and while their conversations hold more than `chars` characters
+    (counted for each, though a chain's turns are shared) the oldest are dropped, the newest
+    always kept; a conversation keeps at most `each` characters (`within`)."""
 
-    def __init__(self, size: int = STORE_SIZE):
-        self.size, self.items = size, collections.OrderedDict()
+    def __init__(self, size: int = STORE_SIZE, chars: int = STORE_CHARS, each: int = CONVERSATION_CHARS):
+        self.size, self.chars, self.each, self.items = size, chars, each, collections.OrderedDict()
+        self.held: dict[str, int] = {}  # characters of each stored conversation
+        self.total = 0
 
     def put(self, rid: str, answer: "dict | Stream", conversation: list[dict]) -> None:
-        self.items[rid] = (answer, conversation)
+        conversation, chars = within(conversation, self.each)
+        self.total += chars - self.held.get(rid, 0)
+        self.items[rid], self.held[rid] = (answer, conversation), chars
         self.items.move_to_end(rid)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        while len(self.items) > self.size or (self.total > self.chars and len(self.items) > 1):
+            self.remove(next(iter(self.items)))
+
+    def remove(self, rid: str) -> None:
+        del self.items[rid]
+        self.total -= self.held.pop(rid)
 
     def get(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
         if rid not in self.items:
@@ -324,7 +366,7 @@ def register(app, chat) -> None:
 
     async def delete(response_id: str):
         store.get(response_id)
-        del store.items[response_id]
+        store.remove(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     app.post(PATH, summary="OpenAI Responses API: a response to `input` (streamed as the Responses events with "

@@ -266,3 +266,35 @@ def test_truncation_auto_drops_the_oldest_items_until_it_fits(served, client):
     assert short.usage.input_tokens > want.usage.prompt_tokens + 400
     with pytest.raises(openai.BadRequestError, match="max_output_tokens asks for"):
         client.responses.create(**{**body, "max_output_tokens": context}, truncation="auto")
+
+
+def test_the_store_holds_a_bounded_amount_of_text():
+    """Stored conversations count their text: past the store's budget the oldest responses go (the
+    newest always stays), and one conversation keeps its newest turns up to its own budget,
+    system messages and the last turn whatever their size; a delete gives its share back."""
+    from minerva.serve.responses import Store, text_size
+
+    def turn(i, chars):
+        return [{"role": "user", "content": f"{i}:" + "u" * chars}, {"role": "assistant", "content": "a" * chars}]
+
+    store = Store(size=100, chars=10_000, each=10_000)
+    for i in range(30):
+        store.put(f"r{i}", {"id": f"r{i}"}, turn(i, 1000))  # 2003 characters each: 4 fit in 10,000
+    assert list(store.items) == [f"r{i}" for i in range(26, 30)]
+    assert store.total == sum(text_size(m) for _, c in store.items.values() for m in c) <= 10_000
+    store.remove("r29")
+    assert list(store.items)[-1] == "r28" and store.total == sum(
+        text_size(m) for _, c in store.items.values() for m in c)
+
+    chain = [{"role": "system", "content": "s" * 3000}]
+    for i in range(10):  # a chain: each response ends the conversation of the one before
+        chain = chain + turn(i, 1000)
+        store.put(f"c{i}", {"id": f"c{i}"}, chain)
+    kept = store.items["c9"][1]
+    assert kept[0] == chain[0] and kept[-2:] == chain[-2:]  # the system message and the last turn
+    assert sum(map(text_size, kept)) <= 10_000 and kept[1]["content"].startswith("7:")  # turns 7-9 of 0-9
+    assert list(store.items) == ["c9"]  # the chain's earlier responses are past the budget
+
+    huge = [{"role": "user", "content": "x" * 50_000}]
+    store.put("huge", {"id": "huge"}, huge)  # alone past both budgets: still kept (its turn is the last)
+    assert list(store.items) == ["huge"] and store.items["huge"][1] == huge

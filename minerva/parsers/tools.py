@@ -141,8 +141,15 @@ def make_plan(tools: Sequence[Mapping] | None, tool_choice: str | Mapping | None
                 or not isinstance(function.get("name"), str) or not function["name"]):
             raise MinervaError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                                f'"parameters": {{...}}}}}}')
-        if function.get("parameters") is not None and not isinstance(function["parameters"], Mapping):
-            raise MinervaError(f"tools[{i}]: the parameters of '{function['name']}' must be a JSON schema object")
+        params = function.get("parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise MinervaError(f"tools[{i}]: the parameters of '{function['name']}' must be a JSON schema object",
+                               "tools")
+        kind = (params or {}).get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+            # (a call's arguments are an object of named values; OpenAI's and Anthropic's APIs refuse others too)
+            raise MinervaError(f"tools[{i}]: the parameters of '{function['name']}' must be a schema of type "
+                               f"\"object\" (the arguments by name), got type {json.dumps(kind)}", "tools")
     if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
         raise MinervaError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", '
                            f'"function": {{"name": ...}}}}, got {tool_choice!r}')

@@ -146,6 +146,10 @@ def post(served, body, key="sk-test", path="/v1/messages"):
      400, "invalid_request_error", "thinking"),
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "stop_sequences": [""]}, 400, "invalid_request_error",
      "stop_sequences.0: String should have at least 1 character"),
+    # a tool's input is an object of named values
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"},
+      "tools": [{"name": "f", "input_schema": {"type": "array", "items": {"type": "integer"}}}]}, 400,
+     "invalid_request_error", 'must be a schema of type "object" (the arguments by name), got type "array"'),
     # the chat route's check, in this API's names (it said tool_choice "required", response_format)
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400,

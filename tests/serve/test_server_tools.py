@@ -190,6 +190,10 @@ def test_bad_tool_requests_are_400(served):
                                                                                 "properties": {"x": {"type": 7}}}}}
     r = post(tools=[bad_schema], tool_choice="required")
     error(r, "tools", "the parameters of the function 'f' are not a usable JSON schema")
+    listed = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "items": {"type": "integer"}}}}
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        error(post(tools=[listed], tool_choice=choice), "tools",
+              'the parameters of \'f\' must be a schema of type "object" (the arguments by name), got type "array"')
     image = [{"type": "text", "text": "What is this?"},
              {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": image}]}, timeout=60)

@@ -149,8 +149,9 @@ _OVERFLOW_ADVICE = {
 
 
 def check_logits(logits: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse logits with NaN or +inf, with advice that fits `dtype`, the dtype the model ran in."""
-    if not float(logits.max()) < math.inf:  # NaN propagates through max, as does +inf
+    """Refuse logits with NaN or +inf, or a row of -inf (no token possible), with advice that
+    fits `dtype`, the dtype the model ran in."""
+    if not bool(torch.isfinite(logits.amax(-1)).all()):  # NaN propagates through amax, as does +inf
         advice = _OVERFLOW_ADVICE.get(dtype, f"it ran in {str(dtype).removeprefix('torch.')}, so no wider dtype "
                                              "helps: the model's weights may be damaged")
         raise MinervaError(f"the model produced NaN/inf logits ({advice})")

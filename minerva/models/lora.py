@@ -169,12 +169,18 @@ def read_adapter(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
+SCALE_WARN = 1000.0  # a scale (lora_alpha / r) past this is a mistake, not training
+
+
 def _check_effect(name: str, path: Path, scale: float, tensors: dict[str, torch.Tensor]) -> None:
     """Refuse an adapter with NaN or infinite values; warn of one that changes nothing."""
     bad = next((k for k, t in tensors.items() if not torch.isfinite(t).all()), None)
     if bad is not None:
         raise MinervaError(f"adapter '{name}' ({path}): {bad} holds NaN or infinite values; the adapter is "
                            "damaged (or its training diverged)")
+    if abs(scale) > SCALE_WARN:
+        log.warning("adapter '%s' (%s) scales its change by %.3g (lora_alpha / r; trained adapters use a few "
+                    "units to tens): its requests may overflow; check lora_alpha", name, path, scale)
     if scale == 0 or all(not t.any() for k, t in tensors.items() if "lora_B" in k):
         why = "its lora_alpha is 0" if scale == 0 else "every lora_B is zero, as PEFT makes them before training"
         log.warning("adapter '%s' (%s) changes nothing: %s; its requests run as the base model", name, path, why)

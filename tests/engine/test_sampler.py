@@ -339,3 +339,18 @@ def test_native_sampler_edges(V):
         want, near = reference_draws(rows, params, u)
         assert got[1] == V // 2, kwargs
         assert [a for a, n in zip(got, near) if not n] == [b for b, n in zip(want, near) if not n], kwargs
+
+
+def test_a_row_with_no_finite_logit_is_refused():
+    """Logits that are -inf everywhere leave no token to pick (an overflow, as NaN and +inf are):
+    refused, by the native greedy path and torch's alike, not read as token 0."""
+    from minerva.engine.sampler import check_logits, greedy_tokens
+
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    assert greedy_tokens(logits, torch.float32, cpu=True) == logits.argmax(-1).tolist()
+    logits[1] = -math.inf
+    for cpu in (True, False):
+        with pytest.raises(MinervaError, match="the model produced NaN/inf logits"):
+            greedy_tokens(logits, torch.float32, cpu=cpu)
+    with pytest.raises(MinervaError, match="the model produced NaN/inf logits"):
+        check_logits(logits, torch.bfloat16)

@@ -274,3 +274,14 @@ def test_an_adapter_that_changes_nothing_is_said_and_a_damaged_one_refused(tiny_
             llm = LLM(str(base), dtype="float32", kv_cache_memory=4e6, lora={"z": adapter(name, cfg, ts)})
         assert f"adapter 'z' ({tmp_path / name}) changes nothing: {why}" in caplog.text
         assert llm.generate([PROMPT], params("z"), use_tqdm=False)[0].outputs[0].token_ids == refs[None]
+    # a scale no training gives: said at load, and its overflow an error, not an empty reply
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="minerva"):
+        llm = LLM(str(base), dtype="float32", kv_cache_memory=4e6,
+                  lora={"z": adapter("huge", {**config, "lora_alpha": 1e38}, tensors)})
+    scale = 1e38 / config["r"]
+    assert f"adapter 'z' ({tmp_path / 'huge'}) scales its change by {scale:.3g} (lora_alpha / r" in caplog.text
+    for sampling in (params("z"), SamplingParams(max_tokens=4, temperature=0.8, seed=1, adapter="z")):
+        with pytest.raises(MinervaError, match="the model produced NaN/inf logits"):
+            llm.generate([PROMPT], sampling, use_tqdm=False)
+    assert llm.generate([PROMPT], params(), use_tqdm=False)[0].outputs[0].token_ids == refs[None]

@@ -357,7 +357,7 @@ std::vector<torch::Tensor> forward_step(const std::vector<const DecoderLayer*>& 
 
 // A burst of greedy decode steps (minerva/engine/runner.py, ModelRunner._burst): `steps` times,
 // each row's token of the step before (`tokens`, then each step's argmax) fed in one position
-// on, forward_step, each row's argmax (greedy_rows: -1 for NaN/+inf logits). Before each step
+// on, forward_step, each row's argmax (greedy_rows: -1 for NaN/inf logits). Before each step
 // `ids`, `positions` and `seq_lens` (views of the runner's step buffer) move on by that token,
 // and each layer's `slots` (the same memory for the layers of one group) to the slot of the new
 // position in the layer's block table, which must cover it. Ends early after a step where a row
@@ -687,7 +687,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows, NOGIL, "packed GGML rows -> float32");
   m.def("lora_add_", &lora_add_, NOGIL, "y[rows, parts] += B (A x) of each row's LoRA adapter (minerva/models/lora.py)");
   m.def("argmax_rows", &argmax_rows, NOGIL, "each row's index of its first largest value (torch.argmax over the last dim)");
-  m.def("greedy_rows", &greedy_rows, NOGIL, "argmax_rows as a list, -1 for a row whose largest value is NaN or +inf");
+  m.def("greedy_rows", &greedy_rows, NOGIL, "argmax_rows as a list, -1 for a row whose largest value is NaN or infinite");
   m.def("sample_rows", &sample_rows, NOGIL,
         "each row's token after temperature, top-k, top-p and min-p, drawn at u (sampler.sample_batch)");
   m.def("invert_cdf_rows", &invert_cdf_rows, NOGIL, "each row's token where its float64 CDF first exceeds u times its total");

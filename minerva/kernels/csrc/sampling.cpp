@@ -333,7 +333,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 }
 
 // argmax_rows for greedy decoding, with check_logits' test folded in: a list of each row's
-// token, or -1 for a row whose largest value is NaN or +inf (the model overflowed). One call
+// token, or -1 for a row whose largest value is NaN, +inf or -inf (the model overflowed). One call
 // in place of a torch max, a float, the argmax and a tolist, each of them slow from cold
 // caches after a decode step's weights streamed through.
 std::vector<int64_t> greedy_rows(const torch::Tensor& x) {
@@ -347,7 +347,7 @@ std::vector<int64_t> greedy_rows(const torch::Tensor& x) {
     for (int64_t n = lo; n < hi; ++n) {
       const int64_t k = argmax_row(p + n * V, V);
       const float top = p[n * V + k];  // the first NaN where there is one
-      o[n] = std::isnan(top) || top == std::numeric_limits<float>::infinity() ? -1 : k;
+      o[n] = std::isfinite(top) ? k : -1;  // NaN, +inf, or a row of -inf (no token possible)
     }
   });
   return out;

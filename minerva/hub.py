@@ -18,15 +18,21 @@ without a network.
 
 from __future__ import annotations
 
+import errno
+import glob
 import hashlib
+import logging
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from minerva.errors import MinervaError
 from minerva.formats.gguf import split_parts
+
+log = logging.getLogger("minerva")
 
 PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "huggingface.co/", "hf.co/")
 # Without `:QUANT`, the first of these the repo has (the 4-bit mixes most people run first,
@@ -220,9 +226,12 @@ def _from_cache(ref: RepoRef, why: str) -> Path:
 # ------------------------------------------------------------------ downloading
 
 
-def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True, verify: bool = False) -> Path:
-    """The local path of `ref`'s model, downloading what is missing from the cache; each file
-    downloaded (with `verify`, each cached one too) is checked against the Hub's checksum.
+def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True, verify: bool = False,
+          adapter: bool = False) -> Path:
+    """The local path of `ref`'s model (with `adapter`, of its LoRA adapter: a repo without
+    PEFT's files is refused before anything downloads), downloading what is missing from the
+    cache; each file downloaded (with `verify`, each cached one too) is checked against the
+    Hub's checksum.
 
     `download=False` only looks in the cache (`minerva show`); so does HF_HUB_OFFLINE=1."""
     if offline():
@@ -242,7 +251,11 @@ def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True, verify:
                                "HF_ENDPOINT and proxy settings") from None
         raise _hub_error(ref, exc) from None
     files = {s.rfilename: s for s in info.siblings or []}
-    chosen = pick_files(ref, list(files))
+    if adapter and not ADAPTER_FILES <= {f for f in files if "/" not in f}:
+        shown = ", ".join(sorted(files)[:8]) + (" ..." if len(files) > 8 else "") if files else "no files"
+        raise MinervaError(f"'{ref.repo_id}' is not a LoRA adapter: it lacks {' and '.join(sorted(ADAPTER_FILES))} "
+                           f"({shown}); give an adapter repo (or folder) as PEFT's save_pretrained writes it")
+    chosen = sorted(ADAPTER_FILES) if adapter else pick_files(ref, list(files))
     snapshot = _download(ref, info.sha, chosen, {f: files[f] for f in chosen}, progress, verify)
     return model_path(snapshot, chosen)
 
@@ -259,10 +272,17 @@ def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progres
     try:
         for name in files:
             if name in missing:
-                try:
-                    hf_hub_download(ref.repo_id, name, revision=commit, cache_dir=cache_dir(), endpoint=_endpoint())
-                except Exception as exc:
-                    raise _hub_error(ref, exc) from None
+                with warnings.catch_warnings(record=True) as said:  # (its disk-space warning, as a line of ours)
+                    warnings.simplefilter("always")
+                    try:
+                        hf_hub_download(ref.repo_id, name, revision=commit, cache_dir=cache_dir(),
+                                        endpoint=_endpoint())
+                    except Exception as exc:
+                        raise _hub_error(ref, exc) from None
+                    finally:
+                        for w in said:
+                            log.warning("%s: %s", name, str(w.message).strip().splitlines()[0])
+                _drop_partials(snapshot / name)
             if name in missing or verify:
                 _verify(ref, snapshot / name, listed[name])
     finally:
@@ -274,6 +294,15 @@ def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progres
     except OSError:
         pass
     return snapshot
+
+
+def _drop_partials(path: Path) -> None:
+    """Delete what interrupted downloads of a file now complete left in the cache: its blob's
+    `.incomplete` files (a new download never resumes another process's; none can be under way,
+    as the blob is there)."""
+    blob = path.resolve()
+    for partial in blob.parent.glob(glob.escape(blob.name) + "*.incomplete"):
+        partial.unlink(missing_ok=True)
 
 
 def _verify(ref: RepoRef, path: Path, listed) -> None:
@@ -323,6 +352,10 @@ def _network_error(exc: BaseException) -> bool:
         or isinstance(exc, (ConnectionError, TimeoutError))
 
 
+# the cache folder's own faults: full, read-only, not a folder, not ours
+_CACHE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST}
+
+
 def _hub_error(ref: RepoRef, exc: BaseException) -> MinervaError:
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError)
@@ -337,10 +370,14 @@ def _hub_error(ref: RepoRef, exc: BaseException) -> MinervaError:
                             "(and no file or folder of that name exists here)")
     if isinstance(exc, LocalEntryNotFoundError) or _network_error(exc):
         return MinervaError(f"could not download '{ref}' from {where} ({_first_line(exc)}); "
-                            "check the network and run the command again (a partial download resumes)")
+                            "check the network and run the command again")
     if isinstance(exc, HfHubHTTPError):
         status = getattr(getattr(exc, "response", None), "status_code", "an error")
         return MinervaError(f"the Hub at {where} answered {status} for '{ref}': {_first_line(exc)}")
+    if isinstance(exc, OSError) and exc.errno in _CACHE_ERRNOS:
+        return MinervaError(f"could not write '{ref}' into the Hugging Face cache ({cache_dir()}): "
+                            f"{_first_line(exc)}; free space there, or set HF_HOME (or HF_HUB_CACHE) to a "
+                            "writable folder with room")
     if isinstance(exc, OSError):
         return MinervaError(f"could not download '{ref}': {_first_line(exc)}; run the command again")
     return MinervaError(f"could not download '{ref}' from {where}: {type(exc).__name__}: {_first_line(exc)}")

@@ -301,7 +301,7 @@ def adapter_path(adapter: str | os.PathLike, auto_pull: bool = True) -> Path:
         return path
     ref = hub.parse(name)
     if ref is not None and not path.exists():
-        return hub.fetch(ref, download=auto_pull)
+        return hub.fetch(ref, download=auto_pull, adapter=True)
     raise MinervaError(f"the LoRA adapter '{name}' is neither a directory nor a Hugging Face repo (OWNER/REPO); "
                        "give the folder PEFT's save_pretrained wrote")
 

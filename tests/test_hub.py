@@ -433,3 +433,36 @@ def test_lora_adapter_repo(hf_env, tmp_path):
     assert list(got[0].token_ids) == greedy(merged, prompt, 6) != greedy(base, prompt, 6)
     with pytest.raises(MinervaError, match="the LoRA adapter 'nothing-here' is neither a directory nor"):
         LLM("test/tiny-llama", dtype="float32", lora={"x": "nothing-here"})
+
+
+def test_a_model_repo_given_as_an_adapter_is_refused_before_downloading(hf_env):
+    from minerva.store import adapter_path
+    with pytest.raises(MinervaError, match=r"'test/SmolLM2-GGUF' is not a LoRA adapter: it lacks "
+                                           r"adapter_config.json and adapter_model.safetensors \(README.md, "):
+        adapter_path("test/SmolLM2-GGUF")
+    assert hf_env.downloads(SMOL) == []
+
+
+def test_a_cache_that_cannot_be_written_says_so(hf_env, monkeypatch, tmp_path):
+    """A cache under a file (or full, or read-only) names the cache and HF_HOME, not 'run again'."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("HF_HUB_CACHE", str(blocker / "hub"))
+    with pytest.raises(MinervaError) as e:
+        resolve("test/tiny-GGUF")
+    message = str(e.value)
+    assert f"into the Hugging Face cache ({blocker / 'hub'})" in message and "set HF_HOME (or HF_HUB_CACHE)" in message
+    assert "run the command again" not in message
+
+
+def test_a_pull_drops_what_interrupted_ones_left(hf_env):
+    """Partial files of a blob that earlier, killed downloads left are gone once it is complete."""
+    path = resolve("test/tiny-GGUF")  # the blob's name, then a second try of it from scratch
+    blob = path.resolve()
+    stale = [blob.with_name(blob.name + ".d7c5723c.incomplete"), blob.with_name(blob.name + ".incomplete")]
+    for p in stale:
+        p.write_bytes(b"partial")
+    blob.unlink()
+    path.unlink()
+    assert resolve("test/tiny-GGUF") == path and path.is_file()
+    assert not any(p.exists() for p in stale)

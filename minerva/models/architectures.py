@@ -310,7 +310,10 @@ HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "gemma3_text": "gemma3
                   "qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
 
 
-def find_architecture(name: str, source: str) -> Architecture:
+def find_architecture(name: str | None, source: str) -> Architecture:
+    if name is None:
+        raise MinervaError(f"{source} names no model_type (such as \"llama\"), so what model it is is unknown; "
+                           "give a Hugging Face model's own config.json")
     if name not in ARCHITECTURES:
         raise MinervaError(f"{source}: architecture {name!r} is not supported "
                            f"(supported: {', '.join(sorted(ARCHITECTURES))})")

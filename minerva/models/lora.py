@@ -189,7 +189,7 @@ def _check_effect(name: str, path: Path, scale: float, tensors: dict[str, torch.
 def _targets(model, layer: int, block: str, name: str) -> tuple[Linear, int, int]:
     """The Linear computing HF module `layers.{layer}.{block}.{name}`, its first output column and columns."""
     if layer >= len(model.layers):
-        raise MinervaError(f"the adapter adapts layer {layer}, and the model has {len(model.layers)} layers")
+        raise MinervaError(f"it adapts layer {layer}, and the model has {len(model.layers)} layers")
     decoder = model.layers[layer]
     if block == "self_attn":
         attn: Attention = decoder.attn
@@ -198,7 +198,7 @@ def _targets(model, layer: int, block: str, name: str) -> tuple[Linear, int, int
         return _part(attn.qkv_proj, ["q_proj", "k_proj", "v_proj"].index(name))
     mlp = decoder.mlp
     if not isinstance(mlp, GatedMLP):
-        raise MinervaError(f"the adapter adapts layer {layer}'s {name} of a mixture of experts; Minerva applies "
+        raise MinervaError(f"it adapts layer {layer}'s {name} of a mixture of experts; Minerva applies "
                            "LoRA to attention and dense MLP projections only")
     if name == "down_proj":
         return mlp.down, 0, mlp.down.weight.shape[0]
@@ -226,6 +226,9 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
         pairs: dict[tuple, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
             m = KEY.search(key)
+            if m is None and ".lora_" in key and key.endswith(".bias"):
+                raise MinervaError(f"adapter '{name}' ({path}) has '{key}': LoRA biases (lora_bias) are not "
+                                   "applied; use an adapter trained without them")
             if m is None:
                 raise MinervaError(f"adapter '{name}' ({path}) has '{key}': Minerva applies LoRA to the attention "
                                    "and MLP projections of decoder layers only")
@@ -239,7 +242,10 @@ def attach(model, adapters: dict[str, Path], device: torch.device, dtype: torch.
                 have = next(iter(ab))
                 raise MinervaError(f"adapter '{name}' ({path}): layer {layer} {proj} has lora_{have} without "
                                    f"lora_{'B' if have == 'A' else 'A'}")
-            lin, start, n = _targets(model, layer, block, proj)
+            try:
+                lin, start, n = _targets(model, layer, block, proj)
+            except MinervaError as exc:
+                raise MinervaError(f"adapter '{name}' ({path}): {exc}") from None
             A, B = ab["A"].float(), ab["B"].float()
             if A.dim() != 2 or B.dim() != 2 or A.shape[1] != lin.weight.shape[1] or B.shape[0] != n \
                     or A.shape[0] != B.shape[1]:

@@ -116,6 +116,18 @@ def test_adapters_that_cannot_apply_are_refused(tiny_adapters, tmp_path):
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(MinervaError, match="uses DoRA, which Minerva does not apply"):
         LLM(str(base), dtype="float32", lora={"d": str(dora)})
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(tmp / "a1" / "adapter_model.safetensors"))
+    for name, extra, words in [  # a layer the model lacks; a LoRA bias
+        ("deep", {k.replace("layers.0.", "layers.99."): t.clone() for k, t in tensors.items() if "layers.0." in k},
+         f"adapter 'deep' ({tmp_path / 'deep'}): it adapts layer 99, and the model has"),
+        ("biased", {next(k for k in tensors if "lora_B" in k).replace(".weight", ".bias"): torch.zeros(4)},
+         "LoRA biases (lora_bias) are not applied; use an adapter trained without them")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(config))
+        save_file({**tensors, **extra}, str(tmp_path / name / "adapter_model.safetensors"))
+        with pytest.raises(MinervaError, match=re.escape(words)):
+            LLM(str(base), dtype="float32", lora={name: str(tmp_path / name)})
     llm = LLM(str(base), dtype="float32", kv_cache_memory=4e6)
     with pytest.raises(MinervaError, match="asks for the LoRA adapter 'a1', and none is loaded"):
         llm.generate([PROMPT], params("a1"), use_tqdm=False)

@@ -67,6 +67,10 @@ def test_unsupported_model_type(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(MinervaError, match="gpt_bigcode.*not supported"):
         load_model(path)
+    del cfg["model_type"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(MinervaError, match=r"config.json' names no model_type \(such as \"llama\"\)"):
+        load_model(path)
 
 
 def test_incomplete_rope_scaling(tmp_path):

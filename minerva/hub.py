@@ -73,6 +73,11 @@ def parse(name: str) -> RepoRef | None:
     rest = name[len(prefix):] if prefix else name
     repo, colon, quant = rest.partition(":")
     repo = repo.strip("/") if prefix else repo
+    at = name.rfind("@")
+    if at > 0 and _REPO.fullmatch(name[len(prefix or ""):at].partition(":")[0].strip("/")) and \
+            not Path(name).expanduser().exists() and not lowered.endswith((".gguf", ".safetensors")):
+        raise MinervaError(f"'{name}' names a revision (@...), which Minerva does not fetch: it downloads a "
+                           f"repo's main branch; write {name[:at]}")
     if colon and not quant and _REPO.fullmatch(repo):  # `OWNER/REPO:` (an unset $QUANT?): not the default quant
         raise MinervaError(f"'{name}' ends in ':' without a quantization; write {repo}:QUANT (e.g. :Q4_K_M), or "
                            f"{repo} alone for its default file")
@@ -122,9 +127,27 @@ def gguf_choices(files: list[str]) -> dict[str, list[str]]:
     return found
 
 
+def _incomplete_splits(ref: RepoRef, files: list[str], where: str) -> None:
+    """Refuse a repo whose only GGUF models (of the quant asked for) are split ones missing a part."""
+    present = set(files)
+    for f in sorted(files):
+        parts = split_parts(Path(f)) if f.lower().endswith(".gguf") else None
+        if parts is None or str(parts[0]) != f and str(parts[0]) in present:
+            continue  # (a split model is named once, by its first part present)
+        if ref.quant and (quant_tag(f) or "").upper() != ref.quant.upper():
+            continue
+        lacking = [str(p) for p in parts if str(p) not in present]
+        if lacking:
+            stem = re.sub(r"-\d{5}-of-\d{5}\.gguf$", "", Path(f).name, flags=re.IGNORECASE)
+            raise MinervaError(f"'{ref.repo_id}'{where} holds {stem} split in {len(parts)} "
+                               f"parts and lacks {', '.join(lacking)}; the model cannot load without every part")
+
+
 def pick_gguf(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
     """The file(s) of the quant `ref` asks for, else of the preferred one the repo has."""
     choices = gguf_choices(files)
+    if not choices or ref.quant and not any(ref.quant.upper() in (t.upper(), n[0].upper()) for t, n in choices.items()):
+        _incomplete_splits(ref, files, where)
     if ref.quant:
         want = ref.quant.upper()
         want = {"FP16": "F16", "FP32": "F32"}.get(want, want)
@@ -147,6 +170,7 @@ def pick_files(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
     (`where` says where the files are, for the errors)."""
     if ref.quant or gguf_choices(files):
         return pick_gguf(ref, files, where)
+    _incomplete_splits(ref, files, where)
     top = [f for f in files if "/" not in f]
     if ADAPTER_FILES <= set(top) and "config.json" not in top:  # a LoRA adapter (PEFT's files)
         return sorted(ADAPTER_FILES)

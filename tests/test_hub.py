@@ -104,6 +104,23 @@ def test_parse_refuses_malformed_hub_names(arg):
         hub.parse(arg)
 
 
+@pytest.mark.parametrize("arg, plain", [("t/m-GGUF@main", "t/m-GGUF"), ("t/m-GGUF:Q4_K_M@v1", "t/m-GGUF:Q4_K_M"),
+                                        ("hf.co/t/m@abc123", "hf.co/t/m")])
+def test_a_revision_is_refused_naming_what_is_fetched(arg, plain):
+    with pytest.raises(MinervaError, match=f"names a revision .* downloads a repo's main branch; write {plain}$"):
+        hub.parse(arg)
+    assert hub.parse("dir/model@v1.gguf") is None  # a file name with an @ stays a path
+
+
+def test_a_split_model_missing_a_part_is_named():
+    files = ["README.md", "m-Q4_1-00001-of-00003.gguf", "m-Q4_1-00003-of-00003.gguf"]
+    for quant in (None, "Q4_1", "q4_1"):
+        with pytest.raises(MinervaError, match=r"'o/m' holds m-Q4_1 split in 3 parts and lacks "
+                                               r"m-Q4_1-00002-of-00003.gguf; the model cannot load"):
+            hub.pick_files(hub.RepoRef("o/m", quant), files)
+    assert hub.pick_files(hub.RepoRef("o/m"), files + ["m-Q8_0.gguf"]) == ["m-Q8_0.gguf"]  # a whole one first
+
+
 @pytest.mark.parametrize("arg", ["OWNER/REPO:", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:"])
 def test_an_empty_quant_tag_is_refused(arg):  # it meant the default file
     with pytest.raises(MinervaError, match="without a quantization"):
@@ -132,7 +149,9 @@ def test_pick_gguf():
                                                                 "m-BF16-00002-of-00002.gguf"]
     # without Q4_K_M, the next preferred; the vision projector and the incomplete split never
     assert hub.pick_gguf(hub.RepoRef("o/m"), files[:2] + files[3:]) == ["m-Q4_0.gguf"]
-    with pytest.raises(MinervaError, match=r"no F32 file; its quants: BF16, Q4_0, Q4_K_M, Q8_0; name one as o/m:QUANT"):
+    with pytest.raises(MinervaError, match=r"no Q2_K file; its quants: BF16, Q4_0, Q4_K_M, Q8_0; name one as o/m:QUANT"):
+        hub.pick_gguf(hub.RepoRef("o/m", "Q2_K"), files)
+    with pytest.raises(MinervaError, match=r"holds m-F32 split in 2 parts and lacks m-F32-00002-of-00002.gguf"):
         hub.pick_gguf(hub.RepoRef("o/m", "F32"), files)
     assert hub.pick_gguf(hub.RepoRef("o/m"), ["model.gguf", "README.md"]) == ["model.gguf"]
     phi = ["Phi-3-mini-4k-instruct-fp16.gguf", "Phi-3-mini-4k-instruct-q4.gguf"]

@@ -449,13 +449,13 @@ def remove(ref: RepoRef) -> Path:
         if ref.quant is None:
             shutil.rmtree(folder)
             return folder
-        _remove_quant(ref)
+        return _remove_quant(ref)
     except OSError as exc:
         raise MinervaError(f"could not remove '{ref}' from {folder}: {exc.strerror or exc}") from None
-    return folder
 
 
-def _remove_quant(ref: RepoRef) -> None:
+def _remove_quant(ref: RepoRef) -> Path:
+    """Delete one quant's files (and their blobs no other snapshot names); returns its first file."""
     snapshots = cached_snapshots(ref.repo_id)
     links = []
     for snap, files in snapshots:
@@ -474,3 +474,4 @@ def _remove_quant(ref: RepoRef) -> None:
     for blob in blobs - still:
         if blob.parent.name == "blobs":
             blob.unlink(missing_ok=True)
+    return links[0]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -209,9 +210,15 @@ def cmd_show(args) -> int:
 
 
 def cmd_rm(args) -> int:
+    """Remove each name given; one that cannot be is said (on stderr) and the rest still go."""
+    failed = 0
     for name in args.names:
-        print(f"removed {name} ({remove(name)})")
-    return 0
+        try:
+            print(f"removed {name} ({remove(name)})")
+        except MinervaError as exc:
+            print(f"minerva: error: {exc}", file=sys.stderr)
+            failed += 1
+    return 1 if failed else 0
 
 
 def cmd_ps(args) -> int:

@@ -386,9 +386,11 @@ def test_commands_on_hub_models(hf_env, tmp_path):
     assert r.returncode == 0 and "architecture    llama" in r.stdout, r.stderr
     r = run("rm", "test/SmolLM2-GGUF:Q4_1")
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("removed test/SmolLM2-GGUF:Q4_1 (") and f"{SMOL})" in r.stdout  # the file, not the repo
     assert not list((tmp_path / "hf-cache" / "models--test--SmolLM2-GGUF" / "blobs").iterdir())
-    r = run("rm", "test/tiny-llama")
-    assert r.returncode == 0, r.stderr
+    r = run("rm", "test/none-here", "test/tiny-llama")  # a name that cannot go does not stop the others
+    assert r.returncode == 1 and "'test/none-here' is not in the Hugging Face cache" in r.stderr
+    assert "removed test/tiny-llama" in r.stdout and "Traceback" not in r.stderr
     assert sorted(p.name for p in (tmp_path / "hf-cache").iterdir() if p.name.startswith("models--")) == [
         "models--test--SmolLM2-GGUF"]
     r = run("rm", "test/tiny-llama")

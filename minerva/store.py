@@ -240,7 +240,9 @@ def _hub_models() -> list[ModelEntry]:
     entries = []
     for name, path, size in hub.cached_models():
         try:
-            if path.is_dir():
+            if path.is_dir() and not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+                arch, quant, instruct = "adapter", "LoRA", None  # (given with --lora on its base model)
+            elif path.is_dir():
                 arch, quant, instruct = _hf_dir_info(path)
             else:
                 arch, quant, instruct = _gguf_info(path)

@@ -454,6 +454,11 @@ def test_lora_adapter_repo(hf_env, tmp_path):
     assert list(got[0].token_ids) == greedy(merged, prompt, 6) != greedy(base, prompt, 6)
     with pytest.raises(MinervaError, match="the LoRA adapter 'nothing-here' is neither a directory nor"):
         LLM("test/tiny-llama", dtype="float32", lora={"x": "nothing-here"})
+    # listed as what it is, and refused as a model with the way to use it
+    entry = next(e for e in list_models() if e.name == "test/tiny-lora")
+    assert (entry.architecture, entry.quantization) == ("adapter", "LoRA")
+    with pytest.raises(MinervaError, match=r"is a LoRA adapter, not a model: serve it on its base model with --lora"):
+        LLM("test/tiny-lora")
 
 
 def test_a_model_repo_given_as_an_adapter_is_refused_before_downloading(hf_env):

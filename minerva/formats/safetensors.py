@@ -22,6 +22,9 @@ def pickle_refusal(path: Path) -> MinervaError:
 
 def checkpoint_files(path: Path) -> list[Path]:
     """The *.safetensors files of a Hugging Face directory, with a clear error for anything else."""
+    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+        raise MinervaError(f"'{path}' is a LoRA adapter, not a model: serve it on its base model with "
+                           "--lora NAME=PATH_OR_REPO")
     if not (path / "config.json").is_file():
         raise MinervaError(f"directory '{path}' has no config.json; a Hugging Face model directory "
                            "needs config.json and *.safetensors weights")

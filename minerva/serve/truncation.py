@@ -45,7 +45,8 @@ class Cuts(abc.Sequence):
 
 async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list], Awaitable[T]]) -> T:
     """`attempt(items)`, or where it raises ContextError, `attempt` of the smallest cut of
-    `items` that does not; the first ContextError where even the largest cut does not fit."""
+    `items` that does not; where even the largest cut does not fit, its ContextError (what is
+    left, not the whole conversation, is what the client must change)."""
     try:
         return await attempt(list(items))
     except ContextError as first:
@@ -54,8 +55,9 @@ async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list
             raise
         try:
             best = await attempt([items[i] for i in options[-1]])
-        except ContextError:
-            raise first from None
+        except ContextError as alone:
+            raise ContextError(f"even with every turn but the latest dropped (truncation \"auto\"), the "
+                               f"conversation does not fit: {alone.message}", alone.param) from None
         lo, hi = 0, len(options) - 1  # options[hi] fits
         while lo < hi:
             mid = (lo + hi) // 2

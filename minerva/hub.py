@@ -154,15 +154,33 @@ def pick_gguf(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
         for tag, names in choices.items():
             if want in (tag.upper(), names[0].upper(), names[0].rsplit("/", 1)[-1].upper()):
                 return names
+        for f in sorted(files):  # a file by its name, where another of its quant is the default
+            if f.lower().endswith(".gguf") and want in (f.upper(), f.rsplit("/", 1)[-1].upper()):
+                parts = split_parts(Path(f))
+                if parts is None or (str(parts[0]) == f and set(map(str, parts)) <= set(files)):
+                    return [str(p) for p in parts] if parts else [f]
         have = ", ".join(sorted(choices)) or "none"
         raise MinervaError(f"'{ref.repo_id}'{where} has no {ref.quant.upper()} file; its quants: {have}; "
                            f"name one as {ref.repo_id}:QUANT")
     for tag in PREFERENCE:
         if tag in choices:
-            return choices[tag]
+            return _said(ref, files, choices[tag])
     if choices:  # a tag outside the list before a file without one
-        return choices[min(choices, key=lambda k: (k.lower().endswith(".gguf"), k))]
+        return _said(ref, files, choices[min(choices, key=lambda k: (k.lower().endswith(".gguf"), k))])
     raise MinervaError(f"'{ref.repo_id}' has no GGUF file")
+
+
+def _said(ref: RepoRef, files: list[str], names: list[str]) -> list[str]:
+    """`names`, the model chosen without a quant asked for, after a line naming the others it
+    was chosen among where they look alike (the same quant tag, or none)."""
+    tag = quant_tag(names[0])
+    alike = [f for f in sorted(files) if f.lower().endswith(".gguf") and "mmproj" not in f.lower()
+             and f not in names and quant_tag(f) == tag
+             and (split_parts(Path(f)) is None or str(split_parts(Path(f))[0]) == f)]
+    if alike:
+        log.warning("%s: %s chosen; %s alike (name one as %s:FILENAME)", ref.repo_id, names[0], ", ".join(alike),
+                    ref.repo_id)
+    return names
 
 
 def pick_files(ref: RepoRef, files: list[str], where: str = "") -> list[str]:

@@ -112,6 +112,19 @@ def test_a_revision_is_refused_naming_what_is_fetched(arg, plain):
     assert hub.parse("dir/model@v1.gguf") is None  # a file name with an @ stays a path
 
 
+def test_a_choice_among_alike_files_is_said(caplog):
+    with caplog.at_level("WARNING", logger="minerva"):
+        assert hub.pick_gguf(hub.RepoRef("t/dup"), ["bb-Q4_K_M.gguf", "a-Q4_K_M.gguf"]) == ["a-Q4_K_M.gguf"]
+        assert hub.pick_gguf(hub.RepoRef("t/notag"), ["other.gguf", "model.gguf"]) == ["model.gguf"]
+    assert caplog.messages == ["t/dup: a-Q4_K_M.gguf chosen; bb-Q4_K_M.gguf alike (name one as t/dup:FILENAME)",
+                               "t/notag: model.gguf chosen; other.gguf alike (name one as t/notag:FILENAME)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="minerva"):
+        hub.pick_gguf(hub.RepoRef("t/ok"), ["m-Q4_K_M.gguf", "m-Q8_0.gguf", "mmproj-m-F16.gguf"])
+        hub.pick_gguf(hub.RepoRef("t/dup", "bb-Q4_K_M.gguf"), ["bb-Q4_K_M.gguf", "a-Q4_K_M.gguf"])  # asked for
+    assert caplog.messages == []
+
+
 def test_a_split_model_missing_a_part_is_named():
     files = ["README.md", "m-Q4_1-00001-of-00003.gguf", "m-Q4_1-00003-of-00003.gguf"]
     for quant in (None, "Q4_1", "q4_1"):

@@ -217,14 +217,20 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def _plain(value: Any) -> Any:
-    """A copy built of plain JSON types only, so templates see no other objects."""
+PLAIN_DEPTH = 128  # lists and mappings inside each other in what a template is given (parsers' JSON: 64)
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A copy built of plain JSON types only, so templates see no other objects (nor nesting
+    deeper than PLAIN_DEPTH, which would exhaust the stack of what walks it)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if isinstance(value, (Mapping, list, tuple)) and depth >= PLAIN_DEPTH:
+        raise MinervaError(f"a chat message or tool field is nested more than {PLAIN_DEPTH} levels deep")
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_plain(v, depth + 1) for v in value]
     if isinstance(value, str):  # a str subclass: keep the text, drop the class
         return str(value)
     if isinstance(value, bool):

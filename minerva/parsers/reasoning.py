@@ -42,11 +42,11 @@ keep the default decoding: no other special token can leak into their answers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import ClassVar
 
 from minerva.formats.tokenizer import Tokenizer
+from minerva.parsers import jsontext
 
 REASONING, CONTENT = 0, 1  # the two fields, as indexes into a parser's output
 BLOCK_GAP = "\n\n"  # between two blocks of the same field
@@ -225,8 +225,8 @@ class HarmonyParser(ReasoningParser):
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
-    except (ValueError, RecursionError):
+        jsontext.loads(text)
+    except ValueError:
         return False
     return True
 

@@ -21,6 +21,7 @@ import re
 import uuid
 from typing import Any, ClassVar, Sequence
 
+from minerva.parsers import jsontext
 from minerva.parsers.reasoning import partial_marker
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -77,8 +78,8 @@ def call_from_json(value: Any) -> tuple[str, str] | None:
     args = value.get("arguments", value.get("parameters"))
     if isinstance(args, str):  # some models write the arguments as JSON text
         try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):
+            args = jsontext.loads(args)
+        except ValueError:
             return None
     if not isinstance(args, dict):
         return None
@@ -194,8 +195,8 @@ class HermesParser(ToolParser):
 
     def _block(self, body: str, closed: bool) -> None:
         try:
-            call = self._offered(call_from_json(json.loads(body)))
-        except (ValueError, RecursionError):
+            call = self._offered(call_from_json(jsontext.loads(body)))
+        except ValueError:
             call = None
         if call is None:
             self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else ""))
@@ -259,16 +260,16 @@ class MistralParser(_WholeReplyParser):
             for part in tail.split(MISTRAL_CALLS):
                 name, sep, args = part.partition(MISTRAL_ARGS)
                 try:
-                    call = call_from_json({"name": name.strip(), "arguments": json.loads(args)}) if sep else None
-                except (ValueError, RecursionError):
+                    call = call_from_json({"name": name.strip(), "arguments": jsontext.loads(args)}) if sep else None
+                except ValueError:
                     call = None
                 if call is None:
                     return None
                 calls.append(call)
             return calls
         try:
-            value = json.loads(tail)
-        except (ValueError, RecursionError):
+            value = jsontext.loads(tail)
+        except ValueError:
             return None
         calls = [call_from_json(v) for v in (value if isinstance(value, list) else [value])]
         return calls if calls and all(calls) else None
@@ -294,12 +295,11 @@ class Llama3Parser(_WholeReplyParser):
 
     def _parse(self, tail: str) -> list[tuple[str, str]] | None:
         calls = []
-        decoder = json.JSONDecoder()
         rest = tail.strip()
         while rest:
             try:
-                value, stop = decoder.raw_decode(rest)
-            except (ValueError, RecursionError):
+                value, stop = jsontext.raw_decode(rest)
+            except ValueError:
                 return None
             call = call_from_json(value)
             if call is None:
@@ -334,8 +334,8 @@ class RequiredParser(ToolParser):
         if not end:
             return
         try:
-            value = json.loads(self._buffer)
-        except (ValueError, RecursionError):
+            value = jsontext.loads(self._buffer)
+        except ValueError:
             value = None
         if isinstance(value, list):
             calls = [call_from_json(v) for v in value]
@@ -357,7 +357,7 @@ def _cut_calls(text: str) -> list[tuple[str, str]]:
     """The calls of a JSON array of calls cut short: the whole ones, then the last one's name
     with the arguments written so far, as a named call cut short gives them (none where not
     even its name was written whole)."""
-    decoder, calls = json.JSONDecoder(), []
+    calls = []
     i = text.find("[") + 1
     while i > 0:
         name = _CALL_NAME.match(text, i)
@@ -368,8 +368,8 @@ def _cut_calls(text: str) -> list[tuple[str, str]]:
             calls.append((json.loads(name[1]), ""))
             break
         try:
-            args, i = decoder.raw_decode(text, head.end())
-        except (ValueError, RecursionError):
+            args, i = jsontext.raw_decode(text, head.end())
+        except ValueError:
             calls.append((json.loads(name[1]), text[head.end():]))
             break
         calls.append((json.loads(name[1]), json.dumps(args, ensure_ascii=False)))

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from minerva.engine.structured import JSON_OPTIONS, StructuredOutput
 from minerva.errors import MinervaError
+from minerva.parsers import jsontext
 from minerva.parsers.tool_calls import (MISTRAL_CALLS, PARSERS, PYTHON_TAG, TOOL_CALL_CLOSE, TOOL_CALL_OPEN,
                                           HarmonyCallParser, NamedParser, RequiredParser, ToolParser)
 
@@ -199,8 +200,8 @@ class ToolFormat:
 def _arguments_object(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments)
-        except (ValueError, RecursionError):  # (text that is no JSON, or too deeply nested to read, stays text)
+            return jsontext.loads(arguments)
+        except ValueError:  # (text that is no JSON, or nested too deeply to walk, stays text)
             return arguments
     return arguments
 

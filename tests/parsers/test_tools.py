@@ -166,24 +166,45 @@ def test_llama3_json_replies(step):
     assert calls == [] and content == text
 
 
-DEEP = "[" * 5000 + "]" * 5000  # JSON too deeply nested for Python's reader (a RecursionError)
-
-
-def test_output_nested_too_deeply_to_read_is_text_not_a_crash():
-    """A reply whose would-be call holds JSON nested past what the reader takes is given back as
-    text, as any other call that cannot be read, by every parser."""
-    cases = [(HermesParser(), f'<tool_call>{{"name": "f", "arguments": {DEEP}}}</tool_call>'),
-             (HermesParser(), f'<tool_call>{{"name": "f", "arguments": "{DEEP}"}}</tool_call>'),
-             (MistralParser(), f"[TOOL_CALLS][{DEEP}]"),
-             (MistralParser(), f"[TOOL_CALLS]f[ARGS]{DEEP}"),
-             (Llama3Parser(), f'{{"name": "f", "parameters": {DEEP}}}')]
+@pytest.mark.parametrize("depth", [65, 600, 990, 5000])  # past the parsers' bound; 990: parses, then breaks a dumps
+def test_output_nested_too_deeply_is_text_not_a_crash(depth):
+    """A reply whose would-be call holds JSON nested past the parsers' bound (64 levels) is
+    given back as text, as any other call that cannot be read, by every parser; an earlier
+    call's arguments so nested go to a template as the text they are, and the conversation
+    renders."""
+    deep = "[" * depth + "]" * depth
+    cases = [(HermesParser(), f'<tool_call>{{"name": "f", "arguments": {{"a": {deep}}}}}</tool_call>'),
+             (HermesParser(), f'<tool_call>{{"name": "f", "arguments": "{deep}"}}</tool_call>'),
+             (MistralParser(), f"[TOOL_CALLS][{deep}]"),
+             (MistralParser(), f'[TOOL_CALLS]f[ARGS]{{"a": {deep}}}'),
+             (Llama3Parser(), f'{{"name": "f", "parameters": {{"a": {deep}}}}}')]
     for parser, text in cases:
         content, calls = feed_all(parser, text)
         assert calls == [] and content == text, type(parser).__name__
-    # a conversation's earlier call with such arguments goes to a template as the text it is
-    earlier = [{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": DEEP}}]}]
-    assert native_messages(earlier)[0]["tool_calls"][0]["function"]["arguments"] == DEEP
+    content, calls = feed_all(RequiredParser(), f'[{{"name": "f", "arguments": {{"a": {deep}}}}}]')
+    assert [c.name for c in calls] == ["f"]  # cut short as far as it reads: the name, its arguments as text
+    earlier = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]}]
+    messages = native_messages(earlier)
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == deep
+    assert deep in render_chat(QWEN_TEMPLATE, messages, bos_token=None, eos_token=None, tools=[WEATHER])
+
+
+def test_json_nested_to_the_bound_is_read():
+    nested = '{"a": ' * 63 + "1" + "}" * 63  # 63 objects in each other (and the call's own)
+    _, calls = feed_all(HermesParser(), f'<tool_call>{{"name": "f", "arguments": {nested}}}</tool_call>')
+    assert json.loads(calls[0].arguments) == json.loads(nested)
+
+
+def test_a_template_is_never_given_nesting_past_its_bound():
+    """What reaches a template directly (a tool's parameters schema) nested past 128 levels is
+    a MinervaError (a 400 on the server), not a RecursionError."""
+    schema = {"type": "object"}
+    for _ in range(200):
+        schema = {"type": "object", "properties": {"x": schema}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    with pytest.raises(MinervaError, match="nested more than 128 levels deep"):
+        render_chat(QWEN_TEMPLATE, [{"role": "user", "content": "Hi"}], bos_token=None, eos_token=None, tools=[tool])
 
 
 def test_only_offered_functions_are_called():

@@ -424,14 +424,10 @@ def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool
     ft, tensors = FILE_TYPES[type_name], plan(shape, type_name, pure)
     source = resolve(tokenizer or "smollm2-135m")
     tok = fit_vocabulary(GGUFFile(source).metadata, shape.vocab)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(partial, "llama")
-    w.add_type("model")
-    w.add_name(f"{shape.title} shape, random weights")
-    w.add_description(f"synthetic: random weights in {shape.title}'s tensor shapes, written by Minerva's "
-                      f"benchmarks/synthetic.py (type {type_name}{', pure' if pure else ''}, seed {seed}); "
-                      f"tokenizer from {source.name}")
+    w, partial = open_writer(path, "llama", f"{shape.title} shape, random weights",
+                             f"synthetic: random weights in {shape.title}'s tensor shapes, written by Minerva's "
+                             f"benchmarks/synthetic.py (type {type_name}{', pure' if pure else ''}, seed {seed}); "
+                             f"tokenizer from {source.name}")
     if ft.ftype is not None:
         w.add_file_type(int(ft.ftype))
     if any(t.qtype not in FLOAT_TYPES for t in tensors):
@@ -461,6 +457,19 @@ def write(path: Path, shape: Shape, type_name: str, *, seed: int = 0, pure: bool
             w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.qtype)  # type: ignore[arg-type]
     finish(w, partial, path, progress)
     return tensors
+
+
+def open_writer(path: Path, arch: str, name: str | None = None,
+                description: str | None = None) -> tuple[gguf.GGUFWriter, Path]:
+    """A writer of `path` under a temporary name (`finish` renames it), its name and description set."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    w = gguf.GGUFWriter(partial, arch)
+    if name is not None:
+        w.add_type("model")
+        w.add_name(name)
+        w.add_description(description or name)
+    return w, partial
 
 
 def finish(w: gguf.GGUFWriter, partial: Path, path: Path, progress: bool) -> None:

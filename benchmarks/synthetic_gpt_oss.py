@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.synthetic import (CHUNK_BYTES, TOKENIZER_WRITERS, WEIGHT_STD, RandomTensor,  # noqa: E402
-                                  TensorPlan, finish, fit_vocabulary, report)
+                                  TensorPlan, finish, fit_vocabulary, open_writer, report)
 from minerva.errors import MinervaError  # noqa: E402
 from minerva.formats.gguf import GGUFFile  # noqa: E402
 from minerva.store import resolve, store_root  # noqa: E402
@@ -142,9 +142,7 @@ def write(path: Path, layers: int = LAYERS, experts: int = EXPERTS, seed: int = 
     tensors = plan(layers, experts, vocab)
     source = resolve(tokenizer or "smollm2-135m")
     tok = fit_vocabulary(GGUFFile(source).metadata, vocab)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(partial, ARCH)
+    w, partial = open_writer(path, ARCH)
     _metadata(w, layers, experts, vocab, seed, source)
     for key, value in tok.items():
         if key in TOKENIZER_WRITERS:

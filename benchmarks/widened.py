@@ -47,7 +47,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.synthetic import TOKENIZER_WRITERS, TensorPlan, finish, fit_vocabulary, report  # noqa: E402
+from benchmarks.synthetic import (TOKENIZER_WRITERS, TensorPlan, finish, fit_vocabulary,  # noqa: E402
+                                  open_writer, report)
 from minerva.errors import MinervaError  # noqa: E402
 from minerva.formats.gguf import GGUFFile  # noqa: E402
 from minerva.store import resolve, store_root  # noqa: E402
@@ -148,13 +149,9 @@ def widen(source: Path, path: Path, wide_sizes: dict[str, int], layers: int | No
     reader = gguf.GGUFReader(source)
     eps = float(f.require("attention.layer_norm_rms_epsilon"))
     tensors = list(_widened_tensors(source, reader, small, wide, layers))  # checked before anything is written
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    w = gguf.GGUFWriter(partial, "llama")
-    w.add_type("model")
-    w.add_name(f"{f.metadata.get('general.name', source.stem)}, widened")
-    w.add_description(f"{source.name} widened by Minerva's benchmarks/widened.py to {wide.line()}, "
-                      f"{layers} layers: the model's blocks, zero weights elsewhere")
+    w, partial = open_writer(path, "llama", f"{f.metadata.get('general.name', source.stem)}, widened",
+                             f"{source.name} widened by Minerva's benchmarks/widened.py to {wide.line()}, "
+                             f"{layers} layers: the model's blocks, zero weights elsewhere")
     if f.metadata.get("general.file_type") is not None:
         w.add_file_type(int(f.metadata["general.file_type"]))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

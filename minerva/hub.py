@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from minerva.errors import MinervaError
 from minerva.formats.gguf import split_parts
 
 log = logging.getLogger("minerva")
+warnings.filterwarnings("ignore", message="Not enough free disk space", category=UserWarning)  # (see _room_for)
 
 PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "huggingface.co/", "hf.co/")
 # Without `:QUANT`, the first of these the repo has (the 4-bit mixes most people run first,
@@ -314,16 +316,11 @@ def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progres
     try:
         for name in files:
             if name in missing:
-                with warnings.catch_warnings(record=True) as said:  # (its disk-space warning, as a line of ours)
-                    warnings.simplefilter("always")
-                    try:
-                        hf_hub_download(ref.repo_id, name, revision=commit, cache_dir=cache_dir(),
-                                        endpoint=_endpoint())
-                    except Exception as exc:
-                        raise _hub_error(ref, exc) from None
-                    finally:
-                        for w in said:
-                            log.warning("%s: %s", name, str(w.message).strip().splitlines()[0])
+                _room_for(name, listed[name])
+                try:
+                    hf_hub_download(ref.repo_id, name, revision=commit, cache_dir=cache_dir(), endpoint=_endpoint())
+                except Exception as exc:
+                    raise _hub_error(ref, exc) from None
                 _drop_partials(snapshot / name)
             if name in missing or verify:
                 _verify(ref, snapshot / name, listed[name])
@@ -338,13 +335,38 @@ def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progres
     return snapshot
 
 
+STALE_PARTIAL_SECONDS = 3600  # a partial file untouched this long is no download under way
+
+
 def _drop_partials(path: Path) -> None:
-    """Delete what interrupted downloads of a file now complete left in the cache: its blob's
-    `.incomplete` files (a new download never resumes another process's; none can be under way,
-    as the blob is there)."""
+    """Delete what killed downloads of a file now complete left in the cache: its blob's
+    `.incomplete` files untouched for an hour (a new download never resumes another process's;
+    one written more lately may be another process's download under way)."""
     blob = path.resolve()
-    for partial in blob.parent.glob(glob.escape(blob.name) + "*.incomplete"):
-        partial.unlink(missing_ok=True)
+    try:
+        for partial in blob.parent.glob(glob.escape(blob.name) + "*.incomplete"):
+            if time.time() - partial.stat().st_mtime > STALE_PARTIAL_SECONDS:
+                partial.unlink(missing_ok=True)
+    except OSError:  # (a cache shared with others: what cannot go stays)
+        pass
+
+
+def _room_for(name: str, listed) -> None:
+    """A line where the cache has less free space than the file takes (huggingface_hub's own
+    warning about it is silenced: a raw warning with its source line)."""
+    try:
+        free = shutil.disk_usage(_existing(cache_dir())).free
+    except OSError:
+        return
+    if listed.size and free < listed.size:
+        log.warning("%s takes %.2f GB and the Hugging Face cache (%s) has %.2f GB free; the download may fail",
+                    name, listed.size / 1e9, cache_dir(), free / 1e9)
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def _verify(ref: RepoRef, path: Path, listed) -> None:

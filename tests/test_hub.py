@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import gguf
 import httpx
@@ -494,6 +495,15 @@ def test_a_cache_that_cannot_be_written_says_so(hf_env, monkeypatch, tmp_path):
     assert "run the command again" not in message
 
 
+def test_a_cache_short_of_room_is_said_before_the_download(hf_env, monkeypatch, caplog):
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    with caplog.at_level("WARNING", logger="minerva"):
+        resolve("test/tiny-GGUF")  # (the file is larger than the 1000 bytes said free: a line, and it still downloads)
+    assert any("tiny-Q8_0.gguf takes 0.00 GB and the Hugging Face cache" in m and "0.00 GB free" in m
+               for m in caplog.messages)
+
+
 def test_a_pull_drops_what_interrupted_ones_left(hf_env):
     """Partial files of a blob that earlier, killed downloads left are gone once it is complete."""
     path = resolve("test/tiny-GGUF")  # the blob's name, then a second try of it from scratch
@@ -501,7 +511,10 @@ def test_a_pull_drops_what_interrupted_ones_left(hf_env):
     stale = [blob.with_name(blob.name + ".d7c5723c.incomplete"), blob.with_name(blob.name + ".incomplete")]
     for p in stale:
         p.write_bytes(b"partial")
+        os.utime(p, (time.time() - 7200, time.time() - 7200))  # untouched for two hours
+    lately = blob.with_name(blob.name + ".0b1c2d3e.incomplete")  # perhaps another process's, under way
+    lately.write_bytes(b"partial")
     blob.unlink()
     path.unlink()
     assert resolve("test/tiny-GGUF") == path and path.is_file()
-    assert not any(p.exists() for p in stale)
+    assert not any(p.exists() for p in stale) and lately.exists()

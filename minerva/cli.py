@@ -49,8 +49,8 @@ def _looks_like_model(arg: str, bare_repos: bool = True) -> bool:
         return False
     try:
         return bare_repos and not any(c.isspace() for c in arg) and hub.parse(arg) is not None
-    except MinervaError:
-        return False
+    except MinervaError:  # a Hub name written wrong (a revision, an empty quant): its error is the answer
+        return bare_repos and not any(c.isspace() for c in arg)
 
 
 def _model_and_rest(args: list[str], what: str, rest_required: bool) -> tuple[str | None, str | None]:

@@ -78,8 +78,11 @@ def parse(name: str) -> RepoRef | None:
     at = name.rfind("@")
     if at > 0 and _REPO.fullmatch(name[len(prefix or ""):at].partition(":")[0].strip("/")) and \
             not Path(name).expanduser().exists() and not lowered.endswith((".gguf", ".safetensors")):
+        plain, _, tag = name[:at].partition(":")
+        tag = tag or name[at + 1:].partition(":")[2]  # (OWNER/REPO:QUANT@REV or OWNER/REPO@REV:QUANT)
         raise MinervaError(f"'{name}' names a revision (@...), which Minerva does not fetch: it downloads a "
-                           f"repo's main branch; write {name[:at]}")
+                           f"repo's main branch; write {plain}{':' + tag if tag else ''} "
+                           "(no file or folder of that name exists here either)")
     if colon and not quant and _REPO.fullmatch(repo):  # `OWNER/REPO:` (an unset $QUANT?): not the default quant
         raise MinervaError(f"'{name}' ends in ':' without a quantization; write {repo}:QUANT (e.g. :Q4_K_M), or "
                            f"{repo} alone for its default file")

@@ -106,10 +106,15 @@ def test_parse_refuses_malformed_hub_names(arg):
 
 
 @pytest.mark.parametrize("arg, plain", [("t/m-GGUF@main", "t/m-GGUF"), ("t/m-GGUF:Q4_K_M@v1", "t/m-GGUF:Q4_K_M"),
-                                        ("hf.co/t/m@abc123", "hf.co/t/m")])
+                                        ("t/m-GGUF@v1:Q4_K_M", "t/m-GGUF:Q4_K_M"), ("hf.co/t/m@abc123", "hf.co/t/m")])
 def test_a_revision_is_refused_naming_what_is_fetched(arg, plain):
-    with pytest.raises(MinervaError, match=f"names a revision .* downloads a repo's main branch; write {plain}$"):
+    with pytest.raises(MinervaError, match=f"names a revision .* downloads a repo's main branch; write {plain} "
+                                           r"\(no file or folder of that name exists here either\)$"):
         hub.parse(arg)
+    with pytest.raises(MinervaError, match="names a revision"):
+        resolve(arg)
+    from minerva import cli
+    assert cli._looks_like_model(arg)  # `minerva run OWNER/REPO@REV`: a model word (its error said), not a prompt
     assert hub.parse("dir/model@v1.gguf") is None  # a file name with an @ stays a path
 
 

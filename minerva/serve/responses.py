@@ -25,13 +25,14 @@ from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, chunks, validated
 from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields,
                                              input_messages, new_id)
+from minerva.serve.truncation import Cuts
 
 PATH = "/v1/responses"
 STORE_SIZE = 1024  # responses kept for GET and previous_response_id, least recently stored dropped first
 STORE_CHARS = 256 << 20  # ... and while their conversations' text adds up to more than this, the newest kept
-# A stored conversation keeps its turns up to this much text, the oldest dropped first: more text than
-# any model's context holds (a later turn with truncation "auto" drops them anyway; one without it
-# could not fit them either), so what a client sees is the same.
+# A stored conversation keeps its newest turns (and steps) up to about this much text, cut as truncation
+# "auto" cuts: far more text than a model's context holds (a later turn with truncation "auto" drops
+# them anyway; one without it could not fit what is kept either).
 CONVERSATION_CHARS = 32 << 20
 
 
@@ -91,22 +92,23 @@ def text_size(message: dict) -> int:
 
 
 def within(conversation: list[dict], most: int) -> tuple[list[dict], int]:
-    """The conversation with its oldest whole turns (a user message and all up to the next)
-    dropped while it holds more than `most` characters, its system messages and last turn
-    kept; and the characters it holds."""
+    """The conversation cut as truncation "auto" cuts it (`truncation.Cuts`: its oldest whole
+    turns, then the latest turn's oldest steps; system messages kept) as little as leaves it
+    `most` characters or fewer, or as much as it can be; and the characters it then holds."""
     sizes = [text_size(m) for m in conversation]
     total = sum(sizes)
-    if total <= most:
+    cuts = Cuts([m.get("role", "") for m in conversation])
+    if total <= most or not cuts:
         return conversation, total
-    users = [i for i, m in enumerate(conversation) if m.get("role") == "user"]
-    drop = set()
-    for start, end in zip(users, users[1:]):
-        if total <= most:
-            break
-        turn = [i for i in range(start, end) if conversation[i].get("role") not in ("system", "developer")]
-        drop.update(turn)
-        total -= sum(sizes[i] for i in turn)
-    return [m for i, m in enumerate(conversation) if i not in drop], total
+    lo, hi = 0, len(cuts) - 1  # the smallest cut whose text fits: cuts keep less and less
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(sizes[i] for i in cuts[mid]) <= most:
+            hi = mid
+        else:
+            lo = mid + 1
+    keep = cuts[lo]
+    return [conversation[i] for i in keep], sum(sizes[i] for i in keep)
 
 
 class Store:

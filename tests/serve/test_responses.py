@@ -296,6 +296,16 @@ def test_the_store_holds_a_bounded_amount_of_text():
     assert sum(map(text_size, kept)) <= 10_000 and kept[1]["content"].startswith("7:")  # turns 7-9 of 0-9
     assert list(store.items) == ["c9"]  # the chain's earlier responses are past the budget
 
+    agent = [{"role": "user", "content": "Fix the bug."}]  # one user message, then many tool steps
+    for i in range(20):
+        agent += [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": f"c{i}", "type": "function", "function": {"name": "run", "arguments": "{}"}}]},
+                  {"role": "tool", "tool_call_id": f"c{i}", "content": f"{i}:" + "o" * 1000}]
+    store.put("agent", {"id": "agent"}, agent)
+    kept = store.items["agent"][1]
+    assert kept[0] == agent[0] and kept[-2:] == agent[-2:] and sum(map(text_size, kept)) <= 10_000
+    assert len(kept) < len(agent) and kept[1]["role"] == "assistant"  # the oldest steps went, whole
+
     huge = [{"role": "user", "content": "x" * 50_000}]
     store.put("huge", {"id": "huge"}, huge)  # alone past both budgets: still kept (its turn is the last)
     assert list(store.items) == ["huge"] and store.items["huge"][1] == huge

@@ -114,8 +114,10 @@ class WidenedMatrix:
     def __init__(self, source: np.ndarray, qtype: QT, shape: tuple[int, int],
                  rows: list[tuple[int, int]], cols: list[tuple[int, int]], run_rows: int, run_cols: int):
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        if run_cols % block:
-            raise MinervaError(f"runs of {run_cols} columns do not split into {qtype.name} blocks of {block}")
+        for n in (run_cols, shape[1]):
+            if n % block:
+                raise MinervaError(f"rows of {n} values do not split into {qtype.name} blocks of {block}; give "
+                                   f"sizes that are multiples of {block}")
         self.source, self.rows, self.cols, self.block, self.size = source, rows, cols, block, size
         self.run_rows, self.run_cols = run_rows, run_cols
         self.shape = (shape[0], shape[1] // block * size)  # bytes, as GGUFWriter's raw_shape

@@ -193,7 +193,6 @@ def pick_files(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
     (`where` says where the files are, for the errors)."""
     if ref.quant or gguf_choices(files):
         return pick_gguf(ref, files, where)
-    _incomplete_splits(ref, files, where)
     top = [f for f in files if "/" not in f]
     if ADAPTER_FILES <= set(top) and "config.json" not in top:  # a LoRA adapter (PEFT's files)
         return sorted(ADAPTER_FILES)
@@ -202,6 +201,7 @@ def pick_files(ref: RepoRef, files: list[str], where: str = "") -> list[str]:
         if any(f.startswith("model") and f.endswith(".safetensors") for f in chosen):
             chosen = [f for f in chosen if not f.startswith("consolidated")]  # Mistral's second copy
         return chosen
+    _incomplete_splits(ref, files, where)
     shown = ", ".join(sorted(files)[:8]) + (" ..." if len(files) > 8 else "") if files else "no files"
     pickles = " (pickled weights are never loaded)" if any(f.endswith((".bin", ".pt", ".pth")) for f in files) else ""
     raise MinervaError(f"'{ref.repo_id}'{where} holds no GGUF file and no config.json with .safetensors weights "
@@ -299,6 +299,9 @@ def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True, verify:
         raise _hub_error(ref, exc) from None
     files = {s.rfilename: s for s in info.siblings or []}
     if adapter and not ADAPTER_FILES <= {f for f in files if "/" not in f}:
+        if "adapter_config.json" in files and "adapter_model.bin" in files:
+            raise MinervaError(f"'{ref.repo_id}' holds its LoRA weights as a pickle (adapter_model.bin), which is "
+                               "never loaded; it needs adapter_model.safetensors (PEFT's default)")
         shown = ", ".join(sorted(files)[:8]) + (" ..." if len(files) > 8 else "") if files else "no files"
         raise MinervaError(f"'{ref.repo_id}' is not a LoRA adapter: it lacks {' and '.join(sorted(ADAPTER_FILES))} "
                            f"({shown}); give an adapter repo (or folder) as PEFT's save_pretrained writes it")
@@ -443,8 +446,9 @@ def _hub_error(ref: RepoRef, exc: BaseException) -> MinervaError:
         return MinervaError(f"the Hub at {where} answered {status} for '{ref}': {_first_line(exc)}")
     if isinstance(exc, OSError) and exc.errno in _CACHE_ERRNOS:
         return MinervaError(f"could not write '{ref}' into the Hugging Face cache ({cache_dir()}): "
-                            f"{_first_line(exc)}; free space there, or set HF_HOME (or HF_HUB_CACHE) to a "
-                            "writable folder with room")
+                            f"{_first_line(exc)}; free space there, or set "
+                            f"{'HF_HUB_CACHE' if os.environ.get('HF_HUB_CACHE') else 'HF_HOME (or HF_HUB_CACHE)'} "
+                            "to a writable folder with room")
     if isinstance(exc, OSError):
         return MinervaError(f"could not download '{ref}': {_first_line(exc)}; run the command again")
     return MinervaError(f"could not download '{ref}' from {where}: {type(exc).__name__}: {_first_line(exc)}")

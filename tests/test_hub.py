@@ -138,6 +138,8 @@ def test_a_split_model_missing_a_part_is_named():
                                                r"m-Q4_1-00002-of-00003.gguf; the model cannot load"):
             hub.pick_files(hub.RepoRef("o/m", quant), files)
     assert hub.pick_files(hub.RepoRef("o/m"), files + ["m-Q8_0.gguf"]) == ["m-Q8_0.gguf"]  # a whole one first
+    weights = ["config.json", "model.safetensors", "tokenizer.json"]  # and a SafeTensors model before a broken split
+    assert sorted(hub.pick_files(hub.RepoRef("o/m"), files + weights)) == weights
 
 
 @pytest.mark.parametrize("arg", ["OWNER/REPO:", "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:"])
@@ -486,6 +488,10 @@ def test_a_model_repo_given_as_an_adapter_is_refused_before_downloading(hf_env):
                                            r"adapter_config.json and adapter_model.safetensors \(README.md, "):
         adapter_path("test/SmolLM2-GGUF")
     assert hf_env.downloads(SMOL) == []
+    hf_env.add("test/pickled-lora", {"adapter_config.json": b"{}", "adapter_model.bin": b"a pickle"})
+    with pytest.raises(MinervaError, match=r"holds its LoRA weights as a pickle \(adapter_model.bin\), which is never"):
+        adapter_path("test/pickled-lora")
+    assert hf_env.downloads("adapter_model.bin") == []
 
 
 def test_a_cache_that_cannot_be_written_says_so(hf_env, monkeypatch, tmp_path):
@@ -496,7 +502,7 @@ def test_a_cache_that_cannot_be_written_says_so(hf_env, monkeypatch, tmp_path):
     with pytest.raises(MinervaError) as e:
         resolve("test/tiny-GGUF")
     message = str(e.value)
-    assert f"into the Hugging Face cache ({blocker / 'hub'})" in message and "set HF_HOME (or HF_HUB_CACHE)" in message
+    assert f"into the Hugging Face cache ({blocker / 'hub'})" in message and "or set HF_HUB_CACHE to a writable" in message
     assert "run the command again" not in message
 
 

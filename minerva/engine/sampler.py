@@ -337,7 +337,8 @@ def plain_greedy(s: SamplerState) -> bool:
 
 def greedy_tokens(logits: torch.Tensor, dtype: torch.dtype, cpu: bool) -> list[int]:
     """Each row's argmax of float32 logits [B, vocab] that `check_logits` has not seen, refusing
-    NaN/+inf as it does; on a CPU (`cpu`, the runner's device) one native call does both."""
+    what it refuses (NaN, +inf, a row of -inf); on a CPU (`cpu`, the runner's device) one
+    native call does both."""
     kernels = native.load() if cpu else None
     if kernels is None or logits.dtype != torch.float32 or not logits.is_contiguous() or not logits.shape[-1]:
         check_logits(logits, dtype)

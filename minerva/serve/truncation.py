@@ -56,8 +56,9 @@ async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list
         try:
             best = await attempt([items[i] for i in options[-1]])
         except ContextError as alone:
-            raise ContextError(f"even with every turn but the latest dropped (truncation \"auto\"), the "
-                               f"conversation does not fit: {alone.message}", alone.param) from None
+            raise ContextError(f"even cut as far as truncation \"auto\" cuts (the system instructions, the "
+                               f"latest user turn and its last step kept), the conversation does not fit: "
+                               f"{alone.message}", alone.param) from None
         lo, hi = 0, len(options) - 1  # options[hi] fits
         while lo < hi:
             mid = (lo + hi) // 2

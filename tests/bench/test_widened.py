@@ -88,6 +88,7 @@ def test_the_models_blocks_byte_for_byte(wide_file, smollm2_gguf):
     ({"hidden": 512}, "hidden size (512) is smaller than the model's (576)"),
     ({"heads": 8, "kv_heads": 4}, "heads per KV head (2) is smaller than the model's (3)"),
     ({"heads": 10, "kv_heads": 4}, "10 heads do not split into 4 KV groups"),
+    ({"hidden": 600}, "rows of 600 values do not split into Q8_0 blocks of 32; give sizes that are multiples of 32"),
 ])
 def test_a_narrower_shape_is_refused(smollm2_gguf, tmp_path, sizes, message):
     with pytest.raises(MinervaError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -264,8 +264,8 @@ def test_truncation_auto_drops_the_oldest_items_until_it_fits(served, client):
     # What fits is not cut; what cannot fit even alone is still refused.
     short = client.responses.create(**{**body, "max_output_tokens": 8}, truncation="auto")
     assert short.usage.input_tokens > want.usage.prompt_tokens + 400
-    with pytest.raises(openai.BadRequestError, match=r"even with every turn but the latest dropped \(truncation "
-                                                     r"\"auto\"\), the conversation does not fit: .*max_output_tokens asks for"):
+    with pytest.raises(openai.BadRequestError, match=r"even cut as far as truncation \"auto\" cuts \(the "
+                                                     r"system instructions, .*\), the conversation does not fit: .*max_output_tokens asks for"):
         client.responses.create(**{**body, "max_output_tokens": context}, truncation="auto")
 
 

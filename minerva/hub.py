@@ -42,7 +42,7 @@ PREFIXES = ("https://huggingface.co/", "http://huggingface.co/", "https://hf.co/
 PREFERENCE = ("Q4_K_M", "Q4_K_S", "Q4_0", "MXFP4", "Q4_1", "Q4", "Q5_K_M", "Q5_K_S", "Q5_0", "Q5_1", "Q6_K",
               "Q8_0", "Q8", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q2_K", "BF16", "F16", "F32")
 _REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
-_QUANT = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_QUANT = re.compile(r"[A-Za-z0-9_.-]{1,200}")  # a quant tag, or a file's name
 # llama.cpp's quant names (Q4_K_M, IQ2_XXS, Q4_0_4_8, ...), unsloth's and bartowski's variants
 # (Q4_K_XL, Q6_K_L), the float types, MXFP4; FP16/FP32 as some repos spell F16/F32
 _TAG = re.compile(r"(?<![A-Za-z0-9])(I?Q[1-8](?:_(?:[0-9]|K|S|M|L|XL|XXL|XS|XXS|NL))*|BF16|FP?16|FP?32|"

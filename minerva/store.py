@@ -29,7 +29,7 @@ from tqdm import tqdm
 import minerva.hub as hub
 from minerva.errors import MinervaError, not_a_file
 from minerva.formats.gguf import GGUFFile
-from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, pickle_refusal
+from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, is_adapter_dir, pickle_refusal
 
 DEFAULT_MODEL = "smollm2-135m"
 _CHUNK = 1 << 20
@@ -240,7 +240,7 @@ def _hub_models() -> list[ModelEntry]:
     entries = []
     for name, path, size in hub.cached_models():
         try:
-            if path.is_dir() and not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            if path.is_dir() and is_adapter_dir(path):
                 arch, quant, instruct = "adapter", "LoRA", None  # (given with --lora on its base model)
             elif path.is_dir():
                 arch, quant, instruct = _hf_dir_info(path)

@@ -142,6 +142,18 @@ def test_chat_takes_a_list_of_conversations(smollm2_llm, capsys):
     for out, c in zip(together, conversations):  # the rendered prompt, as text and as the ids that ran
         assert out.prompt == smollm2_llm.apply_chat_template(c)
         assert out.prompt_token_ids == smollm2_llm.encode_prompt(out.prompt)
+    encode, calls = smollm2_llm.tokenizer.encode, []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return encode(*args, **kwargs)
+
+    smollm2_llm.tokenizer.encode = counted  # (an attribute of this instance, removed below)
+    try:
+        smollm2_llm.chat(conversations, use_tqdm=False)  # without parameters: the model's defaults fitted
+    finally:
+        del smollm2_llm.tokenizer.encode
+    assert sorted(calls) == sorted(o.prompt for o in together)  # each rendered prompt tokenized once
     assert repr(smollm2_llm).startswith("LLM('SmolLM2-135M-Instruct.Q4_1.gguf': llama, 30 layers")
 
 

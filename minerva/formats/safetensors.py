@@ -20,9 +20,14 @@ def pickle_refusal(path: Path) -> MinervaError:
                         "loading a pickle can run arbitrary code; convert the model to safetensors")
 
 
+def is_adapter_dir(path: Path) -> bool:
+    """Whether a folder is a PEFT adapter (its config, no model config), not a model."""
+    return (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The *.safetensors files of a Hugging Face directory, with a clear error for anything else."""
-    if not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+    if is_adapter_dir(path):
         raise MinervaError(f"'{path}' is a LoRA adapter, not a model: serve it on its base model with "
                            "--lora NAME=PATH_OR_REPO")
     if not (path / "config.json").is_file():

@@ -342,7 +342,8 @@ def _config_from_gguf(f: GGUFFile, arch: Architecture) -> ModelConfig:
 
 def _config_from_hf(cfg: dict, path: Path) -> tuple[ModelConfig, Architecture]:
     model_type = cfg.get("model_type")
-    arch_name = HF_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else None
+    arch_name = HF_MODEL_TYPES.get(model_type, model_type) if isinstance(model_type, str) else \
+        None if model_type is None else repr(model_type)  # (None: no model_type at all)
     source = f"'{path / 'config.json'}'"
     arch = find_architecture(arch_name, source)
     quant = cfg.get("quantization_config")

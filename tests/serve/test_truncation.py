@@ -46,11 +46,14 @@ def test_the_smallest_cut_that_fits_in_a_few_tries(fits):
     assert len(tries) <= 2 + math.ceil(math.log2(len(Cuts(roles)))) + 1
 
 
-def test_nothing_fits_is_the_first_error():
+def test_nothing_fits_is_the_largest_cuts_error():
+    """Where even the largest cut does not fit, the error is that cut's (what the client must
+    change is what is left), said to be after the cut."""
     async def attempt(kept):
         raise ContextError(f"{len(kept)} items")
 
-    with pytest.raises(ContextError, match="^5 items$"):
+    with pytest.raises(ContextError, match=r'^even cut as far as truncation "auto" cuts \(.*\), the conversation '
+                                           r"does not fit: 1 items$"):
         asyncio.run(fitting(list(range(5)), ["user", "assistant", "user", "assistant", "user"], attempt))
 
 

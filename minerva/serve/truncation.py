@@ -49,7 +49,7 @@ async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list
     left, not the whole conversation, is what the client must change)."""
     try:
         return await attempt(list(items))
-    except ContextError as first:
+    except ContextError:
         options = Cuts(roles)
         if not options:
             raise

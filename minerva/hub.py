@@ -136,15 +136,19 @@ def fetch(ref: RepoRef, *, download: bool = True, progress: bool = True, verify:
 
 def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progress: bool, verify: bool) -> Path:
     """Download what of `files` the cache lacks at `commit` (the main branch's, just asked),
-    each with its own progress bar and checked as it arrives; returns the snapshot folder."""
+    each with its own progress bar and checked as it arrives; returns the snapshot folder. A
+    cached file of another size than the Hub lists (cut short on disk), or with `verify` one
+    whose checksum differs, is deleted and downloaded again."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
     snapshot = repo_folder(ref.repo_id) / "snapshots" / commit
-    missing = [f for f in files if not (snapshot / f).is_file()]
-    if missing and not progress:
+    missing = [f for f in files if not (snapshot / f).is_file() or _wrong_size(ref, snapshot / f, listed[f])]
+    if not progress:
         disable_progress_bars()
     try:
         for name in files:
+            if name not in missing and verify and not _verify(ref, snapshot / name, listed[name], cached=True):
+                missing.append(name)
             if name in missing:
                 _room_for(name, listed[name])
                 try:
@@ -152,10 +156,9 @@ def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progres
                 except Exception as exc:
                     raise _hub_error(ref, exc) from None
                 _drop_partials(snapshot / name)
-            if name in missing or verify:
                 _verify(ref, snapshot / name, listed[name])
     finally:
-        if missing and not progress:
+        if not progress:
             enable_progress_bars()
     try:  # what huggingface_hub writes when it resolves `main` itself: the offline lookup reads it
         (repo_folder(ref.repo_id) / "refs").mkdir(parents=True, exist_ok=True)
@@ -163,6 +166,21 @@ def _download(ref: RepoRef, commit: str, files: list[str], listed: dict, progres
     except OSError:
         pass
     return snapshot
+
+
+def _wrong_size(ref: RepoRef, path: Path, listed) -> bool:
+    """Whether a cached file is not the size the Hub lists (then it is deleted, said, and
+    downloaded again): a file cut short on disk, found without reading it."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return True
+    if not listed.size or size == listed.size:
+        return False
+    log.warning("'%s': the cached %s is %d bytes, but the Hub lists %d; downloading it again",
+                ref, path.name, size, listed.size)
+    _delete(path)
+    return True
 
 
 STALE_PARTIAL_SECONDS = 3600  # a partial file untouched this long is no download under way
@@ -199,17 +217,18 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def _verify(ref: RepoRef, path: Path, listed) -> None:
+def _verify(ref: RepoRef, path: Path, listed, cached: bool = False) -> bool:
     """A file against the checksum the Hub lists for it (an LFS file's sha256, else its git
-    blob id); a mismatch deletes it (its cache blob too), so the next try downloads it again,
-    and so does an interrupted check."""
+    blob id); a mismatch deletes it (its cache blob too), and so does an interrupted check. A
+    download that does not match is an error (the next try downloads it again); a `cached`
+    one is said and False returned, for the caller to download it again."""
     if listed.lfs is not None:
         h, want, kind = hashlib.sha256(), listed.lfs.sha256, "sha256"
     elif listed.blob_id:
         h, want, kind = hashlib.sha1(), listed.blob_id, "git blob id"
         h.update(b"blob %d\0" % path.stat().st_size)
     else:
-        return
+        return True
     try:
         with open(path, "rb") as f:
             while chunk := f.read(_CHUNK):
@@ -217,10 +236,15 @@ def _verify(ref: RepoRef, path: Path, listed) -> None:
     except BaseException:
         _delete(path)
         raise
-    if h.hexdigest() != want:
-        _delete(path)
-        raise MinervaError(f"'{ref}': {path.name} has {kind} {h.hexdigest()}, but the Hub lists "
-                           f"{want}; the file was corrupted and is deleted; run the command again")
+    if h.hexdigest() == want:
+        return True
+    _delete(path)
+    if cached:
+        log.warning("'%s': the cached %s has %s %s, but the Hub lists %s; it was damaged on disk and is "
+                    "downloaded again", ref, path.name, kind, h.hexdigest(), want)
+        return False
+    raise MinervaError(f"'{ref}': {path.name} has {kind} {h.hexdigest()}, but the Hub lists "
+                       f"{want}; the file was corrupted and is deleted; run the command again")
 
 
 def _delete(path: Path) -> None:
@@ -341,8 +365,11 @@ def _remove_quant(ref: RepoRef) -> Path:
     blobs = {link.resolve() for link in links}
     for link in links:
         link.unlink()
-    still = {(snap / n).resolve() for snap, files in cached_snapshots(ref.repo_id) for n in files}
+    left = cached_snapshots(ref.repo_id)
+    still = {(snap / n).resolve() for snap, files in left for n in files}
     for blob in blobs - still:
         if blob.parent.name == "blobs":
             blob.unlink(missing_ok=True)
+    if not left:  # its last file: no folders of an empty repo stay behind
+        shutil.rmtree(repo_folder(ref.repo_id))
     return links[0]

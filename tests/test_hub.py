@@ -4,7 +4,9 @@ start on 127.0.0.1 (`HF_ENDPOINT`), serving repos made from the pulled models.""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -287,18 +289,43 @@ def test_checksum_mismatch_deletes_the_download(hf_env, tiny):
         hf_env.repos["test/corrupt-GGUF"].corrupt.add("tiny-Q8_0.gguf")
 
 
-def test_verify_rechecks_cached_files(hf_env, smollm2_gguf):
+def test_verify_rechecks_cached_files(hf_env, smollm2_gguf, caplog):
     path = resolve("test/SmolLM2-GGUF")
     blob = path.resolve()
     data = bytearray(blob.read_bytes())
-    data[1000] ^= 0xFF  # the cached file damaged on disk
+    data[1000] ^= 0xFF  # the cached file damaged on disk, its size the same
     blob.write_bytes(bytes(data))
-    assert resolve("test/SmolLM2-GGUF") == path  # trusted as cached
-    with pytest.raises(MinervaError, match=r"has sha256 \w+, but the Hub lists \w+; the file was corrupted"):
-        pull("test/SmolLM2-GGUF", verify=True)
     hf_env.log.clear()
-    assert sha256(resolve("test/SmolLM2-GGUF")) == sha256(smollm2_gguf)  # downloaded again
-    assert hf_env.downloads(SMOL) == [None]
+    assert resolve("test/SmolLM2-GGUF") == path  # trusted as cached
+    assert hf_env.downloads(SMOL) == []
+    with caplog.at_level(logging.WARNING, logger="minerva"):
+        assert pull("test/SmolLM2-GGUF", verify=True) == path  # found, said, and downloaded again at once
+    assert re.search(r"the cached \S+ has sha256 \w+, but the Hub lists \w+; it was damaged on disk and is "
+                     "downloaded again", caplog.text)
+    assert hf_env.downloads(SMOL) == [None] and sha256(path) == sha256(smollm2_gguf)
+
+
+def test_cached_file_cut_short_is_downloaded_again(hf_env, smollm2_gguf, caplog):
+    """A cached file of another size than the Hub lists is replaced by a plain pull (no re-hash)."""
+    path = resolve("test/SmolLM2-GGUF")
+    blob = path.resolve()
+    with open(blob, "r+b") as f:
+        f.truncate(blob.stat().st_size // 2)
+    hf_env.log.clear()
+    with caplog.at_level(logging.WARNING, logger="minerva"):
+        assert resolve("test/SmolLM2-GGUF") == path
+    assert re.search(rf"the cached {re.escape(SMOL)} is \d+ bytes, but the Hub lists \d+; downloading it again",
+                     caplog.text)
+    assert hf_env.downloads(SMOL) == [None] and sha256(path) == sha256(smollm2_gguf)
+
+
+def test_damaged_cached_gguf_names_the_pull_that_mends_it(hf_env, monkeypatch):
+    path = resolve("test/SmolLM2-GGUF")
+    with open(path.resolve(), "r+b") as f:
+        f.truncate(4096)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # from the cache as it is
+    r = run("generate", "test/SmolLM2-GGUF", "Hello", "-n", "2")
+    assert_clean_error(r, f"run `minerva pull test/SmolLM2-GGUF:{SMOL} --verify` to download it again")
 
 
 def test_plain_git_files_are_checked_by_their_blob_id(hf_env):
@@ -352,6 +379,9 @@ def test_quants_from_several_commits(hf_env, monkeypatch):
         assert not q4.exists() and q8.exists()
         with pytest.raises(MinervaError, match=r"has no Q4_1 file \(cached: Q8_0\)"):
             hub.remove(hub.RepoRef("test/SmolLM2-GGUF", "Q4_1"))
+        assert hub.repo_folder("test/SmolLM2-GGUF").is_dir()
+        hub.remove(hub.RepoRef("test/SmolLM2-GGUF", "Q8_0"))  # the last quant: the repo's folders go too
+        assert not hub.repo_folder("test/SmolLM2-GGUF").exists()
     finally:
         repo.put("README.md", b"# SmolLM2")
 
@@ -408,12 +438,11 @@ def test_commands_on_hub_models(hf_env, tmp_path):
     r = run("rm", "test/SmolLM2-GGUF:Q4_1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("removed test/SmolLM2-GGUF:Q4_1 (") and f"{SMOL})" in r.stdout  # the file, not the repo
-    assert not list((tmp_path / "hf-cache" / "models--test--SmolLM2-GGUF" / "blobs").iterdir())
+    assert not (tmp_path / "hf-cache" / "models--test--SmolLM2-GGUF").exists()  # its last file: no empty folders
     r = run("rm", "test/none-here", "test/tiny-llama")  # a name that cannot go does not stop the others
     assert r.returncode == 1 and "'test/none-here' is not in the Hugging Face cache" in r.stderr
     assert "removed test/tiny-llama" in r.stdout and "Traceback" not in r.stderr
-    assert sorted(p.name for p in (tmp_path / "hf-cache").iterdir() if p.name.startswith("models--")) == [
-        "models--test--SmolLM2-GGUF"]
+    assert not [p.name for p in (tmp_path / "hf-cache").iterdir() if p.name.startswith("models--")]
     r = run("rm", "test/tiny-llama")
     assert_clean_error(r, "'test/tiny-llama' is not in the Hugging Face cache")
     r = run("generate", "hf.co/test/none", "Hello")

@@ -254,7 +254,20 @@ class GGUFTensor:
         with open(self.path, "rb") as f:
             f.seek(self.offset + start)
             if f.readinto(memoryview(out).cast("B")) != out.nbytes:
-                raise MinervaError(f"'{self.path}': tensor '{self.name}' is cut short; re-download the file")
+                raise MinervaError(f"'{self.path}': tensor '{self.name}' is cut short; {redownload(self.path)}")
+
+
+def redownload(path: Path) -> str:
+    """What to do about a damaged file: for one in the Hugging Face cache's layout
+    (models--OWNER--REPO/snapshots/COMMIT/...), the pull that checks and replaces it."""
+    path = Path(path)
+    parts = path.parts
+    for i, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and part.count("--") >= 2 and parts[i + 1] == "snapshots":
+            first = (split_parts(path) or [path])[0]
+            repo = part.removeprefix("models--").replace("--", "/", 1)
+            return f"run `minerva pull {repo}:{first.name} --verify` to download it again"
+    return "re-download the file"
 
 
 _SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})(?P<suffix>\.gguf)$", re.IGNORECASE)
@@ -290,11 +303,11 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         # so torch can wrap them without warnings.
         reader = _Reader(path, "c")
     except _Corrupt as exc:
-        raise MinervaError(f"'{path}' is corrupt: {exc}; re-download the file") from None
+        raise MinervaError(f"'{path}' is corrupt: {exc}; {redownload(path)}") from None
     except Exception as exc:  # the reader raises bare ValueError/IndexError/OSError on bad bytes
         raise MinervaError(
             f"'{path}' is not a readable GGUF file ({type(exc).__name__}: {exc}); "
-            "it may be truncated or corrupt — re-download it"
+            f"it may be truncated or corrupt; {redownload(path)}"
         ) from None
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
@@ -314,7 +327,7 @@ def _read(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
         if data.nbytes != expected:
             raise MinervaError(
                 f"'{path}': tensor '{t.name}' has {data.nbytes} bytes, expected {expected}; "
-                "the file is truncated or corrupt — re-download it")
+                f"the file is truncated or corrupt; {redownload(path)}")
         tensors[t.name] = GGUFTensor(t.name, t.tensor_type, shape, data.reshape(rows, -1), path, int(t.data_offset))
     return metadata, tensors
 

@@ -5,12 +5,15 @@ them, and the chat template."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
 from minerva.errors import MinervaError
+
+log = logging.getLogger("minerva")
 
 
 def hf_tokenizer_args(path: str | Path) -> dict[str, Any]:
@@ -41,19 +44,16 @@ def hf_tokenizer_args(path: str | Path) -> dict[str, Any]:
             return backend.token_to_id(value)
         return None
 
+    vocab = backend.get_vocab_size(with_added_tokens=True)
+    files = {"generation_config.json": gen, "config.json": model_config}
     bos = token_of(config.get("bos_token"))
     eos = token_of(config.get("eos_token"))
-    if bos is None and isinstance(gen.get("bos_token_id"), int):
-        bos = gen["bos_token_id"]
-    if bos is None and isinstance(model_config.get("bos_token_id"), int):
-        bos = model_config["bos_token_id"]
+    for name, source in files.items():
+        if bos is None:
+            bos = next(iter(_token_ids(path / name, source, "bos_token_id", vocab)), None)
     extra_eos: list[int] = []
-    for source in (gen, model_config):
-        value = source.get("eos_token_id")
-        if isinstance(value, int):
-            extra_eos.append(value)
-        elif isinstance(value, list):
-            extra_eos.extend(v for v in value if isinstance(v, int))
+    for name, source in files.items():
+        extra_eos += _token_ids(path / name, source, "eos_token_id", vocab)
     if eos is None and extra_eos:
         eos = extra_eos[0]
 
@@ -85,6 +85,20 @@ def hf_tokenizer_args(path: str | Path) -> dict[str, Any]:
         pad_token_id=token_of(config.get("pad_token")),
         **(pieces or {}),
     )
+
+
+def _token_ids(path: Path, source: dict, key: str, vocab: int) -> list[int]:
+    """The ids a JSON file gives under `key` (one, or a list); one that is no token of the
+    vocabulary (not an integer, or outside it) is a warning and left out."""
+    value = source.get(key)
+    ids = []
+    for v in value if isinstance(value, list) else [] if value is None else [value]:
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab:
+            ids.append(v)
+        else:
+            log.warning("%s: %s %s is no token id of this vocabulary (0 to %d); left out", path, key,
+                        json.dumps(v)[:40], vocab - 1)
+    return ids
 
 
 def _byte_fallback_pieces(backend: tokenizers.Tokenizer) -> dict | None:

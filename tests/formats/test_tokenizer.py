@@ -12,6 +12,7 @@ Where transformers' GGUF conversion and llama.cpp disagree, we follow llama.cpp
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from datetime import datetime
@@ -517,6 +518,28 @@ def test_from_pretrained_dir_reads_configs(tmp_path):
     assert tok.chat_template == CHATML_TEMPLATE
     (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert Tokenizer.from_pretrained_dir(tmp_path).chat_template == "{{ messages[0]['content'] }}"
+
+
+def test_from_pretrained_dir_leaves_out_ids_outside_the_vocabulary(tmp_path, caplog):
+    """BOS/EOS ids in generation_config.json or config.json that are no token of the vocabulary
+    (past it, negative, not an integer) are each a warning naming the file, and left out."""
+    gguf_tok = Tokenizer.from_gguf_metadata(_gpt2_md())
+    gguf_tok.backend.save(str(tmp_path / "tokenizer.json"))
+    n = gguf_tok.backend.get_vocab_size(with_added_tokens=True)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": n + 5, "eos_token_id": "x"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 3,
+                                                      "eos_token_id": [-5, 99999, 7, True]}))
+    with caplog.at_level(logging.WARNING, logger="minerva"):
+        tok = Tokenizer.from_pretrained_dir(tmp_path)
+    assert tok.bos_token_id == 3 and tok.encode("hello")[0] == 3  # config.json's, the first one in range
+    assert tok.eos_token_ids == frozenset({7})
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 5, warned
+    assert f"generation_config.json: bos_token_id {n + 5} is no token id of this vocabulary (0 to {n - 1})" in warned[0]
+    assert 'generation_config.json: eos_token_id "x" is no token id' in warned[1]
+    assert all("config.json: eos_token_id" in w and "left out" in w for w in warned[2:])
+    assert [w.split("eos_token_id ")[1].split()[0] for w in warned[2:]] == ["-5", "99999", "true"]
 
 
 def test_from_pretrained_dir_neither_cuts_nor_pads_a_prompt(tmp_path):

@@ -6,7 +6,8 @@ everything after it up to the next one), oldest first, so the rest still starts 
 message, as templates that want the roles to alternate require; then, inside the last turn,
 the oldest steps after its user message (an assistant message with the tool results that
 follow it), the latest step kept. Among those cuts, from the smallest up, the smallest one
-that fits is found by bisection: a few renderings, however long the conversation.
+that fits is found from the largest cut down (`fitting`): a few renderings of about what the
+context holds, however long the conversation.
 """
 
 from __future__ import annotations
@@ -46,7 +47,12 @@ class Cuts(abc.Sequence):
 async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list], Awaitable[T]]) -> T:
     """`attempt(items)`, or where it raises ContextError, `attempt` of the smallest cut of
     `items` that does not; where even the largest cut does not fit, its ContextError (what is
-    left, not the whole conversation, is what the client must change)."""
+    left, not the whole conversation, is what the client must change).
+
+    The cuts are tried from the largest (the least kept) down, keeping twice as much each try
+    until one does not fit, then bisected between the last two: each try renders about what a
+    context holds, however long the conversation before it (a bisection over all the cuts
+    renders half a long conversation at each of its tries)."""
     try:
         return await attempt(list(items))
     except ContextError:
@@ -59,7 +65,16 @@ async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list
             raise ContextError(f"even cut as far as truncation \"auto\" cuts (the system instructions, the "
                                f"latest user turn and its last step kept), the conversation does not fit: "
                                f"{alone.message}", alone.param) from None
-        lo, hi = 0, len(options) - 1  # options[hi] fits
+        hi, step = len(options) - 1, 1  # options[hi] fits; best is its answer
+        lo = 0  # options[lo - 1] (the whole conversation, for lo 0) does not fit
+        while hi > lo:
+            mid = max(lo, hi - step)
+            try:
+                answer = await attempt([items[i] for i in options[mid]])
+            except ContextError:
+                lo = mid + 1
+                break
+            hi, best, step = mid, answer, step * 2
         while lo < hi:
             mid = (lo + hi) // 2
             try:
@@ -67,5 +82,5 @@ async def fitting(items: Sequence, roles: Sequence[str], attempt: Callable[[list
             except ContextError:
                 lo = mid + 1
             else:
-                hi, best = mid, answer  # best is always options[hi]'s
+                hi, best = mid, answer
         return best

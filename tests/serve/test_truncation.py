@@ -29,8 +29,10 @@ def test_whole_turns_go_first_then_the_last_turns_oldest_steps():
     assert list(Cuts(["assistant", "tool", "user"])) == [[2]]  # a conversation that starts without a user message
 
 
-@pytest.mark.parametrize("fits", [1, 2, 5, 999, 1000])
+@pytest.mark.parametrize("fits", [0, 1, 2, 5, 6, 7, 8, 9, 100, 998, 999, 1000])
 def test_the_smallest_cut_that_fits_in_a_few_tries(fits):
+    """The smallest cut that fits, found in a few tries that render (beside the whole
+    conversation, once) a few times what fits, however long the conversation."""
     roles = ["system"] + ["user", "assistant"] * 1000 + ["user"]
     items = list(range(len(roles)))
     tries = []
@@ -43,7 +45,10 @@ def test_the_smallest_cut_that_fits_in_a_few_tries(fits):
 
     kept = asyncio.run(fitting(items, roles, attempt))
     assert kept == [0] + items[len(items) - 1 - 2 * fits:]
-    assert len(tries) <= 2 + math.ceil(math.log2(len(Cuts(roles)))) + 1
+    assert len(tries) <= 2 + 2 * math.ceil(math.log2(len(Cuts(roles)))) + 1
+    assert tries[0] == len(items)  # the whole conversation once, then about what fits each try
+    assert sum(tries[1:]) <= len(kept) * (4 + 2 * math.log2(len(kept))), tries
+    assert fits > 9 or sum(tries[1:]) <= 8 * len(kept) + 16, tries  # a context that holds a few turns
 
 
 def test_nothing_fits_is_the_largest_cuts_error():

@@ -64,7 +64,7 @@ class ResponsesRequest(BaseModel):
     text: TextOptions | None = None
     reasoning: ReasoningOptions | None = None
     store: bool = True
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256)
     stream: bool = False
     background: bool = False
     # what cannot change the answer here: accepted and ignored

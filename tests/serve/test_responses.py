@@ -160,6 +160,7 @@ def test_the_store(served, client):
     ({"input": []}, "input: an empty list"),
     ({"input": "Hi", "max_output_tokens": 10**6}, "max_output_tokens asks for"),
     ({"input": "Hi", "truncation": "sometimes"}, "truncation"),
+    ({"input": "Hi", "previous_response_id": ""}, "previous_response_id"),  # not the same as none
     ({"input": "Hi", "tools": [{"type": "function", "name": "f b"}]}, "tools.0.name"),
     ({"input": "Hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": 5}},
      "tool_choice"),

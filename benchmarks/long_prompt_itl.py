@@ -4,9 +4,11 @@ For each --prefill-chunk-seconds value, alternating over --rounds, starts `miner
 with it (a process of its own), streams one completion, sends a --tokens-token prompt
 (max_tokens 1) a second later and an 8-token request 2 s after that. Prints the longest and
 the median gap between the stream's chunks while the long prompt ran, the short request's
-time and the long prompt's time.
+time and the long prompt's time. With --stream-tokens 0 nothing streams: the long prompt runs
+alone until the short request arrives.
 
     python benchmarks/long_prompt_itl.py smollm2-135m --tokens 6000
+    python benchmarks/long_prompt_itl.py smollm2-135m --tokens 7600 --stream-tokens 0 --short-after 8
     python benchmarks/long_prompt_itl.py ~/.cache/minerva/synthetic/tinyllama-1.1b-Q4_0.gguf \\
         --tokens 1900 --stream-tokens 1000
 
@@ -51,7 +53,7 @@ def start(model: str, seconds: float, extra: list[str]) -> tuple[subprocess.Pope
     raise SystemExit("the server did not start in 5 minutes")
 
 
-def one_round(url: str, tokens: int, stream_tokens: int) -> dict:
+def one_round(url: str, tokens: int, stream_tokens: int, short_after: float) -> dict:
     arrivals: list[float] = []
     spans: dict[str, tuple[float, float]] = {}
     client = httpx.Client(base_url=url, timeout=1200)
@@ -69,20 +71,23 @@ def one_round(url: str, tokens: int, stream_tokens: int) -> dict:
         client.post("/v1/completions", json=body).raise_for_status()
         spans[name] = (start, time.perf_counter())
 
-    threads = [threading.Thread(target=stream)]
-    threads[0].start()
+    threads = [threading.Thread(target=stream)] if stream_tokens else []
+    for t in threads:
+        t.start()
     time.sleep(1.0)
     threads.append(threading.Thread(target=timed, args=("long", {"prompt": [33] * tokens, "max_tokens": 1})))
     threads[-1].start()
-    time.sleep(2.0)
+    time.sleep(short_after)
     timed("short", {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True, "temperature": 0})
     for t in threads:
         t.join()
     begin, end = spans["long"]
+    if spans["short"][0] > end:
+        raise SystemExit("the long prompt ended before the short request came: give more --tokens")
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > begin and a < end]
-    if not during:
+    if stream_tokens and not during:
         raise SystemExit("the stream ended before the long prompt did: give more --stream-tokens")
-    return {"max_gap": max(during), "median_gap": statistics.median(during),
+    return {"max_gap": max(during, default=float("nan")), "median_gap": statistics.median(during or [float("nan")]),
             "short": spans["short"][1] - spans["short"][0], "long": end - begin}
 
 
@@ -91,7 +96,9 @@ def main() -> int:
     p.add_argument("model")
     p.add_argument("--tokens", type=int, default=6000, help="the long prompt's tokens (default 6000)")
     p.add_argument("--stream-tokens", type=int, default=2500,
-                   help="the stream's max_tokens: it must outlast the long prompt (default 2500)")
+                   help="the stream's max_tokens: it must outlast the long prompt (default 2500; 0: no stream)")
+    p.add_argument("--short-after", type=float, default=2.0,
+                   help="seconds from the long prompt to the 8-token request (default 2)")
     p.add_argument("--seconds", default="0,0.25", help="--prefill-chunk-seconds values (default 0,0.25)")
     p.add_argument("--rounds", type=int, default=2)
     args, extra = p.parse_known_args()  # the rest: `minerva serve` flags
@@ -100,12 +107,12 @@ def main() -> int:
         for seconds in [float(s) for s in args.seconds.split(",")]:
             proc, url = start(args.model, seconds, extra)
             try:
-                r = one_round(url, args.tokens, args.stream_tokens)
+                r = one_round(url, args.tokens, args.stream_tokens, args.short_after)
             finally:
                 proc.terminate()
                 proc.wait()
-            print(f"{seconds:g} | {r['max_gap']:.2f} s | {r['median_gap']:.3f} s | {r['short']:.2f} s | "
-                  f"{r['long']:.2f} s", flush=True)
+            gaps = f"{r['max_gap']:.2f} s | {r['median_gap']:.3f} s" if args.stream_tokens else "- | -"
+            print(f"{seconds:g} | {gaps} | {r['short']:.2f} s | {r['long']:.2f} s", flush=True)
     return 0
 
 

@@ -97,7 +97,8 @@ def add_model_options(p: argparse.ArgumentParser, engine: bool = True) -> None:
     g.add_argument("--prefill-chunk-seconds", type=float, default=EngineConfig.prefill_chunk_seconds,
                    metavar="S",
                    help="while requests stream (or wait to start), a long prompt is computed in chunks of "
-                        "about S seconds each, at the measured speed, so their tokens keep coming "
+                        "about S seconds each, at the measured speed, so their tokens keep coming; alone, in "
+                        "chunks of about 4 x S, so a request that arrives waits no longer "
                         "(default %(default)s; 0 = chunks of the whole --max-num-batched-tokens)")
     g.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps, metavar="N",
                    help=DECODE_STEPS_HELP)

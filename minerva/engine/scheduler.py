@@ -8,7 +8,8 @@ past their prompt get their next token(s) before any prompt chunk, and while req
 wait to start, running prompt chunks take at most half the budget. While someone waits on
 a token (a request decoding, or a new one waiting behind a running prompt), a step's
 prompt chunks are also cut to about `chunk_seconds` of compute at the measured speed of a
-row, so streams keep getting tokens while a long prompt is prefilled. A new request whose
+row, so streams keep getting tokens while a long prompt is prefilled; with nobody waiting,
+to about four times that, so a request that arrives waits no longer. A new request whose
 prompt begins with blocks a running prompt is still computing waits for them, and takes
 them from the prefix cache. When KV blocks run
 out, the lowest-priority, latest running request is preempted: its blocks are freed and
@@ -41,6 +42,12 @@ BURST_SECONDS = 0.1
 # go on however slow a row is), and this many before a row's time has been measured.
 MIN_CHUNK = 16
 FIRST_CHUNK = 64
+# With nobody waiting on a token, a step's prompt chunks take about this many times
+# `chunk_seconds` (at least MIN_CHUNK tokens): a request that arrives during a long prompt's
+# prefill waits for no longer a step (a 2048-token chunk deep into an 8K-token prompt took 8 s
+# on 2 cores), and the prompt loses next to nothing (a CPU's prefill speed barely depends on
+# the chunk's size from a hundred rows or so).
+LONE_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -254,15 +261,18 @@ class Scheduler:
         return False
 
     def _prompt_budget(self, budget: int, starting: bool) -> int:
-        """The prompt tokens this step may compute: the token budget, or, while someone waits
-        on a token (a request past its prompt, or one waiting to start behind a running
-        prompt), about `chunk_seconds` of rows less the decoding requests' rows (at least
-        MIN_CHUNK, and at least as many as those rows)."""
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        if not self.config.chunk_seconds or not (decoding or (starting and self.running)):
+        """The prompt tokens this step may compute: while someone waits on a token (a request
+        past its prompt, or one waiting to start behind a running prompt), about
+        `chunk_seconds` of rows less the decoding requests' rows (at least MIN_CHUNK, and at
+        least as many as those rows); else about LONE_CHUNKS times that (at least MIN_CHUNK);
+        FIRST_CHUNK before a row has been timed; never more than the token budget."""
+        if not self.config.chunk_seconds:
             return budget
         if self.row_seconds is None:
             return min(budget, FIRST_CHUNK)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not (decoding or (starting and self.running)):
+            return min(budget, max(MIN_CHUNK, int(LONE_CHUNKS * self.config.chunk_seconds / self.row_seconds)))
         rows = sum(1 + len(r.draft_token_ids) for r in decoding)
         # never fewer rows than the decodes beside them: under many streams prompts still start
         return min(budget, max(MIN_CHUNK, rows, int(self.config.chunk_seconds / self.row_seconds) - rows))

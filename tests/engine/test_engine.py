@@ -103,8 +103,9 @@ def test_chunked_prefill_equals_whole(model_dir):
 def test_prompts_cut_to_prefill_chunk_seconds_beside_decodes(model_dir):
     """A prompt that arrives while another request decodes goes in the chunks
     prefill_chunk_seconds allows at the measured speed of a row (here MIN_CHUNK, 16, a step:
-    no row is that fast); the tokens are those of a whole prefill."""
-    from minerva.engine.scheduler import MIN_CHUNK
+    no row is that fast); alone, a prompt starts with FIRST_CHUNK (64) before a row is timed;
+    the tokens are those of a whole prefill."""
+    from minerva.engine.scheduler import FIRST_CHUNK, MIN_CHUNK
     whole = make_llm(model_dir, prefill_chunk_seconds=0)
     cut = make_llm(model_dir, prefill_chunk_seconds=1e-9)
     early, late = prompts(2, 70, 70, seed=8)
@@ -117,10 +118,11 @@ def test_prompts_cut_to_prefill_chunk_seconds_beside_decodes(model_dir):
     while engine.has_unfinished():
         for d in engine.step():
             tokens[d.request_id] += d.token_ids
-        if len(steps) == 1:  # first's whole prompt, alone: a row's time measured
+        if len(steps) == 2:  # first's whole prompt, alone: a row's time measured
             assert engine.scheduler.row_seconds > 0
             engine.add_request(second)
-    assert [o.prompt_tokens for o in steps if o.prompt_tokens] == [70] + [MIN_CHUNK] * 4 + [70 - 4 * MIN_CHUNK]
+    assert [o.prompt_tokens for o in steps if o.prompt_tokens] == [FIRST_CHUNK, 70 - FIRST_CHUNK] + [MIN_CHUNK] * 4 + [
+        70 - 4 * MIN_CHUNK]
     assert tokens[first.request_id] == run_alone(whole, early, GREEDY)
     assert tokens[second.request_id] == run_alone(whole, late, GREEDY)
 

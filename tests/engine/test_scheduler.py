@@ -138,13 +138,16 @@ def test_a_long_prompt_neither_stalls_decoding_nor_delays_new_prompts(tokenizer)
 def test_prompt_chunks_take_about_chunk_seconds_while_someone_waits_on_a_token(tokenizer):
     """While a request decodes, a step's prompt chunks are cut to chunk_seconds at the
     measured time of a row, less the decoding rows: FIRST_CHUNK (64) before any measurement,
-    never under MIN_CHUNK (16). With nobody waiting on a token a prompt takes the budget."""
+    never under MIN_CHUNK (16). With nobody waiting on a token, LONE_CHUNKS (4) times as long."""
     h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=0.5)
     alone = h.add(200)
     out, _ = h.step()
-    assert who(out) == [(alone, 200)] and out.prompt_tokens == 200  # nobody else: the budget
-    h.sched.timed(out, [None], 200 / 128)  # a row: 1/128 s
+    assert who(out) == [(alone, 64)] and out.prompt_tokens == 64  # no row timed yet: FIRST_CHUNK
+    h.sched.timed(out, [None], 64 / 128)  # a row: 1/128 s
     assert h.sched.row_seconds == 1 / 128
+    out, _ = h.step()
+    assert who(out) == [(alone, 136)]  # nobody else: 4 x 0.5 s is 256 rows (the budget); the rest of it
+    h.sched.timed(out, [None], 136 / 128)
     long = h.add(600)
     out, _ = h.step()
     # alone decodes; 0.5 s is 64 rows, one of them alone's; long starts with the other 63
@@ -156,9 +159,26 @@ def test_prompt_chunks_take_about_chunk_seconds_while_someone_waits_on_a_token(t
     h.sched.timed(out, [None, None], 25 * 2.0)  # a row of 2 s: MIN_CHUNK rows still go
     out, _ = h.step()
     assert who(out) == [(alone, 1), (long, 16)]
-    h.step(token=EOS)  # alone ends: long has the budget again
+    h.step(token=EOS)  # alone ends: nobody waits, long's chunks take 4 x 0.5 s
     out, _ = h.step()
-    assert who(out) == [(long, 256)]
+    assert who(out) == [(long, 16)]  # rows of about 1 s: MIN_CHUNK
+    h.sched.row_seconds = 1 / 64
+    out, _ = h.step()
+    assert who(out) == [(long, 128)]  # 2 s of rows
+    h.sched.row_seconds = 1 / 1024
+    out, _ = h.step()
+    assert who(out) == [(long, 256)]  # never past the token budget
+
+
+def test_without_chunk_seconds_a_prompt_takes_the_budget(tokenizer):
+    h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=0.0)
+    early = h.add(200)
+    out, _ = h.step()
+    assert who(out) == [(early, 200)]
+    h.sched.timed(out, [None], 200.0)  # rows of a second each change nothing
+    long = h.add(600)
+    out, _ = h.step()
+    assert who(out) == [(early, 1), (long, 255)]
 
 
 def test_prompt_chunks_beside_many_decodes_take_as_many_rows_as_they(tokenizer):
@@ -190,8 +210,8 @@ def test_a_prompt_waiting_behind_a_running_prompt_shares_chunk_seconds(tokenizer
     h = Harness(tokenizer, num_blocks=256, budget=256, chunk_seconds=1.0)
     long = h.add(600)
     out, _ = h.step()
-    assert who(out) == [(long, 256)]
-    h.sched.timed(out, [None], 256 / 64)  # a row: 1/64 s, 1 s: 64 rows
+    assert who(out) == [(long, 64)]
+    h.sched.timed(out, [None], 64 / 64)  # a row: 1/64 s, 1 s: 64 rows
     short = h.add(40)
     out, _ = h.step()
     assert who(out) == [(long, 32), (short, 32)]

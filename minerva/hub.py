@@ -177,9 +177,9 @@ def _wrong_size(ref: RepoRef, path: Path, listed) -> bool:
         return True
     if not listed.size or size == listed.size:
         return False
+    _delete_cached(ref, path)
     log.warning("'%s': the cached %s is %d bytes, but the Hub lists %d; downloading it again",
                 ref, path.name, size, listed.size)
-    _delete(path)
     return True
 
 
@@ -238,13 +238,24 @@ def _verify(ref: RepoRef, path: Path, listed, cached: bool = False) -> bool:
         raise
     if h.hexdigest() == want:
         return True
-    _delete(path)
     if cached:
+        _delete_cached(ref, path)
         log.warning("'%s': the cached %s has %s %s, but the Hub lists %s; it was damaged on disk and is "
                     "downloaded again", ref, path.name, kind, h.hexdigest(), want)
         return False
+    _delete(path)
     raise MinervaError(f"'{ref}': {path.name} has {kind} {h.hexdigest()}, but the Hub lists "
                        f"{want}; the file was corrupted and is deleted; run the command again")
+
+
+def _delete_cached(ref: RepoRef, path: Path) -> None:
+    """Delete a damaged cached file to download it again, or say why it cannot be."""
+    try:
+        _delete(path)
+    except OSError as exc:
+        raise MinervaError(f"'{ref}': the cached {path.name} is damaged and cannot be deleted from the Hugging "
+                           f"Face cache ({cache_dir()}: {exc.strerror or exc}); delete it, or set HF_HOME or "
+                           "HF_HUB_CACHE to a cache that can be written") from None
 
 
 def _delete(path: Path) -> None:
@@ -365,11 +376,11 @@ def _remove_quant(ref: RepoRef) -> Path:
     blobs = {link.resolve() for link in links}
     for link in links:
         link.unlink()
-    left = cached_snapshots(ref.repo_id)
-    still = {(snap / n).resolve() for snap, files in left for n in files}
+    still = {(snap / n).resolve() for snap, files in cached_snapshots(ref.repo_id) for n in files}
     for blob in blobs - still:
         if blob.parent.name == "blobs":
             blob.unlink(missing_ok=True)
-    if not left:  # its last file: no folders of an empty repo stay behind
-        shutil.rmtree(repo_folder(ref.repo_id))
+    folder = repo_folder(ref.repo_id)
+    if not any(p.is_file() for p in (folder / "snapshots").rglob("*")):  # its last file: no empty folders stay
+        shutil.rmtree(folder)
     return links[0]

@@ -319,6 +319,19 @@ def test_cached_file_cut_short_is_downloaded_again(hf_env, smollm2_gguf, caplog)
     assert hf_env.downloads(SMOL) == [None] and sha256(path) == sha256(smollm2_gguf)
 
 
+def test_damaged_cached_file_that_cannot_be_deleted(hf_env, monkeypatch):
+    path = resolve("test/SmolLM2-GGUF")
+    with open(path.resolve(), "r+b") as f:
+        f.truncate(4096)
+
+    def refuse(_path):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(hub, "_delete", refuse)
+    with pytest.raises(MinervaError, match=rf"the cached {re.escape(SMOL)} is damaged and cannot be deleted from the "
+                                           r"Hugging Face cache \(.*: Permission denied\); delete it, or set HF_HOME"):
+        resolve("test/SmolLM2-GGUF")
+
+
 def test_damaged_cached_gguf_names_the_pull_that_mends_it(hf_env, monkeypatch):
     path = resolve("test/SmolLM2-GGUF")
     with open(path.resolve(), "r+b") as f:

@@ -102,6 +102,8 @@ def main() -> int:
     p.add_argument("--seconds", default="0,0.25", help="--prefill-chunk-seconds values (default 0,0.25)")
     p.add_argument("--rounds", type=int, default=2)
     args, extra = p.parse_known_args()  # the rest: `minerva serve` flags
+    if args.tokens < 1 or args.stream_tokens < 0 or args.rounds < 1 or not 0 <= args.short_after < 3600:
+        p.error("--tokens and --rounds must be >= 1, --stream-tokens >= 0, --short-after from 0 to 3600 seconds")
     print("prefill-chunk-seconds | longest gap | median gap | 8-token request | long prompt")
     for _ in range(args.rounds):
         for seconds in [float(s) for s in args.seconds.split(",")]:

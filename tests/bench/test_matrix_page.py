@@ -8,6 +8,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("matrix", ROOT / "benchmarks" / "matrix.py")
 matrix = importlib.util.module_from_spec(spec)
@@ -97,3 +99,43 @@ def test_update_keeps_the_files_it_did_not_measure_and_names_their_run():
     args = types.SimpleNamespace(rounds=1, threads=2, prompt=512, gen=32)
     text = matrix.page(results, args, "python benchmarks/matrix.py --only 7b:Q4_0 --update", kept)
     assert "- kept from an earlier run, `python benchmarks/matrix.py` (2026-12-01): 1.1b:Q4_0" in text
+
+
+def test_simd_features_reads_llama_cpp_system_info():
+    info = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 0 | "
+            "AVX512_VNNI = 0 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
+    assert matrix.simd_features(info) == "AVX AVX2 FMA F16C"
+    assert matrix.simd_features("CPU : AVX512 = 1 | AVX512_VNNI = 1 | AVX2 = 1 |") == "AVX2 AVX512 AVX512_VNNI"
+    assert matrix.simd_features("CPU : NEON = 1 |") == "none"
+
+
+def test_isa_and_llama_path_reach_only_their_engine(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.delenv("MINERVA_ISA", raising=False)
+    args = types.SimpleNamespace(isa="avx2", llama_path=tmp_path)
+    minerva_env, llama_env = matrix.child_env("minerva", args), matrix.child_env("llama.cpp", args)
+    assert minerva_env["MINERVA_ISA"] == "avx2" and minerva_env["PYTHONPATH"] == "/elsewhere"
+    assert "MINERVA_ISA" not in llama_env
+    assert llama_env["PYTHONPATH"].split(":") == [str(tmp_path), "/elsewhere"]
+    plain = matrix.child_env("minerva", types.SimpleNamespace(isa=None, llama_path=None))
+    assert "MINERVA_ISA" not in plain
+
+
+def test_an_isa_page_has_its_own_name_and_says_what_each_engine_ran():
+    r = _round(16, 10, 90, 50)
+    r["minerva"]["build"] = "avx2"
+    r["llama.cpp"].update(version="0.3.36", simd="AVX AVX2 FMA F16C")
+    args = types.SimpleNamespace(rounds=1, threads=2, prompt=512, gen=32, isa="avx2")
+    text = matrix.page([{"file": "1.1b:Q4_0", "rounds": [r]}], args, "python benchmarks/matrix.py --isa avx2")
+    assert text.splitlines()[0].endswith(", AVX2 builds")
+    assert "llama-cpp-python 0.3.36 (its build: AVX AVX2 FMA F16C)" in text
+    assert "avx2 kernels, float32, int8 activations" in text
+    assert matrix.slug("avx2") != matrix.slug() and matrix.slug("avx2").endswith("-avx2-builds")
+
+
+def test_a_llama_path_without_the_package_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["matrix.py", "--only", "1.1b:Q4_0", "--llama-path", str(tmp_path)])
+    with pytest.raises(SystemExit) as e:
+        matrix.main()
+    assert e.value.code == 2
+    assert "holds no llama_cpp package" in capsys.readouterr().err

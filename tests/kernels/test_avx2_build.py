@@ -42,14 +42,18 @@ def test_the_avx2_build_passes_the_kernel_tests():
 
 
 def products(kernels) -> dict[str, torch.Tensor]:
-    """Regrouped Q4_K and Q5_K against 1 and 9 rows of x (tiles of 6 and 3 with the int steps, 8 and 1 without)."""
+    """Regrouped Q4_K, Q5_K, Q2_K and Q3_K, and Q6_K as stored (its panels regrouped at run time
+    from 8 rows of x), against 1 and 9 rows of x (Q4_K/Q5_K: tiles of 6 and 3 with the int
+    steps, 8 and 1 without; Q2_K/Q3_K/Q6_K: dot4 chains and an i32 multiply by the scales with
+    VNNI, maddubs runs and a madd by them without)."""
     out = {}
-    for qtype in (QT.Q4_K, QT.Q5_K):
+    x = sample_x(9, 1024, seed=22)
+    for qtype in (QT.Q4_K, QT.Q5_K, QT.Q2_K, QT.Q3_K, QT.Q6_K):
         raw = torch.from_numpy(realistic_blocks(qtype, 40, 1024, np.random.default_rng(21)))
-        w = repack.regroup(raw, qtype, 40, 1024)
-        x = sample_x(9, 1024, seed=22)
+        w, code = (raw, int(qtype)) if qtype == QT.Q6_K else (repack.regroup(raw, qtype, 40, 1024),
+                                                              int(qtype) | repack.REGROUPED)
         for m in (1, 9):
-            out[f"{qtype.name} {m}"] = kernels.qmatmul_q8(x[:m], w, int(qtype) | repack.REGROUPED, 40, 1024)
+            out[f"{qtype.name} {m}"] = kernels.qmatmul_q8(x[:m], w, code, 40, 1024)
     return out
 
 
@@ -58,7 +62,8 @@ def products(kernels) -> dict[str, torch.Tensor]:
 def test_int_steps_give_the_bits_of_the_avx2_build(tmp_path):
     """With VNNI and `cpu_choices`' int steps (CPUs other than Intel's take them), the Q4_K/Q5_K
     tiles sum a super-block exactly in i32 and take the same two FMAs as the AVX2 build's
-    maddubs tiles: the same bits on an AVX2 laptop and on this CPU."""
+    maddubs tiles: the same bits on an AVX2 laptop and on this CPU; Q2_K, Q3_K and Q6_K's
+    panels likewise (their exact i32 sums are reached in other steps by the two builds)."""
     kernels = native.load()
     if kernels is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason}")
@@ -74,7 +79,7 @@ def test_int_steps_give_the_bits_of_the_avx2_build(tmp_path):
         here = products(kernels)
     finally:
         kernels.cpu_choices(was)
-    assert avx2.keys() == here.keys() and len(here) == 4
+    assert avx2.keys() == here.keys() and len(here) == 10
     for key in here:
         assert torch.equal(here[key], avx2[key]), key
 

@@ -341,6 +341,26 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
     if constexpr (AFFINE) return V::affine(v, bit_matrix(from, to, n));
     else return move_bits(v, from, to, n);
   };
+  // Without VNNI a scale's chunks go in maddubs runs summed in i16, RUN chunks a run (a pair of
+  // products at most 2 * 63 * 127 for Q6_K's 6-bit values, 2 * 7 * 127 for Q3_K's), then one
+  // madd by the scale, as tile_xk does, where dot4 is a maddubs, a madd by ones and an add a
+  // chunk and the scale an i32 multiply; the bias's part is taken apart (above the loop). The
+  // same exact i32 sum, so the same bits.
+  constexpr bool RUNS = !VNNI;
+  constexpr int RUN = QT == Q6_K ? 2 : 4;
+  static_assert(!RUNS || !TWO, "V16 needs VNNI");
+  static_assert(RUN * 2 * (QT == Q6_K ? 63 : QT == Q3_K ? 7 : 3) * 127 <= 32767, "a run's i16 sums do not saturate");
+  // shuffles: byte b of each lane to the high (low) byte of both its i16 halves; bytes 0, 1 and
+  // 2, 3 of each lane to the high bytes of its halves
+  constexpr char z = static_cast<char>(0x80);
+  [[maybe_unused]] const __m128i scale_high[4] = {
+      _mm_setr_epi8(z, 0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12), _mm_setr_epi8(z, 1, z, 1, z, 5, z, 5, z, 9, z, 9, z, 13, z, 13),
+      _mm_setr_epi8(z, 2, z, 2, z, 6, z, 6, z, 10, z, 10, z, 14, z, 14), _mm_setr_epi8(z, 3, z, 3, z, 7, z, 7, z, 11, z, 11, z, 15, z, 15)};
+  [[maybe_unused]] const __m128i scale_low[4] = {
+      _mm_setr_epi8(0, z, 0, z, 4, z, 4, z, 8, z, 8, z, 12, z, 12, z), _mm_setr_epi8(1, z, 1, z, 5, z, 5, z, 9, z, 9, z, 13, z, 13, z),
+      _mm_setr_epi8(2, z, 2, z, 6, z, 6, z, 10, z, 10, z, 14, z, 14, z), _mm_setr_epi8(3, z, 3, z, 7, z, 7, z, 11, z, 11, z, 15, z, 15, z)};
+  [[maybe_unused]] const __m128i pair01_high = _mm_setr_epi8(z, 0, z, 1, z, 4, z, 5, z, 8, z, 9, z, 12, z, 13);
+  [[maybe_unused]] const __m128i pair23_high = _mm_setr_epi8(z, 2, z, 3, z, 6, z, 7, z, 10, z, 11, z, 14, z, 15);
   F acc[mr];
   for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
   const int64_t FAR = end == nullptr ? 0 : PANEL_L2_AHEAD / BYTES * BYTES;
@@ -380,11 +400,24 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
     };
     I isum[mr];
     for (int i = 0; i < mr; ++i) isum[i] = V::zero();
+    // Without VNNI (RUNS): the bias's part of the sum, -2^BIAS * sum over j of sc_j * x's sum
+    // over scale j's 16 elements, two scales a dot2, starts the sum
+    if constexpr (RUNS && !MINS)
+      for (int i = 0; i < mr; ++i) {
+        I bs = V::zero();
+        for (int k = 0; k < 4; ++k) {  // scales 4k .. 4k + 3, sign-extended to i16 pairs
+          const I sc = scales(k), lo = V::sar16(V::shuffle(sc, pair01_high), 8), hi = V::sar16(V::shuffle(sc, pair23_high), 8);
+          int32_t xs[2];
+          std::memcpy(xs, a.p + (m0 + i) * a.lp + 16 * g + 4 * k, 8);
+          bs = V::dot2(V::dot2(bs, lo, V::i32(xs[0])), hi, V::i32(xs[1]));
+        }
+        isum[i] = V::sub(V::zero(), V::shl32(bs, P::BIAS));
+      }
     // the bias, -2^BIAS * x's sum over a scale's 16 elements, starts that scale's dot product
     // (a broadcast from memory: no arithmetic in the loop, where a multiply by the scales per
     // pair of them was)
-    [[maybe_unused]] alignas(32) int32_t bias[MINS ? 1 : mr][16];
-    if constexpr (!MINS)
+    [[maybe_unused]] alignas(32) int32_t bias[MINS || RUNS ? 1 : mr][16];
+    if constexpr (!MINS && !RUNS)
       for (int i = 0; i < mr; ++i) {
         const int16_t* p = a.p + (m0 + i) * a.lp + 16 * g;
         for (int k = 0; k < 2; ++k) {
@@ -421,6 +454,44 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
+        auto stored = [&](int c) {  // the stored values of the 8 (16) rows' chunk c of sub-block s
+          if constexpr (PRE) {
+            return V::whole(plain + PLAIN_BYTES * g + 64 * (8 * s + c));
+          } else if constexpr (QT == Q6_K) {
+            const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
+            const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
+            return V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
+          } else if constexpr (QT == Q3_K) {
+            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
+            const I hb = bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
+            return V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
+          } else {
+            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
+            return t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3));
+          }
+        };
+        if constexpr (RUNS) {  // maddubs runs of RUN chunks in i16, then a madd by the scale
+          // the scale as i16 in both halves of each lane: sign-extended (Q2_K: its low nibble)
+          const I sc = MINS ? V::and_(V::shuffle(scales(j >> 2), scale_low[byte]), _mm256_set1_epi16(0x0F))
+                            : V::sar16(V::shuffle(scales(j >> 2), scale_high[byte]), 8);
+#pragma GCC unroll 4
+          for (int c0 = 4 * h; c0 < 4 * h + 4; c0 += RUN) {
+            I run[mr];
+            for (int i = 0; i < mr; ++i) run[i] = V::zero();
+            for (int c = c0; c < c0 + RUN; ++c) {
+              const I w = stored(c);
+              for (int i = 0; i < mr; ++i) {
+                const I xb = V::i32_at(reinterpret_cast<const int32_t*>(a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c));
+                run[i] = _mm256_add_epi16(run[i], _mm256_maddubs_epi16(w, xb));
+              }
+            }
+            for (int i = 0; i < mr; ++i) {
+              isum[i] = V::add(isum[i], _mm256_madd_epi16(run[i], sc));
+              keep_in_register(isum[i]);
+            }
+          }
+          continue;
+        }
         I dot[CH][mr];
         for (int i = 0; i < mr; ++i) {
           if constexpr (MINS) dot[0][i] = V::zero();
@@ -429,21 +500,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         }
 #pragma GCC unroll 4
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
-          I w;  // the stored values of the 8 (16) rows' chunk c of sub-block s
-          if constexpr (PRE) {
-            w = V::whole(plain + PLAIN_BYTES * g + 64 * (8 * s + c));
-          } else if constexpr (QT == Q6_K) {
-            const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
-            const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
-            w = V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
-          } else if constexpr (QT == Q3_K) {
-            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
-            const I hb = bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
-            w = V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
-          } else {
-            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
-            w = t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3));
-          }
+          const I w = stored(c);
           for (int i = 0; i < mr; ++i)
             dot[c % CH][i] = V::dot4x(dot[c % CH][i], w, a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c);
         }

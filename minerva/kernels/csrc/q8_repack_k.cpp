@@ -456,7 +456,7 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
         auto stored = [&](int c) {  // the stored values of the 8 (16) rows' chunk c of sub-block s
           if constexpr (PRE) {
-            return V::whole(plain + PLAIN_BYTES * g + 64 * (8 * s + c));
+            return V::whole(plain + sizeof(I) * (64 * g + 8 * s + c));  // (V16: PLAIN_BYTES a super-block)
           } else if constexpr (QT == Q6_K) {
             const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
             const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
@@ -621,6 +621,23 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
         if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
       });
 #else
+      if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // each group decoded once, 32 bytes a chunk (as V16 above)
+        constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
+        uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
+        for (int64_t grp = 0; grp < groups; ++grp)
+          for (int64_t g = 0; g < a.G; ++g)
+            for (int s = 0; s < 8; ++s)
+              for (int c = 0; c < 8; ++c)
+                V8::put(plain + (grp * a.G + g) * PLAIN8 + 32 * (8 * s + c),
+                        q6_chunk<V8>(panel.data() + grp * gb + g * Panel<QT>::BYTES, gb, s, c));
+        x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
+          for (int64_t grp = 0; grp < groups; ++grp)
+            tile_panel<V8, QT, decltype(tile_rows)::value, true>(
+                a, m, panel.data() + grp * gb, gb, static_cast<int>(std::min<int64_t>(8, N - n0 - 8 * grp)),
+                y + m * ldy + 8 * grp, ldy, nullptr, plain + grp * a.G * PLAIN8);
+        });
+        return;
+      }
       x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
         for (int64_t grp = 0; grp < groups; ++grp) {
           const int64_t n = n0 + 8 * grp;

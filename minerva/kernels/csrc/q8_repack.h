@@ -93,11 +93,12 @@ inline uint8_t* plain_space(std::vector<uint8_t>& buffer, int64_t bytes) {
 // after it is regrouped (tile_panel's PRE): the same machine and way, 5632 x 2048 at 512 rows
 // 1.088x (quartiles 1.079-1.109), 2048 x 5632 1.079x, 128 rows 1.043x, 64 rows 1.005x, 32
 // rows 0.950x (hence from 128: its tiles of 8 rows take the decoding's cost back more slowly)
-// The AVX2 build (one group a tile, 4 rows of x) decodes each group once likewise, 32 bytes a
-// chunk, from as many rows: Zen 4 with MINERVA_ISA=avx2, 2 threads, against decoding in the
-// tiles (benchmarks/kernel_ab.py): 5632 x 2048 at 512 rows 1.770x (quartiles 1.754-1.853),
-// 2048 x 5632 at 128 rows 1.637x.
 constexpr int64_t Q6_PLAIN_FROM = 128;
+// The AVX2 build (one group a tile, 4 rows of x) decodes each group once likewise, 32 bytes a
+// chunk, from 16 rows (4 tiles; a lone long prompt's chunks on a slow CPU are ~100 rows): Zen 4
+// with MINERVA_ISA=avx2, 2 threads, against decoding in the tiles (benchmarks/kernel_ab.py):
+// 5632 x 2048 at 512 rows 1.770x (quartiles 1.754-1.853), 2048 x 5632 at 128 rows 1.637x.
+constexpr int64_t Q6_PLAIN_FROM_V8 = 16;
 #if defined(MINERVA_V16)
 void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out);
 #endif

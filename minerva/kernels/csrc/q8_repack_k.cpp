@@ -621,7 +621,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
         if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
       });
 #else
-      if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // each group decoded once, 32 bytes a chunk (as V16 above)
+      if (QT == Q6_K && M >= Q6_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
         constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
         uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
         for (int64_t grp = 0; grp < groups; ++grp)

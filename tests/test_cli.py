@@ -373,7 +373,7 @@ def test_ctrl_c_while_the_command_starts_exits_quietly(tiny):
                            capture_output=True, text=True, timeout=60)
     assert light.stdout.strip() == "False", light.stderr
     interrupted = 0
-    for delay in (0.5, 1.0):
+    for delay in (0.2, 0.5, 1.0):
         proc = subprocess.Popen([sys.executable, "-m", "minerva", "generate", str(tiny), "hello", "-n", "200"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
@@ -381,8 +381,10 @@ def test_ctrl_c_while_the_command_starts_exits_quietly(tiny):
             proc.communicate()
             continue
         proc.send_signal(signal.SIGINT)
-        interrupted += 1
         _, err = proc.communicate(timeout=120)
+        if proc.returncode == 0 and "finish=length" in err:  # its 200 tokens were done as the signal came
+            continue
+        interrupted += 1
         assert proc.returncode == 130 and "Traceback" not in err and "terminate called" not in err, err
     assert interrupted, "each command ended before its Ctrl-C: nothing was interrupted"
 

@@ -574,6 +574,19 @@ inline void regroup_panel(const uint8_t* const rows[8], int64_t G, uint8_t* out)
   }
 }
 
+// A Q6_K panel's `units` groups (V16: pairs of groups, gb bytes apart) decoded once for
+// tile_panel's PRE, every chunk as q6_chunk gives it: unit u's super-block g, sub-block s,
+// chunk c at out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
+template <class V>
+void q6_decode(const uint8_t* panel, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
+  constexpr int64_t R = sizeof(typename V::I), STEP = R / 32;  // bytes a chunk, groups a unit
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t g = 0; g < G; ++g)
+      for (int s = 0; s < 8; ++s)
+        for (int c = 0; c < 8; ++c)
+          V::put(out + R * (64 * (u * G + g) + 8 * s + c), q6_chunk<V>(panel + STEP * u * gb + g * Panel<Q6_K>::BYTES, gb, s, c));
+}
+
 // Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
 // item's buffer (a last group of fewer than 8 rows repeats its last row; those outputs are
 // dropped), then tiles of x8_mr rows of x against its groups (with V16, pairs of them)
@@ -595,12 +608,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
       if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
         const int64_t pairs = groups / 2;
         uint8_t* const plain = plain_space(plain_buffer, pairs * PLAIN_BYTES * a.G);
-        for (int64_t p = 0; p < pairs; ++p)
-          for (int64_t g = 0; g < a.G; ++g)
-            for (int s = 0; s < 8; ++s)
-              for (int c = 0; c < 8; ++c)
-                V16::put(plain + (p * a.G + g) * PLAIN_BYTES + 64 * (8 * s + c),
-                         q6_chunk<V16>(panel.data() + 2 * p * gb + g * Panel<QT>::BYTES, gb, s, c));
+        q6_decode<V16>(panel.data(), gb, a.G, pairs, plain);
         x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
           constexpr int r = decltype(tile_rows)::value;
           int64_t grp = 0;
@@ -624,12 +632,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
       if (QT == Q6_K && M >= Q6_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
         constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
         uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
-        for (int64_t grp = 0; grp < groups; ++grp)
-          for (int64_t g = 0; g < a.G; ++g)
-            for (int s = 0; s < 8; ++s)
-              for (int c = 0; c < 8; ++c)
-                V8::put(plain + (grp * a.G + g) * PLAIN8 + 32 * (8 * s + c),
-                        q6_chunk<V8>(panel.data() + grp * gb + g * Panel<QT>::BYTES, gb, s, c));
+        q6_decode<V8>(panel.data(), gb, a.G, groups, plain);
         x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
           for (int64_t grp = 0; grp < groups; ++grp)
             tile_panel<V8, QT, decltype(tile_rows)::value, true>(

@@ -192,7 +192,10 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
           for (int i = 0; i < mr; ++i) t[i] = V::zero();
           for (int c = c0; c < c0 + RUN; ++c) {
             const I w = chunk(c);
-            for (int i = 0; i < mr; ++i) t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c)));
+            for (int i = 0; i < mr; ++i) {
+              t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c)));
+              keep_in_register(t[i]);  // (else GCC takes all the products first, spilling them)
+            }
           }
           for (int i = 0; i < mr; ++i) {
             isum[i] = V::add(isum[i], _mm256_madd_epi16(t[i], sc));

@@ -346,6 +346,13 @@ inline int32_t sum_lanes(__m256i v) {
 // them to the stack and adds them up afterwards.
 template <class T>
 inline void keep_in_register(T& v) { asm volatile("" : "+v"(v)); }
+// ... as a value: `acc[i] = kept(add(acc[i], x))` leaves the array itself out of the asm (whose
+// operand, an element of it, made GCC keep the whole array in memory: tile_panel's runs)
+template <class T>
+inline T kept(T v) {
+  asm volatile("" : "+v"(v));
+  return v;
+}
 
 // v, which the compiler may no longer treat as loop invariant: the second group's loads then
 // address b + v + offset from one register (GCC had hoisted each v + offset out of the

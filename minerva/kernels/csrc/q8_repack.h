@@ -94,14 +94,19 @@ inline uint8_t* plain_space(std::vector<uint8_t>& buffer, int64_t bytes) {
 // 1.088x (quartiles 1.079-1.109), 2048 x 5632 1.079x, 128 rows 1.043x, 64 rows 1.005x, 32
 // rows 0.950x (hence from 128: its tiles of 8 rows take the decoding's cost back more slowly)
 constexpr int64_t Q6_PLAIN_FROM = 128;
-// The AVX2 build (one group a tile, 4 rows of x) decodes each group once likewise, 32 bytes a
-// chunk, from 16 rows (4 tiles; a lone long prompt's chunks on a slow CPU are ~100 rows): Zen 4
-// with MINERVA_ISA=avx2, 2 threads, against decoding in the tiles (benchmarks/kernel_ab.py):
-// 5632 x 2048 at 512 rows 1.770x (quartiles 1.754-1.853), 2048 x 5632 at 128 rows 1.637x.
-constexpr int64_t Q6_PLAIN_FROM_V8 = 16;
+// Without VNNI (one group a tile, 4 rows of x) each group is decoded once likewise, 32 bytes a
+// chunk, from 16 rows (4 tiles; a lone long prompt's chunks on a slow CPU are ~100 rows): Q6_K's
+// panels and Q3_K's groups, regrouped at load (x8_groups) or in panels. Zen 4 with
+// MINERVA_ISA=avx2, 2 threads, against decoding in the tiles (benchmarks/kernel_ab.py): Q6_K
+// 5632 x 2048 at 512 rows 1.770x (quartiles 1.754-1.853), 2048 x 5632 at 128 rows 1.637x; Q3_K
+// 5632 x 2048 at 16 rows 1.104x, 100 rows 1.215x. (Q2_K's decoding, a shift and a mask, does
+// not pay: 0.968x at 16 rows, 1.009x at 100.)
+constexpr int64_t PANEL_PLAIN_FROM_V8 = 16;
 #if defined(MINERVA_V16)
 void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out);
 #endif
+template <class V, int QT>
+void panel_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
 template <class V, int QT, int mr, bool PRE = false>
 void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
                 const uint8_t* end = nullptr, const uint8_t* plain = nullptr);
@@ -206,6 +211,19 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     return;
   }
 #endif
+  if constexpr (!VNNI && QT == Q3_K)
+    if (M >= PANEL_PLAIN_FROM_V8) {  // each group decoded once, then read by every tile (above)
+      constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
+      thread_local std::vector<uint8_t> buffer;
+      uint8_t* const plain = plain_space(buffer, (g1 - g0) * PLAIN8 * a.G);
+      panel_decode<V8, QT>(W + g0 * gb, gb, a.G, g1 - g0, plain);
+      x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
+        for (int64_t grp = g0; grp < g1; ++grp)
+          tile_panel<V8, QT, decltype(rows)::value, true>(a, m, W + grp * gb, gb, static_cast<int>(std::min<int64_t>(8, N - 8 * grp)),
+                                                         y + m * ldy + 8 * (grp - g0), ldy, nullptr, plain + (grp - g0) * a.G * PLAIN8);
+      });
+      return;
+    }
   x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));

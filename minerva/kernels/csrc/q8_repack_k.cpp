@@ -192,15 +192,10 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
           for (int i = 0; i < mr; ++i) t[i] = V::zero();
           for (int c = c0; c < c0 + RUN; ++c) {
             const I w = chunk(c);
-            for (int i = 0; i < mr; ++i) {
-              t[i] = _mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c)));
-              keep_in_register(t[i]);  // (else GCC takes all the products first, spilling them)
-            }
+            // (kept: else GCC takes all the products first, spilling them)
+            for (int i = 0; i < mr; ++i) t[i] = kept(_mm256_add_epi16(t[i], _mm256_maddubs_epi16(w, x4(i, c))));
           }
-          for (int i = 0; i < mr; ++i) {
-            isum[i] = V::add(isum[i], _mm256_madd_epi16(t[i], sc));
-            keep_in_register(isum[i]);
-          }
+          for (int i = 0; i < mr; ++i) isum[i] = kept(V::add(isum[i], _mm256_madd_epi16(t[i], sc)));
         }
       } else {  // a sub-block's exact i32 sums, times its scales: two chains per row of x up to
         // 4 rows of one group or one row of two, one for more (enough chains; two would not
@@ -316,15 +311,30 @@ constexpr int64_t bit_matrix(int from, int to, int n) {
 // instead of a shift and a mask (a standalone copy of the Q6_K loop, 512 x 2048 from L2, one
 // thread, Zen 4: 9.8 TSC cycles per row and super-block against 10.5).
 constexpr int64_t PANEL_L2_AHEAD = 32768;
-// Q6_K: sub-block s's chunk c (0..7) of the panel's rows (V16: both groups'), each weight's
-// stored 6 bits a byte, as tile_panel takes them with more than one row of x
-template <class V>
-inline typename V::I q6_chunk(const uint8_t* b, int64_t gb, int s, int c) {
-  using P = Panel<Q6_K>;
+// Sub-block s's chunk c (0..7) of the rows (V16: both groups'), each weight's stored value a
+// byte (Q6_K q + 32, Q3_K q + 4, Q2_K q), as tile_panel takes them; with AFFINE each high-bit
+// field by one GFNI affine transform
+template <class V, int QT, bool AFFINE = false>
+inline typename V::I panel_chunk(const uint8_t* b, int64_t gb, int s, int c) {
+  using I = typename V::I;
+  using P = Panel<QT>;
+  auto bits = [](I v, int from, int to, int n) {
+    if constexpr (AFFINE) return V::affine(v, bit_matrix(from, to, n));
+    else return move_bits(v, from, to, n);
+  };
   const int part = s >> 2, t = s & 3;
-  const typename V::I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
-  const typename V::I hb = move_bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
-  return V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
+  if constexpr (QT == Q6_K) {
+    const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
+    const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
+    return V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
+  } else if constexpr (QT == Q3_K) {
+    const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
+    const I hb = bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
+    return V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
+  } else {
+    const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
+    return t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3));
+  }
 }
 
 template <class V, int QT, int mr, bool PRE>
@@ -340,10 +350,6 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 #else
   constexpr bool AFFINE = false;
 #endif
-  auto bits = [](I v, int from, int to, int n) {  // move_bits, by GFNI where it pays
-    if constexpr (AFFINE) return V::affine(v, bit_matrix(from, to, n));
-    else return move_bits(v, from, to, n);
-  };
   // Without VNNI a scale's chunks go in maddubs runs summed in i16, RUN chunks a run (a pair of
   // products at most 2 * 63 * 127 for Q6_K's 6-bit values, 2 * 7 * 127 for Q3_K's), then one
   // madd by the scale, as tile_xk does, where dot4 is a maddubs, a madd by ones and an add a
@@ -453,25 +459,12 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       if (g < far_g && spread) prefetch_eighth<TWO, BYTES>(b, gb, FAR, s);
-      const int part = s >> 2, t = s & 3;
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * s + h, byte = j & 3;  // the scale: byte `byte` of each lane of chunk j >> 2, with its sign
         auto stored = [&](int c) {  // the stored values of the 8 (16) rows' chunk c of sub-block s
-          if constexpr (PRE) {
-            return V::whole(plain + sizeof(I) * (64 * g + 8 * s + c));  // (V16: PLAIN_BYTES a super-block)
-          } else if constexpr (QT == Q6_K) {
-            const I v = V::load(b + P::QS_AT + 32 * (16 * part + 8 * (t & 1) + c), gb);
-            const I hb = bits(V::load(b + P::HI_AT + 32 * (8 * part + c), gb), 2 * t, 4, 2);
-            return V::or_((t >> 1) ? move_bits(v, 4, 0, 4) : V::and_(v, V::bytes(0x0F)), hb);
-          } else if constexpr (QT == Q3_K) {
-            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
-            const I hb = bits(V::load(b + P::HI_AT + 32 * c, gb), s, 2, 1);
-            return V::or_(t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3)), hb);
-          } else {
-            const I v = V::load(b + P::QS_AT + 32 * (8 * part + c), gb);
-            return t ? move_bits(v, 2 * t, 0, 2) : V::and_(v, V::bytes(3));
-          }
+          if constexpr (PRE) return V::whole(plain + sizeof(I) * (64 * g + 8 * s + c));  // (V16: PLAIN_BYTES a super-block)
+          else return panel_chunk<V, QT, AFFINE>(b, gb, s, c);
         };
         if constexpr (RUNS) {  // maddubs runs of RUN chunks in i16, then a madd by the scale
           // the scale as i16 in both halves of each lane: sign-extended (Q2_K: its low nibble)
@@ -485,13 +478,10 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
               const I w = stored(c);
               for (int i = 0; i < mr; ++i) {
                 const I xb = V::i32_at(reinterpret_cast<const int32_t*>(a.q + (m0 + i) * a.K + 256 * g + 32 * s + 4 * c));
-                run[i] = _mm256_add_epi16(run[i], _mm256_maddubs_epi16(w, xb));
+                run[i] = kept(_mm256_add_epi16(run[i], _mm256_maddubs_epi16(w, xb)));
               }
             }
-            for (int i = 0; i < mr; ++i) {
-              isum[i] = V::add(isum[i], _mm256_madd_epi16(run[i], sc));
-              keep_in_register(isum[i]);
-            }
+            for (int i = 0; i < mr; ++i) isum[i] = kept(V::add(isum[i], _mm256_madd_epi16(run[i], sc)));
           }
           continue;
         }
@@ -577,17 +567,17 @@ inline void regroup_panel(const uint8_t* const rows[8], int64_t G, uint8_t* out)
   }
 }
 
-// A Q6_K panel's `units` groups (V16: pairs of groups, gb bytes apart) decoded once for
-// tile_panel's PRE, every chunk as q6_chunk gives it: unit u's super-block g, sub-block s,
-// chunk c at out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
-template <class V>
-void q6_decode(const uint8_t* panel, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
+// `units` groups of a panel or a matrix regrouped at load (V16: pairs of groups, gb bytes
+// apart) decoded once for tile_panel's PRE, every chunk as panel_chunk gives it: unit u's
+// super-block g, sub-block s, chunk c at out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
+template <class V, int QT>
+void panel_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
   constexpr int64_t R = sizeof(typename V::I), STEP = R / 32;  // bytes a chunk, groups a unit
   for (int64_t u = 0; u < units; ++u)
     for (int64_t g = 0; g < G; ++g)
       for (int s = 0; s < 8; ++s)
         for (int c = 0; c < 8; ++c)
-          V::put(out + R * (64 * (u * G + g) + 8 * s + c), q6_chunk<V>(panel + STEP * u * gb + g * Panel<Q6_K>::BYTES, gb, s, c));
+          V::put(out + R * (64 * (u * G + g) + 8 * s + c), panel_chunk<V, QT>(groups + STEP * u * gb + g * Panel<QT>::BYTES, gb, s, c));
 }
 
 // Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
@@ -611,7 +601,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
       if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
         const int64_t pairs = groups / 2;
         uint8_t* const plain = plain_space(plain_buffer, pairs * PLAIN_BYTES * a.G);
-        q6_decode<V16>(panel.data(), gb, a.G, pairs, plain);
+        panel_decode<V16, QT>(panel.data(), gb, a.G, pairs, plain);
         x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
           constexpr int r = decltype(tile_rows)::value;
           int64_t grp = 0;
@@ -632,10 +622,10 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
         if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
       });
 #else
-      if (QT == Q6_K && M >= Q6_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
+      if (M >= PANEL_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
         constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
         uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
-        q6_decode<V8>(panel.data(), gb, a.G, groups, plain);
+        panel_decode<V8, QT>(panel.data(), gb, a.G, groups, plain);
         x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
           for (int64_t grp = 0; grp < groups; ++grp)
             tile_panel<V8, QT, decltype(tile_rows)::value, true>(

@@ -211,18 +211,19 @@ def check_regrouped_kernel(kernels, qtype, rows, cols):
 @needs_kernels
 @pytest.mark.parametrize("qtype, m, slices", [
     (QT.Q5_K, 70, [(0, 1), (69, 70), (0, 31), (0, 32), (5, 45), (33, 70)]),
-    (QT.Q6_K, 140, [(0, 1), (139, 140), (0, 127), (0, 128), (5, 135), (12, 140)])], ids=["Q5_K", "Q6_K"])
+    (QT.Q6_K, 140, [(0, 1), (139, 140), (0, 127), (0, 128), (5, 135), (12, 140)]),
+    (QT.Q3_K, 40, [(0, 1), (39, 40), (0, 15), (0, 16), (5, 30)])], ids=["Q5_K", "Q6_K", "Q3_K"])
 @pytest.mark.parametrize("rows", [56, 60])
 def test_many_rows_read_decoded_weights_and_give_each_row_its_bits_alone(kernels, qtype, m, slices, rows):
-    """From 32 rows of x on (Q5_K, regrouped, with the int steps) or 128 (Q6_K's panels), the
-    tiles read each work item's or panel's weights decoded once into a buffer
-    (q8_repack.h's Q5_PLAIN_FROM, Q6_PLAIN_FROM) rather than decoding them per tile: a row's
-    result is the one it has alone or among fewer rows, and within float32 rounding of float64.
-    (56 weight rows end a work item on a lone group of 8; 60 on a pair whose second group is
-    half full.)"""
+    """From 32 rows of x on (Q5_K, regrouped, with the int steps or without VNNI) or 128 (Q6_K's
+    panels; 16 without VNNI, as Q3_K's regrouped groups), the tiles read each work item's or
+    panel's weights decoded once into a buffer (q8_repack.h's Q5_PLAIN_FROM, Q6_PLAIN_FROM,
+    PANEL_PLAIN_FROM_V8) rather than decoding them per tile: a row's result is the one it has
+    alone or among fewer rows, and within float32 rounding of float64. (56 weight rows end a
+    work item on a lone group of 8; 60 on a pair whose second group is half full.)"""
     cols = 1024
     raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(8)))
-    regrouped = qtype == QT.Q5_K
+    regrouped = qtype != QT.Q6_K
     packed = repack.regroup(raw, qtype, rows, cols) if regrouped else raw
     x = sample_x(m, cols, seed=9)
     dense = torch.from_numpy(gguf_dequantize(raw.numpy(), qtype).reshape(rows, cols)).double()

@@ -82,7 +82,10 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
 // decoding tiles loaded side by side in one process, calls alternating
 // (benchmarks/kernel_ab.py): 5632 x 2048 at 512 rows of x 1.080x (quartiles 1.045-1.097),
 // 2048 x 5632 1.089x, 32 rows 1.048x, 64 rows 1.027x, 16 rows 0.951x (the decoding not paid
-// back by 3 tiles). (The float steps, Intel's, keep decoding: not measured there.)
+// back by 3 tiles). (The float steps, Intel's, keep decoding: not measured there.) Without VNNI
+// (AVX2: tiles of 4 rows of x against one group) each group is decoded likewise, 32 bytes a
+// chunk, from the same 32 rows: MINERVA_ISA=avx2, the same machine and way, 5632 x 2048 at 16
+// rows 0.946x, 32 rows 1.013x, 64 rows 1.064x, 100 rows 1.154x, 512 rows 1.234x.
 constexpr int64_t PLAIN_BYTES = 4096, Q5_PLAIN_FROM = 32;
 // a 64-byte aligned run of `bytes` in `buffer`, grown as needed (the decoded weights' home)
 inline uint8_t* plain_space(std::vector<uint8_t>& buffer, int64_t bytes) {
@@ -102,9 +105,8 @@ constexpr int64_t Q6_PLAIN_FROM = 128;
 // 5632 x 2048 at 16 rows 1.104x, 100 rows 1.215x. (Q2_K's decoding, a shift and a mask, does
 // not pay: 0.968x at 16 rows, 1.009x at 100.)
 constexpr int64_t PANEL_PLAIN_FROM_V8 = 16;
-#if defined(MINERVA_V16)
-void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out);
-#endif
+template <class V>
+void q5_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
 template <class V, int QT>
 void panel_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
 template <class V, int QT, int mr, bool PRE = false>
@@ -169,7 +171,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       thread_local std::vector<uint8_t> buffer;
       const int64_t pairs = (g1 - g0) / 2, per_pair = PLAIN_BYTES * a.G;
       uint8_t* const plain = plain_space(buffer, pairs * per_pair);
-      for (int64_t p = 0; p < pairs; ++p) q5_decode_pair(W + (g0 + 2 * p) * gb, gb, a.G, plain + p * per_pair);
+      q5_decode<V16>(W + g0 * gb, gb, a.G, pairs, plain);
       x_tiles<V16_INT_MR>(M, [&](int64_t m, auto rows) {
         constexpr int r = decltype(rows)::value;
         by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
@@ -211,16 +213,22 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     return;
   }
 #endif
-  if constexpr (!VNNI && QT == Q3_K)
-    if (M >= PANEL_PLAIN_FROM_V8) {  // each group decoded once, then read by every tile (above)
+  if constexpr (!VNNI && (QT == Q3_K || QT == Q5_K))
+    if (M >= (QT == Q5_K ? Q5_PLAIN_FROM : PANEL_PLAIN_FROM_V8)) {  // each group decoded once, then read by every tile (above)
       constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
       thread_local std::vector<uint8_t> buffer;
       uint8_t* const plain = plain_space(buffer, (g1 - g0) * PLAIN8 * a.G);
-      panel_decode<V8, QT>(W + g0 * gb, gb, a.G, g1 - g0, plain);
+      if constexpr (QT == Q5_K) q5_decode<V8>(W + g0 * gb, gb, a.G, g1 - g0, plain);
+      else panel_decode<V8, QT>(W + g0 * gb, gb, a.G, g1 - g0, plain);
       x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
-        for (int64_t grp = g0; grp < g1; ++grp)
-          tile_panel<V8, QT, decltype(rows)::value, true>(a, m, W + grp * gb, gb, static_cast<int>(std::min<int64_t>(8, N - 8 * grp)),
-                                                         y + m * ldy + 8 * (grp - g0), ldy, nullptr, plain + (grp - g0) * a.G * PLAIN8);
+        constexpr int r = decltype(rows)::value;
+        for (int64_t grp = g0; grp < g1; ++grp) {
+          const int valid = static_cast<int>(std::min<int64_t>(8, N - 8 * grp));
+          float* out = y + m * ldy + 8 * (grp - g0);
+          const uint8_t* pre = plain + (grp - g0) * a.G * PLAIN8;  // the group's decoded weights
+          if constexpr (QT == Q5_K) tile_xk<V8, QT, r, false, false, true>(a, m, W + grp * gb, gb, valid, out, ldy, end, pre);
+          else tile_panel<V8, QT, r, true>(a, m, W + grp * gb, gb, valid, out, ldy, nullptr, pre);
+        }
       });
       return;
     }

@@ -104,16 +104,19 @@ inline typename V::I q5_chunk(const uint8_t* b, int64_t gb, int s, int c) {
   return V::or_(w, move_bits(V::load(b + 128 + 32 * c, gb), s, 4, 1));
 }
 
-#if defined(MINERVA_V16)
-// the pair of groups at grp and grp + gb, every chunk as q5_chunk gives it, for tile_xk's PRE
-void q5_decode_pair(const uint8_t* grp, int64_t gb, int64_t G, uint8_t* out) {
-  constexpr int64_t BYTES = 8 * Layout<Q5_K>::bytes;
-  for (int64_t g = 0; g < G; ++g)
+// `units` groups (V16: pairs of groups, gb bytes apart) from `groups` on, every chunk as
+// q5_chunk gives it, for tile_xk's PRE: unit u's super-block g, sub-block s, chunk c at
+// out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
+template <class V>
+void q5_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
+  constexpr int64_t R = sizeof(typename V::I), STEP = R / 32, BYTES = 8 * Layout<Q5_K>::bytes;
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t g = 0; g < G; ++g)
 #pragma GCC unroll 8
-    for (int s = 0; s < 8; ++s)
-      for (int c = 0; c < 8; ++c) V16::put(out + PLAIN_BYTES * g + 64 * (8 * s + c), q5_chunk<V16>(grp + g * BYTES, gb, s, c));
+      for (int s = 0; s < 8; ++s)
+        for (int c = 0; c < 8; ++c)
+          V::put(out + R * (64 * (u * G + g) + 8 * s + c), q5_chunk<V>(groups + STEP * u * gb + g * BYTES, gb, s, c));
 }
-#endif
 
 template <class V, int QT, int mr, bool X_COPY, bool INT, bool PRE>  // (X_COPY, INT, PRE false unless given: q8_repack.h)
 void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
@@ -175,7 +178,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
     for (int s = 0; s < 8; ++s) {
       if (g < far_g) prefetch_eighth<TWO, BYTES>(b, gb, FAR, s);
       auto chunk = [&](int c) {  // sub-block s's chunk c of the rows: their unsigned values
-        if constexpr (PRE) return V::whole(plain + PLAIN_BYTES * g + 64 * (8 * s + c));
+        if constexpr (PRE) return V::whole(plain + sizeof(I) * (64 * g + 8 * s + c));  // (V16: PLAIN_BYTES a super-block)
         if constexpr (FIFTH) return q5_chunk<V>(b, gb, s, c);
         const I v = V::load(b + QS_AT + 32 * (8 * (s >> 1) + c), gb);
         return !(s & 1) ? V::and_(v, V::bytes(0x0F)) : IN_PLACE ? V::and_(v, V::bytes(0xF0)) : move_bits(v, 4, 0, 4);

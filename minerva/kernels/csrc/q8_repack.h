@@ -105,10 +105,8 @@ constexpr int64_t Q6_PLAIN_FROM = 128;
 // 5632 x 2048 at 16 rows 1.104x, 100 rows 1.215x. (Q2_K's decoding, a shift and a mask, does
 // not pay: 0.968x at 16 rows, 1.009x at 100.)
 constexpr int64_t PANEL_PLAIN_FROM_V8 = 16;
-template <class V>
-void q5_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
 template <class V, int QT>
-void panel_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
+void decode_once(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
 template <class V, int QT, int mr, bool PRE = false>
 void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
                 const uint8_t* end = nullptr, const uint8_t* plain = nullptr);
@@ -171,7 +169,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       thread_local std::vector<uint8_t> buffer;
       const int64_t pairs = (g1 - g0) / 2, per_pair = PLAIN_BYTES * a.G;
       uint8_t* const plain = plain_space(buffer, pairs * per_pair);
-      q5_decode<V16>(W + g0 * gb, gb, a.G, pairs, plain);
+      decode_once<V16, Q5_K>(W + g0 * gb, gb, a.G, pairs, plain);  // (a branch Q4_K compiles too)
       x_tiles<V16_INT_MR>(M, [&](int64_t m, auto rows) {
         constexpr int r = decltype(rows)::value;
         by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
@@ -218,8 +216,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
       constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
       thread_local std::vector<uint8_t> buffer;
       uint8_t* const plain = plain_space(buffer, (g1 - g0) * PLAIN8 * a.G);
-      if constexpr (QT == Q5_K) q5_decode<V8>(W + g0 * gb, gb, a.G, g1 - g0, plain);
-      else panel_decode<V8, QT>(W + g0 * gb, gb, a.G, g1 - g0, plain);
+      decode_once<V8, QT>(W + g0 * gb, gb, a.G, g1 - g0, plain);
       x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto rows) {
         constexpr int r = decltype(rows)::value;
         for (int64_t grp = g0; grp < g1; ++grp) {

@@ -104,20 +104,6 @@ inline typename V::I q5_chunk(const uint8_t* b, int64_t gb, int s, int c) {
   return V::or_(w, move_bits(V::load(b + 128 + 32 * c, gb), s, 4, 1));
 }
 
-// `units` groups (V16: pairs of groups, gb bytes apart) from `groups` on, every chunk as
-// q5_chunk gives it, for tile_xk's PRE: unit u's super-block g, sub-block s, chunk c at
-// out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
-template <class V>
-void q5_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
-  constexpr int64_t R = sizeof(typename V::I), STEP = R / 32, BYTES = 8 * Layout<Q5_K>::bytes;
-  for (int64_t u = 0; u < units; ++u)
-    for (int64_t g = 0; g < G; ++g)
-#pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s)
-        for (int c = 0; c < 8; ++c)
-          V::put(out + R * (64 * (u * G + g) + 8 * s + c), q5_chunk<V>(groups + STEP * u * gb + g * BYTES, gb, s, c));
-}
-
 template <class V, int QT, int mr, bool X_COPY, bool INT, bool PRE>  // (X_COPY, INT, PRE false unless given: q8_repack.h)
 void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
              const uint8_t* end, const uint8_t* plain) {
@@ -570,17 +556,24 @@ inline void regroup_panel(const uint8_t* const rows[8], int64_t G, uint8_t* out)
   }
 }
 
-// `units` groups of a panel or a matrix regrouped at load (V16: pairs of groups, gb bytes
-// apart) decoded once for tile_panel's PRE, every chunk as panel_chunk gives it: unit u's
-// super-block g, sub-block s, chunk c at out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
+// `units` groups of a panel or of a matrix regrouped at load (V16: pairs of groups, gb bytes
+// apart) decoded once for the tiles' PRE (tile_xk's for Q5_K, tile_panel's for Q2_K, Q3_K,
+// Q6_K), every chunk as q5_chunk or panel_chunk gives it: unit u's super-block g, sub-block s,
+// chunk c at out + sizeof(I) * (64 * (u * G + g) + 8 * s + c)
 template <class V, int QT>
-void panel_decode(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
-  constexpr int64_t R = sizeof(typename V::I), STEP = R / 32;  // bytes a chunk, groups a unit
+void decode_once(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out) {
+  constexpr int64_t R = sizeof(typename V::I), STEP = R / 32, BYTES = 8 * Layout<QT>::bytes;  // bytes a chunk, groups a unit
   for (int64_t u = 0; u < units; ++u)
-    for (int64_t g = 0; g < G; ++g)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* b = groups + STEP * u * gb + g * BYTES;
+#pragma GCC unroll 8
       for (int s = 0; s < 8; ++s)
-        for (int c = 0; c < 8; ++c)
-          V::put(out + R * (64 * (u * G + g) + 8 * s + c), panel_chunk<V, QT>(groups + STEP * u * gb + g * Panel<QT>::BYTES, gb, s, c));
+        for (int c = 0; c < 8; ++c) {
+          uint8_t* at = out + R * (64 * (u * G + g) + 8 * s + c);
+          if constexpr (QT == Q5_K) V::put(at, q5_chunk<V>(b, gb, s, c));
+          else V::put(at, panel_chunk<V, QT>(b, gb, s, c));
+        }
+    }
 }
 
 // Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
@@ -604,7 +597,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
       if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
         const int64_t pairs = groups / 2;
         uint8_t* const plain = plain_space(plain_buffer, pairs * PLAIN_BYTES * a.G);
-        panel_decode<V16, QT>(panel.data(), gb, a.G, pairs, plain);
+        decode_once<V16, QT>(panel.data(), gb, a.G, pairs, plain);
         x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
           constexpr int r = decltype(tile_rows)::value;
           int64_t grp = 0;
@@ -628,7 +621,7 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
       if (M >= PANEL_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
         constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
         uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
-        panel_decode<V8, QT>(panel.data(), gb, a.G, groups, plain);
+        decode_once<V8, QT>(panel.data(), gb, a.G, groups, plain);
         x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
           for (int64_t grp = 0; grp < groups; ++grp)
             tile_panel<V8, QT, decltype(tile_rows)::value, true>(

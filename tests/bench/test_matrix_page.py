@@ -4,6 +4,7 @@ targets it names, from the figures of each engine's own process (no engine runs 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import types
 from pathlib import Path
@@ -73,6 +74,37 @@ def test_page_names_the_files_whose_decode_is_memory_bound_for_both_engines():
     line = next(ln for ln in text.splitlines() if ln.startswith("Decode at the memory bound"))
     assert "1.1b:Q8_0" in line and "1.1b:Q4_0" not in line
     assert "Decode at the memory bound" not in matrix.page([one], args, "python benchmarks/matrix.py")
+
+
+def test_the_gpt_oss_shape_has_its_own_bandwidth_target():
+    """GPT-OSS's step pays routing and gathering outside the kernels: its decode counts as met
+    from 60% of the probe, a dense file's from 75%."""
+    moe = {"file": "gpt-oss-20b:MXFP4", "rounds": [_round(14, 10, 90, 50)]}  # 70% of 10 GB/s
+    dense = {"file": "7b:Q4_0", "rounds": [_round(14, 10, 90, 50)]}
+    args = types.SimpleNamespace(rounds=1, threads=2, prompt=512, gen=32)
+    assert "Not met here: 7b:Q4_0." in matrix.page([moe, dense], args, "python benchmarks/matrix.py")
+    assert "All met here." in matrix.page([moe], args, "python benchmarks/matrix.py")
+    assert "60%" in matrix.page([moe], args, "python benchmarks/matrix.py")
+
+
+def test_render_writes_the_page_of_a_json_with_its_own_machine_and_date(tmp_path, monkeypatch):
+    """--render: the page again from its JSON, measuring nothing; a JSON of an earlier version
+    (no settings kept) takes them from its command and results."""
+    data = {"machine": "Some CPU (4 cores, 8.0 GiB)", "kind": "family 1 model 2, AVX2", "date": "2026-01-02",
+            "command": "python benchmarks/matrix.py --prompt 256", "kept": [],
+            "results": [{"file": "1.1b:Q4_0", "rounds": [_round(16, 10, 90, 50), _round(16, 10, 90, 50)]}]}
+    path = tmp_path / "some-cpu.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(sys, "argv", ["matrix.py", "--render", str(path)])
+    assert matrix.main() == 0
+    text = (tmp_path / "some-cpu.md").read_text()
+    assert text.splitlines()[0] == "# Some CPU (family 1 model 2, AVX2)"
+    assert "- date: 2026-01-02" in text and "2 rounds, each round after a bandwidth probe; medians; 4 threads" in text
+    assert "prefill of 256 random tokens" in text and "| 1.1b:Q4_0 | 16.00 | 10.00 | 1.60× |" in text
+    path.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        matrix.main()
+    assert e.value.code == 2
 
 
 def test_every_file_has_a_maker_and_a_path():

@@ -3,7 +3,9 @@
 The int8 kernels (`csrc/q8_*.cpp`; their choices in `csrc/q8_cpu.h`) have knobs that do not change a single bit of a
 result, only how fast it comes: for one row of x (decode), how many regrouped K-quant groups
 of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with the AVX-512
-build) and how far ahead the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
+build), and for the 32-weight block types how many groups it streams side by side (1, 2 or
+4) or, with AVX-512 VNNI, whether two groups share each 512-bit register (`pairs`: half the
+instructions a weight, for a CPU that runs 512-bit operations whole), and how far ahead the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
 for many rows, whether the AVX-512 Q4_K/Q5_K tiles copy their rows of x side by side
 (`x_copy`); for a few rows (2 to 8: a speculative verification, a handful of sequences), up to
 how many the 32-weight block types take the one-row streams, a tile of rows at a time, rather
@@ -187,10 +189,13 @@ def _sweep_seconds(kernels, matrices: list[Matrix], xs: dict) -> float:
 
 def settings_one_row(kernels, qtype: Q) -> list[Setting]:
     """What the planner times for one row of x: the K-quants' groups (1, or 2 with the
-    AVX-512 build) or the 32-weight types' streams (1, 2 or 4 groups side by side), each with
-    every L2 prefetch distance."""
+    AVX-512 build) or the 32-weight types' streams (1, 2 or 4 groups side by side, and where
+    the build has it two groups a 512-bit register, `kernels.x8_pairs`), each with every L2
+    prefetch distance."""
     d = _default_setting(kernels, qtype)
-    groups = ((1, 2) if native.built == "avx512" else (1,)) if qtype in K_TYPES else (1, 2, 4)
+    pairs = getattr(kernels, "x8_pairs", 0)
+    groups = (((1, 2) if native.built == "avx512" else (1,)) if qtype in K_TYPES
+              else (1, 2, 4) + ((pairs,) if pairs else ()))
     return [Setting(g, l2, d.x_copy, d.few_rows) for g in groups for l2 in L2_AHEAD]
 
 
@@ -236,7 +241,7 @@ def _plan_type(kernels, qtype: Q, stream_bytes: int, rounds: int, step) -> dict:
         x_copy = _pick(many, Setting(chosen.groups, chosen.l2_ahead, default.x_copy, chosen.few_rows)).x_copy
     chosen = Setting(chosen.groups, chosen.l2_ahead, x_copy, chosen.few_rows)
     few = []
-    if qtype in FEW_TYPES and chosen.groups >= 2:  # (the streams take work items of 2 groups or more)
+    if qtype in FEW_TYPES and 2 <= chosen.groups <= 4:  # (the streams take work items of 2 groups or more)
         chosen, few = _plan_few_rows(kernels, qtype, chosen, matrices, gen, step)
     elif qtype in FEW_TYPES:
         for _ in FEW_ROWS:
@@ -455,7 +460,8 @@ def table(data: dict, bandwidth: float | None = None) -> list[str]:
              f"{'default':>8}" + ("  of probe" if share else "")]
     for name, c in data["types"].items():
         d = c.get("default_gb_per_s")
-        lines.append(f"{name:6} {c['groups']:>6} {c['l2_ahead'] // 1024:>6} KB "
+        groups = "pairs" if c["groups"] > 4 else c["groups"]  # (X8_PAIRS: two groups a 512-bit register)
+        lines.append(f"{name:6} {groups:>6} {c['l2_ahead'] // 1024:>6} KB "
                      f"{c.get('l2_ahead_long', c['l2_ahead']) // 1024:>6} KB {c['x_copy']:>6} "
                      f"{c['few_rows'] if c.get('few_measured') else '-':>8} "
                      f"{c['gb_per_s']:>7.1f} {'' if d is None else f'{d:.1f}':>8}"

@@ -283,6 +283,47 @@ def test_per_cpu_choices_give_the_same_bits(kernels, qtype, regrouped):
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", BLOCKS_OF_32, ids=lambda t: t.name)
+def test_one_row_groups_choices_give_the_same_bits(kernels, qtype):
+    """The 32-weight block types' one-row path (`groups`: one group at a time, 2 to 4 streamed
+    side by side, or where the build has it two groups a 512-bit register, `x8_pairs`): one row
+    of x, a few (the streams' tiles where `few rows` allows, else the pairs'), and many, on 1 to 3
+    threads, each the bits of the same rows among many under the first choice. 264 rows (33
+    groups: work items of 4 end on one), 2048 columns (streams) and 37 x 512 (short groups, a
+    last short one); qmatmul_q8_parts (a layer's Q/K/V in one loop) the same."""
+    was = kernels.cpu_choices(None, int(qtype))
+    groups = [1, 2, 3, 4] + ([kernels.x8_pairs] if kernels.x8_pairs else [])
+    qt = int(qtype) | repack.REGROUPED
+    try:
+        for rows, cols in ((264, 2048), (37, 512)):
+            raw = torch.from_numpy(realistic_blocks(qtype, rows, cols, np.random.default_rng(rows)))
+            w = repack.regroup(raw, qtype, rows, cols)
+            x = sample_x(9, cols, seed=rows)
+            kernels.cpu_choices([1] + was[1:4] + [1], int(qtype))
+            batched = kernels.qmatmul_q8(x, w, qt, rows, cols)
+            for g in groups:
+                for few, l2 in ((8, 0), (1, 32768)):
+                    kernels.cpu_choices([g, l2] + was[2:4] + [few], int(qtype))
+                    for n in (1, 2, 3):
+                        kernels.set_num_threads(n)
+                        for lo, hi in ((0, 1), (8, 9), (0, 2), (1, 5), (0, 9)):
+                            assert torch.equal(kernels.qmatmul_q8(x[lo:hi], w, qt, rows, cols), batched[lo:hi]), \
+                                (g, few, n, lo, hi)
+                        kernels.set_num_threads(0)
+                    parts = kernels.qmatmul_q8_parts(x[4:5], [w, w], [qt, qt], [rows, rows], cols)
+                    assert torch.equal(parts, torch.cat([batched[4:5]] * 2, 1)), g
+    finally:
+        kernels.cpu_choices(was, int(qtype))
+        kernels.set_num_threads(0)
+    for k_type in (QT.Q4_K, -1):  # the K-quants have no such choice; nor the shared ones
+        with pytest.raises(RuntimeError, match="cpu_choices takes"):
+            kernels.cpu_choices([16, 0, 0, was[3]], int(k_type))
+    if not kernels.x8_pairs:
+        with pytest.raises(RuntimeError, match="cpu_choices takes"):
+            kernels.cpu_choices([16, 0, 0, was[3]], int(qtype))
+
+
+@needs_kernels
 def test_regrouped_arguments_are_checked(kernels):
     raw = torch.from_numpy(realistic_blocks(QT.Q4_0, 13, 64, np.random.default_rng(1)))
     x = torch.randn(2, 64)

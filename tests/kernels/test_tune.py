@@ -108,6 +108,33 @@ def test_plan_measures_every_setting_and_puts_the_fastest_in_force(small, restor
     assert data["types"]["Q4_K"]["few_measured"] == [] and data["types"]["Q4_K"]["few_rows"] == tune.defaults(kernels, Q.Q4_K)[4]
 
 
+def test_one_row_settings_offer_two_groups_a_register_where_the_build_has_it():
+    """The 32-weight block types' one-row groups: 1, 2 or 4 streams, and `x8_pairs` where the
+    build takes two groups a 512-bit register (AVX-512 VNNI); the K-quants never take it. Each
+    with every L2 prefetch distance."""
+    for qtype in (Q.Q4_0, Q.Q8_0, Q.MXFP4):
+        groups = [s.groups for s in tune.settings_one_row(kernels, qtype)]
+        assert sorted(set(groups)) == [1, 2, 4] + ([kernels.x8_pairs] if kernels.x8_pairs else [])
+        assert len(groups) == len(set(groups)) * len(tune.L2_AHEAD)
+    assert kernels.x8_pairs not in {s.groups for s in tune.settings_one_row(kernels, Q.Q4_K)}
+    assert bool(kernels.x8_pairs) == (native.built == "avx512" and "avx512_vnni" in open("/proc/cpuinfo").read())
+
+
+def test_a_plan_that_takes_two_groups_a_register_keeps_the_few_rows_default(restore, monkeypatch, small):
+    """Where pairs are chosen the few-row streams are not timed (the pairs' tiles take those
+    rows) and the table names the choice."""
+    if not kernels.x8_pairs:
+        pytest.skip("this build has no two groups a 512-bit register")
+    pairs = tune.Setting(kernels.x8_pairs, 0, 0)
+    monkeypatch.setattr(tune, "settings_one_row", lambda k, q: [pairs])
+    monkeypatch.setattr(tune, "_default_setting", lambda k, q: pairs)
+    data = tune.plan(kernels, rounds=1, types=(Q.Q4_0,), progress=False)
+    c = data["types"]["Q4_0"]
+    assert c["groups"] == kernels.x8_pairs and c["few_measured"] == []
+    assert kernels.cpu_choices(None, int(Q.Q4_0))[0] == kernels.x8_pairs
+    assert tune.table(data)[1].split()[:2] == ["Q4_0", "pairs"]
+
+
 def test_pick_keeps_the_default_unless_another_is_clearly_faster():
     a, b = tune.Setting(1, 0, 0), tune.Setting(1, 32768, 0)
     assert tune._pick({a: 1.0, b: 0.99}, a) == a

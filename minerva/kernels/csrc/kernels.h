@@ -50,6 +50,9 @@ double int8_peak_probe(int64_t chunks, int64_t steps);
 // prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1)]; returns them as they were,
 // then sets them when given (tests run every choice)
 std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_t qtype);
+// the `groups` choice that takes one row of x two groups a 512-bit register (q8_cpu.h's
+// X8_PAIRS), 0 where the build has none
+int64_t x8_pairs_choice();
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // rows `ids` of a regrouped Q8_0 matrix in the GGML layout (q8_repack_x8.cpp)
 torch::Tensor regrouped_rows(const torch::Tensor& packed, int64_t qtype, const torch::Tensor& ids, int64_t cols);

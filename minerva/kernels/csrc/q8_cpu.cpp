@@ -35,6 +35,14 @@ std::array<TypeChoices, CHOICE_TYPES> type_choices = [] {
 using namespace minerva;
 using namespace minerva::q8;
 
+int64_t x8_pairs_choice() {
+#if defined(MINERVA_V16)
+  return X8_PAIRS;
+#else
+  return 0;
+#endif
+}
+
 std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_t qtype) {
   TORCH_CHECK(qtype == -1 || (qtype >= 0 && qtype < CHOICE_TYPES && int8_type(qtype)),
               "cpu_choices: type ", qtype, " is not one the int8 kernels multiply (-1: every type)");
@@ -45,10 +53,16 @@ std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_
   if (set) {
     const auto& v = *set;
     const int64_t most_groups = qtype == -1 || is_k_type(qtype) ? 2 : 4;
-    TORCH_CHECK(v.size() >= 4 && v.size() <= 6 && v[0] >= 1 && v[0] <= most_groups && v[1] >= 0 &&
+#if defined(MINERVA_V16)
+    const bool pairs = qtype != -1 && !is_k_type(qtype) && v.size() >= 1 && v[0] == X8_PAIRS;
+#else
+    const bool pairs = false;
+#endif
+    TORCH_CHECK(v.size() >= 4 && v.size() <= 6 && ((v[0] >= 1 && v[0] <= most_groups) || pairs) && v[1] >= 0 &&
                     (v[2] == 0 || v[2] == 1) && (v[3] == 0 || v[3] == 1) &&
                     (v.size() == 4 || (v[4] >= 1 && v[4] <= FEW_ROWS_MOST)) && (v.size() < 6 || v[5] >= 0),
-                "cpu_choices takes [groups (1 or 2 for the K-quants, 1 to 4 for the 32-weight block types), "
+                "cpu_choices takes [groups (1 or 2 for the K-quants, 1 to 4 for the 32-weight block types, or ",
+                X8_PAIRS, " for them where the build has two groups a 512-bit register), "
                 "L2 prefetch distance in bytes (>= 0), x copy (0 or 1), int steps (0 or 1), and optionally "
                 "few rows (1 to ", FEW_ROWS_MOST, ") and the L2 prefetch distance for rows of ", LONG_ROWS,
                 " columns or more (>= 0; else the first)]");

@@ -69,8 +69,8 @@ extern const CpuChoices vendor_choices;  // the CPU vendor's (q8_cpu.cpp)
 // (minerva/kernels/tune.py), which times them on the machine they run on, can give each type
 // its fastest: `groups` is for the K-quants as above (1, or 2 with MINERVA_V16) and for the
 // 32-weight block types the groups of 8 rows one work item streams side by side with one row
-// of x (x8_rows, q8_0_rows: 2 to 4; 1: one at a time, tile_x8 and its prefetches), 4 by
-// default; `l2_ahead` and `x_copy` as above, from the vendor until the planner sets them.
+// of x (x8_rows, q8_0_rows: 2 to 4; 1: one at a time, tile_x8 and its prefetches; X8_PAIRS,
+// below), 4 by default; `l2_ahead` and `x_copy` as above, from the vendor until the planner sets them.
 // few_rows: up to how many rows of x the 32-weight block types take the one-row
 // streams, a tile of rows at a time (x8_rows, q8_0_rows; q8_kernels.h's few_rows), rather than panels of
 // 4 groups against tiles of rows (tile_x8); 1 = never. 8 by default with AVX-512; 1 with AVX2
@@ -81,6 +81,14 @@ extern const CpuChoices vendor_choices;  // the CPU vendor's (q8_cpu.cpp)
 // planner's alternating sweeps on Zen 4, regrouped Q4_K at 4096 x 14336 (a 7B shape's down
 // projection) streamed 25.3 GB/s without the L2 prefetch and 31.6 with it 32 KB ahead, while
 // at 14336 x 4096 and at the 1.1B shapes no prefetch stayed the fastest (32.6, 34.1 GB/s).
+// groups = X8_PAIRS (a 32-weight block type, builds with MINERVA_V16): one row of x takes two
+// groups of 8 rows side by side in each 512-bit register (tile_x8_pair, as many rows do),
+// PANEL / 8 groups a work item, where x8_rows streams 8 rows a 256-bit register: half the
+// instructions a weight, for a CPU that runs 512-bit operations whole (Zen 5, Intel) and is
+// bound by its instructions at one row; on Zen 4, which runs them as two halves, the streams.
+// The same operations per output as tile_x8<QT, 1>, so the same bits. (A few rows of x then
+// take the pairs' tiles too: few_rows is for the streams.)
+constexpr int64_t X8_PAIRS = 16;
 struct TypeChoices {
   int64_t groups, l2_ahead, x_copy, few_rows, l2_long;
 };

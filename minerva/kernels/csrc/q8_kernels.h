@@ -119,17 +119,25 @@ constexpr int FEW_MR = 4;
 constexpr int FEW_MR = 2;
 #endif
 // Q8_0 takes its streams (q8_0_rows) whatever a group's length, with one row of x as with a few.
+// Whether a 32-weight block type takes one row of x two groups a 512-bit register (X8_PAIRS)
+template <int QT>
+bool x8_pairs() {
+#if defined(MINERVA_V16)
+  if constexpr (!is_k<QT>) return choices_of<QT>().groups == X8_PAIRS;
+#endif
+  return false;
+}
 template <int QT>
 bool few_rows(int64_t M, int64_t K) {
   if constexpr (is_k<QT>) return false;
-  return M > 1 && M <= choices_of<QT>().few_rows && choices_of<QT>().groups >= 2 &&
+  return M > 1 && M <= choices_of<QT>().few_rows && choices_of<QT>().groups >= 2 && !x8_pairs<QT>() &&
          (QT == Q8_0 || 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES);
 }
 
 template <int QT>
 int64_t x8_per(int64_t M, int64_t K) {
   if (few_rows<QT>(M, K)) return choices_of<QT>().groups;
-  if (M > 1) return PANEL / 8;
+  if (M > 1 || x8_pairs<QT>()) return PANEL / 8;
   if constexpr (QT == Q8_0) return choices_of<QT>().groups;
   if constexpr (!is_k<QT>) return 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES ? choices_of<QT>().groups : 1;
 #if defined(MINERVA_V16)

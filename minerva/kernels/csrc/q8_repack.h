@@ -118,7 +118,7 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
                const uint8_t* end) {
   const int64_t gb = 8 * row_bytes<QT>(a.K);
   if constexpr (!is_k<QT>) {
-    if (M == 1 && N >= 8 * g1) {  // (a last group with fewer than 8 rows takes tile_x8)
+    if (M == 1 && N >= 8 * g1 && !x8_pairs<QT>()) {  // (a last group with fewer than 8 rows takes tile_x8)
       const auto rows = [&]<int NG>() {
         if constexpr (QT == Q8_0) q8_0_rows<NG, 1>(a, 0, W + g0 * gb, gb, y, ldy);
         else x8_rows<QT, NG, 1>(a, 0, W + g0 * gb, gb, y, ldy, end);
@@ -201,7 +201,8 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
   if constexpr (!is_k<QT>) {  // two groups a register (tile_x8_pair), a last odd group alone
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
-      const int64_t far = m == 0 ? (g1 - g0) * gb : 0;  // the first tile: the next work item's same place into L2
+      // the first tile: the next work item's same place into L2 (one row of x: where the CPU takes the L2 prefetch)
+      const int64_t far = m == 0 && (M > 1 || l2_ahead_for<QT>(a.K) > 0) ? (g1 - g0) * gb : 0;
       by_pairs(m, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {
         tile_x8_pair<QT, r>(a, m, W + grp * gb, gb, valid, out, ldy, far, end);
       }, [&](int64_t grp, int valid, float* out) MINERVA_INLINE {

@@ -201,12 +201,16 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
       prefetch(b + gb + X8_AHEAD * X::BYTES + o);
     }
     const int8_t* xq = a.q + m0 * a.K + 32 * g;  // row i's 4 bytes at `at`: xq + i * a.K + at, an embedded broadcast
-    V::I dot[mr];
-    for (int i = 0; i < mr; ++i) dot[i] = V::zero();
+    // dot product chains per row of x: two for one row (decode, X8_PAIRS: the even and the odd
+    // chunks, Q8_0's, or the low and the high values), else one; exact integers either way
+    constexpr int C = mr == 1 ? 2 : 1;
+    V::I dot[C][mr];
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < mr; ++i) dot[c][i] = V::zero();
     if constexpr (QT == Q8_0) {  // w + 128 against x, 128 sum(x) taken off below (tile_x8)
       for (int k = 0; k < 8; ++k) {
         const V::I wu = _mm512_xor_si512(V::load(b + X::QS_AT + 32 * k, gb), V::bytes(0x80));
-        for (int i = 0; i < mr; ++i) dot[i] = V::dot4x(dot[i], wu, xq + i * a.K + 4 * k);
+        for (int i = 0; i < mr; ++i) dot[k % C][i] = V::dot4x(dot[k % C][i], wu, xq + i * a.K + 4 * k);
       }
     } else {  // X8Block's values, both groups at once: chunk k's low nibbles against x 4k.., high ones 16 + 4k..
       const V::I low = V::bytes(0x0F);
@@ -232,8 +236,8 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
       }
       for (int k = 0; k < 4; ++k)
         for (int i = 0; i < mr; ++i) {
-          dot[i] = V::dot4x(dot[i], lo[k], xq + i * a.K + 4 * k);
-          dot[i] = V::dot4x(dot[i], hi[k], xq + i * a.K + 16 + 4 * k);
+          dot[0][i] = V::dot4x(dot[0][i], lo[k], xq + i * a.K + 4 * k);
+          dot[C - 1][i] = V::dot4x(dot[C - 1][i], hi[k], xq + i * a.K + 16 + 4 * k);
         }
     }
     const V::F dw = V::join(X::scales(b), X::scales(b + gb));
@@ -242,7 +246,7 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
     constexpr int SHIFT = QT == Q8_0 ? 7 : X::BIAS;  // sum(x) << SHIFT off the dot product, as block_step
     for (int i = 0; i < mr; ++i) {
       const int64_t r = (m0 + i) * a.G + g;
-      V::I d = dot[i];
+      V::I d = C == 2 ? V::add(dot[0][i], dot[C - 1][i]) : dot[0][i];
       if constexpr (SHIFT > 0) d = V::sub(d, V::i32(a.n[r] << SHIFT));
       acc[i] = V::fmadd(V::cvt(d), V::mul(dw, V::f32(a.d[r])), acc[i]);
       if constexpr (X::OFFSET) acc[i] = V::fmadd(m, V::f32(a.s[r]), acc[i]);

@@ -66,7 +66,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 template <int QT, int NG, int MR>
 void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy, const uint8_t* end);
 #if defined(MINERVA_V16)
-template <int QT, int mr>
+template <int QT, int mr, int NP = 1>
 void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy,
                   int64_t far, const uint8_t* end);
 #endif
@@ -199,6 +199,10 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
     return;
   }
   if constexpr (!is_k<QT>) {  // two groups a register (tile_x8_pair), a last odd group alone
+    if (M == 1 && x8_pairs<QT>() && g1 - g0 == 4 && N >= 8 * g1) {  // a whole work item: its two pairs side by side
+      const int64_t far = l2_ahead_for<QT>(a.K) > 0 ? 4 * gb : 0;
+      return tile_x8_pair<QT, 1, 2>(a, 0, W + g0 * gb, gb, 16, y, ldy, far, end);
+    }
     x_tiles<V16_MR>(M, [&](int64_t m, auto rows) {
       constexpr int r = decltype(rows)::value;
       // the first tile: the next work item's same place into L2 (one row of x: where the CPU takes the L2 prefetch)

@@ -181,78 +181,84 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
 // place (far bytes on) into L2, up to `end`: the same machine and way, the head at 16 rows
 // 1.260x (quartiles 1.211-1.417) and at 9 rows 1.343x, 32768 x 4096 at 32 rows 1.163x,
 // 4096 x 2880 (from L3) at 16 rows 1.040x, at 512 rows 1.011x.
-template <int QT, int mr>
+// NP pairs side by side (one row of x, X8_PAIRS: a work item's 4 groups as 4 streams, as
+// x8_rows reads them), pair n's outputs 16 n on; `valid` counts the last pair's rows.
+template <int QT, int mr, int NP>
 void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int valid, float* y, int64_t ldy,
                   int64_t far, const uint8_t* end) {
   using X = X8<QT>;
   using V = V16;  // 32 bytes of each group side by side: V::load(p, gb)
-  V::F acc[mr];
-  for (int i = 0; i < mr; ++i) acc[i] = V::zerof();
-  const int64_t far_g = far_blocks(grp, gb, far, X::BYTES, end, a.G);
+  V::F acc[NP][mr];
+  for (int n = 0; n < NP; ++n)
+    for (int i = 0; i < mr; ++i) acc[n][i] = V::zerof();
+  const int64_t far_g = far_blocks(grp, (2 * NP - 1) * gb, far, X::BYTES, end, a.G);
   for (int64_t g = 0; g < a.G; ++g) {
-    const uint8_t* b = grp + g * X::BYTES;
-    if (g < far_g)
+    for (int n = 0; n < NP; ++n) {
+      const uint8_t* b = grp + 2 * n * gb + g * X::BYTES;
+      if (g < far_g)
+        for (int64_t o = 0; o < X::BYTES; o += 64) {
+          prefetch_l2(b + far + o);
+          prefetch_l2(b + gb + far + o);
+        }
       for (int64_t o = 0; o < X::BYTES; o += 64) {
-        prefetch_l2(b + far + o);
-        prefetch_l2(b + gb + far + o);
+        prefetch(b + X8_AHEAD * X::BYTES + o);
+        prefetch(b + gb + X8_AHEAD * X::BYTES + o);
       }
-    for (int64_t o = 0; o < X::BYTES; o += 64) {
-      prefetch(b + X8_AHEAD * X::BYTES + o);
-      prefetch(b + gb + X8_AHEAD * X::BYTES + o);
-    }
-    const int8_t* xq = a.q + m0 * a.K + 32 * g;  // row i's 4 bytes at `at`: xq + i * a.K + at, an embedded broadcast
-    // dot product chains per row of x: two for one row (decode, X8_PAIRS: the even and the odd
-    // chunks, Q8_0's, or the low and the high values), else one; exact integers either way
-    constexpr int C = mr == 1 ? 2 : 1;
-    V::I dot[C][mr];
-    for (int c = 0; c < C; ++c)
-      for (int i = 0; i < mr; ++i) dot[c][i] = V::zero();
-    if constexpr (QT == Q8_0) {  // w + 128 against x, 128 sum(x) taken off below (tile_x8)
-      for (int k = 0; k < 8; ++k) {
-        const V::I wu = _mm512_xor_si512(V::load(b + X::QS_AT + 32 * k, gb), V::bytes(0x80));
-        for (int i = 0; i < mr; ++i) dot[k % C][i] = V::dot4x(dot[k % C][i], wu, xq + i * a.K + 4 * k);
-      }
-    } else {  // X8Block's values, both groups at once: chunk k's low nibbles against x 4k.., high ones 16 + 4k..
-      const V::I low = V::bytes(0x0F);
-      V::I lo[4], hi[4];
-      for (int k = 0; k < 4; ++k) {
-        const V::I v = V::load(b + X::QS_AT + 32 * k, gb);
-        lo[k] = V::and_(v, low);
-        hi[k] = V::and_(V::shr16(v, 4), low);
-      }
-      if constexpr (X::FIFTH) {
-        const V::I qh = V::load(b + X::QH_AT, gb), bit4 = V::bytes(0x10);
+      const int8_t* xq = a.q + m0 * a.K + 32 * g;  // row i's 4 bytes at `at`: xq + i * a.K + at, an embedded broadcast
+      // dot product chains per row of x: two for one row (decode, X8_PAIRS: the even and the odd
+      // chunks, Q8_0's, or the low and the high values), else one; exact integers either way
+      constexpr int C = mr == 1 ? 2 : 1;
+      V::I dot[C][mr];
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < mr; ++i) dot[c][i] = V::zero();
+      if constexpr (QT == Q8_0) {  // w + 128 against x, 128 sum(x) taken off below (tile_x8)
+        for (int k = 0; k < 8; ++k) {
+          const V::I wu = _mm512_xor_si512(V::load(b + X::QS_AT + 32 * k, gb), V::bytes(0x80));
+          for (int i = 0; i < mr; ++i) dot[k % C][i] = V::dot4x(dot[k % C][i], wu, xq + i * a.K + 4 * k);
+        }
+      } else {  // X8Block's values, both groups at once: chunk k's low nibbles against x 4k.., high ones 16 + 4k..
+        const V::I low = V::bytes(0x0F);
+        V::I lo[4], hi[4];
         for (int k = 0; k < 4; ++k) {
-          lo[k] = V::or_(lo[k], V::and_(V::shr32(qh, k), bit4));
-          hi[k] = V::or_(hi[k], V::and_(V::shl32(qh, 4 - k), bit4));
+          const V::I v = V::load(b + X::QS_AT + 32 * k, gb);
+          lo[k] = V::and_(v, low);
+          hi[k] = V::and_(V::shr16(v, 4), low);
         }
+        if constexpr (X::FIFTH) {
+          const V::I qh = V::load(b + X::QH_AT, gb), bit4 = V::bytes(0x10);
+          for (int k = 0; k < 4; ++k) {
+            lo[k] = V::or_(lo[k], V::and_(V::shr32(qh, k), bit4));
+            hi[k] = V::or_(hi[k], V::and_(V::shl32(qh, 4 - k), bit4));
+          }
+        }
+        if constexpr (X::LOOKUP) {
+          const V::I table = _mm512_broadcast_i32x4(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16)));
+          for (int k = 0; k < 4; ++k) {
+            lo[k] = _mm512_shuffle_epi8(table, lo[k]);
+            hi[k] = _mm512_shuffle_epi8(table, hi[k]);
+          }
+        }
+        for (int k = 0; k < 4; ++k)
+          for (int i = 0; i < mr; ++i) {
+            dot[0][i] = V::dot4x(dot[0][i], lo[k], xq + i * a.K + 4 * k);
+            dot[C - 1][i] = V::dot4x(dot[C - 1][i], hi[k], xq + i * a.K + 16 + 4 * k);
+          }
       }
-      if constexpr (X::LOOKUP) {
-        const V::I table = _mm512_broadcast_i32x4(_mm_add_epi8(mxfp4_values(), _mm_set1_epi8(16)));
-        for (int k = 0; k < 4; ++k) {
-          lo[k] = _mm512_shuffle_epi8(table, lo[k]);
-          hi[k] = _mm512_shuffle_epi8(table, hi[k]);
-        }
+      const V::F dw = V::join(X::scales(b), X::scales(b + gb));
+      V::F m = V::zerof();
+      if constexpr (X::OFFSET) m = V::halves(b + X::M_AT, gb);
+      constexpr int SHIFT = QT == Q8_0 ? 7 : X::BIAS;  // sum(x) << SHIFT off the dot product, as block_step
+      for (int i = 0; i < mr; ++i) {
+        const int64_t r = (m0 + i) * a.G + g;
+        V::I d = C == 2 ? V::add(dot[0][i], dot[C - 1][i]) : dot[0][i];
+        if constexpr (SHIFT > 0) d = V::sub(d, V::i32(a.n[r] << SHIFT));
+        acc[n][i] = V::fmadd(V::cvt(d), V::mul(dw, V::f32(a.d[r])), acc[n][i]);
+        if constexpr (X::OFFSET) acc[n][i] = V::fmadd(m, V::f32(a.s[r]), acc[n][i]);
       }
-      for (int k = 0; k < 4; ++k)
-        for (int i = 0; i < mr; ++i) {
-          dot[0][i] = V::dot4x(dot[0][i], lo[k], xq + i * a.K + 4 * k);
-          dot[C - 1][i] = V::dot4x(dot[C - 1][i], hi[k], xq + i * a.K + 16 + 4 * k);
-        }
-    }
-    const V::F dw = V::join(X::scales(b), X::scales(b + gb));
-    V::F m = V::zerof();
-    if constexpr (X::OFFSET) m = V::halves(b + X::M_AT, gb);
-    constexpr int SHIFT = QT == Q8_0 ? 7 : X::BIAS;  // sum(x) << SHIFT off the dot product, as block_step
-    for (int i = 0; i < mr; ++i) {
-      const int64_t r = (m0 + i) * a.G + g;
-      V::I d = C == 2 ? V::add(dot[0][i], dot[C - 1][i]) : dot[0][i];
-      if constexpr (SHIFT > 0) d = V::sub(d, V::i32(a.n[r] << SHIFT));
-      acc[i] = V::fmadd(V::cvt(d), V::mul(dw, V::f32(a.d[r])), acc[i]);
-      if constexpr (X::OFFSET) acc[i] = V::fmadd(m, V::f32(a.s[r]), acc[i]);
     }
   }
-  for (int i = 0; i < mr; ++i) V::store(y + i * ldy, acc[i], valid);
+  for (int n = 0; n < NP; ++n)
+    for (int i = 0; i < mr; ++i) V::store(y + i * ldy + 16 * n, acc[n][i], n == NP - 1 ? valid : 16);
 }
 #endif
 

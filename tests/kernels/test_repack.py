@@ -290,7 +290,8 @@ def test_one_row_groups_choices_give_the_same_bits(kernels, qtype):
     of x, a few (the streams' tiles where `few rows` allows, else the pairs'), and many, on 1 to 3
     threads, each the bits of the same rows among many under the first choice. 264 rows (33
     groups: work items of 4 end on one), 2048 columns (streams) and 37 x 512 (short groups, a
-    last short one); qmatmul_q8_parts (a layer's Q/K/V in one loop) the same."""
+    last short one); qmatmul_q8_parts (a layer's Q/K/V in one loop) and grouped_qmatmul_q8 (a
+    mixture of experts') the same."""
     was = kernels.cpu_choices(None, int(qtype))
     groups = [1, 2, 3, 4] + ([kernels.x8_pairs] if kernels.x8_pairs else [])
     qt = int(qtype) | repack.REGROUPED
@@ -312,6 +313,8 @@ def test_one_row_groups_choices_give_the_same_bits(kernels, qtype):
                         kernels.set_num_threads(0)
                     parts = kernels.qmatmul_q8_parts(x[4:5], [w, w], [qt, qt], [rows, rows], cols)
                     assert torch.equal(parts, torch.cat([batched[4:5]] * 2, 1)), g
+                    experts = kernels.grouped_qmatmul_q8(x, [w, w, w], [0, 1, 1, 9], [torch.Tensor()] * 3, qt, rows, cols)
+                    assert torch.equal(experts, batched), g  # (one row of x for the first matrix, none for the second)
     finally:
         kernels.cpu_choices(was, int(qtype))
         kernels.set_num_threads(0)

@@ -206,6 +206,15 @@ class Tokenizer:
         prompt's length that costs nothing next to tokenizing it."""
         return max(map(len, self._backend.get_vocab(with_added_tokens=True)), default=1)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a character's UTF-8 for a byte token; for
+        a vocabulary without a byte table, the UTF-8 of its text)."""
+        if not 0 <= token_id < self._vocab_size:
+            raise MinervaError(f"token id {token_id} is out of range for a vocabulary of {self._vocab_size}")
+        if self._pieces is None:
+            return self._backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+        return self._pieces[token_id]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         for i in ids:

@@ -83,10 +83,14 @@ class ToolPlan:
             return None
         if self.choice != "required":
             return _parameters(self.function(self.choice))
+        # each function's parameters go under $defs of the schema, where their own references
+        # ("#/$defs/A", "#/definitions/A", "#") still find what they name
+        defs = {f"tool{i}": _rooted(_parameters(t["function"]), f"#/$defs/tool{i}") for i, t in enumerate(self.tools)}
         items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                   "arguments": _parameters(t["function"])},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
-        schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
+                                                   "arguments": {"$ref": f"#/$defs/tool{i}"}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(self.tools)]
+        schema = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1,
+                  "$defs": defs}
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
@@ -123,6 +127,17 @@ class ToolPlan:
         if self.choice != "auto":
             return NamedParser(self.choice, self.parallel)
         return PARSERS[fmt.name](self.parallel, self.names)
+
+
+def _rooted(schema: Any, root: str) -> Any:
+    """`schema` with each local reference ("#", "#/...") made to start at `root`, the place it
+    is moved to within another schema."""
+    if isinstance(schema, dict):
+        return {k: (root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, root))
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rooted(v, root) for v in schema]
+    return schema
 
 
 def _parameters(function: Mapping) -> dict:

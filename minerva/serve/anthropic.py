@@ -17,12 +17,13 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from minerva.serve import protocol as P
 from minerva.errors import MinervaError
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
+from minerva.serve.json_response import JSONResponse
 
 PATH = "/v1/messages"
 # HTTP status -> Anthropic's error type

@@ -290,23 +290,37 @@ def finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
-def chat_logprobs(items: Sequence[TokenLogprob], token_text: Callable[[int], str]) -> list[dict]:
+def shown_token(data: bytes) -> str:
+    """A token as the logprobs name it: its text, or for bytes that are no whole UTF-8 (a piece
+    of a character) "bytes:" and the bytes, as OpenAI writes them, so that different pieces
+    stay different keys."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def chat_logprobs(items: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> list[dict]:
+    """The chat shape: each token's text and its own bytes (which, joined, give the reply's UTF-8
+    even where a character spans tokens)."""
     def one(token_id: int, lp: float) -> dict:
-        t = token_text(token_id)
-        return {"token": t, "logprob": finite(lp), "bytes": list(t.encode())}
+        data = token_bytes(token_id)
+        return {"token": shown_token(data), "logprob": finite(lp), "bytes": list(data)}
 
     return [{**one(x.token_id, x.logprob), "top_logprobs": [one(i, lp) for i, lp in x.top]} for x in items]
 
 
-def completion_logprobs(items: Sequence[TokenLogprob], offset: int, token_text: Callable[[int], str]) -> dict:
-    """The legacy shape; `offset` is where the first token's text starts in the choice's text."""
-    tokens = [token_text(x.token_id) for x in items]
+def completion_logprobs(items: Sequence[TokenLogprob], offset: int, token_text: Callable[[int], str],
+                        token_bytes: Callable[[int], bytes]) -> dict:
+    """The legacy shape; `offset` is where the first token's text starts in the choice's text
+    (a token's share of it: `token_text`, its text as decoded alone)."""
     offsets = []
-    for t in tokens:
+    for x in items:
         offsets.append(offset)
-        offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [finite(x.logprob) for x in items],
-            "top_logprobs": [{token_text(i): finite(lp) for i, lp in x.top} for x in items],
+        offset += len(token_text(x.token_id))
+    return {"tokens": [shown_token(token_bytes(x.token_id)) for x in items],
+            "token_logprobs": [finite(x.logprob) for x in items],
+            "top_logprobs": [{shown_token(token_bytes(i)): finite(lp) for i, lp in x.top} for x in items],
             "text_offset": offsets}
 
 
@@ -348,7 +362,8 @@ class Reply:
     """How one request's results are written: a chat or a text completion, whole or as chunks.
 
     `head` is the id, object, created and model every body and chunk repeats; `token_text`
-    turns a token id into its text for the logprobs.
+    and `token_bytes` turn a token id into its text (decoded alone) and its bytes for the
+    logprobs (None: the UTF-8 of its text).
     """
 
     chat: bool
@@ -356,21 +371,23 @@ class Reply:
     head: dict
     token_text: Callable[[int], str]
     reasoning: bool = False  # chat messages carry reasoning_content (the model's replies are split)
+    token_bytes: Callable[[int], bytes] | None = None
 
     @classmethod
     def new(cls, chat: bool, want_logprobs: bool, model: str, token_text: Callable[[int], str],
-            reasoning: bool = False) -> "Reply":
+            reasoning: bool = False, token_bytes: Callable[[int], bytes] | None = None) -> "Reply":
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}
-        return cls(chat, want_logprobs, head, token_text, reasoning)
+        return cls(chat, want_logprobs, head, token_text, reasoning, token_bytes)
 
     def logprobs(self, items: Sequence[TokenLogprob], offset: int) -> dict | None:
         if not self.want_logprobs:
             return None
+        token_bytes = self.token_bytes or (lambda i: self.token_text(i).encode("utf-8"))
         if self.chat:
-            return {"content": chat_logprobs(items, self.token_text)}
-        return completion_logprobs(items, offset, self.token_text)
+            return {"content": chat_logprobs(items, token_bytes)}
+        return completion_logprobs(items, offset, self.token_text, token_bytes)
 
     def choice(self, index: int, text: str, finish: str | None, items: Sequence[TokenLogprob],
                offset: int = 0, reasoning: str | None = None, calls: Sequence[ToolCall] = (),

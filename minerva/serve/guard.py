@@ -15,13 +15,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import Counter
 from starlette.routing import Match
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minerva.errors import MinervaError
 from minerva.serve import anthropic, convert, lenient, metrics, ollama
 from minerva.serve.convert import ACCESS
 from minerva.serve.convert import APIError
+from minerva.serve.json_response import JSONResponse
 
 log = logging.getLogger("minerva.serve")
 access_log = logging.getLogger("minerva.access")
@@ -251,7 +251,9 @@ async def _validation_error(request, exc: RequestValidationError):
     others = len({convert.error_field(e).split(".")[0] for e in errors} - {(param or "").split(".")[0]})
     more = f" (and {others} more field{'s' if others > 1 else ''} with problems)" if others else ""
     text = f"invalid field '{param}': {msg}{more}" if param else f"invalid request body: {msg}{more}"
-    if first.get("type") == "extra_forbidden":
+    if first.get("type") == "missing" and tuple(first.get("loc", ())) == ("body",):
+        text = "the request body is empty; send one JSON object with the request's fields"
+    elif first.get("type") == "extra_forbidden":
         text = f"unknown field '{param}': this server does not implement it; leave it out{more}"
     elif first.get("type") == "json_invalid":  # its location is a character offset, not a field
         param = None

@@ -47,14 +47,15 @@ def is_json(content_type: str | None) -> bool:
 def relax(body: bytes, content_type: str | None, drop: bool = True) -> tuple[bytes, list[str], bool]:
     """The body with the ignored fields taken out (with `drop`), their names, and whether the
     body is JSON under another (or no) Content-Type. A body that is not a JSON object is returned as it
-    is, for the route's own parser to refuse."""
+    is, for the route's own parser to refuse (as JSON whatever its Content-Type: what the routes
+    take)."""
     retyped = not is_json(content_type)
     if not retyped and not (drop and any(b'"%s"' % k.encode() in body for k in IGNORED)):
         return body, [], False  # JSON, naming no ignored field: left for the route's parser alone
     try:
         value = json.loads(body)
-    except (ValueError, RecursionError):
-        return body, [], False
+    except (ValueError, RecursionError):  # (under another type too: the route's parser says where it breaks)
+        return body, [], retyped
     if not isinstance(value, dict) or not drop:
         return body, [], retyped
     dropped = [k for k, neutral in IGNORED.items() if k in value and (neutral is None or value[k] in neutral)]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from minerva import __version__
@@ -31,6 +31,7 @@ from minerva.formats.generation import sampling_defaults, value_text
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
+from minerva.serve.json_response import JSONResponse
 
 PREFIX = "/api/"
 # options that cannot change the answer here (the context, threads, batch, memory layout) or

@@ -18,11 +18,12 @@ import re
 import time
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from minerva.errors import MinervaError
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, chunks, validated
+from minerva.serve.json_response import JSONResponse
 from minerva.serve.responses_request import (LOGPROBS, FunctionChoice, ResponsesRequest, chat_fields,
                                              input_messages, new_id)
 from minerva.serve.truncation import Cuts

@@ -17,7 +17,7 @@ import time
 from typing import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from minerva.engine.request import Request
 from minerva.engine.sampler import SamplingParams, TokenLogprob
@@ -32,6 +32,7 @@ from minerva.serve import protocol as P
 from minerva.serve.async_engine import AsyncEngine, EngineDead, Group, QueueFull
 from minerva.serve.convert import APIError, Reply
 from minerva.serve.guard import ACCESS
+from minerva.serve.json_response import JSONResponse
 from minerva.serve.metrics import Metrics
 
 log = logging.getLogger("minerva.serve")
@@ -234,7 +235,7 @@ class Serving:
         access["prompt"] = prompt_tokens
         watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
         reply = Reply.new(chat, want_logprobs, body.model or self.config.served_model_name, self.token_text,
-                          reasoning=parsers is not None)
+                          reasoning=parsers is not None, token_bytes=self.tokenizer.token_bytes)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self.stream(group, watch, reply, include_usage, prompt_tokens, prefixes,

@@ -270,3 +270,33 @@ def test_mask_application_matches_the_bits(vocab):
     allowed = np.unpackbits(mask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab].astype(bool)
     want = torch.where(torch.from_numpy(allowed), logits, float("-inf"))
     assert torch.equal(apply_mask_(logits.clone(), mask), want)
+
+
+def test_required_tool_calls_keep_each_schemas_own_references(smollm2_llm):
+    """tool_choice "required": each function's parameters keep their own references ($defs, the
+    older definitions, "#" for the schema itself, as pydantic writes them) inside the schema of
+    all the calls: jsonschema reads it as the functions' own, and llguidance compiles it and
+    holds sampled calls to it."""
+    from minerva.parsers.tools import make_plan
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
+            "$defs": {"A": {"type": "integer", "minimum": 0, "maximum": 9}}}}},
+        {"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"b": {"$ref": "#/definitions/B"}}, "required": ["b"],
+            "definitions": {"B": {"enum": ["x", "y"]}}}}},
+        {"type": "function", "function": {"name": "h", "parameters": {
+            "type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}}}]
+    schema = make_plan(tools, "required", True).constraint()
+    jsonschema.validate([{"name": "f", "arguments": {"a": 3}}, {"name": "g", "arguments": {"b": "y"}},
+                         {"name": "h", "arguments": {"child": {"child": {}}}}], schema)
+    for wrong in ([{"name": "f", "arguments": {"a": "3"}}], [{"name": "g", "arguments": {"b": "z"}}],
+                  [{"name": "h", "arguments": {"child": {"other": 1}}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    params = SamplingParams(max_tokens=120, temperature=0.8, seed=5, n=3, structured=StructuredOutput(json=schema))
+    out = smollm2_llm.generate(prompt(smollm2_llm, "Call the tools."), params)[0]
+    for c in out.outputs:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema)
+    assert any(c.finish_reason == "stop" for c in out.outputs), [c.text for c in out.outputs]

@@ -193,6 +193,17 @@ def test_decode_matches_transformers_and_round_trips(pair):
 
 
 @pytest.mark.slow
+def test_token_bytes_join_to_the_texts_utf8(pair):
+    """Each token's own bytes (the logprobs' `bytes`), pieces of characters included, join to
+    the text's UTF-8; an id out of the vocabulary is one clear error."""
+    for text in CORPUS + ["\U0001F600 \u4e2d\u6587 caf\u00e9 \U0001F9D1\u200D\U0001F52C"]:
+        ids = pair.tok.encode(text, add_special_tokens=False)
+        assert b"".join(pair.tok.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+    with pytest.raises(MinervaError, match="out of range"):
+        pair.tok.token_bytes(pair.tok.vocab_size)
+
+
+@pytest.mark.slow
 def test_smollm2_special_tokens(smollm2):
     tok = smollm2.tok
     assert tok.vocab_size == 49152

@@ -64,6 +64,16 @@ def test_a_json_body_under_another_content_type_is_read_as_json(served):
     r = httpx.post(f"{served}/v1/completions", content=b"prompt=hi", headers={
         "Authorization": "Bearer k", "Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"  # not JSON: still refused
+    assert r.json()["error"]["message"].startswith("the body is not valid JSON (")  # said as for a JSON type
+    broken = b'{"messages": [{"role": "user", "content": "Hi"}],}'  # curl -d with a trailing comma
+    for kind in ("application/x-www-form-urlencoded", "application/json"):
+        r = httpx.post(f"{served}/v1/chat/completions", content=broken,
+                       headers={"Authorization": "Bearer k", "Content-Type": kind})
+        assert r.status_code == 400 and "the body is not valid JSON" in r.json()["error"]["message"], (kind, r.text)
+    for kind in ("application/json", None):
+        headers = {"Authorization": "Bearer k"} | ({"Content-Type": kind} if kind else {})
+        r = httpx.post(f"{served}/v1/chat/completions", content=b"", headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("the request body is empty"), r.text
 
 
 def preflight(url: str, origin: str) -> httpx.Response:

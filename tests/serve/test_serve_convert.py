@@ -137,7 +137,7 @@ def test_finite():
 
 def test_chat_logprobs():
     items = [lp(0, -0.1, (0, -0.1), (1, -math.inf)), lp(2, -2.0, (3, -1.0), (2, -2.0))]
-    got = convert.chat_logprobs(items, token_text)
+    got = convert.chat_logprobs(items, lambda i: token_text(i).encode())
     assert got == [
         {"token": "Hel", "logprob": -0.1, "bytes": list(b"Hel"),
          "top_logprobs": [{"token": "Hel", "logprob": -0.1, "bytes": list(b"Hel")},
@@ -150,12 +150,30 @@ def test_chat_logprobs():
 
 def test_completion_logprobs_offsets_count_characters():
     items = [lp(0, -0.1, (0, -0.1)), lp(2, -0.2, (2, -0.2), (3, -math.inf)), lp(3, -0.3)]
-    got = convert.completion_logprobs(items, 5, token_text)
+    got = convert.completion_logprobs(items, 5, token_text, lambda i: token_text(i).encode())
     assert got == {"tokens": ["Hel", " wörld", "!"], "token_logprobs": [-0.1, -0.2, -0.3],
                    "top_logprobs": [{"Hel": -0.1}, {" wörld": -0.2, "!": -9999.0}, {}],
                    "text_offset": [5, 8, 14]}
-    assert convert.completion_logprobs([], 3, token_text) == {"tokens": [], "token_logprobs": [],
+    assert convert.completion_logprobs([], 3, token_text, str.encode) == {"tokens": [], "token_logprobs": [],
                                                               "top_logprobs": [], "text_offset": []}
+
+
+# a character in three tokens of its UTF-8 (😀: f0 9f 98 80), each decoded alone to U+FFFD
+PIECES = {10: b"\xf0\x9f", 11: b"\x98", 12: b"\x80", 13: b"ok"}
+
+
+def test_logprobs_of_the_pieces_of_a_character_keep_their_bytes():
+    """A token that is a piece of a character's UTF-8: its own bytes (joined, the character)
+    and OpenAI's "bytes:\\x.." name, so that different pieces stay different keys of the
+    legacy top_logprobs; the text offsets count what each decodes to alone."""
+    items = [lp(10, -0.1, (10, -0.1), (11, -0.5), (12, -0.7)), lp(11, -0.2), lp(12, -0.3), lp(13, -0.4)]
+    chat = convert.chat_logprobs(items, PIECES.__getitem__)
+    assert bytes(b for x in chat for b in x["bytes"]).decode() == "\U0001F600ok"
+    assert [x["token"] for x in chat] == ["bytes:\\xf0\\x9f", "bytes:\\x98", "bytes:\\x80", "ok"]
+    assert [t["bytes"] for t in chat[0]["top_logprobs"]] == [[0xF0, 0x9F], [0x98], [0x80]]
+    legacy = convert.completion_logprobs(items, 0, lambda i: PIECES[i].decode("utf-8", "replace"), PIECES.__getitem__)
+    assert legacy["top_logprobs"][0] == {"bytes:\\xf0\\x9f": -0.1, "bytes:\\x98": -0.5, "bytes:\\x80": -0.7}
+    assert legacy["text_offset"] == [0, 1, 2, 3]
 
 
 def test_usage():

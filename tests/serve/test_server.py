@@ -155,6 +155,28 @@ def test_logprobs_shape(client, ref):
     assert lp.token_logprobs == pytest.approx([w.logprob for w in want], abs=1e-5)
 
 
+def test_logprobs_of_a_character_in_several_tokens(served):
+    """A character whose UTF-8 spans tokens: each token's own bytes (joined, the reply's UTF-8,
+    as OpenAI's `bytes` field is for), named "bytes:\\x.." as OpenAI names them, and in the
+    legacy top_logprobs one key per token."""
+    url = served[0]
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Smile"}], "max_tokens": 8,
+            "temperature": 0, "logprobs": True, "top_logprobs": 5, "guided_regex": "\U0001F600\U0001F600"}
+    got = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    content = got["logprobs"]["content"]
+    assert got["message"]["content"] == "\U0001F600\U0001F600" and len(content) > 2
+    assert bytes(b for t in content for b in t["bytes"]).decode() == got["message"]["content"]
+    assert any(t["token"].startswith("bytes:\\x") for t in content)
+    for t in content:
+        for top in t["top_logprobs"]:
+            assert top["token"] == (bytes(top["bytes"]).decode() if not top["token"].startswith("bytes:") else
+                                    "bytes:" + "".join(f"\\x{b:02x}" for b in top["bytes"]))
+    legacy = httpx.post(f"{url}/v1/completions", json={"model": "smollm2-135m", "prompt": "Smile", "max_tokens": 4,
+                                                        "temperature": 0, "logprobs": 5,
+                                                        "guided_regex": "\U0001F600"}, timeout=120).json()
+    assert all(len(top) == 5 for top in legacy["choices"][0]["logprobs"]["top_logprobs"])  # no two keys alike
+
+
 def test_bad_requests_are_400(client, served):
     url = served[0]
     for kwargs, fragment in [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),

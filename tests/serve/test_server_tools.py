@@ -363,3 +363,30 @@ def test_text_after_a_call_comes_after_it(tmp_path):
         assert whole.stop_reason == "tool_use" and (whole.usage.input_tokens, whole.usage.output_tokens) == (
             chat.usage.prompt_tokens, chat.usage.completion_tokens)
     llm.close()
+
+
+STRICT_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"a": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("value", [r'"\ud800"', "NaN", "1e999", "-Infinity"], ids=["surrogate", "nan", "huge", "inf"])
+def test_a_call_whose_arguments_are_not_strict_json_stays_text(served, value):
+    """A model's call whose arguments a client could not read back (an escaped lone surrogate,
+    NaN, a number out of JSON's range: Python's reader takes each) is no call: the reply is the
+    text, 200, whole and streamed, never a 500 or arguments that JSON.parse refuses."""
+    import re
+    text = '<tool_call>{"name":"f","arguments":{"a":' + value + '}}</tool_call>'
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 60,
+            "temperature": 0, "tools": [STRICT_TOOL], "guided_regex": re.escape(text)}
+    r = httpx.post(served[0] + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert not message.get("tool_calls") and message["content"] == text
+    with httpx.stream("POST", served[0] + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert s.status_code == 200
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == text
+    assert not any(e["choices"][0]["delta"].get("tool_calls") for e in events if e["choices"])
+    good = re.escape('<tool_call>{"name":"f","arguments":{"a":"\\ud83d\\ude00"}}</tool_call>')  # a pair: a call
+    call = httpx.post(served[0] + "/v1/chat/completions", json={**body, "guided_regex": good}, timeout=120).json()
+    assert json.loads(call["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"a": "\U0001F600"}

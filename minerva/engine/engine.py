@@ -243,6 +243,10 @@ class Engine:
         bad = [t for t in request.params.logit_bias if t >= vocab]
         if bad:
             raise MinervaError(f"logit_bias names token id {bad[0]}, beyond the vocabulary of {vocab}", "logit_bias")
+        bad = [t for t in request.params.stop_token_ids if t >= vocab]
+        if bad:  # (a stop on a token the model cannot sample would never stop it: a mistaken id)
+            raise MinervaError(f"stop_token_ids names token id {bad[0]}, beyond the vocabulary of {vocab}",
+                               "stop_token_ids")
         if request.params.adapter is not None:
             if self.adapters is None:
                 raise MinervaError(f"the request asks for the LoRA adapter '{request.params.adapter}', and none "

@@ -199,15 +199,25 @@ def sampling_params(body: P._Sampling, max_tokens: int, logprobs: int | None,
                           speculative_tokens=body.speculative_tokens, structured=constraint)
 
 
-def structured(body: P._Sampling, forced: StructuredOutput | None = None) -> StructuredOutput | None:
-    """The output constraint of a request: OpenAI's response_format, or vLLM's guided_* or
-    llama.cpp's json_schema/grammar fields, or a forced tool call; a 400 when more than one is given."""
-    given = {name: value for name, value in (
+def _constraints(body: P._Sampling) -> dict:
+    """The request's output constraints by field."""
+    return {name: value for name, value in (
         ("response_format", body.response_format if body.response_format and body.response_format.type != "text"
          else None),
         ("guided_json", body.guided_json), ("guided_regex", body.guided_regex), ("guided_choice", body.guided_choice),
         ("guided_grammar", body.guided_grammar), ("json_schema", body.json_schema), ("grammar", body.grammar),
     ) if value is not None}
+
+
+def constraint_field(body: P._Sampling, forced: StructuredOutput | None = None) -> str | None:
+    """The field the request's output constraint came from ("tools" for a forced call)."""
+    return "tools" if forced is not None else next(iter(_constraints(body)), None)
+
+
+def structured(body: P._Sampling, forced: StructuredOutput | None = None) -> StructuredOutput | None:
+    """The output constraint of a request: OpenAI's response_format, or vLLM's guided_* or
+    llama.cpp's json_schema/grammar fields, or a forced tool call; a 400 when more than one is given."""
+    given = _constraints(body)
     if forced is not None:  # a forced tool call's constraint
         if given:
             raise APIError(400, f"a forced tool call (tool_choice \"required\" or a named function) already "
@@ -251,8 +261,9 @@ def max_tokens_within(prompt_len: int, max_tokens: int | None, max_model_len: in
         max_tokens = min(max_tokens, room)
     if room < 1 or (max_tokens is not None and max_tokens > room):
         asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None and not to_context else ""
+        advice = "shorten the prompt" if to_context else "shorten the prompt or lower max_tokens"  # (cut: no limit to lower)
         raise ContextError(f"this model's maximum context length is {max_model_len} tokens, but the prompt "
-                           f"has {prompt_len} tokens{asked}; shorten the prompt or lower max_tokens", param)
+                           f"has {prompt_len} tokens{asked}; {advice}", param)
     return max_tokens or room
 
 
@@ -463,8 +474,8 @@ def arguments_object(text: str) -> dict:
     """A tool call's arguments (JSON text) as the object other APIs carry; {} for what is not one.
     Arguments cut short (max_tokens) keep what was written whole, as the SDKs assemble the same
     arguments streamed (a string cut in the middle is left out)."""
-    try:
-        value = pydantic_core.from_json(text, allow_partial=True)
+    try:  # (strict JSON: no NaN or Infinity, which no JSON response can carry)
+        value = pydantic_core.from_json(text, allow_partial=True, allow_inf_nan=False)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
@@ -483,4 +494,5 @@ async def chunks(response) -> AsyncIterator[dict]:
 def stream_error(exc: Exception) -> str:
     """The event that ends a stream whose requests failed: the input's fault (400) or a bug (500)."""
     code, kind = (400, "invalid_request_error") if isinstance(exc, MinervaError) else (500, "server_error")
-    return f"data: {json.dumps({'error': {'message': str(exc), 'type': kind, 'code': code}})}\n\n"
+    param = getattr(exc, "field", None)
+    return f"data: {json.dumps({'error': {'message': str(exc), 'type': kind, 'param': param, 'code': code}})}\n\n"

@@ -239,8 +239,9 @@ async def _api_error(request, exc: APIError):
 
 async def _minerva_error(request, exc: MinervaError):
     """The engine's and the tokenizer's verdict on a request (a prompt beyond the KV pool, a
-    token id beyond the vocabulary, a sampling value out of range): the client's fault."""
-    return error_response(400, str(exc), path=request.url.path)
+    token id beyond the vocabulary, a sampling value out of range): the client's fault, naming
+    the field it is about where it is about one."""
+    return error_response(400, str(exc), exc.field, path=request.url.path)
 
 
 async def _validation_error(request, exc: RequestValidationError):

@@ -122,10 +122,11 @@ class Serving:
                 raise APIError(400, f"the parameters of the function '{function['name']}' are not a usable JSON "
                                     f"schema: {exc}", "tools") from None
 
-    async def compile(self, spec: StructuredOutput | None) -> None:
+    async def compile(self, spec: StructuredOutput | None, field: str | None = None) -> None:
         """Compile an output constraint on the engine's grammar workers, within their budget,
         while this request alone waits (neither the event loop nor the engine's steps do); a
-        MinervaError (a 400) when it is refused. The engine's own check then finds it cached."""
+        MinervaError (a 400, naming `field`, the request's field it came from) when it is
+        refused. The engine's own check then finds it cached."""
         if spec is None:
             return
         grammars = self.llm.engine.grammars
@@ -134,7 +135,7 @@ class Serving:
         done, _ = await asyncio.wait({compiling}, timeout=grammars.seconds)  # never cancels the compilation
         _, error = compiling.result() if done else (None, grammars.too_slow(spec))
         if error is not None:
-            raise MinervaError(error)
+            raise MinervaError(f"invalid field '{field}': {error}" if field else error, field)
 
     async def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool,
                           variables: dict | None = None, tools: list[dict] | None = None,
@@ -192,7 +193,7 @@ class Serving:
             if body.model in self.llm.adapter_paths:  # the base model with that adapter
                 params = dataclasses.replace(params, adapter=body.model)
             if i == 0:  # every prompt has the same constraint
-                await self.compile(params.structured)
+                await self.compile(params.structured, convert.constraint_field(body, forced))
             if chat:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")
             try:

@@ -224,7 +224,8 @@ def test_server_response_format_and_guided_fields(smollm2_llm):
 
 @pytest.mark.parametrize("extra, words", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "invalid json constraint"),
+     "invalid field 'response_format': invalid json constraint"),
+    ({"guided_regex": "(unclosed"}, "invalid field 'guided_regex'"),
     ({"guided_regex": "(unclosed"}, "unclosed group"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "at most one output constraint"),
     ({"response_format": {"type": "json_schema"}}, "json_schema"),
@@ -239,6 +240,8 @@ def test_server_refuses_bad_constraints(smollm2_llm, extra, words):
                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra})
     assert r.status_code == 400, r.text
     assert words in r.json()["error"]["message"], r.text
+    if words.startswith("invalid field"):  # a constraint that does not compile: its field is the param
+        assert r.json()["error"]["param"] == words.split("'")[1], r.text
 
 
 def test_server_streams_the_error_of_a_constraint_it_cannot_follow(smollm2_llm):

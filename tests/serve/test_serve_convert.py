@@ -105,6 +105,15 @@ def test_max_tokens_beyond_the_context_is_400(prompt_len, asked, more):
     assert e.value.status == 400 and e.value.param == "messages"
     assert e.value.message.startswith(f"this model's maximum context length is 100 tokens, but the prompt has "
                                       f"{prompt_len} tokens{more};")
+    assert e.value.message.endswith("shorten the prompt or lower max_tokens")
+
+
+def test_a_prompt_that_fills_the_context_under_ollamas_rule_names_no_max_tokens():
+    """Ollama's num_predict is cut at the context: only the prompt can be too long there."""
+    assert convert.max_tokens_within(90, 50, 100, "prompt", to_context=True) == 10
+    with pytest.raises(APIError) as e:
+        convert.max_tokens_within(100, 50, 100, "prompt", to_context=True)
+    assert e.value.message.endswith("has 100 tokens; shorten the prompt") and "max_tokens" not in e.value.message
 
 
 def test_completion_prompts():
@@ -306,8 +315,10 @@ def test_chunk_refuses_nan():
 
 def test_stream_error_events():
     assert parse_event(convert.stream_error(MinervaError("bad"))) == {
-        "error": {"message": "bad", "type": "invalid_request_error", "code": 400}}
+        "error": {"message": "bad", "type": "invalid_request_error", "param": None, "code": 400}}
+    assert parse_event(convert.stream_error(MinervaError("bad", "logit_bias")))["error"]["param"] == "logit_bias"
     assert parse_event(convert.stream_error(RuntimeError("bug")))["error"]["code"] == 500
+    assert convert.arguments_object('{"a": NaN, "b": 1}') == {} and convert.arguments_object('{"b": 1, "a": [2') == {"b": 1, "a": [2]}
     assert convert.DONE == "data: [DONE]\n\n"
 
 

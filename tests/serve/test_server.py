@@ -195,6 +195,10 @@ def test_bad_requests_are_400(client, served):
     with pytest.raises(openai.BadRequestError, match="logit_bias") as e:
         client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1, logit_bias={"99999999": 1})
     assert e.value.body["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids names token id 1000000000") as e:
+        client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=1,
+                                  extra_body={"stop_token_ids": [2, 1000000000]})
+    assert e.value.body["param"] == "stop_token_ids"
     with pytest.raises(openai.NotFoundError, match="smollm2-135m"):
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=1)
     for body in (b"{not json", b"[]", b'{"prompt": 5}', b'{"messages": []}'):

@@ -192,7 +192,7 @@ class Serving:
             params = fixed or convert.sampling_params(body, limit, logprobs, forced, self.llm.sampling_defaults)
             if body.model in self.llm.adapter_paths:  # the base model with that adapter
                 params = dataclasses.replace(params, adapter=body.model)
-            if i == 0:  # every prompt has the same constraint
+            if i == 0 and params.structured is not None:  # every prompt has the same constraint
                 await self.compile(params.structured, convert.constraint_field(body, forced))
             if chat:
                 params = self.llm.chat_params(params, tools=tools is not None and tools.choice == "auto")

@@ -118,7 +118,6 @@ constexpr int FEW_MR = 4;
 #else
 constexpr int FEW_MR = 2;
 #endif
-// Q8_0 takes its streams (q8_0_rows) whatever a group's length, with one row of x as with a few.
 // Whether a 32-weight block type takes one row of x two groups a 512-bit register (X8_PAIRS)
 template <int QT>
 bool x8_pairs() {
@@ -127,6 +126,7 @@ bool x8_pairs() {
 #endif
   return false;
 }
+// Q8_0 takes its streams (q8_0_rows) whatever a group's length, with one row of x as with a few.
 template <int QT>
 bool few_rows(int64_t M, int64_t K) {
   if constexpr (is_k<QT>) return false;

@@ -5,7 +5,8 @@ result, only how fast it comes: for one row of x (decode), how many regrouped K-
 of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with the AVX-512
 build), and for the 32-weight block types how many groups it streams side by side (1, 2 or
 4) or, with AVX-512 VNNI, whether two groups share each 512-bit register (`pairs`: half the
-instructions a weight, for a CPU that runs 512-bit operations whole), and how far ahead the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
+instructions a weight, for a CPU that runs 512-bit operations whole), and how far ahead
+the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
 for many rows, whether the AVX-512 Q4_K/Q5_K tiles copy their rows of x side by side
 (`x_copy`); for a few rows (2 to 8: a speculative verification, a handful of sequences), up to
 how many the 32-weight block types take the one-row streams, a tile of rows at a time, rather

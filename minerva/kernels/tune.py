@@ -1,41 +1,34 @@
 """The kernel choices, measured on the machine they run on.
 
-The int8 kernels (`csrc/q8_*.cpp`; their choices in `csrc/q8_cpu.h`) have knobs that do not change a single bit of a
-result, only how fast it comes: for one row of x (decode), how many regrouped K-quant groups
-of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with the AVX-512
-build), and for the 32-weight block types how many groups it streams side by side (1, 2 or
-4) or, with AVX-512 VNNI, whether two groups share each 512-bit register (`pairs`: half the
-instructions a weight, for a CPU that runs 512-bit operations whole), and how far ahead
-the weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none);
-for many rows, whether the AVX-512 Q4_K/Q5_K tiles copy their rows of x side by side
-(`x_copy`); for a few rows (2 to 8: a speculative verification, a handful of sequences), up to
-how many the 32-weight block types take the one-row streams, a tile of rows at a time, rather
-than panels against tiles of rows (`few_rows`). Which setting streams fastest depends on the CPU (the prefetch that makes an
-Intel Xeon 1.27x faster makes a Zen 4 slower), so rather than guess from the vendor the
-planner times them, as FFTW's planner and Triton's autotuner do:
+The int8 kernels (`csrc/q8_*.cpp`; their choices in `csrc/q8_cpu.h`) have knobs that change
+no bit of a result, only how fast it comes. For one row of x (decode): how many regrouped
+K-quant groups of 8 rows a work item takes (`groups`: 1, or 2 in one 512-bit register with
+the AVX-512 build), how many groups of the 32-weight block types it streams side by side (1,
+2 or 4) or, with AVX-512 VNNI, whether two share each 512-bit register (`pairs`: half the
+instructions a weight, for a CPU that runs 512-bit operations whole), and how far ahead the
+weights are prefetched into L2 (`l2_ahead`, bytes, 0 = none). For many rows, whether the
+AVX-512 Q4_K/Q5_K tiles copy their rows of x side by side (`x_copy`); for a few (2 to 8: a
+speculative verification, a handful of sequences), up to how many the 32-weight block types
+take the one-row streams rather than panels (`few_rows`). The fastest depends on the CPU (the
+prefetch that makes an Intel Xeon 1.27x faster makes a Zen 4 slower), so rather than guess
+from the vendor the planner times them, as FFTW's planner and Triton's autotuner do:
 
 - for each packed type and each setting, one row of x against matrices of the 1.1B shape's
   feed-forward sizes (5632 x 2048 and 2048 x 5632), as many as make three times the L3 cache
-  (at least 96 MB, so they come from memory as in decode; at most 512 MB, for a server's L3
-  of hundreds of MB is shared by all its cores, and three times it took 79 s to plan on an
-  Intel Xeon reporting 480 MB where 512 MB take well under a minute), and, with the AVX-512 build, 64
-  rows of x against one matrix for `x_copy`; for `few_rows`, 2, 4 and 8 rows of x against the
-  same matrices, both paths, and the one-row streams are taken up to the largest row count at
-  which they were not slower at that count and every smaller one;
-- the L2 prefetch distance again for long rows (`l2_long`: 8192 columns or more; 4096 x 14336,
-  a 7B shape's down projection), the rest as chosen: Zen 4's Q4_K wanted one only there;
-- the settings alternate round by round, and each one's median sweep counts; a setting
-  replaces the CPU's default only when it is more than `MARGIN` faster, so noise does not
-  pick;
-- the result, each type's choice and measured bandwidth, goes into `choices.json` beside
-  the kernel build (`native.build_dir()`), so a build is planned once (well under a minute)
-  and reused after; `minerva tune` plans again.
+  (at least 96 MB, so they come from memory as in decode; at most 512 MB: a server's L3 of
+  hundreds of MB is shared by all its cores, and 3 x 480 MB took 79 s to plan on an Intel
+  Xeon), with the AVX-512 build 64 rows of x against one matrix for `x_copy`, and for
+  `few_rows` 2, 4 and 8 rows both ways, the streams taken up to the largest count at which
+  they were not slower there and at every smaller one;
+- the L2 prefetch distance again for long rows (`l2_long`: 8192 columns or more; 4096 x 14336, a 7B down projection);
+- the settings alternate round by round, each one's median sweep counting; a setting replaces
+  the CPU's default only when it is more than `MARGIN` faster, so noise does not pick;
+- each type's choice and measured bandwidth go into `choices.json` beside the kernel build
+  (`native.build_dir()`): a build is planned once (well under a minute); `minerva tune` again.
 
-`MINERVA_CHOICES=FILE` takes the choices from FILE (as `minerva tune --out FILE` writes);
-`MINERVA_NO_TUNE=1` (the commands' `--no-tune`) keeps the CPU's fixed defaults. The knob
-that changes the bits (the Q4_K/Q5_K tiles' integer or float sub-block steps, `int_steps`)
-is not planned: it stays the CPU's documented default, the same on every machine of a kind.
-"""
+`MINERVA_CHOICES=FILE` takes the choices from FILE (`minerva tune --out FILE` writes one);
+`MINERVA_NO_TUNE=1` (`--no-tune`) keeps the CPU's fixed defaults. The knob that changes bits
+(the Q4_K/Q5_K tiles' integer or float steps, `int_steps`) stays the CPU's documented default."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ AVX-512 (F, BW, VL, BF16) and F16C, one for CPUs with AVX2, FMA and F16C (most l
 and many servers); `isa()` picks the first the CPU can run. The build happens once per machine (about a minute on two cores) and is cached under
 `$MINERVA_HOME/kernels` (else `~/.cache/minerva/kernels`), keyed by the source, the
 compiler flags, the torch version and the CPU's features, so a changed source or a
-different CPU gets its own build. `MINERVA_ISA=avx2` runs the AVX2 build on a CPU with
+different CPU gets its own build. Each load marks its build as used; builds no load has used
+for `KEEP_UNUSED_DAYS` (an older Minerva's, another torch's) are removed then, so upgrades do
+not pile them up. `MINERVA_ISA=avx2` runs the AVX2 build on a CPU with
 AVX-512, compiled without AVX-512 and VNNI (what an AVX2 laptop runs, so tests here cover
 it); `MINERVA_ISA=avx512` insists on the AVX-512 build. On a CPU with neither, or when the build fails, `load()`
 returns None and the callers fall back to the plain-torch reference path; the
@@ -58,6 +60,10 @@ NEEDED_CPU_FLAGS = {
 }
 # a build chosen below the CPU's best (MINERVA_ISA) is compiled as for a CPU without these
 NARROWER_CFLAGS = {"avx2": ["-mno-avx512f", "-mno-avxvnni"]}
+
+# a build that no load has used for this long is removed by the next load of another build
+KEEP_UNUSED_DAYS = 30
+USED_STAMP = "last-used"
 
 _module: ModuleType | None = None
 _tried = False
@@ -222,6 +228,7 @@ def load() -> ModuleType | None:
     sources = SOURCES[which]
     build = _cache_dir(flags, which)
     build.mkdir(parents=True, exist_ok=True)
+    _stamp(build)  # (before the build: a pruning process sees it in use)
     scripts = sysconfig.get_path("scripts")  # pip's ninja lives beside this interpreter
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
@@ -241,8 +248,67 @@ def load() -> ModuleType | None:
                                          build_directory=str(build),
                                          verbose=False)
         built, _build_dir = which, build
+        _prune(build)
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"
         log.warning("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)
         _module = None
     return _module
+
+
+def _last_used(build: Path) -> float:
+    """When a load last used `build`: its stamp, else (a build from before stamps, or one that
+    failed) its module's or its sources' time."""
+    for f in [build / USED_STAMP, *build.glob("*.so"), build / "src", build]:
+        with contextlib.suppress(OSError):
+            return f.stat().st_mtime
+    return time.time()
+
+
+def _stamp(build: Path) -> None:
+    with contextlib.suppress(OSError):
+        (build / USED_STAMP).touch()
+
+
+def _prune(build: Path, keep_days: float = KEEP_UNUSED_DAYS) -> list[Path]:
+    """Remove the siblings of `build` that no load has used for `keep_days` days, each under its
+    build lock taken without waiting (a process compiling there keeps it), looked at again
+    once locked. Returns the removed directories; a failure is logged, never raised."""
+    removed = []
+    cutoff = time.time() - keep_days * 86400
+    try:
+        for other in build.parent.iterdir():
+            if (other != build and other.is_dir() and _is_build_name(other.name) and _last_used(other) < cutoff
+                    and _remove_unlocked(other, cutoff)):
+                removed.append(other)
+    except OSError as e:
+        log.info("kernel cache not pruned: %s", e)
+    if removed:
+        log.info("removed %d kernel builds unused for %g days from %s", len(removed), keep_days, build.parent)
+    return removed
+
+
+def _is_build_name(name: str) -> bool:
+    return len(name) == 16 and all(c in "0123456789abcdef" for c in name)
+
+
+def _remove_unlocked(build: Path, cutoff: float) -> bool:
+    """Remove `build` unless a process holds its build lock (it is compiling there) or it was
+    used since `cutoff`."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    try:
+        with open(build / "minerva-build.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False
+            if _last_used(build) >= cutoff:
+                return False
+            shutil.rmtree(build)
+            return True
+    except OSError as e:
+        log.info("kernel build %s not removed: %s", build, e)
+        return False

@@ -175,6 +175,62 @@ def test_a_build_killed_midway_does_not_hang_later_loads(kernels):
         stale.unlink(missing_ok=True)
 
 
+def _fake_build(parent, name: str, age_days: float | None, stamped: bool = True):
+    import os
+    d = parent / name
+    (d / "src").mkdir(parents=True)
+    (d / "minerva_qmatmul.so").write_bytes(b"")
+    if age_days is not None:
+        t = time.time() - age_days * 86400
+        for f in [d / "minerva_qmatmul.so", d / "src"]:
+            os.utime(f, (t, t))
+        if stamped:
+            (d / native.USED_STAMP).touch()
+            os.utime(d / native.USED_STAMP, (t, t))
+    return d
+
+
+def test_builds_unused_for_a_month_are_pruned(tmp_path):
+    """Kernel builds pile up as sources, torch or the CPU change (12 MB each): a load removes
+    the ones no load has used for KEEP_UNUSED_DAYS, by their stamp or, unstamped, by their
+    module's time; never a recent one, one a process is building in, or a folder not a build."""
+    import fcntl
+    current = _fake_build(tmp_path, "0" * 16, None)
+    old = _fake_build(tmp_path, "1" * 16, 40)
+    old_unstamped = _fake_build(tmp_path, "2" * 16, 40, stamped=False)
+    recent = _fake_build(tmp_path, "3" * 16, 10)
+    old_but_used_lately = _fake_build(tmp_path, "4" * 16, 40)
+    (old_but_used_lately / native.USED_STAMP).touch()
+    building = _fake_build(tmp_path, "5" * 16, 40)
+    not_a_build = _fake_build(tmp_path, "notes", 40)
+    with open(building / "minerva-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        removed = native._prune(current)
+    assert sorted(removed) == sorted([old, old_unstamped])
+    assert not old.exists() and not old_unstamped.exists()
+    for kept in (current, recent, old_but_used_lately, building, not_a_build):
+        assert (kept / "src").is_dir(), kept
+
+
+def test_a_load_stamps_its_build_and_prunes_old_ones(kernels):
+    """Through load() in a fresh process, in the real kernel cache."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    build = Path(kernels.__file__).parent
+    stale = _fake_build(build.parent, "f" * 15 + "e", 45)
+    try:
+        done = subprocess.run([sys.executable, "-c", "from minerva.kernels import native; "
+                               "assert native.load() is not None, native.unavailable_reason"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert not stale.exists()
+        assert time.time() - (build / native.USED_STAMP).stat().st_mtime < 300
+    finally:
+        import shutil
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def test_a_fresh_build_reports_its_progress_and_time(tmp_path, caplog):
     """Without a terminal, a fresh build says every `every` seconds how many of its files
     are compiled, and at the end how long it took (it was minutes of silence)."""

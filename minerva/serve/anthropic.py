@@ -193,12 +193,15 @@ def chat_tools(body: CountTokensRequest) -> dict:
             raise APIError(400, f"tool_choice of type '{body.tool_choice.type}' needs tools to choose from; give "
                                 "tools, or leave tool_choice out", "tool_choice")
         return {}
-    for t in body.tools:
+    for i, t in enumerate(body.tools):
         if t.type not in (None, "custom"):
             raise APIError(400, f"the tool '{t.name}' is a server tool ({t.type}), which this server does not run; "
                                 "give client tools (name, description, input_schema)", "tools")
+        if t.input_schema is None:  # as Anthropic's API: the schema is what the model is held to
+            raise APIError(400, f"the tool '{t.name}' has no input_schema; give the JSON schema of its input "
+                                '(at least {"type": "object"})', f"tools.{i}.input_schema")
     out: dict = {"tools": [{"type": "function", "function": {
-        "name": t.name, "description": t.description, "parameters": t.input_schema or {"type": "object"}}}
+        "name": t.name, "description": t.description, "parameters": t.input_schema}}
         for t in body.tools]}
     choice = body.tool_choice
     if choice is not None:

@@ -73,6 +73,13 @@ class _Sampling(_Body):
         """null, which OpenAI's API takes for these fields, is the field left out (its default)."""
         return {k: v for k, v in data.items() if v is not None or k not in NULLABLE} if isinstance(data, dict) else data
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):  # (stream is validated first: it comes first)
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
+
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: PositiveInt | None = None
     stop: (Annotated[str, Field(min_length=1)]
@@ -193,6 +200,18 @@ class ChatMessage(_Body):
                 raise ValueError(f"content parts of type '{kind}' are not supported: this server runs text-only "
                                  f"models and takes no {what}; send the text alone")
         return data
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        """What OpenAI's API refuses too: a message other than an assistant's without content, calls
+        on a message not an assistant's, a tool result that does not say which call it answers."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content: a string or a list of text parts, not null")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id: the id of the assistant's call it answers")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

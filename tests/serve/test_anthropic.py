@@ -150,6 +150,9 @@ def post(served, body, key="sk-test", path="/v1/messages"):
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tool_choice": {"type": "any"},
       "tools": [{"name": "f", "input_schema": {"type": "array", "items": {"type": "integer"}}}]}, 400,
      "invalid_request_error", 'must be a schema of type "object" (the arguments by name), got type "array"'),
+    # a client tool says what its input is, as Anthropic's API asks
+    ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [{"name": "f", "description": "d"}]}, 400,
+     "invalid_request_error", "the tool 'f' has no input_schema"),
     # the chat route's check, in this API's names (it said tool_choice "required", response_format)
     ({"model": "smollm2", "max_tokens": 4, "messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "any"},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, 400,

@@ -129,7 +129,7 @@ def test_completion_prompts():
 
 
 def test_chat_messages_join_content_parts():
-    body = P.ChatCompletionRequest(messages=[{"role": "system", "content": None},
+    body = P.ChatCompletionRequest(messages=[{"role": "system", "content": ""},
                                              {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                           {"type": "text", "text": "b"}]}])
     assert convert.chat_messages(body.messages) == [{"role": "system", "content": ""},

@@ -260,6 +260,39 @@ def test_chat_types_are_strict(served):
     assert post(url, "/v1/chat/completions", {**base, "temperature": 0}).status_code == 200  # int for a float
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages, param, words", [
+    ([{"role": "user", "content": None}], "messages.0", "a user message needs content"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], "messages.0", "system message"),
+    ([{"role": "user", "content": "hi", "tool_calls": [CALL]}], "messages.0", "tool_calls belong to assistant"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+      {"role": "tool", "content": "{}"}], "messages.2", "a tool message needs tool_call_id"),
+])
+def test_messages_carry_what_their_role_needs(served, messages, param, words):
+    """What OpenAI's API refuses is a 400 naming the message, not a prompt made of guesses."""
+    assert_400(post(served[0], "/v1/chat/completions", {"messages": messages, "max_tokens": 2}), words, param=param)
+
+
+def test_a_tool_round_trip_and_a_null_assistant_content_pass(served):
+    for messages in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "{}"}],
+                     [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                      {"role": "user", "content": "and?"}]):
+        r = post(served[0], "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route,base", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_stream_options_need_stream(served, route, base):
+    body = {**base, "max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert_400(post(served[0], route, body), "stream_options is only allowed with stream: true", param="stream_options")
+    assert_400(post(served[0], route, {**body, "stream": False}), "stream_options", param="stream_options")
+    assert post(served[0], route, {**body, "stream": True}).status_code == 200
+
+
 @pytest.mark.parametrize("field,value", [
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),

@@ -157,19 +157,23 @@ def test_float_matrices_run_on_the_same_kernels(kernels, qtype, dtype):
         assert torch.equal(kernels.qmatmul(x[lo:hi].to(dtype), raw, int(qtype), rows, cols), y[lo:hi])
 
 
+def _load_in_a_fresh_process() -> None:
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", "from minerva.kernels import native; "
+                           "assert native.load() is not None, native.unavailable_reason"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_build_killed_midway_does_not_hang_later_loads(kernels):
     """torch's builder leaves its lock file behind when a build is killed; a later load
     clears it (no live build holds Minerva's OS lock) instead of waiting for it forever."""
-    import subprocess
-    import sys
     from pathlib import Path
     stale = Path(kernels.__file__).parent / "lock"  # the build directory
     stale.touch()
     try:
-        done = subprocess.run([sys.executable, "-c", "from minerva.kernels import native; "
-                               "assert native.load() is not None, native.unavailable_reason"],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+        _load_in_a_fresh_process()
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
@@ -214,16 +218,11 @@ def test_builds_unused_for_a_month_are_pruned(tmp_path):
 
 def test_a_load_stamps_its_build_and_prunes_old_ones(kernels):
     """Through load() in a fresh process, in the real kernel cache."""
-    import subprocess
-    import sys
     from pathlib import Path
     build = Path(kernels.__file__).parent
     stale = _fake_build(build.parent, "f" * 15 + "e", 45)
     try:
-        done = subprocess.run([sys.executable, "-c", "from minerva.kernels import native; "
-                               "assert native.load() is not None, native.unavailable_reason"],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
+        _load_in_a_fresh_process()
         assert not stale.exists()
         assert time.time() - (build / native.USED_STAMP).stat().st_mtime < 300
     finally:

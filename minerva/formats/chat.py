@@ -30,8 +30,9 @@ from minerva.errors import MinervaError
 from minerva.formats.chat_budget import DEFAULT_LIMITS, TemplateLimitError, TemplateLimits, limited
 from minerva.formats.chat_limits import LimitedSandbox, limited_filter
 
-__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "RESERVED_VARIABLES", "TemplateLimitError",
-           "TemplateLimits", "chat_template_for", "check_template", "read_template", "render_chat", "validate_messages"]
+__all__ = ["BUILTIN_TEMPLATES", "CHATML_TEMPLATE", "GEMMA3_TEMPLATE", "RESERVED_VARIABLES", "TemplateCompileError",
+           "TemplateLimitError", "TemplateLimits", "chat_template_for", "check_template", "read_template", "render_chat",
+           "validate_messages"]
 
 # Names `render_chat` sets itself or takes as its own arguments: not for extra template variables.
 RESERVED_VARIABLES = frozenset({"template", "messages", "bos_token", "eos_token", "add_generation_prompt",
@@ -193,6 +194,11 @@ def _environment() -> _Sandbox:
 MAX_TEMPLATE_CHARS = 1 << 20  # real chat templates are under 20K characters
 
 
+class TemplateCompileError(MinervaError):
+    """A chat template that does not compile: the fault of whoever gave the template (the model
+    file, --chat-template), not of a conversation rendered with it."""
+
+
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template | MinervaError:
     """The compiled template, or the error that refuses it (kept too, so a broken template
@@ -203,13 +209,13 @@ def _compile(template: str) -> jinja2.Template | MinervaError:
     try:
         return _environment().from_string(template)
     except TemplateError as e:
-        return MinervaError(f"invalid chat template: {_one_line(e)}")
+        return TemplateCompileError(f"invalid chat template: {_one_line(e)}")
     except (RecursionError, SyntaxError, MemoryError) as e:  # Jinja's parser, or Python's compiler, ran out
         why = {RecursionError: "past the recursion limit", MemoryError: "out of memory"}.get(
             type(e), getattr(e, "msg", "") or type(e).__name__)  # a SyntaxError's line is the generated code's
         return TemplateLimitError(f"the chat template nests too deeply to compile ({why})")
     except Exception as e:  # noqa: BLE001 - a template is input; any failure to compile it is the input's
-        return MinervaError(f"invalid chat template: {type(e).__name__}: {_one_line(e)}")
+        return TemplateCompileError(f"invalid chat template: {type(e).__name__}: {_one_line(e)}")
 
 
 def _one_line(e: BaseException) -> str:

@@ -20,10 +20,12 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from minerva.errors import MinervaError
 from minerva.serve import anthropic, ollama, responses
 from minerva.serve import protocol as P
 from minerva.serve import response_bodies as R
 from minerva.serve.async_engine import AsyncEngine
+from minerva.serve.convert import APIError
 from minerva.serve.guard import error_response, install
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import Serving, ServerConfig
@@ -48,7 +50,7 @@ ERRORS = {code: {"model": R.ErrorResponse, "description": what} for code, what i
 
 
 def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, metrics, page, tokenize,
-                    detokenize, keep_alive=None) -> None:
+                    detokenize, load, check, keep_alive=None) -> None:
     """Every route of the API on `app`, each answered by the handler given for it (one model's,
     or a server of several's that hands each request to the model it names)."""
     app.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses=ERRORS,
@@ -69,7 +71,8 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.post("/detokenize", response_model=R.DetokenizeResponse, responses=ERRORS)(detokenize)
     anthropic.register(app, chat, tokenize)
     responses.register(app, chat)
-    ollama.register(app, chat=chat, text=text, embed=embed, models=models, keep_alive=keep_alive)
+    ollama.register(app, chat=chat, text=text, embed=embed, models=models, load=load, check=check,
+                    keep_alive=keep_alive)
 
 
 class Routes(Serving):
@@ -83,7 +86,8 @@ class Routes(Serving):
     def register(self, app: FastAPI) -> None:
         register_routes(app, chat=self.chat.chat_completions, text=self.text.completions, embed=self.embed.embeddings,
                         models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
-                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize)
+                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize, load=self.load,
+                        check=self.readable)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -103,6 +107,17 @@ class Routes(Serving):
     async def model(self, model_id: str):
         self.check_model(model_id)
         return self.card(model_id)
+
+    async def load(self, name: str | None, raw=None) -> None:
+        """Ollama's load of the model: it is loaded; a 404 for a name not served, a 503 where the
+        engine is not running (as a request for it gets)."""
+        self.check_model(name)
+        if not self.engine.alive or not self.engine.accepting:
+            raise APIError(503, "the engine is not running", type="server_unavailable", headers={"Retry-After": "5"})
+
+    async def readable(self, name: str | None) -> None:
+        """/api/show's check that the model can load: it is loaded; a 404 for a name not served."""
+        self.check_model(name)
 
     def card(self, name: str) -> dict:
         adapter = self.llm.adapter_paths.get(name)
@@ -135,7 +150,11 @@ class Routes(Serving):
 
     async def detokenize(self, body: P.DetokenizeRequest):
         self.check_model(body.model)
-        return {"prompt": self.tokenizer.decode(body.tokens)}  # an id beyond the vocabulary: a 400
+        try:
+            return {"prompt": self.tokenizer.decode(body.tokens)}
+        except MinervaError as exc:  # an id beyond the vocabulary
+            where = next((i for i, t in enumerate(body.tokens) if t >= self.tokenizer.vocab_size), None)
+            raise APIError(400, str(exc), "tokens" if where is None else f"tokens.{where}") from None
 
 
 # ------------------------------------------------------------------ the app

@@ -55,6 +55,7 @@ class Group:
     requests: list[Request]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     tracked: list[Tracked] = field(default_factory=list)
+    constraint_field: str | None = None  # the request's field its output constraint came from, for its errors
 
 
 class AsyncEngine:
@@ -115,8 +116,9 @@ class AsyncEngine:
             pending = self._not_started
         return pending > 0 or self.num_unfinished > 0
 
-    def submit(self, requests: list[Request]) -> Group:
-        """Queue a group of requests (checked already), or raise QueueFull / EngineDead."""
+    def submit(self, requests: list[Request], constraint_field: str | None = None) -> Group:
+        """Queue a group of requests (checked already), or raise QueueFull / EngineDead;
+        `constraint_field` names the field of their output constraint in its errors."""
         if not self.accepting or not self.alive:
             raise EngineDead("the server is shutting down")
         with self._lock:
@@ -124,7 +126,7 @@ class AsyncEngine:
                 raise QueueFull(f"{self._not_started} requests are already waiting "
                                 f"(--max-waiting {self.max_waiting})")
             self._not_started += len(requests)
-        group = Group(requests)
+        group = Group(requests, constraint_field=constraint_field)
         self._commands.put(("add", group))
         return group
 
@@ -310,7 +312,8 @@ class AsyncEngine:
                 m.e2e.observe(now - r.arrival_time)
                 m.finished(d.finish_reason)
             # a request that cannot go on (d.error): its client gets the error, as a 400 or a stream's error event
-            out.append((t.sink.queue, MinervaError(d.error) if d.error is not None else (t, d)))
+            failed = MinervaError(d.error, t.sink.constraint_field) if d.error is not None else None
+            out.append((t.sink.queue, failed or (t, d)))
 
     def _deliver(self, out: list) -> None:
         if out and self._loop is not None and not self._loop.is_closed():

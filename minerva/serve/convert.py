@@ -50,6 +50,11 @@ class ContextError(APIError):
         super().__init__(400, message, param)
 
 
+def clipped(text: str, limit: int = 200) -> str:
+    """`text` as an error echoes what a client sent: at most `limit` characters, then an ellipsis."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def error_body(status: int, message: str, param: str | None = None,
                type: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": status}}
@@ -86,7 +91,7 @@ def error_message(error: dict) -> str:
     value = error.get("input")
     if isinstance(value, float) and not math.isfinite(value):  # pydantic calls NaN out of range
         return f"Input should be a finite number, got {value}"
-    return error.get("msg", "invalid request")
+    return error.get("msg", "invalid request").removeprefix("Value error, ")  # (a validator's ValueError)
 
 
 def validated(model, fields: dict, names: dict[str, str] | None = None):
@@ -228,18 +233,14 @@ def structured(body: P._Sampling, forced: StructuredOutput | None = None) -> Str
     if not given:
         return None
     (name, value), = given.items()
-    if name == "response_format":
-        if value.type == "json_object":
-            return StructuredOutput(json_object=True)
-        schema = value.json_schema.schema_
-        return StructuredOutput(json=schema if schema is not None else {})
-    if name in ("guided_json", "json_schema"):
-        return StructuredOutput(json=value)
-    if name == "guided_regex":
-        return StructuredOutput(regex=value)
-    if name == "guided_choice":
-        return StructuredOutput(choice=tuple(value))
-    return StructuredOutput(grammar=value)
+    if name == "response_format":  # (its schema a JSON object: the protocol checks it)
+        return StructuredOutput(**({"json_object": True} if value.type == "json_object" else
+                                   {"json": value.json_schema.schema_}))
+    kind = "json" if name == "json_schema" else name.removeprefix("guided_")  # json, regex, choice or grammar
+    try:
+        return StructuredOutput(**{kind: tuple(value) if kind == "choice" else value})
+    except MinervaError as exc:  # a value no constraint is made of (an empty grammar, the schema `true`)
+        raise APIError(400, f"invalid field '{name}': {exc}", name) from None
 
 
 def chat_max_tokens(body: P.ChatCompletionRequest) -> int | None:

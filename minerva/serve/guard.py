@@ -266,10 +266,16 @@ async def _validation_error(request, exc: RequestValidationError):
 async def _http_error(request, exc: StarletteHTTPException):
     """Starlette's own errors, worded for a client: an unknown route (404), a route that does not
     take the method (405)."""
-    where = f"{request.method} {request.url.path}"
+    path = request.url.path
+    where = f"{request.method} {convert.clipped(path)}"
     message = str(exc.detail)
     if exc.status_code == 404 and exc.detail == "Not Found":
-        message = f"Invalid URL ({where}): no such route; the routes are listed at /docs"
+        bare = path.rstrip("/")  # routes have one spelling, as OpenAI's: no redirect to the one without the /
+        if bare != path and any(getattr(route, "path", None) and route.matches({**request.scope, "path": bare})[0]
+                                != Match.NONE for route in request.app.router.routes):
+            message = f"Invalid URL ({where}): no such route; did you mean {convert.clipped(bare)}, without the '/'?"
+        else:
+            message = f"Invalid URL ({where}): no such route; the routes are listed at /docs"
     elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":
         encoding = request.headers.get("content-encoding")
         message = (f"the body is {encoding}-encoded, which this server does not read; send it uncompressed"
@@ -305,5 +311,6 @@ def install(app, config, registry=None) -> None:
                        allow_methods=["*"], allow_headers=["*"],
                        expose_headers=["retry-after", lenient.HEADER.decode()])
     app.add_middleware(AccessLog, routes=lambda: app.routes, registry=registry)  # outermost: sees the guard's answers too
+    app.router.redirect_slashes = False  # a path with a '/' too many is a 404 naming the route, not an empty 307
     for exc_type, handler in HANDLERS.items():
         app.add_exception_handler(exc_type, handler)

@@ -30,7 +30,7 @@ from minerva.errors import MinervaError
 from minerva.formats.generation import sampling_defaults, value_text
 from minerva.formats.gguf import GGUFFile
 from minerva.serve import protocol as P
-from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, prefill, validated
+from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, clipped, prefill, validated
 from minerva.serve.json_response import JSONResponse
 
 PREFIX = "/api/"
@@ -42,7 +42,9 @@ NEUTRAL_OPTIONS = {"mirostat": 0, "typical_p": 1.0, "tfs_z": 1.0}
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
            "min_p": "min_p", "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
-OPTION_NAMES = {field: f"options.{name}" for name, field in OPTIONS.items()}  # for the chat route's errors
+# the chat request's fields as this API names them, for the errors of the chat route's checks
+FIELD_NAMES = {**{field: f"options.{name}" for name, field in OPTIONS.items()}, "response_format": "format"}
+RESPONSE_FORMAT = re.compile(r"\bresponse_format(\.json_schema(\.schema)?)?\b")  # `format`, in the chat route's errors
 KNOWN_OPTIONS = OPTIONS.keys() | NEUTRAL_OPTIONS.keys() | IGNORED_OPTIONS
 # Ollama's defaults for the options a request leaves out (its repeat_penalty 1.1 over the last 64
 # tokens is left out: Ollama's own engine applies no repeat penalty, and it would act here on
@@ -208,9 +210,10 @@ def chat_messages(messages: list[Message]) -> list[dict]:
 def shown(card: dict, info: dict, parameters: str) -> dict:
     """/api/show's answer for a model's card, its /api/tags entry and its sampling `parameters`."""
     context, family = card.get("max_model_len"), info["details"]["family"]  # model_info's keys by family
+    by_family = {f"{family}.context_length": context} if family else {}  # (a folder's family is not read)
     return {"details": info["details"], "modified_at": info["modified_at"], "template": "", "parameters": parameters,
-            "model_info": {"general.architecture": family, f"{family}.context_length": context,
-                           "context_length": context}, "capabilities": ["completion", "tools"]}
+            "model_info": {"general.architecture": family, **by_family, "context_length": context},
+            "capabilities": ["completion", "tools"]}
 
 
 def model_parameters(root: str) -> str:
@@ -238,7 +241,7 @@ def chat_request(body: ChatRequest) -> P.ChatCompletionRequest:
     fields = {"model": served_name(body.model), "messages": messages, **sampling(body), **prefill(messages)}
     if body.tools:
         fields["tools"] = body.tools
-    return to_context(validated(P.ChatCompletionRequest, fields, OPTION_NAMES), body.think)
+    return to_context(validated(P.ChatCompletionRequest, fields, FIELD_NAMES), body.think)
 
 
 def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.CompletionRequest:
@@ -249,10 +252,10 @@ def generate_request(body: GenerateRequest) -> P.ChatCompletionRequest | P.Compl
     fields = {"model": served_name(body.model), **sampling(body)}
     if body.raw:
         fields.pop("chat_template_kwargs", None), fields.pop("reasoning_effort", None)
-        return to_context(validated(P.CompletionRequest, {**fields, "prompt": body.prompt}, OPTION_NAMES))
+        return to_context(validated(P.CompletionRequest, {**fields, "prompt": body.prompt}, FIELD_NAMES))
     system = [{"role": "system", "content": body.system}] if body.system else []
     return to_context(validated(P.ChatCompletionRequest,
-                                {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]}, OPTION_NAMES),
+                                {**fields, "messages": [*system, {"role": "user", "content": body.prompt}]}, FIELD_NAMES),
                       body.think)
 
 
@@ -297,7 +300,6 @@ def message_of(m: dict) -> dict:
     return out
 
 
-
 def whole(reply: dict, model: str, chat: bool, start: float, load: float) -> dict:
     choice = reply["choices"][0]
     head = {"model": model, "created_at": now()}
@@ -317,7 +319,7 @@ async def ndjson(chat_stream: StreamingResponse, model: str, chat: bool, start: 
     finish, usage, timings = None, None, None
     async for chunk in chunks(chat_stream):
         if "error" in chunk:
-            yield json.dumps(error_body(chunk["error"]["message"])) + "\n"
+            yield json.dumps(error_body(RESPONSE_FORMAT.sub("format", chunk["error"]["message"]))) + "\n"
             return
         usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
         for c in chunk.get("choices") or []:
@@ -391,16 +393,35 @@ def header(root: Path) -> dict:
 # ------------------------------------------------------------------ routes
 
 
+async def card_of(name: str, models) -> dict:
+    """The /v1/models card of the model `name` (NAME:latest is NAME); a 404 for one not served."""
+    card = next((c for c in (await models())["data"] if c["id"] == served_name(name)), None)
+    if card is None:
+        raise APIError(404, f"model '{clipped(name)}' not found")
+    return card
+
+
 async def no_vectors(body: EmbedRequest, models) -> dict:
     """Nothing to embed: no vectors, as Ollama answers (for a model it serves)."""
-    if not any(c["id"] == served_name(body.model) for c in (await models())["data"]):
-        raise APIError(404, f"model '{body.model}' not found")
+    await card_of(body.model, models)
     return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0}
 
 
-def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
-    """Ollama's routes on `app`, answered through the OpenAI routes' handlers; `keep_alive(name,
-    seconds)`, where the server can unload models (a server of several), takes a request's keep_alive."""
+async def preload(body: GenerateRequest, raw: HTTPRequest, models, load, hold) -> dict:
+    """/api/generate without a prompt: Ollama's way to load a model, or with keep_alive 0 to unload
+    it (not loaded for that: it unloads once idle; a server of one model keeps it)."""
+    sampling(body)
+    unload = body.keep_alive is not None and duration(body.keep_alive) == 0
+    await (card_of(body.model, models) if unload else load(served_name(body.model), raw))
+    hold(body)
+    return {"model": body.model, "created_at": now(), "response": "", "done": True,
+            "done_reason": "unload" if unload else "load"}
+
+
+def register(app, *, chat, text, embed, models, load, check, keep_alive=None) -> None:
+    """Ollama's routes on `app`, through the OpenAI routes' handlers; `load(name, raw)` loads a model
+    as its requests do (a 503 where it cannot), `check(name)` finds whether it can without loading
+    it; `keep_alive(name, seconds)`, where models can unload (a server of several), takes a request's."""
 
     def hold(body) -> None:
         """The request's keep_alive for its model from now on (none given: the server's --keep-alive)."""
@@ -414,7 +435,10 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
         try:
             answered = await handler(request, raw)
         except MinervaError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, RESPONSE_FORMAT.sub("format", str(exc))) from None
+        except APIError as exc:
+            exc.message = RESPONSE_FORMAT.sub("format", exc.message)
+            raise
         if request.stream:
             return StreamingResponse(ndjson(answered, model, is_chat, start, access), media_type="application/x-ndjson")
         return JSONResponse(whole(json.loads(answered.body), model, is_chat, start, access.get("load", 0.0)))
@@ -426,10 +450,8 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
         return await run(request, raw, chat, body.model, True)
 
     async def api_generate(body: GenerateRequest, raw: HTTPRequest):
-        if not body.prompt and not body.system:  # Ollama's way to load a model: nothing to generate
-            sampling(body)
-            hold(body)
-            return {"model": body.model, "created_at": now(), "response": "", "done": True, "done_reason": "load"}
+        if not body.prompt and not body.system:
+            return await preload(body, raw, models, load, hold)
         request = generate_request(body)
         hold(body)
         return await run(request, raw, chat if isinstance(request, P.ChatCompletionRequest) else text, body.model,
@@ -460,10 +482,8 @@ def register(app, *, chat, text, embed, models, keep_alive=None) -> None:
     async def api_show(body: ShowRequest):
         if not (body.model or body.name):
             raise APIError(400, "model is required: the name of the model to show (see /api/tags)", "model")
-        name = served_name(body.model or body.name)
-        card = next((c for c in (await models())["data"] if c["id"] == name), None)
-        if card is None:
-            raise APIError(404, f"model '{body.model or body.name}' not found")
+        card = await card_of(body.model or body.name, models)
+        await check(card["id"])  # a model that cannot load: the error its requests get
         return shown(card, details(card), await asyncio.to_thread(model_parameters, card["root"]))
 
     async def api_version():

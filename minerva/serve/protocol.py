@@ -41,7 +41,9 @@ class StreamOptions(_Body):
 class JsonSchemaFormat(_Body):
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    # required, as the Responses API's json_schema format requires it: without one the answer
+    # would be held to nothing the client asked for (any JSON object is type json_object)
+    schema_: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
 
@@ -238,11 +240,12 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="More variables for the chat template, e.g. {\"enable_thinking\": false} for Qwen3.")
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value, info):
+        if value and not info.data.get("logprobs"):  # (logprobs is validated first: it comes first)
             raise ValueError("top_logprobs needs logprobs: true")
-        return self
+        return value
 
 
 class CompletionRequest(_Sampling):

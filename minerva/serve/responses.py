@@ -290,7 +290,7 @@ async def events(chat_stream: StreamingResponse, stream: Stream, store: Store | 
             if "error" in chunk:
                 error = {"code": str(chunk["error"].get("code")), "message": chunk["error"]["message"]}
                 final = stream.snapshot("failed", error)
-                yield event(stream.seq, "error", {**error, "param": None})
+                yield event(stream.seq, "error", {**error, "param": responses_name(chunk["error"].get("param"))})
                 yield event(stream.seq, "response.failed", {"response": final})
                 return
             for e in stream.feed(chunk):
@@ -318,7 +318,8 @@ async def whole(chat_stream: StreamingResponse, stream: Stream, store: Store | N
             error = json.loads(e.split("data: ", 1)[1])
     if error is not None:
         status = int(error["code"]) if str(error.get("code")).isdigit() else 500
-        raise APIError(status, error["message"], type="server_error" if status >= 500 else "invalid_request_error")
+        raise APIError(status, error["message"], error.get("param"),
+                       type="server_error" if status >= 500 else "invalid_request_error")
     return stream.final
 
 
@@ -329,13 +330,16 @@ RENAMES = ((re.compile(r"\bmessages(\.\d+)*"), "input"), (re.compile(r"\bmax_tok
            (re.compile(r"\btools\.(\d+)\.function\."), r"tools.\1."))
 
 
+def responses_name(text: str | None) -> str | None:
+    """`text` (an error's message or field) with the chat request's field names as this API's."""
+    for pattern, name in RENAMES if text else ():
+        text = pattern.sub(name, text)
+    return text
+
+
 def in_responses_terms(exc: APIError) -> APIError:
     """An error of the chat route's checks, naming the fields a Responses request sent."""
-    message, param = exc.message, exc.param
-    for pattern, name in RENAMES:
-        message = pattern.sub(name, message)
-        param = pattern.sub(name, param) if param else param
-    return APIError(exc.status, message, param, exc.type, exc.headers)
+    return APIError(exc.status, responses_name(exc.message), responses_name(exc.param), exc.type, exc.headers)
 
 
 def register(app, chat) -> None:
@@ -352,7 +356,7 @@ def register(app, chat) -> None:
             request._truncate = body.truncation == "auto"
             answered = await chat(request, raw)
         except MinervaError as exc:
-            raise in_responses_terms(APIError(400, str(exc))) from None
+            raise in_responses_terms(APIError(400, str(exc), exc.field)) from None
         except APIError as exc:
             raise in_responses_terms(exc) from None
         conversation = history + input_messages(body.input)

@@ -19,6 +19,7 @@ import dataclasses
 import gc
 import logging
 import time
+from pathlib import Path
 from typing import Awaitable, Callable
 
 import torch
@@ -30,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from minerva.serve import protocol as P
 from minerva.serve.app import STATIC, Routes, register_routes
 from minerva.serve.async_engine import AsyncEngine
-from minerva.serve.convert import APIError
+from minerva.serve.convert import APIError, clipped
 from minerva.serve.guard import ACCESS, error_response, install
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import ServerConfig
@@ -99,8 +100,8 @@ class Router:
         served = self.models.get(self.default if name is None else name)
         if served is None:
             names = ", ".join(f"'{n}'" for n in self.models)
-            raise APIError(404, f"the model '{name}' does not exist; this server serves {names} (see /v1/models)",
-                           "model")
+            raise APIError(404, f"the model '{clipped(name)}' does not exist; this server serves {names} "
+                                f"(see /v1/models)", "model")
         return served
 
     async def call(self, name: str | None, handler: Callable[[Routes], Awaitable], raw: HTTPRequest | None = None):
@@ -125,9 +126,7 @@ class Router:
         async with served.lock:
             if served.routes is not None and served.routes.engine.alive:
                 return served.routes, False
-            if served.failed is not None and time.monotonic() - served.failed[0] < RETRY_FAILED:
-                raise APIError(503, f"the model '{served.name}' could not be loaded: {served.failed[1]}", "model",
-                               type="model_load_error", headers={"Retry-After": str(int(RETRY_FAILED))})
+            self._failed_lately(served)
             async with self._room:
                 if served.routes is not None:  # its engine stopped (a fatal error): load it afresh
                     await self.unload(served, "failed")
@@ -142,10 +141,7 @@ class Router:
                 except APIError:
                     raise
                 except Exception as exc:  # the reason goes to this request; the other models keep serving
-                    served.failed = (time.monotonic(), str(exc))
-                    log.warning("could not load %s: %s", served.name, exc)
-                    raise APIError(503, f"the model '{served.name}' could not be loaded: {exc}", "model",
-                                   type="model_load_error") from None
+                    raise self._failed(served, exc) from None
                 served.failed = None
                 served.load_seconds = time.monotonic() - start
                 metrics = self._metrics[served.name] = Metrics(served.name, registry=self.registry)
@@ -158,6 +154,32 @@ class Router:
                 self.loaded.labels(served.name).set(1)
                 log.info("loaded %s (%s) in %.2f s", served.name, llm.path.name, served.load_seconds)
                 return served.routes, True
+
+    async def readable(self, name: str) -> None:
+        """Whether the model `name`, a file or folder here, can load, found without loading it (its
+        header read): a 503 naming why not, as its requests get. A name or repo is not fetched for it."""
+        served = self.entry(name)
+        if served.routes is not None or self.check is None or not Path(served.model).expanduser().exists():
+            return
+        self._failed_lately(served)
+        try:
+            await asyncio.to_thread(self.check, served.model)
+        except Exception as exc:
+            raise self._failed(served, exc) from None
+
+    @staticmethod
+    def _failed_lately(served: Served) -> None:
+        """A 503 at once for a model whose load failed less than RETRY_FAILED seconds ago."""
+        if served.failed is not None and time.monotonic() - served.failed[0] < RETRY_FAILED:
+            raise APIError(503, f"the model '{served.name}' could not be loaded: {served.failed[1]}", "model",
+                           type="model_load_error", headers={"Retry-After": str(int(RETRY_FAILED))})
+
+    @staticmethod
+    def _failed(served: Served, exc: Exception) -> APIError:
+        """The 503 of a model that could not load, kept as why its next requests fail."""
+        served.failed = (time.monotonic(), str(exc))
+        log.warning("could not load %s: %s", served.name, exc)
+        return APIError(503, f"the model '{served.name}' could not be loaded: {exc}", "model", type="model_load_error")
 
     async def _make_room(self, served: Served) -> None:
         """Unload idle models, least recently used first, until one more fits: in number, and
@@ -257,8 +279,8 @@ class RouterRoutes:
     def register(self, app: FastAPI) -> None:
         register_routes(app, chat=self.chat_completions, text=self.completions, embed=self.embeddings,
                         models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
-                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize,
-                        keep_alive=self.router.hold)
+                        page=self.page, tokenize=self.tokenize, detokenize=self.detokenize, load=self.load,
+                        check=self.router.readable, keep_alive=self.router.hold)
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await self.router.call(body.model, lambda r: r.chat.chat_completions(body, raw), raw)
@@ -274,6 +296,10 @@ class RouterRoutes:
 
     async def detokenize(self, body: P.DetokenizeRequest):
         return await self.router.call(body.model, lambda r: r.detokenize(body))
+
+    async def load(self, name: str, raw: HTTPRequest | None = None) -> None:
+        """The model `name` loaded, as a request for it loads it (Ollama's load)."""
+        await self.router.call(name, lambda r: r.load(name), raw)
 
     def card(self, served: Served) -> dict:
         routes = served.routes

@@ -23,7 +23,7 @@ from minerva.engine.request import Request
 from minerva.engine.sampler import SamplingParams, TokenLogprob
 from minerva.engine.structured import StructuredOutput
 from minerva.errors import MinervaError
-from minerva.formats.chat import TemplateLimitError
+from minerva.formats.chat import TemplateCompileError, TemplateLimitError
 from minerva.parsers.reasoning import ReasoningParser
 from minerva.parsers.tool_calls import ToolParser, join_pieces
 from minerva.parsers.tools import ToolPlan
@@ -108,7 +108,7 @@ class Serving:
         names = (*self.config.names, *self.adapters)
         if name is not None and name not in names:
             served = " or ".join(f"'{n}'" for n in names)
-            raise APIError(404, f"the model '{name}' does not exist; this server serves {served} "
+            raise APIError(404, f"the model '{convert.clipped(name)}' does not exist; this server serves {served} "
                                 f"(see /v1/models)", "model")
 
     async def check_parameters(self, tools: ToolPlan) -> None:
@@ -156,7 +156,7 @@ class Serving:
             return await asyncio.to_thread(self.llm.apply_chat_template, convert.chat_messages(messages),
                                            add_generation_prompt=add_generation_prompt, tools=tools,
                                            continue_final_message=continue_final_message, **(variables or {}))
-        except TemplateLimitError as exc:  # the model file's template ran away, not the request
+        except (TemplateLimitError, TemplateCompileError) as exc:  # the template's fault, not the request's
             log.error("%s", exc)
             raise APIError(500, f"{exc}; the model's chat template is broken or hostile: fix it, or "
                                 f"send a prompt to /v1/completions", type="server_error") from None
@@ -183,6 +183,10 @@ class Serving:
                        fixed: SamplingParams | None = None) -> list[Request]:
         """Engine requests for every prompt (n each), checked by the API's rules and the engine's;
         `fixed` parameters instead of the body's sampling fields (an embedding's)."""
+        if getattr(body, "speculative_tokens", None) and self.llm.engine.speculator is None:
+            raise APIError(400, f"speculative_tokens {body.speculative_tokens} asks for guesses, and this server runs "
+                                "without speculative decoding (start it with --speculative); leave it out, or 0",
+                           "speculative_tokens")
         requests = []
         forced = tools.output(self.llm.tool_format) if tools is not None else None
         own = max_tokens is None and self.llm.sampling_defaults.get("max_tokens")  # the model's, cut at the context
@@ -208,9 +212,9 @@ class Serving:
                                 f"split it", "input" if embeds else "n")
         return requests
 
-    def submit(self, requests: list[Request]) -> Group:
+    def submit(self, requests: list[Request], constraint_field: str | None = None) -> Group:
         try:
-            return self.engine.submit(requests)
+            return self.engine.submit(requests, constraint_field)
         except QueueFull as exc:
             raise APIError(503, f"the server is busy: {exc}; retry later", type="server_overloaded",
                            headers={"Retry-After": "1"}) from None
@@ -231,7 +235,9 @@ class Serving:
                      callers: list[ToolParser] | None = None) -> Response:
         """Submit, then answer with one JSON body or an SSE stream; `parsers` (one per request)
         split each reply into reasoning and content, and `callers` read tool calls out of the content."""
-        group = self.submit(requests)
+        # an error of the output constraint (one the grammar engine cannot follow) names its field
+        group = self.submit(requests, convert.constraint_field(body) or (
+            "tools" if requests and requests[0].params.structured is not None else None))
         access = raw.scope.get(ACCESS, {})  # what the access log line says of this request
         access["prompt"] = prompt_tokens
         watch = asyncio.ensure_future(_abort_on_disconnect(raw, self.engine, group))
@@ -255,7 +261,7 @@ class Serving:
                 yield item
             done = True
         except MinervaError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), exc.field) from None
         except RuntimeError as exc:
             raise APIError(500, str(exc), type="server_error") from None
         finally:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from minerva.errors import MinervaError
-from minerva.formats.chat import (CHATML_TEMPLATE, GEMMA3_TEMPLATE, chat_template_for, render_chat)
+from minerva.formats.chat import (CHATML_TEMPLATE, GEMMA3_TEMPLATE, TemplateCompileError, chat_template_for,
+                                  render_chat)
 from minerva.formats.tokenizer import IncrementalDetokenizer, Tokenizer
 from minerva.formats.tokenizer_gguf import PRE_TOKENIZERS
 
@@ -639,9 +640,12 @@ def test_template_helpers():
     ("", "empty"),
 ])
 def test_template_errors(template, match):
+    """Each one line; only a template that does not compile is a TemplateCompileError (the
+    server's fault, a 500), not one that refuses the conversation or fails rendering it."""
     with pytest.raises(MinervaError, match=match) as e:
         render_chat(template, MSGS, bos_token="", eos_token="")
     assert "\n" not in str(e.value)
+    assert isinstance(e.value, TemplateCompileError) == (template == "{% for %}")
 
 
 @pytest.mark.parametrize("messages", [

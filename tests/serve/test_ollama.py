@@ -15,8 +15,10 @@ import openai
 import pytest
 
 from minerva import LLM
+from minerva.models.loader import read_config
 from minerva.serve.router import Router, build_router_app
 from minerva.serve.serving import ServerConfig
+from minerva.store import resolve
 from tests.helpers.server import running_app, running_server, wait_for
 
 ASK = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -184,10 +186,58 @@ def test_tags_show_ps_version(served, client, smollm2_gguf):
      "options.stop.0: String should have at least 1 character"),
     ("/api/embed", {"model": "smollm2", "input": "hi", "options": {"warp": 1}}, 400, "unknown option 'warp'"),
     ("/api/embed", {"model": "smollm2", "input": "hi", "dimensions": 0}, 400, "dimensions must be at least 1"),
+    # the chat route's check of the constraint, naming Ollama's field (it said response_format)
+    ("/api/chat", {"model": "smollm2", "messages": ASK, "format": {"type": "bogus"}}, 400, "invalid field 'format'"),
+    ("/api/generate", {"model": "nothing", "prompt": ""}, 404, "the model 'nothing' does not exist"),
 ])
 def test_errors_in_ollamas_shape(served, path, body, status, words):
     r = httpx.post(f"{served}{path}", json={**({} if path == "/api/embed" else {"stream": False}), **body}, timeout=60)
     assert r.status_code == status and list(r.json()) == ["error"] and words in r.json()["error"], r.text
+
+
+def test_generate_without_a_prompt_loads_the_model(served):
+    r = httpx.post(f"{served}/api/generate", json={"model": "smollm2:latest"}, timeout=60)
+    assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
+
+
+def test_load_unload_and_show_on_a_server_of_several(tiny, tmp_path):
+    """Ollama's preload (/api/generate without a prompt) loads the model as its requests do, and
+    a model that cannot load gets their 503; keep_alive 0 unloads without loading; /api/show of
+    a model whose file does not read is that 503 too, not details made of nothing."""
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    loads = []
+
+    def load(model: str):
+        loads.append(model)
+        return LLM(model, dtype="float32", activations="float", kv_cache_memory=4e6), None
+
+    config = ServerConfig("tiny")
+    router = Router([("tiny", str(tiny)), ("empty", str(empty))], load, config, keep_alive=None,
+                    check=lambda m: read_config(resolve(m)))
+    with running_app(build_router_app(router, config), config) as (url, _):
+        def ollama_post(route, body):
+            return httpx.post(f"{url}{route}", json=body, timeout=120)
+
+        r = ollama_post("/api/generate", {"model": "tiny", "keep_alive": 0})
+        assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+        assert loads == [] and router.models["tiny"].routes is None  # not loaded to be unloaded
+        r = ollama_post("/api/generate", {"model": "tiny:latest"})
+        assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
+        assert loads == [str(tiny)] and router.models["tiny"].routes is not None
+        shown = ollama_post("/api/show", {"model": "tiny"}).json()
+        assert shown["model_info"]["llama.context_length"] == shown["model_info"]["context_length"] > 0, shown
+        for route, body in (("/api/generate", {"model": "empty"}), ("/api/show", {"model": "empty"}),
+                            ("/api/generate", {"model": "empty", "prompt": "hi", "stream": False})):
+            r = ollama_post(route, body)
+            assert r.status_code == 503 and list(r.json()) == ["error"], (route, r.text)
+            assert r.json()["error"].startswith("the model 'empty' could not be loaded: "), r.text
+        r = httpx.post(f"{url}/v1/completions", json={"model": "empty", "prompt": "hi"}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "model_load_error", r.text
+        assert loads == [str(tiny)]  # its header did not read: no load was tried
+        r = ollama_post("/api/generate", {"model": "tiny", "keep_alive": 0})
+        assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
+        wait_for(lambda: router.models["tiny"].routes is None, timeout=10, what="tiny unloaded")
 
 
 def test_keep_alive_per_request_unloads(smollm2_gguf, tiny):

@@ -113,6 +113,23 @@ def test_structured_output(client):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
+def test_a_schema_that_cannot_be_followed_names_text_format(served, client):
+    """Whole, a 400 whose param is text.format (the chat route's response_format, in this API's
+    name); streamed, the error event carries the same param."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # no finite value
+    text = {"format": {"type": "json_schema", "name": "loop", "schema": schema}}
+    with pytest.raises(openai.BadRequestError, match="could not be followed") as e:
+        client.responses.create(model="smollm2", input=QUESTION, max_output_tokens=8, text=text)
+    assert e.value.body["param"] == "text.format", e.value.body
+    with httpx.stream("POST", f"{served}/v1/responses", headers={"Authorization": "Bearer sk-test"}, timeout=60,
+                      json={"model": "smollm2", "input": QUESTION, "max_output_tokens": 8, "text": text,
+                            "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    error = next(e for e in events if e["type"] == "error")
+    assert error["param"] == "text.format" and "could not be followed" in error["message"], error
+    assert events[-1]["type"] == "response.failed", events[-1]
+
+
 def test_previous_response_id_continues_the_conversation(client):
     first = client.responses.create(model="smollm2", input="My name is Ada.", temperature=0, max_output_tokens=16)
     second = client.responses.create(model="smollm2", input="What is my name?", previous_response_id=first.id,

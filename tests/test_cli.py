@@ -459,3 +459,53 @@ def test_flags_for_the_chat_template_with_raw_and_a_home_that_is_a_file(tiny, tm
     folder.mkdir()
     (folder / "models").write_text("x")
     assert_clean_error(run("list", env_home=folder), f"the model store '{folder / 'models'}' is a file")
+
+
+def test_a_minerva_home_that_cannot_be_used_is_one_line(tiny, tmp_path):
+    """MINERVA_HOME a file, or where no folder can be made (under a file; /proc): generate with a
+    model by path (the kernel cache is under it) and pull (the store is) say so in one line naming
+    it, and what to do; they were tracebacks."""
+    blocker = tmp_path / "file.gguf"
+    blocker.write_text("x")
+    writable = "; set MINERVA_HOME to a writable folder"
+    for home, words in ((blocker, (f"MINERVA_HOME '{blocker}' is a file, not a folder", "point MINERVA_HOME at")),
+                        (blocker / "home", (f"MINERVA_HOME '{blocker / 'home'}' cannot be created", writable)),
+                        ("/proc/nope", ("MINERVA_HOME '/proc/nope' cannot be created", writable))):
+        for args in (("generate", str(tiny), "hi", "-n", "2"), ("pull", "smollm2-135m")):
+            assert_clean_error(run(*args, env_home=home), *words)
+
+
+def test_a_minerva_isa_that_names_no_build_is_one_line(tiny):
+    """MINERVA_ISA=bogus was a note and a run on the reference path, ~19x slower: an error naming
+    the variable and the builds it takes."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "minerva", "generate", str(tiny), "hi", "-n", "2", "--raw"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "MINERVA_ISA": "bogus"})
+    assert_clean_error(proc, "MINERVA_ISA='bogus' is not one of avx512, avx2", "or unset it")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "serve-several"])
+def test_speculative_settings_without_speculative_are_refused(tiny, command, capsys, monkeypatch):
+    """--num-speculative-tokens and --speculative-max-batch change nothing without --speculative:
+    one line saying so (they were dropped without a word), as soon as the command starts (in
+    this process: before a model loads or a port is bound); with it they run."""
+    from minerva import cli
+    from minerva.cli import main
+
+    for serving in ("serve", "serve_several"):  # a server started would serve on: fail instead
+        monkeypatch.setattr(cli if serving == "serve" else cli.several, serving,
+                            lambda *a, **k: pytest.fail("the flags were taken"))
+
+    args = {"generate": ["generate", str(tiny), "hi", "-n", "2"], "serve": ["serve", str(tiny), "--port", "0"],
+            "serve-several": ["serve", str(tiny), str(tiny), "--port", "0"]}[command]
+    for flags, words in ((["--num-speculative-tokens", "3"], "--num-speculative-tokens sets speculative decoding, "
+                                                               "which is off: add --speculative"),
+                         (["--speculative-max-batch", "0", "--num-speculative-tokens", "2"],
+                          "--num-speculative-tokens and --speculative-max-batch set speculative decoding")):
+        assert main([*args, *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"minerva: error: {words}"), err
+    if command == "generate":
+        proc = run(*args, "--raw", "--speculative", "ngram", "--num-speculative-tokens", "3")
+        assert proc.returncode == 0, proc.stderr

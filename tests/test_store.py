@@ -232,6 +232,32 @@ def test_pull_missing_member(fake_index, monkeypatch):
         store.pull("fake", progress=False)
 
 
+def test_pull_into_a_home_that_cannot_be_made_or_written_is_one_line(tmp_path, fake_index, monkeypatch):
+    """A MINERVA_HOME where no folder can be made (under a file here; /proc, a read-only file
+    system), one naming an unknown user's ~, and a store that fails while the model is written
+    (a full disk): one line naming it and what to do, nothing left behind (they were tracebacks)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("MINERVA_HOME", str(blocker / "home"))
+    with pytest.raises(MinervaError) as e:
+        store.pull("fake", progress=False)
+    assert str(e.value) == (f"MINERVA_HOME '{blocker / 'home'}' cannot be created (Not a directory); "
+                            "set MINERVA_HOME to a writable folder")
+    monkeypatch.setenv("MINERVA_HOME", "~no-such-user-here/minerva")
+    with pytest.raises(MinervaError, match=r"MINERVA_HOME '~no-such-user-here/minerva' cannot be used \("):
+        store.pull("fake", progress=False)
+    monkeypatch.setenv("MINERVA_HOME", str(tmp_path / "home"))
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_extract", full)
+    with pytest.raises(MinervaError, match=r"fake cannot be written into the model store '.*' \(No space left on "
+                                           r"device\); free some space or set MINERVA_HOME to a writable folder"):
+        store.pull("fake", progress=False)
+    assert not (tmp_path / "home" / "models" / "fake").exists()
+
+
 def test_pull_unknown_name(tmp_path):
     with pytest.raises(MinervaError, match=r"unknown model 'nope'; pull knows smollm2-135m, gemma3-270m and Hugging Face repos \(OWNER/REPO"):
         store.pull("nope")

@@ -1,12 +1,13 @@
-"""`minerva bench` and `minerva roofline`: how fast Minerva runs, against its peers and
-against the ceiling the machine sets.
+"""`minerva bench`, `minerva roofline` and `minerva tune`: how fast Minerva runs, against its
+peers and against the ceiling the machine sets.
 
 Sub-commands, one module each: `latency` (llama-bench style), `throughput` (offline, N
 requests at once), `sweep` (batch sizes against the roofline), `speculative` (with and
 without speculative decoding) and `serve` (a load client for OpenAI-compatible servers).
-`roofline` is its own top-level command. Shared parts: `measure` (how Minerva is timed),
-`report` (figures, header, table, JSON), `peers` (llama.cpp, transformers), `hardware`
-(bandwidth and compute peaks, probed or from datasheets), `args` (common options).
+`roofline` and `tune` (the kernel planner's command) are top-level commands of their own.
+Shared parts: `measure` (how Minerva is timed), `report` (figures, header, table, JSON),
+`peers` (llama.cpp, transformers), `hardware` (bandwidth and compute peaks, probed or from
+datasheets), `args` (common options and the checks run before any model loads).
 
 Each sub-command measures Minerva through its public engine API and, with
 `--compare llama.cpp` or `--compare transformers`, the peer on the same model file

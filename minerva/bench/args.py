@@ -4,9 +4,10 @@ its lists and ranges, and the checks run before any model loads."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from minerva.bench.peers import PEERS
-from minerva.errors import MinervaError
+from minerva.errors import MinervaError, make_output_folder, output_file
 from minerva.engine.engine import EngineConfig
 from minerva.options import ACTIVATIONS_HELP, DECODE_STEPS_HELP, TP_HELP, add_device_options, add_no_tune
 
@@ -65,3 +66,11 @@ def check_args(args) -> None:
         raise MinervaError("nothing to measure: every --prompt and --gen length is 0; give one above 0")
     if getattr(args, "batch_sizes", None) is not None and (not args.batch_sizes or min(args.batch_sizes) < 1):
         raise MinervaError("--batch-sizes must be positive integers")
+    # the files written when the run is done, checked before it starts, so its results are not lost
+    for option in ("json", "result_file"):
+        if getattr(args, option, None):
+            output_file(getattr(args, option), f"--{option.replace('_', '-')}")
+    if getattr(args, "bench_command", None) == "sweep":  # --out: a stem for .csv, .json and .png
+        make_output_folder(Path(args.out).expanduser().parent, "--out")
+        for suffix in (".csv", ".json", ".png"):
+            output_file(Path(args.out).expanduser().with_suffix(suffix), "--out")

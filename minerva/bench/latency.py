@@ -40,7 +40,7 @@ def cmd_latency(args) -> int:
         plan += [(f"pp{p}{suffix}", "pp", d, prompts(d + p), p) for p in args.prompt if p]
         plan += [(f"tg{n}{suffix}", "tg", d, prompts(d), n) for n in args.gen if n]
 
-    minerva_prefill(llm, prompts(64)[0])  # warm-up
+    minerva_prefill(llm, prompts(min(64, longest - 1))[0])  # warm-up: fits where the longest test does
     for name, kind, depth, ps, n in plan:
         fig = Figure(name, "minerva")
         for prompt in ps:

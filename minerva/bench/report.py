@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from minerva.errors import write_output
 from minerva.machine import machine
 
 
@@ -82,7 +83,8 @@ def print_report(lines: list[str], systems: list[SystemInfo], figures: list[Figu
         print(f"{name:<16}{cells}{ratios}")
 
 
-def write_json(path: str | None, payload: dict) -> None:
+def write_json(path: str | None, payload: dict, option: str = "--json") -> None:
+    """`payload` into `path` (the file `option` names; checked before the run by `check_args`)."""
     if path:
-        Path(path).write_text(json.dumps(payload, indent=2))
+        write_output(path, json.dumps(payload, indent=2), option)
         print(f"wrote {path}")

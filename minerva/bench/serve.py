@@ -20,11 +20,11 @@ import random
 import statistics
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from minerva.engine.sampler import SamplingParams
-from minerva.errors import MinervaError
+from minerva.errors import MinervaError, write_output
 from minerva.serve.registry import urls
 from minerva.formats.gguf import GGUFFile
 from minerva.formats.tokenizer import Tokenizer
@@ -307,6 +307,9 @@ async def _model_name(args) -> str:
             if resp.status_code == 401:
                 raise MinervaError(f"the server at {args.base_url} wants an API key: give --api-key" if not args.api_key
                                    else f"the server at {args.base_url} refuses the API key given (--api-key)")
+            if resp.status_code != 200:
+                raise MinervaError(f"the server at {args.base_url} answered GET /v1/models with HTTP "
+                                   f"{resp.status_code}; give --base-url the server's URL (or pass --model-name)")
             return resp.json()["data"][0]["id"]
     except MinervaError:
         raise
@@ -315,13 +318,32 @@ async def _model_name(args) -> str:
                            "is the server running? (or pass --model-name)") from None
 
 
-def cmd_bench_serve(args) -> int:
+def base_url(args) -> str:
+    """The server's URL: --base-url (an OpenAI SDK's, ending in /v1, taken too: the routes add
+    /v1), else the one at --host/--port, else the one Minerva server running here."""
     if args.base_url is None:
+        if args.port is not None and not 1 <= args.port <= 65535:
+            raise MinervaError(f"--port must be in [1, 65535], got {args.port}")
         found = urls(args.host, args.port)
         if len(found) > 1:
             raise MinervaError(f"{len(found)} Minerva servers run here ({', '.join(found)}); "
                                "say which with --base-url or --host/--port")
-        args.base_url = found[0]
+        return found[0]
+    url = args.base_url.strip().rstrip("/")
+    url = url.removesuffix("/v1").rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or port == 0:
+        raise MinervaError(f"--base-url '{args.base_url}' is not a server's URL; give one such as "
+                           "http://127.0.0.1:8000 (http or https, a port in [1, 65535]; the routes add /v1)")
+    return url
+
+
+def cmd_bench_serve(args) -> int:
+    args.base_url = base_url(args)
     if not 0 <= args.json_schemas <= len(SCHEMAS):
         raise MinervaError(f"--json-schemas must be in [0, {len(SCHEMAS)}], got {args.json_schemas}")
     for name in ("num_prompts", "random_input_len", "random_output_len"):
@@ -374,7 +396,7 @@ def cmd_bench_serve(args) -> int:
                    "rounds": [{k: v for k, v in r.items() if k != "results"} for r in rounds],
                    "itls_ms": [[x * 1e3 for x in r.itl] for r in last["results"]],
                    "results": [{k: v for k, v in asdict(r).items() if k != "itl"} for r in last["results"]]}
-        Path(args.result_file).write_text(json.dumps(payload, indent=2))
+        write_output(args.result_file, json.dumps(payload, indent=2), "--result-file")  # (tried before the run)
         print(f"wrote {args.result_file}")
     return 0 if last["summary"]["completed"] else 1
 

@@ -21,7 +21,7 @@ from minerva.bench.measure import load_minerva
 from minerva.bench.report import header, threads_used, write_json
 from minerva.engine.sampler import SamplingParams
 from minerva.errors import MinervaError
-from minerva.options import add_speculative_options
+from minerva.options import add_speculative_options, speculative_options
 
 TASK = "Rewrite the following text with the same words, fixing only typos if there are any:\n\n{text}"
 
@@ -42,6 +42,9 @@ def _run(llm, prompt: str, params, batch: int) -> tuple[float, list[list[int]]]:
 def cmd_speculative(args) -> int:
     if not args.speculative:
         raise MinervaError("bench speculative needs --speculative ngram|self[:LAYERS]|draft:MODEL")
+    resolved = speculative_options(args)  # the defaults of what was not given, for the report
+    args.num_speculative_tokens, args.speculative_max_batch = (resolved["num_speculative_tokens"],
+                                                               resolved["speculative_max_batch"])
     for name in ("repetitions", "gen", "batch", "text_tokens"):
         if getattr(args, name) < 1:
             raise MinervaError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

@@ -14,6 +14,7 @@ from minerva.bench.measure import load_minerva, minerva_decode, random_prompt
 from minerva.bench.peers import check_peer, load_peer
 from minerva.bench.report import Figure, header, print_report, threads_used, write_json
 from minerva.bench.roofline import decode_ceiling, model_costs
+from minerva.errors import MinervaError, write_output
 
 
 def cmd_sweep(args) -> int:
@@ -45,17 +46,19 @@ def cmd_sweep(args) -> int:
         runner.close()
     figures = [Figure(f"gen b{r['batch']}", r["system"], [r["gen_tokens_per_s"]]) for r in rows]
     print_report(lines, systems, figures)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w") as f:
-        f.write("system,batch,gen_tokens_per_s\n")
-        for r in rows:
-            f.write(f"{r['system']},{r['batch']},{r['gen_tokens_per_s']:.2f}\n")
-        for b, c in zip(sizes, ceiling["tokens_per_s"]):
-            f.write(f"roofline,{b},{c:.2f}\n")
-    write_json(str(out.with_suffix(".json")), {"header": lines, "systems": [asdict(s) for s in systems],
-                                               "rows": rows, "roofline": ceiling})
-    _plot(out.with_suffix(".png"), rows, sizes, ceiling, model_name, lines[0])
+    out = Path(args.out).expanduser()  # (its folder made, the files tried, by check_args)
+    table = ["system,batch,gen_tokens_per_s",
+             *(f"{r['system']},{r['batch']},{r['gen_tokens_per_s']:.2f}" for r in rows),
+             *(f"roofline,{b},{c:.2f}" for b, c in zip(sizes, ceiling["tokens_per_s"]))]
+    write_output(out.with_suffix(".csv"), "\n".join(table) + "\n", "--out")
+    payload = {"header": lines, "systems": [asdict(s) for s in systems], "rows": rows, "roofline": ceiling}
+    write_json(str(out.with_suffix(".json")), payload, "--out")
+    write_json(args.json, payload)
+    try:
+        _plot(out.with_suffix(".png"), rows, sizes, ceiling, model_name, lines[0])
+    except OSError as exc:
+        raise MinervaError(f"--out '{out.with_suffix('.png')}' cannot be written ({exc.strerror or exc}); the "
+                           f"figures are in {out.with_suffix('.csv')}") from None
     print(f"wrote {out.with_suffix('.csv')}, {out.with_suffix('.png')}")
     return 0
 

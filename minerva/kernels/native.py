@@ -11,7 +11,10 @@ not pile them up. `MINERVA_ISA=avx2` runs the AVX2 build on a CPU with
 AVX-512, compiled without AVX-512 and VNNI (what an AVX2 laptop runs, so tests here cover
 it); `MINERVA_ISA=avx512` insists on the AVX-512 build. On a CPU with neither, or when the build fails, `load()`
 returns None and the callers fall back to the plain-torch reference path; the
-reason is logged once. Which kernel runs for what is decided in `minerva.kernels.dispatch`.
+reason is logged once. What the user set and the kernels cannot honour (a MINERVA_ISA that names
+no build or one this CPU cannot run, a MINERVA_HOME the cache cannot be made in) is a
+MinervaError instead, raised by every call: not a run several times slower than asked for.
+Which kernel runs for what is decided in `minerva.kernels.dispatch`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from minerva.errors import MinervaError, home_folder, make_home_folder
 
 log = logging.getLogger("minerva")
 
@@ -67,6 +72,7 @@ USED_STAMP = "last-used"
 
 _module: ModuleType | None = None
 _tried = False
+_refused: str | None = None  # the error of a setting the kernels cannot honour, raised by every load()
 unavailable_reason: str | None = None
 built: str | None = None  # the build that loaded: "avx512" or "avx2"
 _build_dir: Path | None = None
@@ -119,9 +125,7 @@ def _cache_dir(flags: set[str], build: str) -> Path:
         h.update(src.read_bytes())
     h.update(" ".join(_cflags(build, flags) + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy",
                                                                         build]).encode())
-    home = os.environ.get("MINERVA_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "minerva"
-    return base / "kernels" / h.hexdigest()[:16]
+    return home_folder("kernels", "the kernel cache") / h.hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -208,10 +212,28 @@ def _first_build(build: Path, total: int):
         yield
 
 
+def _refuse(message: str) -> MinervaError:
+    global _refused, unavailable_reason
+    _refused = unavailable_reason = message
+    return MinervaError(message)
+
+
+def _isa_refusal(refused: str, flags: set[str]) -> str:
+    """What to say of a MINERVA_ISA that names no build, or one this CPU cannot run."""
+    best = isa(flags)
+    if os.environ.get("MINERVA_ISA", "").strip().lower() not in NEEDED_CPU_FLAGS:
+        return f"{refused}; set it to one of them, or unset it for the widest this CPU runs ({best or 'none'})"
+    return (f"{refused}, which this CPU lacks; " + (f"unset MINERVA_ISA (this CPU runs the {best} build)" if best
+                                                     else "unset MINERVA_ISA (this CPU runs neither build)"))
+
+
 def load() -> ModuleType | None:
-    """The compiled module, or None (see `unavailable_reason`)."""
+    """The compiled module, or None (see `unavailable_reason`); a MinervaError for a setting
+    it cannot honour (MINERVA_ISA, MINERVA_HOME), at every call."""
     global _module, _tried, unavailable_reason, built, _build_dir
     if _tried:
+        if _refused is not None:
+            raise MinervaError(_refused)
         return _module
     _tried = True
     if os.environ.get("MINERVA_NO_NATIVE"):
@@ -219,15 +241,19 @@ def load() -> ModuleType | None:
         return None
     flags = cpu_flags()
     which, refused = chosen_isa(flags)
+    if refused:  # the user's choice of build: not a silent run on the reference path
+        raise _refuse(_isa_refusal(refused, flags))
     if which is None:
         missing = NEEDED_CPU_FLAGS["avx2"] - flags
-        unavailable_reason = refused or (f"this CPU lacks {', '.join(sorted(missing))}" if missing and platform.machine()
-                                         in ("x86_64", "AMD64") else "not an x86-64 CPU")
+        unavailable_reason = (f"this CPU lacks {', '.join(sorted(missing))}" if missing and platform.machine()
+                              in ("x86_64", "AMD64") else "not an x86-64 CPU")
         log.info("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)
         return None
     sources = SOURCES[which]
-    build = _cache_dir(flags, which)
-    build.mkdir(parents=True, exist_ok=True)
+    try:
+        build = make_home_folder(_cache_dir(flags, which))
+    except MinervaError as exc:  # MINERVA_HOME unusable: the user's setting, said as such
+        raise _refuse(str(exc)) from None
     _stamp(build)  # (before the build: a pruning process sees it in use)
     scripts = sysconfig.get_path("scripts")  # pip's ninja lives beside this interpreter
     if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):

@@ -37,7 +37,6 @@ import datetime
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -46,8 +45,9 @@ from pathlib import Path
 import gguf
 import torch
 
-from minerva.errors import MinervaError
+from minerva.errors import MinervaError, not_a_file
 from minerva.kernels import hugepages, native, repack
+from minerva.machine import machine
 
 log = logging.getLogger("minerva")
 
@@ -303,7 +303,7 @@ def plan(kernels, rounds: int | None = None, types=None, progress: bool = True) 
             _set(kernels, qtype, Setting(c["groups"], c["l2_ahead"], c["x_copy"], c["few_rows"], c["l2_ahead_long"]))
     wall, threads = time.perf_counter() - started, torch.get_num_threads()
     share = (_cpu_seconds() - cpu_started) / (wall * threads) if wall > 0 else 1.0
-    return {"version": VERSION, "build": native.built, "cpu": cpu_name(), "threads": threads,
+    return {"version": VERSION, "build": native.built, "cpu": machine().cpu, "threads": threads,
             "made": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seconds": round(wall, 1), "rounds": rounds,
             "int_steps": defaults(kernels)[3],
@@ -324,37 +324,56 @@ def busy_note(data: dict) -> str | None:
             "run `minerva tune` when it is quiet")
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _whole(c: dict, key: str, default=None) -> int:
+    """A choice: a whole number in [0, 2^31), or (missing) `default`."""
+    v = c.get(key, default)
+    if v is None:
+        raise ValueError(f"no {key}")
+    whole = int(v) if isinstance(v, float) and v.is_integer() else v
+    if isinstance(whole, bool) or not isinstance(whole, int) or not 0 <= whole < 1 << 31:
+        raise ValueError(f"{key} is {v!r}, not a whole number in [0, 2^31)")
+    return whole
+
+
+def check(kernels, data, where: str) -> dict[Q, Setting]:
+    """A choices file's settings by type (and the figures a table shows, numbers); a file that is
+    not a choices file, or an entry that is not valid, is an error naming `where`."""
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("types"), dict):
+        raise MinervaError(f"{where} is not a Minerva kernel choices file (version {VERSION}); "
+                           "write one with `minerva tune --out FILE`")
+    settings = {}
+    for name, c in data["types"].items():
+        if name not in {t.name for t in TYPES}:
+            raise MinervaError(f"{where}: {name!r} is not a type the int8 kernels multiply")
+        qtype = getattr(Q, name)
+        try:
+            if not isinstance(c, dict):
+                raise ValueError(f"{type(c).__name__}, not an object")
+            for key in ("gb_per_s", "default_gb_per_s"):
+                if c.get(key) is not None and (isinstance(c[key], bool) or not isinstance(c[key], (int, float))):
+                    raise ValueError(f"{key} is {c[key]!r}, not a number")
+            settings[qtype] = Setting(_whole(c, "groups"), _whole(c, "l2_ahead"), _whole(c, "x_copy"),
+                                      _whole(c, "few_rows", defaults(kernels, qtype)[4]),
+                                      _whole(c, "l2_ahead_long", c.get("l2_ahead")))
+        except ValueError as exc:
+            raise MinervaError(f"{where}: the choices for {name} are not valid ({exc}); "
+                               "write the file again with `minerva tune --out FILE`") from None
+    return settings
 
 
 def apply(kernels, data: dict, where: str) -> None:
     """Put a choices file's settings in force, type by type; a file for another build, or
-    not a choices file, is an error naming it."""
-    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("types"), dict):
-        raise MinervaError(f"{where} is not a Minerva kernel choices file (version {VERSION}); "
-                           "write one with `minerva tune --out FILE`")
+    not a choices file (`check`), is an error naming it."""
+    settings = check(kernels, data, where)
     if data.get("build") != native.built:
         raise MinervaError(f"{where} holds choices for the {data.get('build')} kernel build, this CPU runs the "
                            f"{native.built} build; write one here with `minerva tune --out FILE`")
-    for name, c in data["types"].items():
-        qtype = getattr(Q, name, None) if name in {t.name for t in TYPES} else None
+    for qtype, setting in settings.items():
         try:
-            if qtype is None:
-                raise KeyError(name)
-            _set(kernels, qtype, Setting(int(c["groups"]), int(c["l2_ahead"]), int(c["x_copy"]),
-                                         int(c.get("few_rows", defaults(kernels, qtype)[4])),
-                                         int(c.get("l2_ahead_long", c["l2_ahead"]))))
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-            if qtype is None:
-                raise MinervaError(f"{where}: {name!r} is not a type the int8 kernels multiply") from None
-            raise MinervaError(f"{where}: the choices for {name} are not valid ({exc}); "
+            _set(kernels, qtype, setting)
+        except (RuntimeError, TypeError) as exc:  # a value the kernels refuse (their message: its first line)
+            raise MinervaError(f"{where}: the choices for {qtype.name} are not valid "
+                               f"({str(exc).strip().splitlines()[0]}); "
                                "write the file again with `minerva tune --out FILE`") from None
 
 
@@ -386,10 +405,23 @@ def _read(path: Path) -> dict | None:
         return None
 
 
+def read_pinned(path: Path, where: str) -> dict:
+    """A choices file the user named (MINERVA_CHOICES, `tune --show --out`), read, or an error
+    saying what it is instead."""
+    data = _read(path)
+    if data is None:
+        what = "not a JSON file of kernel choices" if path.is_file() else f"'{path}' {not_a_file(path)}"
+        raise MinervaError(f"{where}: {what}; write one with `minerva tune --out FILE`")
+    return data
+
+
 def save(data: dict, path: Path) -> None:
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def ensure(kernels) -> None:
@@ -402,10 +434,7 @@ def ensure(kernels) -> None:
     defaults(kernels)
     pinned = os.environ.get("MINERVA_CHOICES", "").strip()
     if pinned:
-        data = _read(path := Path(pinned).expanduser())
-        if data is None:
-            what = "not a JSON file of kernel choices" if path.is_file() else "no such file"
-            raise MinervaError(f"MINERVA_CHOICES={pinned}: {what}; write one with `minerva tune --out FILE`")
+        data = read_pinned(Path(pinned).expanduser(), f"MINERVA_CHOICES={pinned}")
         apply(kernels, data, f"MINERVA_CHOICES={pinned}")
         _applied, _source = data, f"pinned: {pinned}"
         return
@@ -418,7 +447,7 @@ def ensure(kernels) -> None:
         return
     with _lock(path):
         data = _read(path)
-        stale = data is None or data.get("version") != VERSION or data.get("build") != native.built
+        stale = not isinstance(data, dict) or data.get("version") != VERSION or data.get("build") != native.built
         again = not stale and data.get("busy") and data.get("tries", 1) < PLAN_TRIES
         if stale or again:
             log.warning("measuring this CPU's kernel choices (%s, well under a minute; "
@@ -427,7 +456,11 @@ def ensure(kernels) -> None:
             tries = data.get("tries", 1) + 1 if again else 1
             data = plan(kernels)
             data["tries"] = tries
-            save(data, path)
+            try:
+                save(data, path)
+            except OSError as exc:  # in force in this process all the same
+                log.warning("the kernel choices could not be kept at %s (%s); they are measured again next time",
+                            path, exc.strerror or exc)
             if data["busy"]:
                 log.warning("%s%s", busy_note(data),
                             "" if tries >= PLAN_TRIES else " (the next process measures them again)")
@@ -452,48 +485,12 @@ def table(data: dict, bandwidth: float | None = None) -> list[str]:
     share = bandwidth is not None
     lines = [f"{'type':6} {'groups':>6} {'L2 ahead':>9} {'long rows':>9} {'x copy':>6} {'few rows':>8} {'GB/s':>7} "
              f"{'default':>8}" + ("  of probe" if share else "")]
-    for name, c in data["types"].items():
-        d = c.get("default_gb_per_s")
+    for name, c in data["types"].items():  # (`check`ed: a hand-written file may lack the figures)
+        gb, d = c.get("gb_per_s"), c.get("default_gb_per_s")
         groups = "pairs" if c["groups"] > 4 else c["groups"]  # (X8_PAIRS: two groups a 512-bit register)
         lines.append(f"{name:6} {groups:>6} {c['l2_ahead'] // 1024:>6} KB "
                      f"{c.get('l2_ahead_long', c['l2_ahead']) // 1024:>6} KB {c['x_copy']:>6} "
-                     f"{c['few_rows'] if c.get('few_measured') else '-':>8} "
-                     f"{c['gb_per_s']:>7.1f} {'' if d is None else f'{d:.1f}':>8}"
-                     + (f"  {c['gb_per_s'] * 1e9 / bandwidth:>7.0%}" if share else ""))
+                     f"{c.get('few_rows', '-') if c.get('few_measured') else '-':>8} "
+                     f"{'-' if gb is None else f'{gb:.1f}':>7} {'' if d is None else f'{d:.1f}':>8}"
+                     + (f"  {gb * 1e9 / bandwidth:>7.0%}" if share and gb is not None else ""))
     return lines
-
-
-def cmd_tune(args) -> int:
-    kernels = native.load()
-    if kernels is None:
-        raise MinervaError(f"the packed CPU kernels are not available here ({native.unavailable_reason}): "
-                           "there is nothing to tune")
-    path = Path(args.out).expanduser() if args.out else choices_path()
-    if args.show:
-        data = _read(path)
-        if data is None:
-            raise MinervaError(f"no choices at {path}: run `minerva tune` to measure them")
-    else:
-        data = plan(kernels, rounds=args.rounds)
-        save(data, path)
-    print(f"kernel choices for the {data['build']} build on {data['cpu']}, {data['threads']} threads "
-          f"(measured {data['made']} in {data['seconds']} s): {path}")
-    if busy_note(data):
-        print(f"note: {busy_note(data)}")
-    print("one row of x against matrices streamed from memory; GB/s with the choice, and with the CPU's defaults")
-    print("\n".join(table(data)))
-    return 0
-
-
-def add_parser(subparsers):
-    p = subparsers.add_parser("tune", help="measure this CPU's kernel choices (planned once per kernel build)",
-                              description="Time the int8 kernels' result-neutral settings for every packed type "
-                                          "on this machine and keep the fastest beside the kernel build; "
-                                          "MINERVA_CHOICES=FILE pins a file, --no-tune uses the fixed defaults.")
-    p.add_argument("--out", default=None, metavar="FILE",
-                   help="write the choices to FILE (for MINERVA_CHOICES) instead of beside the build")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help=f"rounds each setting is timed, alternating; the median counts (default {ROUNDS})")
-    p.add_argument("--show", action="store_true", help="print the choices kept (or FILE's) without measuring")
-    p.set_defaults(func=cmd_tune)
-    return p

@@ -7,12 +7,16 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from minerva.bench.report import Figure
+from minerva.bench.report import Figure, write_json
+from minerva.cli import main
+from minerva.errors import MinervaError, output_file
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.peers import HAS_LLAMA_CPP, LLAMA_CPP_IMPORTS, LLAMA_CPP_INSTALLED, LLAMA_CPP_PROBLEM
+from tests.helpers.tiny_gguf import write_tiny_llama
 
 
 
@@ -97,6 +101,51 @@ def test_sweep_writes_csv_json_and_plot(tiny, tmp_path):
 ])
 def test_bad_arguments(tiny, args, fragment):
     assert_clean_error(run("bench", args[0], str(tiny), *args[1:]), fragment)
+
+
+@pytest.mark.parametrize("args, option", [
+    (["latency", "--json", "{tmp}/no/lat.json"], "--json '{tmp}/no/lat.json' cannot be written (its folder"),
+    (["throughput", "--json", "{tmp}"], "--json '{tmp}' is a directory"),
+    (["speculative", "--speculative", "ngram", "--json", "{tmp}/no/spec.json"], "--json '{tmp}/no/spec.json'"),
+    (["sweep", "--out", "{tmp}/file/stem"], "--out: the folder '{tmp}/file' cannot be created"),
+])
+def test_an_output_that_cannot_be_written_fails_before_the_run(tiny, tmp_path, capsys, args, option):
+    """The results were written only at the end, a write error uncaught: a long run lost. The
+    path is tried first: one line naming the option, and nothing measured."""
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", args[0], str(tiny), *(a.format(tmp=tmp_path) for a in args[1:])]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("minerva: error: "), err
+    assert option.format(tmp=tmp_path) in err, err
+
+
+def test_results_that_cannot_be_written_at_the_end_are_kept(tmp_path, capsys):
+    """A path tried before the run that fails at its end (the folder gone, a full disk): the
+    results go to a temporary file, which the one-line error names."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    path = folder / "r.json"
+    assert output_file(str(path), "--json") == path and not path.exists()  # tried, and not left behind
+    folder.rmdir()
+    with pytest.raises(MinervaError) as e:
+        write_json(str(path), {"figures": [1, 2]})
+    message = str(e.value)
+    assert message.startswith(f"--json '{path}' cannot be written (its folder '{folder}' does not exist); "
+                              "the results are kept in "), message
+    kept = Path(message.rsplit(" kept in ", 1)[1].removesuffix(" instead"))
+    try:
+        assert json.loads(kept.read_text()) == {"figures": [1, 2]}
+    finally:
+        kept.unlink()
+
+
+def test_latency_on_a_model_of_a_short_context(tmp_path):
+    """The warm-up was a 64-token prompt whatever the model's context and --prompt: a model of
+    32 tokens failed. It fits where the tests do."""
+    short = write_tiny_llama(tmp_path / "short.gguf", context=32)
+    proc = run("bench", "latency", str(short), "-p", "8", "-n", "4", "-r", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert_report(proc.stdout, "pp8", "tg4")
 
 
 @pytest.mark.skipif(LLAMA_CPP_IMPORTS, reason="llama-cpp-python is installed and imports")

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from minerva import LLM
+from minerva.cli import main
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.server import running_server
 
@@ -54,9 +55,34 @@ def test_bench_serve_names_a_missing_key(tiny):
                            "wants an API key: give --api-key")
 
 
-def test_bench_serve_bad_flags(tiny):
+def test_bench_serve_bad_flags(tiny, tmp_path, capsys):
     assert_clean_error(run("bench", "serve", str(tiny), "--max-concurrency", "0"), "--max-concurrency")
     assert_clean_error(run("bench", "serve", str(tiny), "--json-schemas", "11"), "--json-schemas must be in [0, 10]")
+
+    def error(*args: str) -> str:  # in this process: these are refused before anything is sent or loaded
+        assert main(["bench", "serve", str(tiny), *args]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("minerva: error: "), err
+        return err
+
+    # a port out of range was "ExceptionGroup: unhandled errors in a TaskGroup"; checked as `serve` does
+    for port in ("99999", "-1"):
+        assert f"--port must be in [1, 65535], got {port}" in error("--port", port)
+    for url in ("127.0.0.1:8000", "http://127.0.0.1:99999", "ftp://127.0.0.1:8000"):
+        assert f"--base-url '{url}' is not a server's URL; give one such as http://127.0.0.1:8000" in error(
+            "--base-url", url)
+    # the results were written only at the end, a write error uncaught: the path is tried first
+    out = tmp_path / "no" / "r.json"
+    assert f"--result-file '{out}' cannot be written (its folder" in error("--result-file", str(out))
+
+
+def test_bench_serve_takes_an_sdk_base_url(tiny, url):
+    """A base URL as an OpenAI SDK takes it, ending in /v1, asked for .../v1/v1/models ("KeyError:
+    'data'"): the /v1 is the routes', so it is dropped."""
+    proc = run("bench", "serve", str(tiny), "--base-url", url + "/v1/", "--num-prompts", "1", "--random-input-len", "8",
+               "--random-output-len", "2")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert f"target:  {url}/v1/completions (model 'tiny')" in proc.stdout
 
 
 def test_bench_serve_compare_offline_rounds(tiny, url, tmp_path):

@@ -97,3 +97,33 @@ def test_minerva_isa_names_a_build_this_cpu_can_run(monkeypatch):
     assert native.chosen_isa(both) == (None, "MINERVA_ISA='sse' is not one of avx512, avx2")
     monkeypatch.delenv("MINERVA_ISA")
     assert native.chosen_isa(both) == ("avx512", None) and native.chosen_isa(avx2_only) == ("avx2", None)
+
+
+def _fresh_load(monkeypatch):
+    """native.load() as in a new process; the module's state is put back afterwards."""
+    for name in ("_tried", "_refused", "unavailable_reason"):
+        monkeypatch.setattr(native, name, getattr(native, name))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_refused", None)
+    monkeypatch.delenv("MINERVA_NO_NATIVE", raising=False)
+
+
+def test_a_minerva_isa_the_kernels_cannot_honour_is_an_error_at_every_load(monkeypatch):
+    """A MINERVA_ISA that names no build, or one this CPU lacks, was a note and a run on the
+    reference path several times slower: an error naming it and what to set, raised by every
+    load (a later one falling back without a word would run slow all the same)."""
+    from minerva.errors import MinervaError
+
+    _fresh_load(monkeypatch)
+    monkeypatch.setenv("MINERVA_ISA", "sse")
+    for _ in range(2):
+        with pytest.raises(MinervaError, match=r"^MINERVA_ISA='sse' is not one of avx512, avx2; set it to one of "
+                                               r"them, or unset it for the widest this CPU runs"):
+            native.load()
+    _fresh_load(monkeypatch)
+    monkeypatch.setenv("MINERVA_ISA", "avx512")
+    monkeypatch.setattr(native, "cpu_flags", lambda: set(native.NEEDED_CPU_FLAGS["avx2"]))
+    with pytest.raises(MinervaError, match=r"^MINERVA_ISA=avx512 needs .*avx512f.*, which this CPU lacks; "
+                                           r"unset MINERVA_ISA \(this CPU runs"):
+        native.load()
+    assert native.unavailable_reason.startswith("MINERVA_ISA=avx512 needs")

@@ -310,3 +310,27 @@ def _timed(fn, *args) -> float:
     start = time.perf_counter()
     fn(*args)
     return time.perf_counter() - start
+
+
+def test_a_kernel_cache_that_cannot_be_made_is_an_error_naming_minerva_home(tmp_path, monkeypatch):
+    """MINERVA_HOME a file, or where the cache's folder cannot be made: load() raised a traceback
+    from mkdir; it is the user's setting, so an error naming it (not a silent run on the
+    reference path), at every load."""
+    import re
+
+    from minerva.errors import MinervaError
+    for name in ("_tried", "_refused", "unavailable_reason"):
+        monkeypatch.setattr(native, name, getattr(native, name))
+    monkeypatch.delenv("MINERVA_NO_NATIVE", raising=False)
+    monkeypatch.delenv("MINERVA_ISA", raising=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for home, message in ((blocker, f"MINERVA_HOME '{blocker}' is a file, not a folder"),
+                          (blocker / "home", f"MINERVA_HOME '{blocker / 'home'}' cannot be created (Not a directory); "
+                                             "set MINERVA_HOME to a writable folder")):
+        monkeypatch.setattr(native, "_tried", False)
+        monkeypatch.setattr(native, "_refused", None)
+        monkeypatch.setenv("MINERVA_HOME", str(home))
+        for _ in range(2):
+            with pytest.raises(MinervaError, match=re.escape(message)):
+                native.load()

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import pytest
@@ -260,12 +262,29 @@ def test_a_pinned_file_is_put_in_force(monkeypatch, restore, tmp_path):
     ({"types": {"Q4_0": {"groups": 4, "l2_ahead": 0, "x_copy": 0, "few_rows": "lots"}}}, "the choices for Q4_0 are not valid"),
     ({"types": {"Q4_K": {"groups": 1, "l2_ahead": 0, "x_copy": 0, "l2_ahead_long": -1}}}, "the choices for Q4_K are not valid"),
     ({"types": {"Q4_K": {"groups": 1, "l2_ahead": 0, "x_copy": 0, "l2_ahead_long": "far"}}}, "the choices for Q4_K are not valid"),
+    # a number the kernels' binding cannot take was pybind11's message of several lines
+    ({"types": {"Q4_0": {"groups": 1e30, "l2_ahead": 0, "x_copy": 0}}},
+     r"the choices for Q4_0 are not valid \(groups is 1e\+30, not a whole number in \[0, 2\^31\)\)"),
+    ({"types": {"Q4_0": "fast"}}, r"the choices for Q4_0 are not valid \(str, not an object\)"),
+    ({"types": {"Q4_0": {"l2_ahead": 0, "x_copy": 0}}}, r"the choices for Q4_0 are not valid \(no groups\)"),
+    ({"types": {"Q4_0": {"groups": 4, "l2_ahead": 0, "x_copy": 0, "gb_per_s": "fast"}}},
+     "the choices for Q4_0 are not valid .gb_per_s is 'fast', not a number"),
 ])
 def test_a_bad_pinned_file_is_one_clear_error(monkeypatch, restore, tmp_path, changes, message):
     _fresh(monkeypatch)
     monkeypatch.setenv("MINERVA_CHOICES", str(_choices_file(tmp_path, **changes)))
-    with pytest.raises(MinervaError, match=message):
+    with pytest.raises(MinervaError, match=message) as e:
         tune.ensure(kernels)
+    assert "\n" not in str(e.value)  # one line
+
+
+def test_a_pinned_path_that_is_a_directory_or_missing_says_so(monkeypatch, tmp_path):
+    """MINERVA_CHOICES naming a directory said 'no such file'."""
+    for path, what in ((tmp_path, "is a directory, not a file"), (tmp_path / "none.json", "does not exist")):
+        _fresh(monkeypatch)
+        monkeypatch.setenv("MINERVA_CHOICES", str(path))
+        with pytest.raises(MinervaError, match=f"^MINERVA_CHOICES={path}: '{path}' {what}; write one with"):
+            tune.ensure(kernels)
 
 
 def test_cli_tune_writes_a_file_others_can_pin_and_bad_ones_fail_cleanly(tmp_path):
@@ -288,3 +307,78 @@ def test_cli_tune_writes_a_file_others_can_pin_and_bad_ones_fail_cleanly(tmp_pat
     assert gen.stderr.strip().splitlines()[-1].startswith(
         f"minerva: error: MINERVA_CHOICES={bad}: not a JSON file of kernel choices")
     assert "Traceback" not in gen.stderr
+
+
+@pytest.mark.parametrize("rounds", ["-1", "0", "two"])
+def test_tune_rounds_below_one_are_refused(rounds, capsys, tmp_path):
+    """--rounds -1 was statistics.StatisticsError, 0 the default without a word."""
+    from minerva.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["tune", "--rounds", rounds, "--out", str(tmp_path / "choices.json")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "minerva tune: error: argument --rounds: " + (
+        "expected a whole number, got 'two'" if rounds == "two" else f"must be at least 1, got {rounds}")
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"a": 1}, "is not a Minerva kernel choices file"),  # was KeyError: 'build'
+    ({"types": {"Q4_0": "fast"}}, r"the choices for Q4_0 are not valid \(str, not an object\)"),  # AttributeError
+    ("{", "not a JSON file of kernel choices"),
+])
+def test_tune_show_of_a_malformed_file_is_one_line(tmp_path, capsys, content, message):
+    from minerva.cli import main
+    path = tmp_path / "choices.json"
+    if isinstance(content, dict) and "types" in content:
+        path = _choices_file(tmp_path, **content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    assert main(["tune", "--show", "--out", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("minerva: error: "), err
+    assert str(path) in err and "minerva tune --out FILE" in err and re.search(message, err), err
+
+
+def test_tune_show_of_a_file_without_the_figures_shows_a_dash(tmp_path, capsys):
+    """An entry missing gb_per_s (a hand-written file, which MINERVA_CHOICES takes) was a KeyError."""
+    from minerva.cli import main
+    path = _choices_file(tmp_path)
+    data = json.loads(path.read_text())
+    del data["types"]["Q5_0"]["gb_per_s"]
+    path.write_text(json.dumps(data))
+    assert main(["tune", "--show", "--out", str(path)]) == 0
+    c = data["types"]["Q5_0"]
+    # type, groups, L2 ahead, long rows, x copy, few rows (not measured), GB/s (none), default (none)
+    assert capsys.readouterr().out.splitlines()[-1].split() == ["Q5_0", str(c["groups"]), "16", "KB", "16", "KB",
+                                                                str(c["x_copy"]), "-", "-"]
+
+
+def test_tune_out_is_checked_before_the_plan_and_kept_if_it_cannot_be_written_after(tmp_path, monkeypatch, capsys):
+    """--out in a folder that does not exist (or a directory): one line before anything is
+    measured; a folder gone by the end of the plan: the plan kept in a temporary file the error
+    names (it was a traceback, the plan lost)."""
+    from minerva.cli import main
+    monkeypatch.setattr(tune, "plan", lambda *a, **k: pytest.fail("planned"))
+    out = tmp_path / "no" / "x.json"
+    assert main(["tune", "--rounds", "1", "--out", str(out)]) == 1
+    assert capsys.readouterr().err == (f"minerva: error: --out '{out}' cannot be written (its folder '{out.parent}' "
+                                       "does not exist); give a path in a folder you can write to\n")
+    assert main(["tune", "--out", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith(f"minerva: error: --out '{tmp_path}' is a directory")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    data = {"version": tune.VERSION, "build": native.built, "types": {}, "made": "now"}
+
+    def plan_then_lose_the_folder(*args, **kwargs):
+        folder.rmdir()
+        return data
+
+    monkeypatch.setattr(tune, "plan", plan_then_lose_the_folder)
+    assert main(["tune", "--out", str(folder / "x.json")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"minerva: error: --out '{folder / 'x.json'}' cannot be written (its folder '{folder}' "
+                          "does not exist); the results are kept in "), err
+    kept = Path(err.strip().rsplit(" kept in ", 1)[1].removesuffix(" instead"))
+    try:
+        assert json.loads(kept.read_text()) == data
+    finally:
+        kept.unlink()

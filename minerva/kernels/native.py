@@ -65,6 +65,12 @@ NEEDED_CPU_FLAGS = {
 }
 # a build chosen below the CPU's best (MINERVA_ISA) is compiled as for a CPU without these
 NARROWER_CFLAGS = {"avx2": ["-mno-avx512f", "-mno-avxvnni"]}
+# MINERVA_ISA=avx2-vnni, for tests: the AVX2 build as an AVX2 CPU with VNNI compiles it (Intel's
+# since Alder Lake: AVX-VNNI, no AVX-512), on a CPU with AVX-512 VNNI, whose dot products it
+# takes in their EVEX form (q8_blocks.h); it loads as the avx2 build
+AVX2_VNNI = "avx2-vnni"
+AVX2_VNNI_NEEDS = NEEDED_CPU_FLAGS["avx2"] | {"avx512_vnni", "avx512vl"}
+AVX2_VNNI_CFLAGS = ["-mno-avx512f", "-mno-avxvnni", "-DMINERVA_EVEX_VNNI"]
 
 # a build that no load has used for this long is removed by the next load of another build
 KEEP_UNUSED_DAYS = 30
@@ -103,6 +109,9 @@ def chosen_isa(flags: set[str]) -> tuple[str | None, str | None]:
     wanted = os.environ.get("MINERVA_ISA", "").strip().lower()
     if not wanted:
         return best, None
+    if wanted == AVX2_VNNI:
+        missing = AVX2_VNNI_NEEDS - flags
+        return (None, f"MINERVA_ISA={wanted} needs {', '.join(sorted(missing))}") if missing else (wanted, None)
     if wanted not in NEEDED_CPU_FLAGS:
         return None, f"MINERVA_ISA={wanted!r} is not one of {', '.join(NEEDED_CPU_FLAGS)}"
     if best is None or list(NEEDED_CPU_FLAGS).index(wanted) < list(NEEDED_CPU_FLAGS).index(best):
@@ -111,6 +120,8 @@ def chosen_isa(flags: set[str]) -> tuple[str | None, str | None]:
 
 
 def _cflags(which: str, flags: set[str]) -> list[str]:
+    if which == AVX2_VNNI:
+        return CFLAGS + AVX2_VNNI_CFLAGS
     return CFLAGS + (NARROWER_CFLAGS.get(which, []) if which != isa(flags) else [])
 
 
@@ -119,9 +130,13 @@ def capable() -> bool:
     return isa() is not None
 
 
+def _sources_of(which: str) -> str:
+    return "avx2" if which == AVX2_VNNI else which
+
+
 def _cache_dir(flags: set[str], build: str) -> Path:
     h = hashlib.sha256()
-    for src in SOURCES[build] + HEADERS:
+    for src in SOURCES[_sources_of(build)] + HEADERS:
         h.update(src.read_bytes())
     h.update(" ".join(_cflags(build, flags) + LDFLAGS + sorted(flags) + [torch.__version__, sys.version, "src-copy",
                                                                         build]).encode())
@@ -221,7 +236,7 @@ def _refuse(message: str) -> MinervaError:
 def _isa_refusal(refused: str, flags: set[str]) -> str:
     """What to say of a MINERVA_ISA that names no build, or one this CPU cannot run."""
     best = isa(flags)
-    if os.environ.get("MINERVA_ISA", "").strip().lower() not in NEEDED_CPU_FLAGS:
+    if os.environ.get("MINERVA_ISA", "").strip().lower() not in (*NEEDED_CPU_FLAGS, AVX2_VNNI):
         return f"{refused}; set it to one of them, or unset it for the widest this CPU runs ({best or 'none'})"
     return (f"{refused}, which this CPU lacks; " + (f"unset MINERVA_ISA (this CPU runs the {best} build)" if best
                                                      else "unset MINERVA_ISA (this CPU runs neither build)"))
@@ -249,7 +264,7 @@ def load() -> ModuleType | None:
                               in ("x86_64", "AMD64") else "not an x86-64 CPU")
         log.info("packed CPU kernels unavailable: %s; using the reference path", unavailable_reason)
         return None
-    sources = SOURCES[which]
+    sources = SOURCES[_sources_of(which)]
     try:
         build = make_home_folder(_cache_dir(flags, which))
     except MinervaError as exc:  # MINERVA_HOME unusable: the user's setting, said as such
@@ -273,7 +288,7 @@ def load() -> ModuleType | None:
                                          extra_cflags=_cflags(which, flags), extra_ldflags=LDFLAGS,
                                          build_directory=str(build),
                                          verbose=False)
-        built, _build_dir = which, build
+        built, _build_dir = _sources_of(which), build
         _prune(build)
     except Exception as e:  # a missing compiler or headers: run without the kernels
         unavailable_reason = f"build failed ({str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__})"

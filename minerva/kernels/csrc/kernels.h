@@ -53,6 +53,8 @@ std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_
 // the `groups` choice that takes one row of x two groups a 512-bit register (q8_cpu.h's
 // X8_PAIRS), 0 where the build has none
 int64_t x8_pairs_choice();
+// whether the int8 kernels take VNNI's dot products (AVX-512 VNNI or AVX-VNNI; q8_blocks.h)
+bool vnni_dot_products();
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
 // rows `ids` of a regrouped Q8_0 matrix in the GGML layout (q8_repack_x8.cpp)
 torch::Tensor regrouped_rows(const torch::Tensor& packed, int64_t qtype, const torch::Tensor& ids, int64_t cols);

@@ -58,6 +58,19 @@ inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_ep
 constexpr bool VNNI = true;
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_avx_epi32(acc, a, b); }
+#elif defined(MINERVA_EVEX_VNNI)
+// The AVX-VNNI build (AVX2 CPUs with VNNI: Intel's since Alder Lake, AMD's since Zen 5) as a
+// CPU with AVX-512 VNNI but not AVX-VNNI runs it, for its tests (native.py's avx2-vnni): the
+// same two instructions in their EVEX form, in the 16 registers AVX2 has
+constexpr bool VNNI = true;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+  asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(s));
+  return acc;
+}
+inline __m256i dot2(__m256i acc, __m256i a, __m256i b) {
+  asm("%{evex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(a), "x"(b));
+  return acc;
+}
 #else
 constexpr bool VNNI = false;
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {

@@ -43,6 +43,8 @@ int64_t x8_pairs_choice() {
 #endif
 }
 
+bool vnni_dot_products() { return VNNI; }
+
 std::vector<int64_t> cpu_choices(std::optional<std::vector<int64_t>> set, int64_t qtype) {
   TORCH_CHECK(qtype == -1 || (qtype >= 0 && qtype < CHOICE_TYPES && int8_type(qtype)),
               "cpu_choices: type ", qtype, " is not one the int8 kernels multiply (-1: every type)");

@@ -59,3 +59,13 @@ def test_the_avx_vnni_build_gives_the_bits_of_the_avx2_build(tmp_path):
     assert with_vnni.keys() == without.keys() and len(with_vnni) == 10
     for key in with_vnni:
         assert torch.equal(with_vnni[key], without[key]), key
+
+
+def test_minerva_isa_avx2_vnni_needs_a_cpu_with_vnni(monkeypatch):
+    avx2_only = native.NEEDED_CPU_FLAGS["avx2"]
+    monkeypatch.setenv("MINERVA_ISA", "avx2-vnni")
+    assert native.chosen_isa(avx2_only | {"avx512_vnni", "avx512vl"}) == ("avx2-vnni", None)
+    which, why = native.chosen_isa(avx2_only)
+    assert which is None and why == "MINERVA_ISA=avx2-vnni needs avx512_vnni, avx512vl"
+    assert native._isa_refusal(why, avx2_only) == (f"{why}, which this CPU lacks; unset MINERVA_ISA "
+                                                   "(this CPU runs the avx2 build)")

@@ -57,6 +57,13 @@ struct X8 {
   }
 };
 
+// x's 4 bytes of row r from column `at`, in every 32-bit lane
+inline __m256i x4_of(const Q8& a, int64_t r, int64_t at) {
+  int32_t v;
+  std::memcpy(&v, a.q + r * a.K + at, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // One regrouped block of Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 (not Q8_0) at b: its 8 rows' values
 // unpacked once (lo[k], hi[k]: chunk k's low and high nibbles, with the fifth bit) and offsets
 // m (Q4_1/Q5_1); dot(xq) the 8 rows' exact integer dot products with x's 32 values at xq.
@@ -133,19 +140,20 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
     if constexpr (QT == Q8_0) {
       __m256i dot[2][mr];  // the even and the odd chunks: two dependency chains per row
       for (int i = 0; i < mr; ++i) dot[0][i] = dot[1][i] = _mm256_setzero_si256();
-      for (int k = 0; k < 8; ++k) {
-        const __m256i w = load256(b + X::QS_AT + 32 * k);
-        if constexpr (VNNI) {  // w + 128 unsigned against x, 128 sum(x) taken off below
-          const __m256i wu = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+      if constexpr (VNNI) {  // w + 128 unsigned against x, 128 sum(x) taken off below
+        for (int k = 0; k < 8; ++k) {
+          const __m256i wu = _mm256_xor_si256(load256(b + X::QS_AT + 32 * k), _mm256_set1_epi8(static_cast<char>(0x80)));
           for (int i = 0; i < mr; ++i) dot[k & 1][i] = dot4x(dot[k & 1][i], wu, a.q + (m0 + i) * a.K + 32 * g + 4 * k);
-        } else {
-          const __m256i wa = _mm256_abs_epi8(w);
-          for (int i = 0; i < mr; ++i) {
-            int32_t x4;
-            std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
-            dot[k & 1][i] = dot4(dot[k & 1][i], wa, _mm256_sign_epi8(_mm256_set1_epi32(x4), w));
-          }
         }
+      } else {  // |w| against x given w's signs: one chain per row of x for several (dot[1] stays 0)
+        constexpr int C = mr == 1 ? 2 : 1;
+#pragma GCC unroll 1  // (unrolled, GCC summed the products as a tree in the stack: AVX2 has 16 registers)
+        for (int k0 = 0; k0 < 8; k0 += C)
+          for (int c = 0; c < C; ++c) {  // (chain c a constant: k & 1, not one, put the chains in the stack)
+            const __m256i w = load256(b + X::QS_AT + 32 * (k0 + c)), wa = _mm256_abs_epi8(w);
+            for (int i = 0; i < mr; ++i)
+              dot[c][i] = dot4(dot[c][i], wa, _mm256_sign_epi8(x4_of(a, m0 + i, 32 * g + 4 * (k0 + c)), w));
+          }
       }
       for (int i = 0; i < mr; ++i) {
         __m256i dot_i = _mm256_add_epi32(dot[0][i], dot[1][i]);
@@ -334,23 +342,26 @@ void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y
     for (int n = 0; n < NG; ++n)
       for (int i = 0; i < MR; ++i)
         for (int c = 0; c < C; ++c) dot[n][i][c] = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k) {
-      __m256i xb[MR];
-      for (int i = 0; i < MR; ++i) {
-        int32_t x4;
-        std::memcpy(&x4, a.q + (m0 + i) * a.K + 32 * g + 4 * k, 4);
-        xb[i] = _mm256_set1_epi32(x4);
-      }
-      for (int n = 0; n < NG; ++n) {
-        const __m256i w = load256(b[n] + X::QS_AT + 32 * k);
-        if constexpr (VNNI) {  // as tile_x8
-          const __m256i wu = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    if constexpr (VNNI) {
+      for (int k = 0; k < 8; ++k) {
+        __m256i xb[MR];
+        for (int i = 0; i < MR; ++i) xb[i] = x4_of(a, m0 + i, 32 * g + 4 * k);
+        for (int n = 0; n < NG; ++n) {  // as tile_x8
+          const __m256i wu = _mm256_xor_si256(load256(b[n] + X::QS_AT + 32 * k), _mm256_set1_epi8(static_cast<char>(0x80)));
           for (int i = 0; i < MR; ++i) dot[n][i][k % C] = dot4(dot[n][i][k % C], wu, xb[i]);
-        } else {
-          const __m256i wa = _mm256_abs_epi8(w);
-          for (int i = 0; i < MR; ++i) dot[n][i][k % C] = dot4(dot[n][i][k % C], wa, _mm256_sign_epi8(xb[i], w));
         }
       }
+    } else {
+#pragma GCC unroll 1  // as tile_x8's loop without VNNI: not unrolled, chain c a constant
+      for (int k0 = 0; k0 < 8; k0 += C)
+        for (int c = 0; c < C; ++c) {
+          __m256i xb[MR];
+          for (int i = 0; i < MR; ++i) xb[i] = x4_of(a, m0 + i, 32 * g + 4 * (k0 + c));
+          for (int n = 0; n < NG; ++n) {
+            const __m256i w = load256(b[n] + X::QS_AT + 32 * (k0 + c)), wa = _mm256_abs_epi8(w);
+            for (int i = 0; i < MR; ++i) dot[n][i][c] = dot4(dot[n][i][c], wa, _mm256_sign_epi8(xb[i], w));
+          }
+        }
     }
     for (int n = 0; n < NG; ++n) {
       const __m256 dw = X::scales(b[n]);

@@ -21,8 +21,10 @@ def cmd_tune(args) -> int:
     if args.show:
         if not args.out and not path.exists():
             raise MinervaError(f"no choices at {path}: run `minerva tune` to measure them")
-        data = tune.read_pinned(path, f"--out {args.out}" if args.out else str(path))
-        tune.check(kernels, data, str(path))  # as a pinned file is, before its table
+        # the build's own file, damaged: planning again mends it (a file the user named: tune --out)
+        remedy = tune.WRITE_ONE if args.out else "`minerva tune` measures them again"
+        data = tune.read_pinned(path, f"--out {args.out}" if args.out else str(path), remedy)
+        tune.check(kernels, data, str(path), remedy)  # as a pinned file is, before its table
     else:
         if args.out:
             output_file(path, "--out")  # before the plan, so that it is not lost at its end

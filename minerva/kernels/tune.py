@@ -335,12 +335,14 @@ def _whole(c: dict, key: str, default=None) -> int:
     return whole
 
 
-def check(kernels, data, where: str) -> dict[Q, Setting]:
+WRITE_ONE = "write one with `minerva tune --out FILE`"  # a file the user names: what to do if it is no good
+
+
+def check(kernels, data, where: str, remedy: str = WRITE_ONE) -> dict[Q, Setting]:
     """A choices file's settings by type (and the figures a table shows, numbers); a file that is
-    not a choices file, or an entry that is not valid, is an error naming `where`."""
+    not a choices file, or an entry that is not valid, is an error naming `where` and `remedy`."""
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("types"), dict):
-        raise MinervaError(f"{where} is not a Minerva kernel choices file (version {VERSION}); "
-                           "write one with `minerva tune --out FILE`")
+        raise MinervaError(f"{where} is not a Minerva kernel choices file (version {VERSION}); {remedy}")
     settings = {}
     for name, c in data["types"].items():
         if name not in {t.name for t in TYPES}:
@@ -356,8 +358,7 @@ def check(kernels, data, where: str) -> dict[Q, Setting]:
                                       _whole(c, "few_rows", defaults(kernels, qtype)[4]),
                                       _whole(c, "l2_ahead_long", c.get("l2_ahead")))
         except ValueError as exc:
-            raise MinervaError(f"{where}: the choices for {name} are not valid ({exc}); "
-                               "write the file again with `minerva tune --out FILE`") from None
+            raise MinervaError(f"{where}: the choices for {name} are not valid ({exc}); {remedy}") from None
     return settings
 
 
@@ -405,13 +406,13 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def read_pinned(path: Path, where: str) -> dict:
-    """A choices file the user named (MINERVA_CHOICES, `tune --show --out`), read, or an error
-    saying what it is instead."""
+def read_pinned(path: Path, where: str, remedy: str = WRITE_ONE) -> dict:
+    """A choices file the user named (MINERVA_CHOICES, `tune --show --out`), or the build's
+    (`tune --show`), read, or an error saying what it is instead and `remedy`."""
     data = _read(path)
     if data is None:
         what = "not a JSON file of kernel choices" if path.is_file() else f"'{path}' {not_a_file(path)}"
-        raise MinervaError(f"{where}: {what}; write one with `minerva tune --out FILE`")
+        raise MinervaError(f"{where}: {what}; {remedy}")
     return data
 
 

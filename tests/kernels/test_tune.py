@@ -338,6 +338,19 @@ def test_tune_show_of_a_malformed_file_is_one_line(tmp_path, capsys, content, me
     assert str(path) in err and "minerva tune --out FILE" in err and re.search(message, err), err
 
 
+@pytest.mark.parametrize("content", ["{", json.dumps({"a": 1})])
+def test_tune_show_of_the_builds_damaged_file_says_to_plan_again(tmp_path, monkeypatch, capsys, content):
+    """The file beside the build is mended by `minerva tune`; it said to write one with --out."""
+    from minerva.cli import main
+    path = tmp_path / "choices.json"
+    path.write_text(content)
+    monkeypatch.setattr(tune, "choices_path", lambda: path)
+    assert main(["tune", "--show"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err, err
+    assert err.rstrip().endswith("`minerva tune` measures them again") and "--out" not in err, err
+
+
 def test_tune_show_of_a_file_without_the_figures_shows_a_dash(tmp_path, capsys):
     """An entry missing gb_per_s (a hand-written file, which MINERVA_CHOICES takes) was a KeyError."""
     from minerva.cli import main

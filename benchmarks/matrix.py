@@ -34,7 +34,8 @@ apart (`--llama-path DIR`, put first on llama.cpp's `PYTHONPATH`), on a page of 
 page names the SIMD features llama.cpp reports and the kernel build Minerva ran:
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" \
-        pip install --no-deps --target /opt/llama_avx2 llama-cpp-python==0.3.36
+        pip install --no-deps --no-cache-dir --no-binary llama-cpp-python --target /opt/llama_avx2 \
+            llama-cpp-python==0.3.36  # compiled: a wheel pip kept is the native build (refused)
     python benchmarks/matrix.py --isa avx2 --llama-path /opt/llama_avx2
 """
 
@@ -140,6 +141,15 @@ def child_env(kind: str, args) -> dict:
     if kind == "llama.cpp" and args.llama_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(args.llama_path), env.get("PYTHONPATH")) if p)
     return env
+
+
+def peer_simd(args) -> str:
+    """The SIMD features of the llama.cpp the runs would load (simd_features), asked in its own
+    process, with its environment; "" where it cannot be loaded."""
+    ask = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode(errors='replace'))"
+    done = subprocess.run([sys.executable, "-c", ask], capture_output=True, text=True, timeout=120,
+                          env=child_env("llama.cpp", args))
+    return simd_features(done.stdout) if done.returncode == 0 else ""
 
 
 def run_child(kind: str, path: Path, args, seed: int) -> dict:
@@ -392,6 +402,11 @@ def main() -> int:
     if args.llama_path and not (args.llama_path / "llama_cpp").is_dir():
         p.error(f"--llama-path {args.llama_path} holds no llama_cpp package; install one there with "
                 "pip install --target DIR llama-cpp-python")
+    if args.isa == "avx2" and "AVX512" in peer_simd(args).split():
+        p.error(f"--isa avx2 measures against a llama.cpp built without AVX-512, but the one on the path "
+                f"({args.llama_path or 'installed'}) uses it; build one apart with CMAKE_ARGS=\"-DGGML_NATIVE=OFF "
+                "-DGGML_AVX512=OFF\" pip install --no-cache-dir --no-binary llama-cpp-python --target DIR "
+                "llama-cpp-python and pass --llama-path DIR (a wheel pip kept would be the native build)")
     command = "python benchmarks/matrix.py " + " ".join(sys.argv[1:])
     name = slug(args.isa)
     earlier = _read(args.out / f"{name}.json") if args.update else None

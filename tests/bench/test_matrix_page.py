@@ -171,3 +171,25 @@ def test_a_llama_path_without_the_package_is_refused(tmp_path, capsys, monkeypat
         matrix.main()
     assert e.value.code == 2
     assert "holds no llama_cpp package" in capsys.readouterr().err
+
+
+def _fake_llama(folder: Path, info: str) -> Path:
+    """A llama_cpp package in `folder` that reports `info` as its system info."""
+    (folder / "llama_cpp").mkdir(parents=True)
+    (folder / "llama_cpp" / "__init__.py").write_text(f"def llama_print_system_info():\n    return {info.encode()!r}\n")
+    return folder
+
+
+def test_isa_avx2_refuses_a_llama_cpp_built_with_avx512(tmp_path, capsys, monkeypatch):
+    """A wheel pip kept from a native build, installed with --target, gave an AVX2 page whose
+    llama.cpp figures were AVX-512's."""
+    native = _fake_llama(tmp_path / "native", "CPU : AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 |")
+    monkeypatch.setattr(sys, "argv", ["matrix.py", "--isa", "avx2", "--only", "1.1b:Q4_0", "--llama-path", str(native)])
+    monkeypatch.setattr(matrix, "measure", lambda *a: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as e:
+        matrix.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"({native}) uses it" in err and "--no-binary llama-cpp-python" in err, err
+    avx2 = _fake_llama(tmp_path / "avx2", "CPU : AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 0 |")
+    assert matrix.peer_simd(types.SimpleNamespace(llama_path=avx2)) == "AVX AVX2 FMA"

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from minerva.errors import MinervaError
@@ -60,8 +62,15 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.post("/v1/embeddings", response_model=R.EmbeddingResponse, responses=ERRORS,
              summary="Embeddings: the final hidden state of each input's last token, L2-normalized")(embed)
     app.get("/v1/models", response_model=R.ModelList, responses={401: ERRORS[401]})(models)
+
+    @functools.wraps(model)  # (its name in the OpenAPI schema)
+    async def card(model_id: str):
+        if not model_id:  # GET /v1/models/: the list's route with a '/' too many, answered as such (guard)
+            raise StarletteHTTPException(404)
+        return await model(model_id)
+
     app.get("/v1/models/{model_id:path}", response_model=R.ModelCard,
-            responses={401: ERRORS[401], 404: ERRORS[404]})(model)
+            responses={401: ERRORS[401], 404: ERRORS[404]})(card)
     app.get("/health", response_model=R.Health, responses={503: ERRORS[503]})(health)
     app.get("/metrics", response_class=PlainTextResponse,
             summary="Prometheus metrics (minerva:* names, like vLLM's vllm:*)")(metrics)

@@ -45,7 +45,7 @@ def test_unknown_routes_and_methods(served):
 
 @pytest.mark.parametrize("method, path, body, bare_status", [
     ("GET", "/v1/responses/", None, 405), ("POST", "/v1/completions/", {"prompt": "hi", "max_tokens": 2}, 200),
-    ("GET", "/health/", None, 200)])
+    ("GET", "/health/", None, 200), ("GET", "/v1/models/", None, 200)])
 def test_a_trailing_slash_is_a_404_naming_the_route(served, method, path, body, bare_status):
     """No redirect (an empty 307 that a client follows to a route of another method, or not at
     all): a 404 with the error body, naming the route without the '/'; the route itself answers."""

@@ -48,17 +48,48 @@ def test_latency(tiny, tmp_path):
 def test_a_generation_too_short_to_time_is_no_traceback(smollm2_gguf):
     """SmolLM2, -n 1 to 4 (decode bursts of 8): a repetition whose tokens all came with the
     first is no sample, and a test with none says n/a and why; exit 0 (a NaN sample crashed
-    the report's standard deviation, and tokens that came with the first counted as decoded
-    in no time: 108% of the roofline's ceiling)."""
+    the report's standard deviation). (How the tokens are counted: the test below.)"""
     proc = run("bench", "latency", str(smollm2_gguf), "-p", "8", "-n", "1,2,4", "-r", "2")
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert_report(proc.stdout, "tg1", "tg2", "tg4")
     table = proc.stdout.split("\n\n")[1]  # the figures' table (then the note, then the roofline's)
     untimed = [ln.split()[0] for ln in table.splitlines() if ln.startswith("tg") and ln.split()[1] == "n/a"]
     assert not untimed or f"{', '.join(untimed)}: n/a: every token came with the first" in proc.stdout
-    for line in proc.stdout.splitlines():  # measured against its ceiling: never above it
-        if line.startswith("tg") and line.endswith("%"):
-            assert float(line.split()[-1].rstrip("%")) <= 100, line
+
+
+class _Delta:
+    def __init__(self, n: int):
+        self.token_ids = list(range(n))
+
+
+class _Streams:
+    """An LLM whose stream_many hands out (request, tokens) deltas as listed."""
+
+    def __init__(self, deltas):
+        self.deltas = deltas
+
+    def stream_many(self, prompts, params):
+        for i, n in self.deltas:
+            yield i, None, _Delta(n)
+
+
+@pytest.mark.parametrize("deltas, rate", [
+    ([(0, 8), (0, 4), (0, 4)], 8 / 2),  # a burst of 8 with the first: the 8 after it, over 2 s
+    ([(0, 3), (1, 1), (0, 2), (1, 2)], 4 / 2),  # from the moment both had their first (1 s)
+    ([(0, 8)], math.nan),  # every token came with the first: no sample
+    ([(0, 1), (1, 4)], math.nan),  # the last request's first delta is the last delta
+])
+def test_decode_rate_counts_the_tokens_after_every_request_had_its_first(monkeypatch, deltas, rate):
+    """Tokens that came with a request's first delta (a decode burst) were computed before it;
+    counted as decoded in no time, they put tg at 108% of the roofline's ceiling. The clock
+    reads 0 at the start, then 1, 2, 3 ... s as each delta arrives."""
+    from minerva.bench import measure
+    ticks = iter(range(len(deltas) + 1))
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: float(next(ticks)))
+    prompts = [[1, 2]] * (1 + max(i for i, _ in deltas))
+    got, seconds = measure.minerva_decode(_Streams(deltas), prompts, 16)
+    assert seconds == len(deltas)
+    assert (math.isnan(got) and math.isnan(rate)) or got == pytest.approx(rate), got
 
 
 def test_a_rate_that_could_not_be_timed_is_no_sample():

@@ -79,6 +79,13 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
 inline __m256i dot2(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #endif
 
+// the 4 bytes at p in every 32-bit lane
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 // dot4 against the 4 signed bytes at p in every lane. With AVX-512 VNNI one instruction with
 // an embedded broadcast: GCC otherwise issues a vpbroadcastd for each, and x's broadcasts
 // were half the instructions of the prefill kernels (AVX-512 machine, 5632 x 2048 Q4_K, 512
@@ -88,9 +95,7 @@ inline __m256i dot4x(__m256i acc, __m256i u, const int8_t* p) {
   asm("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 #else
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return dot4(acc, u, _mm256_set1_epi32(v));
+  return dot4(acc, u, bcast4(p));
 #endif
 }
 

@@ -57,13 +57,6 @@ struct X8 {
   }
 };
 
-// x's 4 bytes of row r from column `at`, in every 32-bit lane
-inline __m256i x4_of(const Q8& a, int64_t r, int64_t at) {
-  int32_t v;
-  std::memcpy(&v, a.q + r * a.K + at, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // One regrouped block of Q4_0, Q4_1, Q5_0, Q5_1 or MXFP4 (not Q8_0) at b: its 8 rows' values
 // unpacked once (lo[k], hi[k]: chunk k's low and high nibbles, with the fifth bit) and offsets
 // m (Q4_1/Q5_1); dot(xq) the 8 rows' exact integer dot products with x's 32 values at xq.
@@ -152,7 +145,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
           for (int c = 0; c < C; ++c) {  // (chain c a constant: k & 1, not one, put the chains in the stack)
             const __m256i w = load256(b + X::QS_AT + 32 * (k0 + c)), wa = _mm256_abs_epi8(w);
             for (int i = 0; i < mr; ++i)
-              dot[c][i] = dot4(dot[c][i], wa, _mm256_sign_epi8(x4_of(a, m0 + i, 32 * g + 4 * (k0 + c)), w));
+              dot[c][i] = dot4(dot[c][i], wa, _mm256_sign_epi8(bcast4(a.q + (m0 + i) * a.K + 32 * g + 4 * (k0 + c)), w));
           }
       }
       for (int i = 0; i < mr; ++i) {
@@ -345,7 +338,7 @@ void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y
     if constexpr (VNNI) {
       for (int k = 0; k < 8; ++k) {
         __m256i xb[MR];
-        for (int i = 0; i < MR; ++i) xb[i] = x4_of(a, m0 + i, 32 * g + 4 * k);
+        for (int i = 0; i < MR; ++i) xb[i] = bcast4(a.q + (m0 + i) * a.K + 32 * g + 4 * k);
         for (int n = 0; n < NG; ++n) {  // as tile_x8
           const __m256i wu = _mm256_xor_si256(load256(b[n] + X::QS_AT + 32 * k), _mm256_set1_epi8(static_cast<char>(0x80)));
           for (int i = 0; i < MR; ++i) dot[n][i][k % C] = dot4(dot[n][i][k % C], wu, xb[i]);
@@ -356,7 +349,7 @@ void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y
       for (int k0 = 0; k0 < 8; k0 += C)
         for (int c = 0; c < C; ++c) {
           __m256i xb[MR];
-          for (int i = 0; i < MR; ++i) xb[i] = x4_of(a, m0 + i, 32 * g + 4 * (k0 + c));
+          for (int i = 0; i < MR; ++i) xb[i] = bcast4(a.q + (m0 + i) * a.K + 32 * g + 4 * (k0 + c));
           for (int n = 0; n < NG; ++n) {
             const __m256i w = load256(b[n] + X::QS_AT + 32 * (k0 + c)), wa = _mm256_abs_epi8(w);
             for (int i = 0; i < MR; ++i) dot[n][i][c] = dot4(dot[n][i][c], wa, _mm256_sign_epi8(xb[i], w));

@@ -29,6 +29,7 @@ from minerva import __version__
 from minerva.errors import MinervaError
 from minerva.formats.generation import sampling_defaults, value_text
 from minerva.formats.gguf import GGUFFile
+from minerva.models.loader import read_config
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, clipped, prefill, validated
 from minerva.serve.json_response import JSONResponse
@@ -207,23 +208,25 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def shown(card: dict, info: dict, parameters: str) -> dict:
-    """/api/show's answer for a model's card, its /api/tags entry and its sampling `parameters`."""
-    context, family = card.get("max_model_len"), info["details"]["family"]  # model_info's keys by family
+def shown(card: dict, info: dict, parameters: str, trained: int | None) -> dict:
+    """/api/show's answer for a model's card, its /api/tags entry, its sampling `parameters` and the
+    context it was `trained` for: the context is the served one (max_model_len) once loaded, before that the trained one."""
+    context, family = card.get("max_model_len") or trained, info["details"]["family"]  # model_info's keys by family
     by_family = {f"{family}.context_length": context} if family else {}  # (a folder's family is not read)
     return {"details": info["details"], "modified_at": info["modified_at"], "template": "", "parameters": parameters,
             "model_info": {"general.architecture": family, **by_family, "context_length": context},
             "capabilities": ["completion", "tools"]}
 
 
-def model_parameters(root: str) -> str:
-    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines)."""
+def model_parameters(root: str) -> tuple[str, int | None]:
+    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines), and the
+    context it was trained for, read from its files."""
     try:
-        defaults = sampling_defaults(Path(root))
+        defaults, trained = sampling_defaults(Path(root)), read_config(Path(root)).max_position
     except (MinervaError, OSError):  # not a local model (a repo not yet fetched): none known
-        return ""
+        return "", None
     names = {option: name for name, option in OPTIONS.items()}
-    return "\n".join(f"{names[field]:<30} {value_text(value)}" for field, value in defaults.items())
+    return "\n".join(f"{names[field]:<30} {value_text(value)}" for field, value in defaults.items()), trained
 
 
 def to_context(request, think=None):
@@ -484,7 +487,7 @@ def register(app, *, chat, text, embed, models, load, check, keep_alive=None) ->
             raise APIError(400, "model is required: the name of the model to show (see /api/tags)", "model")
         card = await card_of(body.model or body.name, models)
         await check(card["id"])  # a model that cannot load: the error its requests get
-        return shown(card, details(card), await asyncio.to_thread(model_parameters, card["root"]))
+        return shown(card, details(card), *await asyncio.to_thread(model_parameters, card["root"]))
 
     async def api_version():
         return {"version": __version__}

@@ -222,6 +222,9 @@ def test_load_unload_and_show_on_a_server_of_several(tiny, tmp_path):
         r = ollama_post("/api/generate", {"model": "tiny", "keep_alive": 0})
         assert r.status_code == 200 and r.json()["done_reason"] == "unload", r.text
         assert loads == [] and router.models["tiny"].routes is None  # not loaded to be unloaded
+        info = ollama_post("/api/show", {"model": "tiny"}).json()["model_info"]  # not loaded: the trained context
+        assert info["llama.context_length"] == info["context_length"] == read_config(tiny).max_position > 0, info
+        assert loads == []  # (showing it did not load it)
         r = ollama_post("/api/generate", {"model": "tiny:latest"})
         assert r.status_code == 200 and r.json()["done_reason"] == "load", r.text
         assert loads == [str(tiny)] and router.models["tiny"].routes is not None

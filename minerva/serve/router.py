@@ -28,6 +28,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
+from minerva.errors import MinervaError
 from minerva.serve import protocol as P
 from minerva.serve.app import STATIC, Routes, register_routes
 from minerva.serve.async_engine import AsyncEngine
@@ -35,6 +36,7 @@ from minerva.serve.convert import APIError, clipped
 from minerva.serve.guard import ACCESS, error_response, install
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import ServerConfig
+from minerva.store import resolve
 
 log = logging.getLogger("minerva.serve")
 
@@ -61,6 +63,16 @@ class Served:
     @property
     def busy(self) -> bool:
         return self.active > 0 or (self.routes is not None and self.routes.engine.busy)
+
+    def root(self) -> str:
+        """Where the model is: the loaded model's path, else its argument resolved without fetching
+        anything (a pulled name's file, a cached repo's), else the argument as given."""
+        if self.routes is not None:
+            return str(self.routes.llm.path)
+        try:
+            return str(resolve(self.model, auto_pull=False))
+        except MinervaError:
+            return self.model
 
 
 class Router:
@@ -304,7 +316,7 @@ class RouterRoutes:
     def card(self, served: Served) -> dict:
         routes = served.routes
         return {"id": served.name, "object": "model", "created": served.created, "owned_by": "minerva",
-                "root": str(routes.llm.path) if routes else served.model,
+                "root": served.root(),
                 "max_model_len": routes.max_model_len if routes else None, "loaded": routes is not None}
 
     async def models(self):

@@ -243,6 +243,24 @@ def test_load_unload_and_show_on_a_server_of_several(tiny, tmp_path):
         wait_for(lambda: router.models["tiny"].routes is None, timeout=10, what="tiny unloaded")
 
 
+def test_a_pulled_name_not_yet_loaded_is_shown_from_its_file(smollm2_gguf):
+    """A server of several, a model named as pulled (not a path) and not loaded: /v1/models gives
+    its file as its root, and /api/tags and /api/show its family, quantization and context,
+    read from that file without loading it."""
+    loads = []
+    config = ServerConfig("smollm2-135m")
+    router = Router([("smollm2-135m", "smollm2-135m")], lambda model: loads.append(model), config, keep_alive=None,
+                    check=lambda m: read_config(resolve(m)))
+    with running_app(build_router_app(router, config), config) as (url, _):
+        card = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+        assert card["root"] == str(smollm2_gguf) and card["loaded"] is False, card
+        tags = httpx.get(f"{url}/api/tags", timeout=30).json()["models"][0]["details"]
+        assert (tags["family"], tags["quantization_level"]) == ("llama", "Q4_1"), tags
+        info = httpx.post(f"{url}/api/show", json={"model": "smollm2-135m"}, timeout=30).json()["model_info"]
+        assert info["llama.context_length"] == info["context_length"] == read_config(smollm2_gguf).max_position, info
+    assert loads == []
+
+
 def test_keep_alive_per_request_unloads(smollm2_gguf, tiny):
     """A server of several: keep_alive 0 unloads the model once its request ends; another
     request without one brings back the server's keep-alive (never, here)."""

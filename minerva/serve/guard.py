@@ -87,6 +87,13 @@ def _surrogate_message(where: tuple, text: str, what: str) -> tuple[str, str | N
 # ------------------------------------------------------------------ guards
 
 
+def headless(send):
+    """`send` with every piece of the body left out (a HEAD's answer)."""
+    async def send_headers(message):
+        await send({**message, "body": b""} if message["type"] == "http.response.body" else message)
+    return send_headers
+
+
 class Guard:
     """ASGI middleware: the API key (401), the body size (413) and the body's deadline (408),
     checked before routing.
@@ -133,6 +140,8 @@ class Guard:
                                  path=scope["path"], headers={"Connection": "close"})  # its rest goes unread
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
             return await too_big(scope, receive, send)
+        if scope["method"] == "HEAD":  # a GET's status and headers without its body (RFC 9110; Ollama's CLI checks HEAD /)
+            return await self.app({**scope, "method": "GET"}, receive, headless(send))
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0

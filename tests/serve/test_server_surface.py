@@ -43,6 +43,18 @@ def test_unknown_routes_and_methods(served):
     assert r.headers["allow"] == "DELETE, GET"
 
 
+def test_head_is_a_get_without_its_body(served):
+    """HEAD of a GET route: the GET's status and headers, no body (Ollama's CLI checks a server by
+    HEAD /); of a route that takes POST alone, its 405."""
+    url = served[0]
+    for path in ("/", "/health", "/v1/models", "/api/tags", "/api/version", "/ui/chat.js"):
+        get, head = httpx.get(f"{url}{path}"), httpx.head(f"{url}{path}")
+        assert head.status_code == get.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert httpx.head(f"{url}/v1/chat/completions").status_code == 405
+    assert httpx.head(f"{url}/v1/nothing-here").status_code == 404
+
+
 @pytest.mark.parametrize("method, path, body, bare_status", [
     ("GET", "/v1/responses/", None, 405), ("POST", "/v1/completions/", {"prompt": "hi", "max_tokens": 2}, 200),
     ("GET", "/health/", None, 200), ("GET", "/v1/models/", None, 200)])
@@ -132,6 +144,7 @@ def test_the_chat_page_is_served_without_the_api_key(tiny):
             assert r.status_code == 200 and kind in r.headers["content-type"], name
         assert httpx.get(f"{url}/ui/nothing.js").status_code == 404
         assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.head(f"{url}/v1/models").status_code == 401 and httpx.head(f"{url}/").status_code == 200
         assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
 
 

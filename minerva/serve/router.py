@@ -71,7 +71,7 @@ class Served:
             return str(self.routes.llm.path)
         try:
             return str(resolve(self.model, auto_pull=False))
-        except MinervaError:
+        except (MinervaError, OSError):  # (the model's own requests say why it cannot load)
             return self.model
 
 

@@ -12,7 +12,6 @@ NDJSON by default, with the timing fields (`total_duration`, `prompt_eval_durati
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import re
@@ -28,11 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from minerva import __version__
 from minerva.errors import MinervaError
 from minerva.formats.generation import sampling_defaults, value_text
-from minerva.formats.gguf import GGUFFile
 from minerva.models.loader import read_config
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, clipped, prefill, validated
 from minerva.serve.json_response import JSONResponse
+from minerva.serve.ollama_models import details, shown
 
 PREFIX = "/api/"
 # options that cannot change the answer here (the context, threads, batch, memory layout) or
@@ -208,19 +207,8 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def shown(card: dict, info: dict, parameters: str, trained: int | None) -> dict:
-    """/api/show's answer for a model's card, its /api/tags entry, its sampling `parameters` and the
-    context it was `trained` for: the context is the served one (max_model_len) once loaded, before that the trained one."""
-    context, family = card.get("max_model_len") or trained, info["details"]["family"]  # model_info's keys by family
-    by_family = {f"{family}.context_length": context} if family else {}  # (a folder's family is not read)
-    return {"details": info["details"], "modified_at": info["modified_at"], "template": "", "parameters": parameters,
-            "model_info": {"general.architecture": family, **by_family, "context_length": context},
-            "capabilities": ["completion", "tools"]}
-
-
 def model_parameters(root: str) -> tuple[str, int | None]:
-    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines), and the
-    context it was trained for, read from its files."""
+    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines), its trained context."""
     try:
         defaults, trained = sampling_defaults(Path(root)), read_config(Path(root)).max_position
     except (MinervaError, OSError):  # not a local model (a repo not yet fetched): none known
@@ -355,44 +343,6 @@ def _piece(model: str, chat: bool, text: str, thought: str | None) -> dict:
 # ------------------------------------------------------------------ models
 
 
-_DETAILS: dict[tuple, dict] = {}
-
-
-def details(card: dict) -> dict:
-    """What /api/tags and /api/ps say of a model: its size on disk, modification time, an
-    identifier (a hash of its path, size and time: not the file's sha256, which would mean
-    reading it) and its family, parameters and quantization from the header."""
-    root = Path(card["root"])
-    try:
-        files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
-        stats = [f.stat() for f in files]
-    except OSError:
-        stats = []
-    size, mtime = sum(s.st_size for s in stats), max((s.st_mtime for s in stats), default=0.0)
-    key = (str(root), size, mtime)
-    if key not in _DETAILS:
-        _DETAILS[key] = {"format": "safetensors" if root.is_dir() else "gguf", "family": "", "families": [],
-                         "parameter_size": "", "quantization_level": "", "parent_model": card.get("parent") or ""}
-        _DETAILS[key].update(header(root))
-    return {"name": f"{card['id']}:latest", "model": f"{card['id']}:latest", "size": size,
-            "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
-            "digest": hashlib.sha256(repr(key).encode()).hexdigest(), "details": _DETAILS[key]}
-
-
-def header(root: Path) -> dict:
-    """Family, parameter count and quantization read from a GGUF header (nothing for a folder)."""
-    if root.is_dir() or not root.is_file():
-        return {}
-    try:
-        f = GGUFFile(root)
-    except (MinervaError, OSError):
-        return {}
-    params = sum(math.prod(t.shape) for t in f.tensors.values())
-    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
-    return {"family": f.architecture, "families": [f.architecture], "parameter_size": size,
-            "quantization_level": f.file_type_name}
-
-
 # ------------------------------------------------------------------ routes
 
 
@@ -475,19 +425,23 @@ def register(app, *, chat, text, embed, models, load, check, keep_alive=None) ->
                 "load_duration": int(raw.scope.get(ACCESS, {}).get("load", 0.0) * 1e9),
                 "prompt_eval_count": out["usage"]["prompt_tokens"]}
 
+    async def infos(cards):  # the headers read on a worker thread: a large vocabulary's takes a second or more
+        return await asyncio.to_thread(lambda: [details(c) for c in cards])
+
     async def api_tags():
-        return {"models": [details(card) for card in (await models())["data"]]}
+        return {"models": await infos((await models())["data"])}
 
     async def api_ps():
-        return {"models": [{**details(card), "expires_at": None, "size_vram": 0, "context_length": card["max_model_len"]}
-                           for card in (await models())["data"] if card.get("loaded", True)]}
+        loaded = [card for card in (await models())["data"] if card.get("loaded", True)]
+        return {"models": [{**info, "expires_at": None, "size_vram": 0, "context_length": card["max_model_len"]}
+                           for card, info in zip(loaded, await infos(loaded))]}
 
     async def api_show(body: ShowRequest):
         if not (body.model or body.name):
             raise APIError(400, "model is required: the name of the model to show (see /api/tags)", "model")
         card = await card_of(body.model or body.name, models)
         await check(card["id"])  # a model that cannot load: the error its requests get
-        return shown(card, details(card), *await asyncio.to_thread(model_parameters, card["root"]))
+        return shown(card, await asyncio.to_thread(details, card), *await asyncio.to_thread(model_parameters, card["root"]))
 
     async def api_version():
         return {"version": __version__}

@@ -5,7 +5,9 @@ errors in Ollama's shape; per-request keep_alive on a server of several models."
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -259,6 +261,33 @@ def test_a_pulled_name_not_yet_loaded_is_shown_from_its_file(smollm2_gguf):
         info = httpx.post(f"{url}/api/show", json={"model": "smollm2-135m"}, timeout=30).json()["model_info"]
         assert info["llama.context_length"] == info["context_length"] == read_config(smollm2_gguf).max_position, info
     assert loads == []
+
+
+def test_reading_headers_holds_up_no_other_request(tiny, monkeypatch):
+    """/api/tags, /api/ps and /api/show read the models' headers (a second or more for a large
+    vocabulary) on a worker thread: the server answers other requests meanwhile."""
+    from minerva.serve import ollama_models
+    released, reading, read = threading.Event(), threading.Event(), ollama_models.header
+
+    def slow_header(root):
+        reading.set()
+        assert released.wait(30), "not released"
+        return read(root)
+
+    monkeypatch.setattr(ollama_models, "header", slow_header)
+    config = ServerConfig("tiny")
+    router = Router([("tiny", str(tiny))], lambda model: None, config, keep_alive=None)
+    with running_app(build_router_app(router, config), config) as (url, _):
+        for route, send in (("/api/tags", httpx.get), ("/api/show", httpx.post)):
+            ollama_models._DETAILS.clear()
+            reading.clear(), released.clear()
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(send, f"{url}{route}", **({"json": {"model": "tiny"}} if send is httpx.post else {}),
+                                     timeout=60)
+                assert reading.wait(30), route
+                assert httpx.get(f"{url}/health", timeout=5).status_code == 200, route  # while the header is read
+                released.set()
+                assert answer.result().status_code == 200, route
 
 
 def test_keep_alive_per_request_unloads(smollm2_gguf, tiny):

@@ -12,6 +12,7 @@ NDJSON by default, with the timing fields (`total_duration`, `prompt_eval_durati
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import re
@@ -207,8 +208,10 @@ def chat_messages(messages: list[Message]) -> list[dict]:
     return out
 
 
-def model_parameters(root: str) -> tuple[str, int | None]:
-    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines), its trained context."""
+@functools.lru_cache(maxsize=64)
+def model_parameters(root: str, digest: str) -> tuple[str, int | None]:
+    """The model's own sampling defaults as /api/show's `parameters` (a Modelfile's lines), its trained context;
+    kept per `digest` (its /api/tags entry's: the files' path, size and time), as each read parses the header."""
     try:
         defaults, trained = sampling_defaults(Path(root)), read_config(Path(root)).max_position
     except (MinervaError, OSError):  # not a local model (a repo not yet fetched): none known
@@ -343,6 +346,12 @@ def _piece(model: str, chat: bool, text: str, thought: str | None) -> dict:
 # ------------------------------------------------------------------ models
 
 
+async def infos(cards: list[dict]) -> list[dict]:
+    """The cards' /api/tags entries, their headers read on a worker thread (a large vocabulary's
+    takes a second or more)."""
+    return await asyncio.to_thread(lambda: [details(c) for c in cards])
+
+
 # ------------------------------------------------------------------ routes
 
 
@@ -425,9 +434,6 @@ def register(app, *, chat, text, embed, models, load, check, keep_alive=None) ->
                 "load_duration": int(raw.scope.get(ACCESS, {}).get("load", 0.0) * 1e9),
                 "prompt_eval_count": out["usage"]["prompt_tokens"]}
 
-    async def infos(cards):  # the headers read on a worker thread: a large vocabulary's takes a second or more
-        return await asyncio.to_thread(lambda: [details(c) for c in cards])
-
     async def api_tags():
         return {"models": await infos((await models())["data"])}
 
@@ -441,7 +447,8 @@ def register(app, *, chat, text, embed, models, load, check, keep_alive=None) ->
             raise APIError(400, "model is required: the name of the model to show (see /api/tags)", "model")
         card = await card_of(body.model or body.name, models)
         await check(card["id"])  # a model that cannot load: the error its requests get
-        return shown(card, await asyncio.to_thread(details, card), *await asyncio.to_thread(model_parameters, card["root"]))
+        info = await asyncio.to_thread(details, card)
+        return shown(card, info, *await asyncio.to_thread(model_parameters, card["root"], info["digest"]))
 
     async def api_version():
         return {"version": __version__}

@@ -270,7 +270,7 @@ def cmd_run(args) -> int:
 def cmd_serve(args) -> int:
     check_speculative(args)  # now, not when a model first loads (several models load on their first request)
     several.check_flags(args)
-    if len(args.model) > 1 or args.models_dir:
+    if several.is_several(args):
         return several.serve_several(args, lambda m: _load(m, args))
     args.lora = several.parse_lora(args.lora)
     model = _one_model(args, args.model, "serve")
@@ -448,15 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="open connections allowed; one more gets 503 with Retry-After at once (default 1024)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                    help="what the server logs; info includes one access line per request (default info)")
-    p.add_argument("--keep-alive", default="5m", metavar="DURATION",
-                   help="with several models: how long a model stays loaded after its last request "
-                        "(seconds, or 30s / 5m / 1h; 0 unloads at once, -1 never; default 5m)")
-    p.add_argument("--models-dir", default=None, metavar="DIR",
-                   help="serve every model in DIR too (its .gguf files and Hugging Face model folders), each "
-                        "by its name without the extension, beside the MODELs given (none given: DIR's alone)")
-    p.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
-                   help="with several models: how many may be loaded at once; the least recently used idle "
-                        "one makes room (default 3)")
+    several.add_flags(p)
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -27,7 +27,7 @@ from minerva.serve import anthropic, ollama, responses
 from minerva.serve import protocol as P
 from minerva.serve import response_bodies as R
 from minerva.serve.async_engine import AsyncEngine
-from minerva.serve.convert import APIError
+from minerva.serve.convert import APIError, clipped
 from minerva.serve.guard import error_response, install
 from minerva.serve.metrics import Metrics
 from minerva.serve.serving import Serving, ServerConfig
@@ -52,7 +52,7 @@ ERRORS = {code: {"model": R.ErrorResponse, "description": what} for code, what i
 
 
 def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, metrics, page, tokenize,
-                    detokenize, load, check, keep_alive=None) -> None:
+                    detokenize, load, check, pull, keep_alive=None) -> None:
     """Every route of the API on `app`, each answered by the handler given for it (one model's,
     or a server of several's that hands each request to the model it names)."""
     app.post("/v1/chat/completions", response_model=R.ChatCompletionResponse, responses=ERRORS,
@@ -80,7 +80,7 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.post("/detokenize", response_model=R.DetokenizeResponse, responses=ERRORS)(detokenize)
     anthropic.register(app, chat, tokenize)
     responses.register(app, chat)
-    ollama.register(app, chat=chat, text=text, embed=embed, models=models, load=load, check=check,
+    ollama.register(app, chat=chat, text=text, embed=embed, models=models, load=load, check=check, pull=pull,
                     keep_alive=keep_alive)
 
 
@@ -96,7 +96,7 @@ class Routes(Serving):
         register_routes(app, chat=self.chat.chat_completions, text=self.text.completions, embed=self.embed.embeddings,
                         models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
                         page=self.page, tokenize=self.tokenize, detokenize=self.detokenize, load=self.load,
-                        check=self.readable)
+                        check=self.readable, pull=self.pull)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -127,6 +127,14 @@ class Routes(Serving):
     async def readable(self, name: str | None) -> None:
         """/api/show's check that the model can load: it is loaded; a 404 for a name not served."""
         self.check_model(name)
+
+    async def pull(self, name: str) -> None:
+        """Ollama's pull: nothing to fetch for a model served; no other can be served here."""
+        if name not in (*self.config.names, *self.adapters):
+            raise APIError(403, f"this server serves one model, '{self.config.served_model_name}', and does not "
+                                f"fetch others; to pull models from a client, start `minerva serve --allow-pull` "
+                                f"(or run `minerva pull {clipped(name)}` on the server's machine and serve it)",
+                           "model", type="permission_error")
 
     def card(self, name: str) -> dict:
         adapter = self.llm.adapter_paths.get(name)

@@ -29,6 +29,7 @@ from minerva import __version__
 from minerva.errors import MinervaError
 from minerva.formats.generation import sampling_defaults, value_text
 from minerva.models.loader import read_config
+from minerva.serve import ollama_pull
 from minerva.serve import protocol as P
 from minerva.serve.convert import ACCESS, APIError, arguments_object, chunks, clipped, prefill, validated
 from minerva.serve.json_response import JSONResponse
@@ -380,10 +381,11 @@ async def preload(body: GenerateRequest, raw: HTTPRequest, models, load, hold) -
             "done_reason": "unload" if unload else "load"}
 
 
-def register(app, *, chat, text, embed, models, load, check, keep_alive=None) -> None:
+def register(app, *, chat, text, embed, models, load, check, pull, keep_alive=None) -> None:
     """Ollama's routes on `app`, through the OpenAI routes' handlers; `load(name, raw)` loads a model
     as its requests do (a 503 where it cannot), `check(name)` finds whether it can without loading
-    it; `keep_alive(name, seconds)`, where models can unload (a server of several), takes a request's."""
+    it; `keep_alive(name, seconds)`, where models can unload (a server of several), takes a request's;
+    `pull(name)` fetches a model (ollama_pull)."""
 
     def hold(body) -> None:
         """The request's keep_alive for its model from now on (none given: the server's --keep-alive)."""
@@ -458,3 +460,4 @@ def register(app, *, chat, text, embed, models, load, check, keep_alive=None) ->
         app.post(PREFIX + path, summary=f"Ollama API: /api/{path}")(handler)
     for path, handler in (("tags", api_tags), ("ps", api_ps), ("version", api_version)):
         app.get(PREFIX + path, summary=f"Ollama API: /api/{path}")(handler)
+    ollama_pull.register(app, PREFIX, pull)

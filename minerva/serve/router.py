@@ -18,6 +18,7 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -29,6 +30,7 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from minerva.errors import MinervaError
+from minerva.serve import ollama_pull
 from minerva.serve import protocol as P
 from minerva.serve.app import STATIC, Routes, register_routes
 from minerva.serve.async_engine import AsyncEngine
@@ -42,6 +44,7 @@ log = logging.getLogger("minerva.serve")
 
 
 RETRY_FAILED = 30.0  # seconds a model that failed to load answers 503 at once before it is tried again
+PULLS_AT_ONCE = 4  # models downloading at once for /api/pull (each on a thread of its own)
 WAIT_FOR_ROOM = 120.0  # seconds a request waits for a busy model to make room; then 503
 
 
@@ -82,13 +85,18 @@ class Router:
     def __init__(self, models: list[tuple[str, str]], load: Callable, config: ServerConfig, *,
                  keep_alive: float | None = 300.0, max_loaded: int = 3,
                  available: Callable[[], int] | None = None, need: Callable[[str], int] | None = None,
-                 check: Callable[[str], object] | None = None):
+                 check: Callable[[str], object] | None = None, fetch: Callable[[str], object] | None = None,
+                 allow_pull: bool = False):
         """`check(model)` (on a worker thread) fetches and reads a model's header before other
-        models are unloaded for it: one that cannot load fails without evicting anything."""
+        models are unloaded for it: one that cannot load fails without evicting anything.
+        `fetch(model)` downloads a model a client pulls (Ollama's /api/pull): one listed, or with
+        `allow_pull` (--allow-pull) any built-in model or Hugging Face repo, which then joins the list."""
         self.models = {name: Served(name, model) for name, model in models}
         self.default = models[0][0]
         self.load, self.config, self.keep_alive, self.max_loaded = load, config, keep_alive, max_loaded
-        self.available, self.need, self.check = available, need, check
+        self.available, self.need, self.check, self.fetch = available, need, check, fetch
+        self.allow_pull = allow_pull
+        self._pulls: dict[str, asyncio.Task] = {}  # name -> its download in progress
         self.registry = CollectorRegistry()
         self.loads = Counter("minerva:model_loads", "Models loaded, by name.", ["model_name"], registry=self.registry)
         self.unloads = Counter("minerva:model_unloads", "Models unloaded, by name and why.",
@@ -167,6 +175,31 @@ class Router:
                 log.info("loaded %s (%s) in %.2f s", served.name, llm.path.name, served.load_seconds)
                 return served.routes, True
 
+    def add(self, name: str, model: str) -> Served:
+        """The model `model` served as `name` from now on (a pulled one); the one listed already if so."""
+        if name not in self.models:
+            self.models[name] = Served(name, model)
+            self.loaded.labels(name).set(0)
+            log.info("added %s", name)
+        return self.models[name]
+
+    def pull(self, name: str, model: str) -> asyncio.Task:
+        """`model` downloaded (`fetch`, on a thread of its own that a shutdown does not wait for) and
+        served as `name` once it is here; one download per name, however many clients ask. The task
+        goes on when the client that asked leaves: the download is not lost."""
+        task = self._pulls.get(name)
+        if task is None and len(self._pulls) >= PULLS_AT_ONCE:
+            raise APIError(503, f"{len(self._pulls)} models are being pulled, as many as this server pulls at once; "
+                                "try again when one is done", "model", type="server_unavailable",
+                           headers={"Retry-After": "10"})
+        if task is None:
+            async def fetched():
+                await in_daemon_thread(lambda: self.fetch(model))
+                self.add(name, model)
+            task = self._pulls[name] = asyncio.get_running_loop().create_task(fetched())
+            task.add_done_callback(lambda t: (self._pulls.pop(name, None), t.cancelled() or t.exception()))
+        return task
+
     async def readable(self, name: str) -> None:
         """Whether the model `name`, a file or folder here, can load, found without loading it (its
         header read): a 503 naming why not, as its requests get. A name or repo is not fetched for it."""
@@ -243,7 +276,7 @@ class Router:
         while True:
             await asyncio.sleep(0.25)
             now = time.monotonic()
-            for served in self.models.values():
+            for served in list(self.models.values()):  # (a pull may add one meanwhile)
                 if served.busy:  # a stream in flight: the idle time counts from its end
                     served.last_used = now
                 elif (served.routes is not None and (keep := self.kept(served)) is not None
@@ -267,9 +300,31 @@ class Router:
                                for s in self.models.values() if s.routes is not None))
 
     async def stop(self) -> None:
-        for served in self.models.values():
+        for served in list(self.models.values()):
             if served.routes is not None:
                 await asyncio.to_thread(served.routes.engine.stop)
+
+
+def in_daemon_thread(fn: Callable[[], object]) -> asyncio.Future:
+    """`fn()` on a daemon thread, as a future of the running loop: a download an exiting server
+    need not wait for (asyncio.to_thread's threads are joined at exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, exc) -> None:
+        if not future.done():
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, exc = fn(), None
+        except BaseException as e:  # handed to the future's awaiter
+            result, exc = None, e
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, exc)
+
+    threading.Thread(target=run, daemon=True, name="minerva-pull").start()
+    return future
 
 
 def _trim() -> None:
@@ -292,7 +347,7 @@ class RouterRoutes:
         register_routes(app, chat=self.chat_completions, text=self.completions, embed=self.embeddings,
                         models=self.models, model=self.model, health=self.health, metrics=self.prometheus,
                         page=self.page, tokenize=self.tokenize, detokenize=self.detokenize, load=self.load,
-                        check=self.router.readable, keep_alive=self.router.hold)
+                        check=self.router.readable, pull=self.pull, keep_alive=self.router.hold)
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
         return await self.router.call(body.model, lambda r: r.chat.chat_completions(body, raw), raw)
@@ -312,6 +367,23 @@ class RouterRoutes:
     async def load(self, name: str, raw: HTTPRequest | None = None) -> None:
         """The model `name` loaded, as a request for it loads it (Ollama's load)."""
         await self.router.call(name, lambda r: r.load(name), raw)
+
+    async def pull(self, name: str) -> asyncio.Task | None:
+        """Ollama's pull of `name`: what of a listed model is missing fetched (nothing for a file or
+        folder), or, with --allow-pull, a built-in model or Hugging Face repo fetched and added."""
+        served = self.router.models.get(name)
+        if served is not None and Path(served.model).expanduser().exists():
+            return None
+        if served is None and not self.router.allow_pull:
+            raise APIError(403, f"this server does not fetch models for its clients: it serves "
+                                f"{', '.join(repr(n) for n in self.router.models)}; start it with --allow-pull, or "
+                                f"run `minerva pull {clipped(name)}` on its machine and serve the model",
+                           "model", type="permission_error")
+        if self.router.fetch is None:
+            return None
+        if served is None:
+            ollama_pull.pullable(name)
+        return self.router.pull(name, name if served is None else served.model)
 
     def card(self, served: Served) -> dict:
         routes = served.routes

@@ -148,9 +148,10 @@ def serve_models(router, config: ServerConfig, sock: socket.socket, log_level: s
     """Serve the models of `router` (`minerva serve A B ...`), each loaded on its first request."""
     names = ", ".join(repr(n) for n in router.models)
     keep = "until stopped" if router.keep_alive is None else f"{router.keep_alive:g} s after their last request"
+    pulls = " (clients may pull more: Ollama's /api/pull)" if router.allow_pull else ""
     run(build_router_app(router, config), config, sock,
         lambda url: (f"serving {names}, each loaded on its first request and kept {keep}, at most "
-                     f"{router.max_loaded} at once; OpenAI API at {url}/v1"), log_level)
+                     f"{router.max_loaded} at once{pulls}; OpenAI API at {url}/v1"), log_level)
 
 
 def run(app, config: ServerConfig, sock: socket.socket, line, log_level: str) -> None:

@@ -20,7 +20,7 @@ from minerva.serve.router import Router
 from minerva.serve.server import bind, serve_models
 from minerva.serve.serving import ServerConfig
 from minerva.models.loader import read_config
-from minerva.store import KNOWN_MODELS, resolve, utf8
+from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull, resolve, utf8
 
 
 def serve_several(args, load) -> int:
@@ -33,10 +33,14 @@ def serve_several(args, load) -> int:
         raise MinervaError("--tensor-parallel-size serves one model; give one MODEL")
     keep_alive = check_flags(args)
     models = list(args.model) + (models_in(args.models_dir) if args.models_dir else [])
+    if args.allow_pull:  # the pulled ones too (none given: the default model first), as Ollama serves its store
+        models = models or [DEFAULT_MODEL]
+        models += [m for m in pulled() if m not in {served_name(m) for m in models}]
     for model in models:
         check_model(model)
     if args.kv_cache_memory is None:  # each model that may be loaded at once fits beside the others
-        args.kv_cache_memory = FIT / min(args.max_loaded_models, len(models))
+        args.kv_cache_memory = FIT / (args.max_loaded_models if args.allow_pull
+                                      else min(args.max_loaded_models, len(models)))
     names = [served_name(m) for m in models]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -58,9 +62,15 @@ def serve_several(args, load) -> int:
     router = Router(list(zip(names, models)), lambda m: (load(m), torch.get_num_threads()), config,
                     keep_alive=keep_alive, max_loaded=args.max_loaded_models,
                     available=lambda: available_memory(device), need=lambda m: need(m, args, device),
-                    check=lambda m: read_config(resolve(m)))
+                    check=lambda m: read_config(resolve(m)), fetch=lambda m: pull(m, progress=False),
+                    allow_pull=args.allow_pull)
     serve_models(router, config, sock, log_level=args.log_level)
     return 0
+
+
+def pulled() -> list[str]:
+    """What `minerva list` shows that can be served: pulled names, cached repos (not adapters)."""
+    return [e.name for e in list_models() if e.architecture not in ("adapter", "unreadable")]
 
 
 def need(model: str, args, device) -> int:
@@ -73,19 +83,43 @@ def need(model: str, args, device) -> int:
         return 0
 
 
+def add_flags(parser) -> None:
+    """`minerva serve`'s flags for a server of several models."""
+    parser.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                        help="with several models: how long a model stays loaded after its last request "
+                             "(seconds, or 30s / 5m / 1h; 0 unloads at once, -1 never; default 5m)")
+    parser.add_argument("--models-dir", default=None, metavar="DIR",
+                        help="serve every model in DIR too (its .gguf files and Hugging Face model folders), each "
+                             "by its name without the extension, beside the MODELs given (none given: DIR's alone)")
+    parser.add_argument("--allow-pull", action="store_true",
+                        help="let clients add models with Ollama's /api/pull (built-in names and Hugging Face "
+                             "repos, fetched into the model store or the Hugging Face cache); serves the pulled "
+                             "models (`minerva list`) too, as a server of several")
+    parser.add_argument("--max-loaded-models", type=int, default=3, metavar="N",
+                        help="with several models: how many may be loaded at once; the least recently used idle "
+                             "one makes room (default 3)")
+
+
+def is_several(args) -> bool:
+    """Whether `minerva serve` runs a server of several models."""
+    return len(args.model) > 1 or bool(args.models_dir) or bool(getattr(args, "allow_pull", False))
+
+
 def check_flags(args) -> float | None:
     """The several-model flags, checked whatever the number of models; returns --keep-alive's seconds."""
     if not isinstance(args.max_loaded_models, int) or args.max_loaded_models < 1:
         raise MinervaError(f"--max-loaded-models must be an integer >= 1, got {args.max_loaded_models}")
-    if args.lora and (len(args.model) > 1 or args.models_dir):
-        raise MinervaError("--lora adapts one base model: serve one model with it (several models and adapters "
-                           "in one server are not supported yet)")
-    if args.chat_template is not None and (len(args.model) > 1 or args.models_dir):
-        raise MinervaError("--chat-template replaces one model's template: serve one model with it (models differ "
-                           "in their templates)")
-    if args.generation_config not in ("auto", "none") and (len(args.model) > 1 or args.models_dir):
-        raise MinervaError("--generation-config DIR gives one model's sampling defaults: serve one model with it, "
-                           "or give auto or none")
+    one = "serve one model with it" + (" (without --allow-pull, which serves several)"
+                                       if getattr(args, "allow_pull", False) else "")
+    if args.lora and is_several(args):
+        raise MinervaError(f"--lora adapts one base model: {one} (several models and adapters in one server are "
+                           "not supported yet)")
+    if args.chat_template is not None and is_several(args):
+        raise MinervaError(f"--chat-template replaces one model's template: {one} (models differ in their "
+                           "templates)")
+    if args.generation_config not in ("auto", "none") and is_several(args):
+        raise MinervaError(f"--generation-config DIR gives one model's sampling defaults: {one}, or give auto or "
+                           "none")
     return parse_duration(args.keep_alive, "--keep-alive")
 
 

@@ -1,0 +1,185 @@
+"""Ollama's /api/pull with the official `ollama` SDK: a server of several started with
+--allow-pull fetches a Hugging Face repo from a hub on 127.0.0.1 (`HF_ENDPOINT`), streams
+the progress and serves the model; bad names, missing repos, servers that do not pull."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import httpx
+import ollama
+import pytest
+
+from minerva import LLM
+from minerva.models.loader import read_config
+from minerva.serve.router import Router, build_router_app
+from minerva.serve.serving import ServerConfig
+from minerva.store import pull, resolve
+from tests.helpers.hubserver import Hub
+from tests.helpers.server import running_app, running_server, wait_for
+
+REPO = "hf.co/test/tiny-GGUF:Q8_0"
+
+
+@pytest.fixture(scope="module")
+def hub_server(tiny):
+    with Hub() as server:
+        server.add("test/tiny-GGUF", {"tiny-Q8_0.gguf": tiny})
+        yield server
+
+
+@pytest.fixture
+def hf_env(hub_server, tmp_path, monkeypatch):
+    """A fresh Hugging Face cache and model store, the test hub as the endpoint, online."""
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("MINERVA_HOME", str(tmp_path / "home"))
+    hub_server.log.clear()
+    return hub_server
+
+
+@pytest.fixture
+def router_server(tiny):
+    """start(models, allow_pull) -> the URL of a server of several over `models` (name, model)."""
+    started = []
+
+    def start(models, allow_pull=True):
+        config = ServerConfig(models[0][0])
+        router = Router(models, lambda m: (LLM(m, dtype="float32", activations="float", kv_cache_memory=4e6), None),
+                        config, check=lambda m: read_config(resolve(m)), fetch=lambda m: pull(m, progress=False),
+                        allow_pull=allow_pull)
+        cm = running_app(build_router_app(router, config), config)
+        url, _ = cm.__enter__()
+        started.append(cm)
+        return url
+
+    yield start
+    for cm in started:
+        cm.__exit__(None, None, None)
+
+
+def test_a_pulled_repo_is_streamed_then_served(hf_env, router_server, tiny):
+    url = router_server([("tiny", str(tiny))])
+    client = ollama.Client(host=url, timeout=60)
+    assert [m.model for m in client.list().models] == ["tiny:latest"]
+    parts = list(client.pull(REPO, stream=True))
+    assert parts[0].status == "pulling manifest" and parts[-1].status == "success"
+    written = [p.completed for p in parts if p.status == "downloading"]
+    assert written and written == sorted(written) and written[-1] >= tiny.stat().st_size  # (and the cache's refs)
+    assert [m.model for m in client.list().models] == ["tiny:latest", f"{REPO}:latest"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": REPO, "prompt": "ab", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    same = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 3,
+                                                     "temperature": 0})
+    assert r.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]  # the file the hub served
+    assert client.pull(REPO, stream=False).status == "success"  # pulled again: cached, not downloaded again
+    assert client.pull(f"{REPO}:latest", stream=False).status == "success"
+    assert hf_env.downloads("tiny-Q8_0.gguf") == [None]
+
+
+def test_clients_pulling_one_model_at_once_download_it_once(hf_env, router_server, tiny):
+    url = router_server([("tiny", str(tiny))])
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: httpx.post(f"{url}/api/pull", json={"model": REPO, "stream": False},
+                                                     timeout=60), range(4)))
+    assert [(a.status_code, a.json()) for a in answers] == [(200, {"status": "success"})] * 4
+    assert hf_env.downloads("tiny-Q8_0.gguf") == [None]
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", REPO]
+
+
+def test_what_cannot_be_pulled_is_said(hf_env, router_server, tiny):
+    url = router_server([("tiny", str(tiny))])
+    client = ollama.Client(host=url, timeout=60)
+    for name, said in (("llama3.2", "'llama3.2' is neither a built-in model"),
+                       (str(tiny), "is a path on the server"),
+                       ("hf.co/test", "does not name a Hugging Face repo")):
+        with pytest.raises(ollama.ResponseError) as err:
+            client.pull(name, stream=False)
+        assert err.value.status_code == 400 and said in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:  # a repo the hub lacks: the stream's last line
+        list(client.pull("hf.co/test/nope-GGUF", stream=True))
+    assert "'hf.co/test/nope-GGUF' could not be pulled: no model repo 'test/nope-GGUF'" in err.value.error
+    r = httpx.post(f"{url}/api/pull", json={"model": "hf.co/test/nope-GGUF", "stream": False})
+    assert r.status_code == 400 and "could not be pulled" in r.json()["error"]
+    r = httpx.post(f"{url}/api/pull", json={"stream": False})
+    assert r.status_code == 400 and r.json()["error"].startswith("model is required")
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
+
+
+def test_without_allow_pull_only_the_listed_models_are_fetched(hf_env, router_server, tiny):
+    url = router_server([("tiny", str(tiny)), (REPO, REPO)], allow_pull=False)
+    client = ollama.Client(host=url, timeout=60)
+    with pytest.raises(ollama.ResponseError) as err:
+        client.pull("hf.co/test/other-GGUF", stream=False)
+    assert err.value.status_code == 403 and "start it with --allow-pull" in err.value.error
+    assert client.pull("tiny", stream=False).status == "success"  # a file: nothing to fetch
+    assert hf_env.downloads("tiny-Q8_0.gguf") == []
+    assert list(client.pull(REPO, stream=True))[-1].status == "success"  # listed: fetched before its first request
+    assert hf_env.downloads("tiny-Q8_0.gguf") == [None]
+    r = httpx.post(f"{url}/v1/completions", json={"model": REPO, "prompt": "ab", "max_tokens": 2})
+    assert r.status_code == 200 and hf_env.downloads("tiny-Q8_0.gguf") == [None]
+
+
+def test_a_server_of_one_model_pulls_nothing(tiny):
+    llm = LLM(str(tiny), dtype="float32", activations="float", kv_cache_memory=4e6)
+    with running_server(llm, served_model_name="tiny") as (url, _):
+        client = ollama.Client(host=url, timeout=60)
+        assert client.pull("tiny:latest", stream=False).status == "success"
+        with pytest.raises(ollama.ResponseError) as err:
+            client.pull(REPO, stream=False)
+        assert err.value.status_code == 403 and "serves one model, 'tiny'" in err.value.error
+        assert "minerva serve --allow-pull" in err.value.error
+
+
+def test_allow_pull_serves_the_pulled_models(hf_env, monkeypatch):
+    """`minerva serve --allow-pull`: the default model, then what `minerva list` shows, each model
+    that may be loaded at once with its share of the KV memory (more may be pulled)."""
+    from minerva import cli
+    from minerva.engine.engine import FIT
+    from minerva.serve import several
+    resolve(REPO)  # in the Hugging Face cache
+    seen = []
+    monkeypatch.setattr(several, "serve_models", lambda router, *a, **kw: seen.append(router))
+    monkeypatch.setattr(several, "bind", lambda host, port: None)
+    assert cli.main(["serve", "--allow-pull", "--kv-cache-memory", "4e6"]) == 0
+    assert list(seen[-1].models) == ["smollm2-135m", "test/tiny-GGUF:Q8_0"] and seen[-1].allow_pull
+    assert cli.main(["serve", "test/tiny-GGUF:Q8_0", "--allow-pull", "--max-loaded-models", "2"]) == 0
+    assert list(seen[-1].models) == ["test/tiny-GGUF:Q8_0"]
+    kv = []
+    monkeypatch.setattr(several, "serve_models", lambda router, *a, **kw: kv.append(router.config))
+    real = several.serve_several
+    monkeypatch.setattr(several, "serve_several", lambda args, load: kv.append(args) or real(args, load))
+    assert cli.main(["serve", "--allow-pull", "--max-loaded-models", "2"]) == 0
+    assert kv[0].kv_cache_memory == FIT / 2
+
+
+def test_pulls_at_once_are_bounded(hf_env, tiny):
+    """A fifth model pulled while four download is a 503 with Retry-After, and the server answers
+    meanwhile; once they are done it is pulled."""
+    from minerva.serve.router import PULLS_AT_ONCE
+    release, started = threading.Event(), []
+
+    def fetch(model):
+        started.append(model)
+        release.wait(30)
+        return pull(model, progress=False)
+
+    config = ServerConfig("tiny")
+    router = Router([("tiny", str(tiny))], lambda m: None, config, fetch=fetch, allow_pull=True)
+    with running_app(build_router_app(router, config), config) as (url, _):
+        names = [f"hf.co/test/m{i}-GGUF" for i in range(PULLS_AT_ONCE + 1)]
+        with concurrent.futures.ThreadPoolExecutor(PULLS_AT_ONCE) as pool:
+            first = [pool.submit(httpx.post, f"{url}/api/pull", json={"model": n, "stream": False}, timeout=60)
+                     for n in names[:PULLS_AT_ONCE]]
+            wait_for(lambda: len(started) == PULLS_AT_ONCE, timeout=30, what="the pulls to start")
+            r = httpx.post(f"{url}/api/pull", json={"model": REPO, "stream": False})
+            assert r.status_code == 503 and r.headers["retry-after"] == "10"
+            assert f"{PULLS_AT_ONCE} models are being pulled" in r.json()["error"]
+            assert httpx.get(f"{url}/health").status_code == 200
+            release.set()
+            assert all(f.result().status_code == 400 for f in first)  # (repos the hub lacks)
+        r = httpx.post(f"{url}/api/pull", json={"model": REPO, "stream": False}, timeout=60)
+        assert r.status_code == 200 and [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", REPO]

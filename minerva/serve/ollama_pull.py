@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 import minerva.hub as hub
 from minerva.errors import MinervaError
 from minerva.serve.convert import APIError, clipped
-from minerva.store import KNOWN_MODELS, store_root
+from minerva.store import KNOWN_MODELS, resolve, store_root
 
 log = logging.getLogger("minerva.serve")
 
@@ -48,6 +48,17 @@ def pullable(name: str) -> None:
         raise APIError(400, f"'{clipped(name)}' is neither a built-in model ({', '.join(KNOWN_MODELS)}) nor a "
                             "Hugging Face repo (hf.co/OWNER/REPO[:QUANT], e.g. "
                             "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M); this server pulls those", "model")
+
+
+def here(name: str) -> bool:
+    """Whether `name`, a built-in model or a Hugging Face repo, is here to serve without fetching
+    (`minerva list` names a repo pulled as hf.co/OWNER/REPO:QUANT as OWNER/REPO:QUANT)."""
+    try:
+        pullable(name)
+        resolve(name, auto_pull=False)
+    except (APIError, MinervaError, OSError):
+        return False
+    return True
 
 
 def folder_of(name: str) -> Path | None:

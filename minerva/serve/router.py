@@ -118,6 +118,8 @@ class Router:
 
     def entry(self, name: str | None) -> Served:
         served = self.models.get(self.default if name is None else name)
+        if served is None and self.allow_pull and name is not None and ollama_pull.here(name):
+            served = self.add(name, name)  # pulled under this name before a restart (listed under another)
         if served is None:
             names = ", ".join(f"'{n}'" for n in self.models)
             raise APIError(404, f"the model '{clipped(name)}' does not exist; this server serves {names} "

@@ -183,3 +183,17 @@ def test_pulls_at_once_are_bounded(hf_env, tiny):
             assert all(f.result().status_code == 400 for f in first)  # (repos the hub lacks)
         r = httpx.post(f"{url}/api/pull", json={"model": REPO, "stream": False}, timeout=60)
         assert r.status_code == 200 and [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", REPO]
+
+
+def test_a_model_pulled_before_a_restart_answers_by_the_name_pulled(hf_env, router_server, tiny):
+    """`minerva list` names hf.co/OWNER/REPO:QUANT as OWNER/REPO:QUANT; a server with --allow-pull
+    started after the pull serves it by either name (not a model only fetchable: that takes a pull)."""
+    resolve(REPO)
+    url = router_server([("tiny", str(tiny)), ("test/tiny-GGUF:Q8_0", "test/tiny-GGUF:Q8_0")])
+    r = httpx.post(f"{url}/v1/completions", json={"model": REPO, "prompt": "ab", "max_tokens": 2})
+    assert r.status_code == 200
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "test/tiny-GGUF:Q8_0", REPO]
+    r = httpx.post(f"{url}/v1/completions", json={"model": "hf.co/test/other-GGUF", "prompt": "ab", "max_tokens": 2})
+    assert r.status_code == 404 and hf_env.downloads("tiny-Q8_0.gguf") == [None]
+    url = router_server([("tiny", str(tiny))], allow_pull=False)
+    assert httpx.post(f"{url}/v1/completions", json={"model": REPO, "prompt": "ab"}).status_code == 404

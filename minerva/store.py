@@ -237,6 +237,13 @@ def list_models() -> list[ModelEntry]:
     return _store_models() + _hub_models()
 
 
+def model_names() -> list[str]:
+    """The names `list_models` gives that a server can serve (no LoRA adapters), without reading
+    the files' headers."""
+    return [e.name for e in _store_models()] + [name for name, path, _ in hub.cached_models()
+                                                if not (path.is_dir() and is_adapter_dir(path))]
+
+
 def _hub_models() -> list[ModelEntry]:
     entries = []
     for name, path, size in hub.cached_models():

@@ -21,7 +21,7 @@ import torch
 from minerva import LLM, SamplingParams, hub
 from minerva.errors import MinervaError
 from minerva.formats.gguf import GGUFFile
-from minerva.store import list_models, pull, resolve
+from minerva.store import list_models, model_names, pull, resolve
 from tests.helpers import tiny_hf
 from tests.helpers.cli import assert_clean_error, run
 from tests.helpers.hf import hf_greedy
@@ -520,6 +520,7 @@ def test_lora_adapter_repo(hf_env, tmp_path):
     # listed as what it is, and refused as a model with the way to use it
     entry = next(e for e in list_models() if e.name == "test/tiny-lora")
     assert (entry.architecture, entry.quantization) == ("adapter", "LoRA")
+    assert "test/tiny-llama" in model_names() and "test/tiny-lora" not in model_names()  # (serve --allow-pull's)
     with pytest.raises(MinervaError, match=r"is a LoRA adapter, not a model: serve it on its base model with --lora"):
         LLM("test/tiny-lora")
 

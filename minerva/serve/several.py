@@ -20,7 +20,7 @@ from minerva.serve.router import Router
 from minerva.serve.server import bind, serve_models
 from minerva.serve.serving import ServerConfig
 from minerva.models.loader import read_config
-from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, list_models, pull, resolve, utf8
+from minerva.store import DEFAULT_MODEL, KNOWN_MODELS, model_names, pull, resolve, utf8
 
 
 def serve_several(args, load) -> int:
@@ -35,7 +35,7 @@ def serve_several(args, load) -> int:
     models = list(args.model) + (models_in(args.models_dir) if args.models_dir else [])
     if args.allow_pull:  # the pulled ones too (none given: the default model first), as Ollama serves its store
         models = models or [DEFAULT_MODEL]
-        models += [m for m in pulled() if m not in {served_name(m) for m in models}]
+        models += [m for m in model_names() if m not in {served_name(m) for m in models}]
     for model in models:
         check_model(model)
     if args.kv_cache_memory is None:  # each model that may be loaded at once fits beside the others
@@ -66,11 +66,6 @@ def serve_several(args, load) -> int:
                     allow_pull=args.allow_pull)
     serve_models(router, config, sock, log_level=args.log_level)
     return 0
-
-
-def pulled() -> list[str]:
-    """What `minerva list` shows that can be served: pulled names, cached repos (not adapters)."""
-    return [e.name for e in list_models() if e.architecture not in ("adapter", "unreadable")]
 
 
 def need(model: str, args, device) -> int:

@@ -80,8 +80,8 @@ def register_routes(app: FastAPI, *, chat, text, embed, models, model, health, m
     app.post("/detokenize", response_model=R.DetokenizeResponse, responses=ERRORS)(detokenize)
     anthropic.register(app, chat, tokenize)
     responses.register(app, chat)
-    ollama.register(app, chat=chat, text=text, embed=embed, models=models, load=load, check=check, pull=pull,
-                    keep_alive=keep_alive)
+    ollama.register(app, chat=chat, text=text, embed=embed, models=models, model=model, load=load, check=check,
+                    pull=pull, keep_alive=keep_alive)
 
 
 class Routes(Serving):

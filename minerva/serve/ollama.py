@@ -356,32 +356,35 @@ async def infos(cards: list[dict]) -> list[dict]:
 # ------------------------------------------------------------------ routes
 
 
-async def card_of(name: str, models) -> dict:
-    """The /v1/models card of the model `name` (NAME:latest is NAME); a 404 for one not served."""
-    card = next((c for c in (await models())["data"] if c["id"] == served_name(name)), None)
-    if card is None:
-        raise APIError(404, f"model '{clipped(name)}' not found")
-    return card
+async def card_of(name: str, model) -> dict:
+    """The /v1/models card of the model `name` (NAME:latest is NAME; `model(id)` gives it); a 404 for
+    one not served."""
+    try:
+        return await model(served_name(name))
+    except APIError as exc:
+        if exc.status == 404:
+            raise APIError(404, f"model '{clipped(name)}' not found") from None
+        raise
 
 
-async def no_vectors(body: EmbedRequest, models) -> dict:
+async def no_vectors(body: EmbedRequest, model) -> dict:
     """Nothing to embed: no vectors, as Ollama answers (for a model it serves)."""
-    await card_of(body.model, models)
+    await card_of(body.model, model)
     return {"model": body.model, "embeddings": [], "total_duration": 0, "load_duration": 0, "prompt_eval_count": 0}
 
 
-async def preload(body: GenerateRequest, raw: HTTPRequest, models, load, hold) -> dict:
+async def preload(body: GenerateRequest, raw: HTTPRequest, model, load, hold) -> dict:
     """/api/generate without a prompt: Ollama's way to load a model, or with keep_alive 0 to unload
     it (not loaded for that: it unloads once idle; a server of one model keeps it)."""
     sampling(body)
     unload = body.keep_alive is not None and duration(body.keep_alive) == 0
-    await (card_of(body.model, models) if unload else load(served_name(body.model), raw))
+    await (card_of(body.model, model) if unload else load(served_name(body.model), raw))
     hold(body)
     return {"model": body.model, "created_at": now(), "response": "", "done": True,
             "done_reason": "unload" if unload else "load"}
 
 
-def register(app, *, chat, text, embed, models, load, check, pull, keep_alive=None) -> None:
+def register(app, *, chat, text, embed, models, model, load, check, pull, keep_alive=None) -> None:
     """Ollama's routes on `app`, through the OpenAI routes' handlers; `load(name, raw)` loads a model
     as its requests do (a 503 where it cannot), `check(name)` finds whether it can without loading
     it; `keep_alive(name, seconds)`, where models can unload (a server of several), takes a request's;
@@ -415,7 +418,7 @@ def register(app, *, chat, text, embed, models, load, check, pull, keep_alive=No
 
     async def api_generate(body: GenerateRequest, raw: HTTPRequest):
         if not body.prompt and not body.system:
-            return await preload(body, raw, models, load, hold)
+            return await preload(body, raw, model, load, hold)
         request = generate_request(body)
         hold(body)
         return await run(request, raw, chat if isinstance(request, P.ChatCompletionRequest) else text, body.model,
@@ -423,7 +426,7 @@ def register(app, *, chat, text, embed, models, load, check, pull, keep_alive=No
 
     async def api_embed(body: EmbedRequest, raw: HTTPRequest):
         if body.input == [] and body.prompt is None:  # nothing to embed
-            return await no_vectors(body, models)
+            return await no_vectors(body, model)
         start = time.perf_counter()
         request = embed_request(body)
         hold(body)
@@ -447,7 +450,7 @@ def register(app, *, chat, text, embed, models, load, check, pull, keep_alive=No
     async def api_show(body: ShowRequest):
         if not (body.model or body.name):
             raise APIError(400, "model is required: the name of the model to show (see /api/tags)", "model")
-        card = await card_of(body.model or body.name, models)
+        card = await card_of(body.model or body.name, model)
         await check(card["id"])  # a model that cannot load: the error its requests get
         info = await asyncio.to_thread(details, card)
         return shown(card, info, *await asyncio.to_thread(model_parameters, card["root"], info["digest"]))

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -21,9 +21,9 @@ from minerva.errors import MinervaError
 from minerva.serve.convert import APIError, clipped
 from minerva.store import KNOWN_MODELS, resolve, store_root
 
-log = logging.getLogger("minerva.serve")
 
 PROGRESS_EVERY = 1.0  # seconds between a download's progress lines
+QUIET_AT_MOST = 10.0  # seconds a pull's stream goes without a line
 
 
 class PullRequest(BaseModel):
@@ -34,29 +34,50 @@ class PullRequest(BaseModel):
     insecure: bool = False  # (Ollama's registries; the Hub is always HTTPS)
 
 
+def is_path(name: str) -> bool:
+    """Whether `name` is a path on the server (a name no path can have, too long, `~nobody`: not)."""
+    try:
+        return Path(name).expanduser().exists()
+    except (OSError, RuntimeError, ValueError):
+        return False
+
+
 def pullable(name: str) -> None:
     """A 400 for a name that is neither a built-in model nor a Hugging Face repo: a client never
     names a path on the server's disk, and Ollama's library names are not on the Hub."""
-    if Path(name).expanduser().exists():
+    if is_path(name):
         raise APIError(400, f"'{clipped(name)}' is a path on the server; a client pulls built-in models "
                             f"({', '.join(KNOWN_MODELS)}) and Hugging Face repos (hf.co/OWNER/REPO[:QUANT])", "model")
     try:
         repo = hub.parse(name)
     except MinervaError as exc:
-        raise APIError(400, str(exc), "model") from None
+        raise APIError(400, clipped(str(exc), 400), "model") from None
     if name not in KNOWN_MODELS and repo is None:
         raise APIError(400, f"'{clipped(name)}' is neither a built-in model ({', '.join(KNOWN_MODELS)}) nor a "
                             "Hugging Face repo (hf.co/OWNER/REPO[:QUANT], e.g. "
                             "hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M); this server pulls those", "model")
 
 
+def canonical(name: str) -> str | None:
+    """One spelling of a built-in model or a Hugging Face repo for all of its names (hf.co/,
+    huggingface.co/ or none, slashes doubled, the quantization's case), None for other names:
+    what a pull's download and the served list are keyed by."""
+    if name in KNOWN_MODELS:
+        return name
+    try:
+        repo = None if is_path(name) else hub.parse(name)
+    except (MinervaError, OSError, RuntimeError, ValueError):
+        return None
+    return None if repo is None else f"{repo.repo_id}:{(repo.quant or '').upper()}"
+
+
 def here(name: str) -> bool:
     """Whether `name`, a built-in model or a Hugging Face repo, is here to serve without fetching
-    (`minerva list` names a repo pulled as hf.co/OWNER/REPO:QUANT as OWNER/REPO:QUANT)."""
+    (`minerva list` names OWNER/REPO pulled without a quantization as OWNER/REPO:ITS_QUANT)."""
     try:
         pullable(name)
         resolve(name, auto_pull=False)
-    except (APIError, MinervaError, OSError):
+    except Exception:  # (APIError, MinervaError, OSError: not here)
         return False
     return True
 
@@ -87,24 +108,27 @@ def size_of(folder: Path | None) -> int:
 
 
 def failure(name: str, exc: BaseException) -> str:
-    log.warning("could not pull %s: %s", name, exc)
+    """What a failed pull's client is told (the server's log has it from the router)."""
     return f"'{clipped(name)}' could not be pulled: {exc if isinstance(exc, MinervaError) else repr(exc)}"
 
 
 async def progress(name: str, task: asyncio.Task | None):
-    """Ollama's lines: `pulling manifest`, then `downloading` with the bytes written so far, then
-    `success` (or `error`, the stream's last line, as Ollama ends a failed pull). A client that
+    """Ollama's lines: `pulling manifest`, then `downloading` with the bytes written so far (no
+    digest or total), then `success` (or `error`, the stream's last line, as Ollama ends a failed pull). A client that
     leaves does not stop the download."""
     yield json.dumps({"status": "pulling manifest"}) + "\n"
     if task is not None:
         folder = folder_of(name)
         start = peak = await asyncio.to_thread(size_of, folder)
+        said = time.monotonic()
         while True:
             done, _ = await asyncio.wait({task}, timeout=PROGRESS_EVERY)  # (does not cancel the task)
             now = await asyncio.to_thread(size_of, folder)
-            if now > peak:  # (a finished pull's temporary files go: no line for the drop)
-                peak = now
-                yield json.dumps({"status": "downloading", "completed": now - start}) + "\n"
+            # a line when more is written (a finished pull's temporary files go: none for the drop), and
+            # one at least every QUIET_AT_MOST (a checksum being taken) for clients that time out reads
+            if now > peak or time.monotonic() - said >= QUIET_AT_MOST:
+                peak, said = max(peak, now), time.monotonic()
+                yield json.dumps({"status": "downloading", "completed": peak - start}) + "\n"
             if done:
                 break
         exc = task.exception() if not task.cancelled() else asyncio.CancelledError("the server is stopping")

@@ -96,7 +96,10 @@ class Router:
         self.load, self.config, self.keep_alive, self.max_loaded = load, config, keep_alive, max_loaded
         self.available, self.need, self.check, self.fetch = available, need, check, fetch
         self.allow_pull = allow_pull
-        self._pulls: dict[str, asyncio.Task] = {}  # name -> its download in progress
+        self._pulls: dict[str, asyncio.Task] = {}  # a pulled model's canonical name -> its download in progress
+        self._aliases: dict[str, str] = {}  # a built-in model's or repo's canonical name -> the name it is served as
+        for name, model in models:
+            self._alias(name, model)
         self.registry = CollectorRegistry()
         self.loads = Counter("minerva:model_loads", "Models loaded, by name.", ["model_name"], registry=self.registry)
         self.unloads = Counter("minerva:model_unloads", "Models unloaded, by name and why.",
@@ -116,10 +119,34 @@ class Router:
 
     # ------------------------------------------------------------ finding, loading, unloading
 
-    def entry(self, name: str | None) -> Served:
+    def _alias(self, name: str, model: str) -> None:
+        for spelling in (name, model):
+            key = ollama_pull.canonical(spelling)
+            if key is not None:
+                self._aliases.setdefault(key, name)
+
+    def lookup(self, name: str | None) -> Served | None:
+        """The model served as `name` (None: the first), or under another spelling of the same
+        built-in model or repo (hf.co/OWNER/REPO:QUANT is OWNER/REPO:QUANT, as `minerva list` names it)."""
         served = self.models.get(self.default if name is None else name)
-        if served is None and self.allow_pull and name is not None and ollama_pull.here(name):
-            served = self.add(name, name)  # pulled under this name before a restart (listed under another)
+        if served is None and name is not None and (key := ollama_pull.canonical(name)) in self._aliases:
+            served = self.models.get(self._aliases[key])
+        return served
+
+    async def found(self, name: str | None) -> Served:
+        """`entry(name)`; with --allow-pull, a built-in model or repo not listed but here without
+        fetching (pulled as OWNER/REPO before a restart, listed as OWNER/REPO:QUANT) is added first."""
+        if (self.lookup(name) is None and self.allow_pull and name is not None
+                and ollama_pull.canonical(name) not in self._pulls
+                and await asyncio.to_thread(ollama_pull.here, name)):
+            self.add(name, name)
+        return self.entry(name)
+
+    def entry(self, name: str | None) -> Served:
+        served = self.lookup(name)
+        if served is None and name is not None and ollama_pull.canonical(name) in self._pulls:
+            raise APIError(503, f"the model '{clipped(name)}' is being pulled; try again once the pull is done", "model",
+                           type="server_unavailable", headers={"Retry-After": "10"})
         if served is None:
             names = ", ".join(f"'{n}'" for n in self.models)
             raise APIError(404, f"the model '{clipped(name)}' does not exist; this server serves {names} "
@@ -129,7 +156,7 @@ class Router:
     async def call(self, name: str | None, handler: Callable[[Routes], Awaitable], raw: HTTPRequest | None = None):
         """Run `handler` on the routes of the model `name` (None: the first), loading it first
         (the load time goes to the request's access log line)."""
-        served = self.entry(name)
+        served = await self.found(name)
         if not self.accepting:
             raise APIError(503, "the server is shutting down", type="server_unavailable")
         served.active += 1
@@ -179,17 +206,20 @@ class Router:
 
     def add(self, name: str, model: str) -> Served:
         """The model `model` served as `name` from now on (a pulled one); the one listed already if so."""
-        if name not in self.models:
-            self.models[name] = Served(name, model)
+        served = self.lookup(name)
+        if served is None:
+            served = self.models[name] = Served(name, model)
+            self._alias(name, model)
             self.loaded.labels(name).set(0)
             log.info("added %s", name)
-        return self.models[name]
+        return served
 
     def pull(self, name: str, model: str) -> asyncio.Task:
         """`model` downloaded (`fetch`, on a thread of its own that a shutdown does not wait for) and
         served as `name` once it is here; one download per name, however many clients ask. The task
         goes on when the client that asked leaves: the download is not lost."""
-        task = self._pulls.get(name)
+        key = ollama_pull.canonical(name) or name
+        task = self._pulls.get(key)
         if task is None and len(self._pulls) >= PULLS_AT_ONCE:
             raise APIError(503, f"{len(self._pulls)} models are being pulled, as many as this server pulls at once; "
                                 "try again when one is done", "model", type="server_unavailable",
@@ -198,9 +228,15 @@ class Router:
             async def fetched():
                 await in_daemon_thread(lambda: self.fetch(model))
                 self.add(name, model)
-            task = self._pulls[name] = asyncio.get_running_loop().create_task(fetched())
-            task.add_done_callback(lambda t: (self._pulls.pop(name, None), t.cancelled() or t.exception()))
+            task = self._pulls[key] = asyncio.get_running_loop().create_task(fetched())
+            task.add_done_callback(lambda t: self._pulled(key, name, t))
         return task
+
+    def _pulled(self, key: str, name: str, task: asyncio.Task) -> None:
+        self._pulls.pop(key, None)
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            log.warning("could not pull %s: %s", name, exc)
 
     async def readable(self, name: str) -> None:
         """Whether the model `name`, a file or folder here, can load, found without loading it (its
@@ -272,7 +308,9 @@ class Router:
 
     def hold(self, name: str, seconds: float | None | bool) -> None:
         """A request's keep_alive for the model `name` (Ollama's; False: the server's): it applies from then on."""
-        self.entry(name).keep_alive = seconds
+        served = self.lookup(name)
+        if served is not None:  # (else the request's own lookup says why not, or adds it)
+            served.keep_alive = seconds
 
     async def _reap(self) -> None:
         while True:
@@ -305,6 +343,14 @@ class Router:
         for served in list(self.models.values()):
             if served.routes is not None:
                 await asyncio.to_thread(served.routes.engine.stop)
+
+
+def named(body, routes: Routes):
+    """The request as the model's routes take it: `model` the name it is served as (a request may
+    name it by another spelling of the same repo)."""
+    if getattr(body, "model", None) is not None:
+        body.model = routes.config.served_model_name
+    return body
 
 
 def in_daemon_thread(fn: Callable[[], object]) -> asyncio.Future:
@@ -352,19 +398,19 @@ class RouterRoutes:
                         check=self.router.readable, pull=self.pull, keep_alive=self.router.hold)
 
     async def chat_completions(self, body: P.ChatCompletionRequest, raw: HTTPRequest) -> Response:
-        return await self.router.call(body.model, lambda r: r.chat.chat_completions(body, raw), raw)
+        return await self.router.call(body.model, lambda r: r.chat.chat_completions(named(body, r), raw), raw)
 
     async def completions(self, body: P.CompletionRequest, raw: HTTPRequest) -> Response:
-        return await self.router.call(body.model, lambda r: r.text.completions(body, raw), raw)
+        return await self.router.call(body.model, lambda r: r.text.completions(named(body, r), raw), raw)
 
     async def embeddings(self, body: P.EmbeddingRequest, raw: HTTPRequest):
-        return await self.router.call(body.model, lambda r: r.embed.embeddings(body, raw), raw)
+        return await self.router.call(body.model, lambda r: r.embed.embeddings(named(body, r), raw), raw)
 
     async def tokenize(self, body: P.TokenizeRequest):
-        return await self.router.call(body.model, lambda r: r.tokenize(body))
+        return await self.router.call(body.model, lambda r: r.tokenize(named(body, r)))
 
     async def detokenize(self, body: P.DetokenizeRequest):
-        return await self.router.call(body.model, lambda r: r.detokenize(body))
+        return await self.router.call(body.model, lambda r: r.detokenize(named(body, r)))
 
     async def load(self, name: str, raw: HTTPRequest | None = None) -> None:
         """The model `name` loaded, as a request for it loads it (Ollama's load)."""
@@ -373,8 +419,8 @@ class RouterRoutes:
     async def pull(self, name: str) -> asyncio.Task | None:
         """Ollama's pull of `name`: what of a listed model is missing fetched (nothing for a file or
         folder), or, with --allow-pull, a built-in model or Hugging Face repo fetched and added."""
-        served = self.router.models.get(name)
-        if served is not None and Path(served.model).expanduser().exists():
+        served = self.router.lookup(name)
+        if served is not None and ollama_pull.is_path(served.model):
             return None
         if served is None and not self.router.allow_pull:
             raise APIError(403, f"this server does not fetch models for its clients: it serves "
@@ -385,7 +431,8 @@ class RouterRoutes:
             return None
         if served is None:
             ollama_pull.pullable(name)
-        return self.router.pull(name, name if served is None else served.model)
+            return self.router.pull(name, name)
+        return self.router.pull(served.name, served.model)
 
     def card(self, served: Served) -> dict:
         routes = served.routes
@@ -397,7 +444,7 @@ class RouterRoutes:
         return {"object": "list", "data": [self.card(s) for s in self.router.models.values()]}
 
     async def model(self, model_id: str):
-        return self.card(self.router.entry(model_id))
+        return self.card(await self.router.found(model_id))
 
     async def page(self):
         return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))

@@ -5,6 +5,7 @@ the progress and serves the model; bad names, missing repos, servers that do not
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 
 import httpx
@@ -186,14 +187,85 @@ def test_pulls_at_once_are_bounded(hf_env, tiny):
 
 
 def test_a_model_pulled_before_a_restart_answers_by_the_name_pulled(hf_env, router_server, tiny):
-    """`minerva list` names hf.co/OWNER/REPO:QUANT as OWNER/REPO:QUANT; a server with --allow-pull
-    started after the pull serves it by either name (not a model only fetchable: that takes a pull)."""
+    """`minerva list`, which a server with --allow-pull starts from, names hf.co/OWNER/REPO:QUANT as
+    OWNER/REPO:QUANT: either name is that model, on every route; OWNER/REPO pulled without a
+    quantization is served under that name too once asked for (a model only fetchable is not)."""
     resolve(REPO)
     url = router_server([("tiny", str(tiny)), ("test/tiny-GGUF:Q8_0", "test/tiny-GGUF:Q8_0")])
-    r = httpx.post(f"{url}/v1/completions", json={"model": REPO, "prompt": "ab", "max_tokens": 2})
+    for name in (REPO, "hf.co/test/tiny-GGUF:q8_0", "huggingface.co//test/tiny-GGUF:Q8_0"):
+        r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "ab", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{url}/api/show", json={"model": name}).json()["details"]["family"] == "llama"
+        assert httpx.get(f"{url}/v1/models/{name}").json()["id"] == "test/tiny-GGUF:Q8_0"
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "test/tiny-GGUF:Q8_0"]
+    r = httpx.post(f"{url}/v1/completions", json={"model": "hf.co/test/tiny-GGUF", "prompt": "ab", "max_tokens": 2})
     assert r.status_code == 200
-    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "test/tiny-GGUF:Q8_0", REPO]
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "test/tiny-GGUF:Q8_0",
+                                                                              "hf.co/test/tiny-GGUF"]
     r = httpx.post(f"{url}/v1/completions", json={"model": "hf.co/test/other-GGUF", "prompt": "ab", "max_tokens": 2})
     assert r.status_code == 404 and hf_env.downloads("tiny-Q8_0.gguf") == [None]
     url = router_server([("tiny", str(tiny))], allow_pull=False)
     assert httpx.post(f"{url}/v1/completions", json={"model": REPO, "prompt": "ab"}).status_code == 404
+
+
+def test_one_download_per_model_however_it_is_spelled(hf_env, tiny):
+    """Clients pulling one model at once, under any of its spellings, wait on one download; a
+    request for it meanwhile is a 503 with Retry-After (not a load of a file half there); then the
+    model is served once, under the first name pulled."""
+    release, fetched = threading.Event(), []
+
+    def fetch(model):
+        fetched.append(model)
+        release.wait(30)
+        return pull(model, progress=False)
+
+    config = ServerConfig("tiny")
+    router = Router([("tiny", str(tiny))], lambda m: (LLM(m, dtype="float32", activations="float",
+                                                          kv_cache_memory=4e6), None),
+                    config, check=lambda m: read_config(resolve(m)), fetch=fetch, allow_pull=True)
+    spellings = [REPO, "hf.co//test/tiny-GGUF:Q8_0", "HF.CO/test/tiny-GGUF:q8_0", "huggingface.co/test/tiny-GGUF:Q8_0",
+                 "test/tiny-GGUF:Q8_0:latest"]
+    with running_app(build_router_app(router, config), config) as (url, _):
+        with concurrent.futures.ThreadPoolExecutor(len(spellings)) as pool:
+            first = pool.submit(httpx.post, f"{url}/api/pull", json={"model": REPO, "stream": False}, timeout=60)
+            wait_for(lambda: fetched, timeout=30, what="the pull to start")
+            rest = [pool.submit(httpx.post, f"{url}/api/pull", json={"model": n, "stream": False}, timeout=60)
+                    for n in spellings[1:]]
+            r = httpx.post(f"{url}/v1/completions", json={"model": "test/tiny-GGUF:Q8_0", "prompt": "ab"})
+            assert r.status_code == 503 and r.headers["retry-after"] == "10" and "is being pulled" in r.text
+            release.set()
+            assert [f.result().json() for f in [first, *rest]] == [{"status": "success"}] * len(spellings)
+        assert fetched == [REPO] and hf_env.downloads("tiny-Q8_0.gguf") == [None]
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", REPO]
+        r = httpx.post(f"{url}/v1/completions", json={"model": "test/tiny-GGUF:Q8_0", "prompt": "ab", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == REPO
+
+
+@pytest.mark.parametrize("name", ["~nosuchuser", "x" * 5000, "hf.co/" + "a/" * 3000, "a\0b"])
+def test_names_no_path_can_have_are_400s(hf_env, router_server, tiny, name):
+    url = router_server([("tiny", str(tiny))])
+    r = httpx.post(f"{url}/api/pull", json={"model": name, "stream": False})
+    assert r.status_code == 400 and len(r.json()["error"]) < 600
+    r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "ab"})
+    assert r.status_code == 404
+
+
+def test_a_quiet_pull_still_sends_lines(hf_env, tiny, monkeypatch):
+    """While nothing is written (a checksum taken, a slow Hub) the stream still says something,
+    for clients that time out reads."""
+    from minerva.serve import ollama_pull
+    monkeypatch.setattr(ollama_pull, "PROGRESS_EVERY", 0.05)
+    monkeypatch.setattr(ollama_pull, "QUIET_AT_MOST", 0.2)
+    release = threading.Event()
+    config = ServerConfig("tiny")
+    router = Router([("tiny", str(tiny))], lambda m: None, config,
+                    fetch=lambda m: release.wait(30) and pull(m, progress=False), allow_pull=True)
+    with running_app(build_router_app(router, config), config) as (url, _):
+        lines = []
+        with httpx.stream("POST", f"{url}/api/pull", json={"model": REPO}, timeout=30) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+                if len(lines) == 4:
+                    release.set()
+    assert lines[0] == {"status": "pulling manifest"}
+    assert lines[1:4] == [{"status": "downloading", "completed": 0}] * 3 and lines[-1] == {"status": "success"}

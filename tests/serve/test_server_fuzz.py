@@ -113,8 +113,8 @@ def operations(schema) -> list:
 # which depends on pytest internals that change between releases).
 # /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /v1/models/{id}, /health, /tokenize,
 # /detokenize, /metrics, /v1/messages, /v1/messages/count_tokens, POST /v1/responses, GET and DELETE
-# /v1/responses/{id}, Ollama's /api/chat, generate, embed, embeddings, show, tags, ps, version
-NUM_OPERATIONS = 22
+# /v1/responses/{id}, Ollama's /api/chat, generate, embed, embeddings, show, pull, tags, ps, version
+NUM_OPERATIONS = 23
 
 
 @pytest.mark.parametrize("index", range(NUM_OPERATIONS))

@@ -414,7 +414,7 @@ class RouterRoutes:
 
     async def load(self, name: str, raw: HTTPRequest | None = None) -> None:
         """The model `name` loaded, as a request for it loads it (Ollama's load)."""
-        await self.router.call(name, lambda r: r.load(name), raw)
+        await self.router.call(name, lambda r: r.load(r.config.served_model_name), raw)
 
     async def pull(self, name: str) -> asyncio.Task | None:
         """Ollama's pull of `name`: what of a listed model is missing fetched (nothing for a file or

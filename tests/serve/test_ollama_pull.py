@@ -197,6 +197,7 @@ def test_a_model_pulled_before_a_restart_answers_by_the_name_pulled(hf_env, rout
         assert r.status_code == 200, r.text
         assert httpx.post(f"{url}/api/show", json={"model": name}).json()["details"]["family"] == "llama"
         assert httpx.get(f"{url}/v1/models/{name}").json()["id"] == "test/tiny-GGUF:Q8_0"
+        assert httpx.post(f"{url}/api/generate", json={"model": name}).json()["done_reason"] == "load"
     assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "test/tiny-GGUF:Q8_0"]
     r = httpx.post(f"{url}/v1/completions", json={"model": "hf.co/test/tiny-GGUF", "prompt": "ab", "max_tokens": 2})
     assert r.status_code == 200

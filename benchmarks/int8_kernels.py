@@ -22,7 +22,6 @@ import torch
 from minerva.kernels import hugepages, native, repack
 
 Q = gguf.GGMLQuantizationType
-AS_STORED = ("Q6_K",)  # kept in the GGUF layout by the loader
 
 
 def random_matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
@@ -47,7 +46,7 @@ def median_seconds(f, reps: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--type", default="Q8_0", choices=sorted({t.name for t in repack.TYPES} | set(AS_STORED)))
+    ap.add_argument("--type", default="Q8_0", choices=sorted(t.name for t in repack.TYPES))
     ap.add_argument("--rows", type=int, default=2880)
     ap.add_argument("--cols", type=int, default=2880)
     ap.add_argument("--m", default="1,2,4,8,16", help="rows of x, comma-separated")
@@ -70,7 +69,7 @@ def main() -> int:
     qtype = Q[args.type]
     ggml = random_matrix(qtype, args.rows, args.cols, np.random.default_rng(0))
     layouts = [("gguf layout", ggml, int(qtype))]
-    if args.type not in AS_STORED:
+    if repack.applies(kernels, qtype):  # (Q6_K: where the build regroups it)
         regrouped = repack.regroup_in_place(ggml.clone(), qtype, args.rows, args.cols, kernels)
         layouts.append(("regrouped", regrouped, int(qtype) | repack.REGROUPED))
     pool = hugepages.Pool(sum(hugepages.padded(t) for _, t, _ in layouts))

@@ -39,7 +39,7 @@ Q = gguf.GGMLQuantizationType
 def packed(raw: np.ndarray, qtype: Q, rows: int, cols: int, kernels) -> tuple[torch.Tensor, int]:
     """The matrix as the int8 path keeps it (regrouped where the type has a layout for it)."""
     w = torch.from_numpy(np.ascontiguousarray(raw).reshape(rows, -1).copy())
-    if qtype in repack.TYPES:
+    if repack.applies(kernels, qtype):
         return repack.regroup_in_place(w, qtype, rows, cols, kernels), int(qtype) | repack.REGROUPED
     return w, int(qtype)
 

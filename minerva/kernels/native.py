@@ -40,7 +40,7 @@ log = logging.getLogger("minerva")
 
 CSRC = Path(__file__).parent / "csrc"
 # the int8 matmul (8-bit activations), the same sources in both builds: q8_matmul.cpp lists them
-Q8_SOURCES = ("q8_matmul.cpp", "q8_quant.cpp", "q8_cpu.cpp", "q8_repack_x8.cpp", "q8_repack_k.cpp")
+Q8_SOURCES = ("q8_matmul.cpp", "q8_quant.cpp", "q8_cpu.cpp", "q8_repack_x8.cpp", "q8_repack_k.cpp", "q8_q6k.cpp")
 # the sources of each build, by instruction set; module.cpp (the Python module) is shared
 SOURCES = {
     "avx512": [CSRC / name for name in ("qmatmul.cpp", *Q8_SOURCES, "attention.cpp", "ops.cpp", "sampling.cpp",

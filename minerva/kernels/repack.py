@@ -13,10 +13,16 @@ block g holds its 8 rows' block g together, in the same bytes as the 8 GGML bloc
     Q3_K:          hmask[256] | qs[512] | scales bytes 0-11 [96] | d[8]
     Q2_K:          scale/min bytes 0-15 [128] | qs[512] | d[8] | dmin[8]
 
-(Q6_K stays in the GGML layout: one row of x reads it faster from memory as stored, see
-`tile_panel` in csrc/q8_repack_k.cpp. For 8 or more rows of x the kernel regroups each panel
-of 32 rows into a buffer of its own, in the layout Q3_K has here, before the integer dot
-products: `matmul_panels`.)
+Q6_K, where the build has AVX-512 VNNI (`kernels.regroups_q6_k`), goes in units of 16 rows (the
+last padded with zero rows), each super-block's bytes in the order one row of x reads them:
+
+    Q6_K:          for part p = 0, 1 and c = 0..7: ql chunks 16p + c, 16p + 8 + c, qh chunk 8p + c
+                   [64 each] | scales [256] | d[16]
+
+a chunk being the 16 rows' 4 bytes side by side (csrc/q8_q6k.cpp). Elsewhere Q6_K stays in the
+GGML layout, and for 8 or more rows of x the kernel regroups each panel of 32 rows into a
+buffer of its own, in the layout Q3_K has here, before the integer dot products
+(`matmul_panels`).
 
 qs chunk k (bytes 4k .. 4k + 3 of a row's qs) of row j sits at 32k + 4j, so one 32-byte load
 gives the same 4 bytes of all 8 rows, one row per 32-bit lane, and a dot product against 4
@@ -64,7 +70,8 @@ FIELDS = {
     # the GGML fields in their order: the 16 scale/min bytes, qs, d, dmin
     Q.Q2_K: [(16, "chunks"), (64, "chunks"), (2, "rows"), (2, "rows")],
 }
-TYPES = frozenset(FIELDS)
+TYPES = frozenset(FIELDS) | {Q.Q6_K}  # (Q6_K: regroup_q6 below)
+UNIT = 16  # Q6_K's rows per unit
 # regrouped types whose rows the kernels look up in place (`regrouped_rows`): a tied LM head of
 # one of these is regrouped too, and the embedding reads its rows from that layout
 LOOKUP_TYPES = frozenset({Q.Q8_0})
@@ -92,8 +99,59 @@ def _move_bits(qh: torch.Tensor, inverse: bool) -> torch.Tensor:
     return torch.stack([(out >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
 
 
-def rows_padded(rows: int) -> int:
-    return -(-rows // GROUP) * GROUP
+def group_rows(qtype) -> int:
+    """The rows regrouped together: 8, or Q6_K's unit of 16."""
+    return UNIT if Q(qtype) == Q.Q6_K else GROUP
+
+
+def rows_padded(rows: int, qtype=None) -> int:
+    n = GROUP if qtype is None else group_rows(qtype)
+    return -(-rows // n) * n
+
+
+def applies(kernel, qtype) -> bool:
+    """Whether the compiled `kernel` module multiplies `qtype` regrouped (Q6_K: only where the
+    build has AVX-512 VNNI)."""
+    return (Q(qtype) in TYPES and hasattr(kernel, "regroup_")
+            and (Q(qtype) != Q.Q6_K or bool(getattr(kernel, "regroups_q6_k", False))))
+
+
+def _q6_parts(b: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """Q6_K blocks [unit, block, row (16), 210] as the unit's fields, each a view and the
+    permutation that puts its dimensions in the regrouped order."""
+    n, blocks = b.shape[:2]
+    return [(b[..., :128].reshape(n, blocks, UNIT, 2, 2, 8, 4), (0, 1, 3, 5, 4, 2, 6)),  # ql: [p, c, half, row, 4]
+            (b[..., 128:192].reshape(n, blocks, UNIT, 2, 8, 4), (0, 1, 3, 4, 2, 5)),  # qh: [p, c, row, 4]
+            (b[..., 192:208].reshape(n, blocks, UNIT, 4, 4), (0, 1, 3, 2, 4)),  # scales: [chunk, row, 4]
+            (b[..., 208:210], (0, 1, 2, 3))]  # d: [row, 2]
+
+
+def regroup_q6(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Q6_K's GGML bytes [rows, row bytes] -> units of 16 rows [rows rounded up to 16, row bytes]."""
+    blocks = cols // 256
+    b = packed.reshape(rows, blocks, 210)
+    if rows % UNIT:
+        b = torch.cat([b, b.new_zeros(rows_padded(rows, Q.Q6_K) - rows, blocks, 210)])
+    n = b.shape[0] // UNIT
+    b = b.reshape(n, UNIT, blocks, 210).transpose(1, 2)
+    ql, qh, sc, d = (f.permute(order) for f, order in _q6_parts(b))
+    pc = torch.cat([ql.reshape(n, blocks, 2, 8, 2 * 64), qh.reshape(n, blocks, 2, 8, 64)], -1)
+    return torch.cat([pc.reshape(n, blocks, 3072), sc.reshape(n, blocks, 256), d.reshape(n, blocks, 32)],
+                     -1).reshape(n * UNIT, blocks * 210)
+
+
+def restore_q6(regrouped: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `regroup_q6`."""
+    blocks = cols // 256
+    n = regrouped.shape[0] // UNIT
+    u = regrouped.reshape(n, blocks, UNIT * 210)
+    pc = u[..., :3072].reshape(n, blocks, 2, 8, 192)
+    out = torch.empty(n, blocks, UNIT, 210, dtype=torch.uint8)
+    sources = [pc[..., :128].reshape(n, blocks, 2, 8, 2, UNIT, 4), pc[..., 128:].reshape(n, blocks, 2, 8, UNIT, 4),
+               u[..., 3072:3328].reshape(n, blocks, 4, UNIT, 4), u[..., 3328:].reshape(n, blocks, UNIT, 2)]
+    for (view, order), src in zip(_q6_parts(out), sources):
+        view.permute(order).copy_(src)
+    return out.transpose(1, 2).reshape(n * UNIT, blocks * 210)[:rows].contiguous()
 
 
 def _geometry(qtype, cols: int) -> tuple[list[tuple[int, str]], int, int]:
@@ -104,6 +162,8 @@ def _geometry(qtype, cols: int) -> tuple[list[tuple[int, str]], int, int]:
 
 def regroup(packed: torch.Tensor, qtype, rows: int, cols: int) -> torch.Tensor:
     """GGML bytes [rows, row bytes] -> the regrouped bytes [rows rounded up to 8, row bytes]."""
+    if Q(qtype) == Q.Q6_K:
+        return regroup_q6(packed, rows, cols)
     fields, size, blocks = _geometry(qtype, cols)
     b = packed.reshape(rows, blocks, size)
     if rows % GROUP:
@@ -130,9 +190,12 @@ def regroup_in_place(packed: torch.Tensor, qtype, rows: int, cols: int, kernel) 
     rows are a multiple of 8 (a group's regrouped bytes fill exactly its rows' bytes), else in
     a copy padded with zero rows: no second copy of a large matrix, and a 7B model's matrices
     take well under a second instead of the seconds the torch version spends."""
+    if rows % group_rows(qtype):
+        packed = torch.cat([packed, packed.new_zeros(rows_padded(rows, qtype) - rows, packed.shape[1])])
+    if Q(qtype) == Q.Q6_K:
+        kernel.regroup_q6_k_(packed)
+        return packed
     fields, size, _ = _geometry(qtype, cols)
-    if rows % GROUP:
-        packed = torch.cat([packed, packed.new_zeros(rows_padded(rows) - rows, packed.shape[1])])
     kernel.regroup_(packed, size, [v for w, how in fields for v in (w, _KINDS[how])],
                     [v for move in _bit_moves() for v in move])
     return packed
@@ -140,6 +203,8 @@ def regroup_in_place(packed: torch.Tensor, qtype, rows: int, cols: int, kernel) 
 
 def restore(regrouped: torch.Tensor, qtype, rows: int, cols: int) -> torch.Tensor:
     """The inverse of `regroup`: GGML bytes [rows, row bytes]."""
+    if Q(qtype) == Q.Q6_K:
+        return restore_q6(regrouped, rows, cols)
     fields, size, blocks = _geometry(qtype, cols)
     n = regrouped.shape[0] // GROUP
     b = regrouped.reshape(n, blocks, GROUP * size)

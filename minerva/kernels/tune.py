@@ -158,7 +158,7 @@ def _matrices(kernels, qtype: Q, gen: torch.Generator, stream_bytes: int, shapes
     firsts = {}
     for rows, cols in shapes:
         w = random_blocks(qtype, rows, cols, gen)
-        if qtype in repack.TYPES:
+        if repack.applies(kernels, qtype) and qtype != Q.Q6_K:  # (Q6_K's units take no choice: its GGML layout's)
             firsts[rows, cols] = repack.regroup_in_place(w, qtype, rows, cols, kernels), int(qtype) | repack.REGROUPED
         else:
             firsts[rows, cols] = w, int(qtype)
@@ -183,12 +183,13 @@ def _sweep_seconds(kernels, matrices: list[Matrix], xs: dict) -> float:
 
 def settings_one_row(kernels, qtype: Q) -> list[Setting]:
     """What the planner times for one row of x: the K-quants' groups (1, or 2 with the
-    AVX-512 build) or the 32-weight types' streams (1, 2 or 4 groups side by side, and where
-    the build has it two groups a 512-bit register, `kernels.x8_pairs`), each with every L2
-    prefetch distance."""
+    AVX-512 build; Q6_K 1: its GGML layout, the one it is timed in, takes two rows at a time
+    whatever the groups, and its units of 16 rows take no choice) or the 32-weight types'
+    streams (1, 2 or 4 groups side by side, and where the build has it two groups a 512-bit
+    register, `kernels.x8_pairs`), each with every L2 prefetch distance."""
     d = _default_setting(kernels, qtype)
     pairs = getattr(kernels, "x8_pairs", 0)
-    groups = (((1, 2) if native.built == "avx512" else (1,)) if qtype in K_TYPES
+    groups = (((1, 2) if native.built == "avx512" and qtype != Q.Q6_K else (1,)) if qtype in K_TYPES
               else (1, 2, 4) + ((pairs,) if pairs else ()))
     return [Setting(g, l2, d.x_copy, d.few_rows) for g in groups for l2 in L2_AHEAD]
 

@@ -99,7 +99,7 @@ class PackedWeight:
         look its rows up in place (`repack.LOOKUP_TYPES`)."""
         self.int8 = act_quant.applies(self.qtype)
         if (self.int8 and regroup and not self.regrouped and self.kernel is not None
-                and self.qtype in repack.TYPES and hasattr(self.kernel, "regroup_")):  # the C++ kernels
+                and repack.applies(self.kernel, self.qtype)):  # the C++ kernels
             self.packed = repack.regroup_in_place(self.packed, self.qtype, *self.shape, self.kernel)
             self.qtype_id = int(self.qtype) | repack.REGROUPED
             self.regrouped = True
@@ -113,14 +113,15 @@ class PackedWeight:
             return self.kernel.regrouped_rows(self.packed, self.qtype_id, ids, cols)
         if ids is None:
             return repack.restore(self.packed, self.qtype, rows, cols)
-        groups = self.packed.reshape(-1, repack.GROUP, self.packed.shape[1])[ids // repack.GROUP]
+        g = repack.group_rows(self.qtype)
+        groups = self.packed.reshape(-1, g, self.packed.shape[1])[ids // g]
         n = groups.shape[0]
-        ggml = repack.restore(groups.reshape(n * repack.GROUP, -1), self.qtype, n * repack.GROUP, cols)
-        return ggml.reshape(n, repack.GROUP, -1)[torch.arange(n), ids % repack.GROUP]
+        ggml = repack.restore(groups.reshape(n * g, -1), self.qtype, n * g, cols)
+        return ggml.reshape(n, g, -1)[torch.arange(n), ids % g]
 
     @property
     def nbytes(self) -> int:
-        """Bytes as stored in the file (packed; regrouped, up to 7 zero rows more)."""
+        """Bytes as stored in the file (packed; regrouped, up to 7 zero rows more, Q6_K 15)."""
         return self.packed.numel()
 
     @property

@@ -332,8 +332,8 @@ def test_regrouped_arguments_are_checked(kernels):
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="bytes, expected"):  # 13 rows, not padded to 16
         kernels.qmatmul_q8(x, raw, int(QT.Q4_0) | repack.REGROUPED, 13, 64)
-    with pytest.raises(RuntimeError, match="no regrouped layout"):
-        kernels.qmatmul_q8(x, raw, int(QT.Q6_K) | repack.REGROUPED, 13, 64)
+    with pytest.raises(RuntimeError, match="no regrouped layout"):  # (Q6_K's: test_repack_q6k.py)
+        kernels.qmatmul_q8(x, raw, int(QT.F16) | repack.REGROUPED, 13, 64)
 
 
 @needs_kernels

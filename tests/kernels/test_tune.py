@@ -43,7 +43,7 @@ def small(monkeypatch):
 def _product(qtype: Q, x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     w = tune.random_blocks(qtype, rows, cols, torch.Generator().manual_seed(1))
     qid = int(qtype)
-    if qtype in repack.TYPES:
+    if repack.applies(kernels, qtype):
         w, qid = repack.regroup_in_place(w, qtype, rows, cols, kernels), qid | repack.REGROUPED
     return kernels.qmatmul_q8(x, w, qid, rows, cols)
 

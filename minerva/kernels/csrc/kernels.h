@@ -56,6 +56,8 @@ int64_t x8_pairs_choice();
 // whether the int8 kernels take VNNI's dot products (AVX-512 VNNI or AVX-VNNI; q8_blocks.h)
 bool vnni_dot_products();
 void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fields, std::vector<int64_t> moves);
+void regroup_q6_k_(torch::Tensor packed);  // (q8_q6k.cpp)
+bool q6_k_regrouped();  // whether this build multiplies Q6_K in that layout (q8_q6k.cpp)
 // rows `ids` of a regrouped Q8_0 matrix in the GGML layout (q8_repack_x8.cpp)
 torch::Tensor regrouped_rows(const torch::Tensor& packed, int64_t qtype, const torch::Tensor& ids, int64_t cols);
 // attention.cpp

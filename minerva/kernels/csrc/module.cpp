@@ -673,8 +673,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "per work item, L2 prefetch bytes; many rows: the Q4_K/Q5_K tiles copy x (0 or 1); the Q4_K/Q5_K tiles "
         "scale sub-blocks in i32 (1) or in float (0), for every type]; returns them, then sets them when given");
   m.attr("x8_pairs") = x8_pairs_choice();
+  m.attr("regroups_q6_k") = q6_k_regrouped();
   m.attr("vnni") = vnni_dot_products();
   m.def("regroup_", &regroup_, NOGIL, "packed rows regrouped for the int8 kernels in place (minerva/kernels/repack.py)");
+  m.def("regroup_q6_k_", &regroup_q6_k_, NOGIL, "Q6_K rows regrouped in units of 16 in place (minerva/kernels/repack.py)");
   m.def("regrouped_rows", &regrouped_rows, NOGIL, "rows of a regrouped Q8_0 matrix in the GGML layout");
   m.def("set_num_threads", [](int64_t n) { minerva::ThreadPool::get().set_threads(static_cast<int>(n)); },
         "threads for the kernels (0: torch's setting)");

@@ -61,10 +61,22 @@ inline __m256 block_step(const Q8& a, int64_t r, int64_t g, __m256i dot, __m256 
   return acc;
 }
 
-// the types with a regrouped layout (minerva/kernels/repack.py's TYPES)
+// the types with a regrouped layout in this build (minerva/kernels/repack.py's TYPES; Q6_K's,
+// units of 16 rows, where the build has V16: q8_q6k.cpp)
+#if defined(MINERVA_V16)
+constexpr bool Q6_REGROUPED = true;
+#else
+constexpr bool Q6_REGROUPED = false;
+#endif
 template <int QT>
 constexpr bool has_x8 = QT == Q4_0 || QT == Q4_1 || QT == Q5_0 || QT == Q5_1 || QT == MXFP4 || QT == Q8_0 ||
-                        QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K;
+                        QT == Q2_K || QT == Q3_K || QT == Q4_K || QT == Q5_K || (QT == Q6_K && Q6_REGROUPED);
+// the rows a regrouped matrix of `rows` rows holds: padded with zero rows to a whole group of 8,
+// or for Q6_K to a unit of 16
+template <int QT>
+constexpr int64_t padded_rows(int64_t rows) {
+  return QT == Q6_K ? (rows + 15) / 16 * 16 : (rows + 7) / 8 * 8;
+}
 
 // Rows of x are taken MR at a time (the last tile shorter): tile_rows(m, rows) runs a tile
 // of `rows` rows of x from row m.
@@ -87,7 +99,7 @@ inline void x_tiles(int64_t M, const F& tile_rows) {
 // tile of x (4 rows, one K-long row each) meets the whole panel while it sits in L1: x is
 // read from L2/L3 once per panel rather than once per weight row.
 constexpr int64_t PANEL = 32;
-static_assert(PANEL % 8 == 0, "a panel is whole groups of 8 weight rows (x8_per, matmul_panels)");
+static_assert(PANEL % 16 == 0, "a panel is whole groups of 8 weight rows (x8_per, matmul_panels), and units of 16 (Q6_K)");
 
 // (q8_repack_k.cpp, for Q3_K and Q6_K)
 template <int QT>
@@ -139,6 +151,7 @@ int64_t x8_per(int64_t M, int64_t K) {
   if (few_rows<QT>(M, K)) return choices_of<QT>().groups;
   if (M > 1 || x8_pairs<QT>()) return PANEL / 8;
   if constexpr (QT == Q8_0) return choices_of<QT>().groups;
+  if constexpr (QT == Q6_K) return 2;  // a unit of 16 rows (q8_q6k.cpp)
   if constexpr (!is_k<QT>) return 8 * row_bytes<QT>(K) >= X8_STREAM_BYTES ? choices_of<QT>().groups : 1;
 #if defined(MINERVA_V16)
   if constexpr (is_k<QT>) return choices_of<QT>().groups >= 2 ? 2 : 1;
@@ -153,5 +166,9 @@ void x8_groups(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, in
                const uint8_t* end);
 template <int QT>
 void matmul_x8(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, at::BFloat16* yb = nullptr);
+// Q6_K's units of 16 rows: groups g0 .. g1 with g0 even (q8_q6k.cpp)
+template <>
+void x8_groups<Q6_K>(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y, int64_t ldy, int64_t g0, int64_t g1,
+                     const uint8_t* end);
 
 }  // namespace minerva::q8

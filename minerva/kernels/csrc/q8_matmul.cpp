@@ -43,7 +43,9 @@
 // - this file: the kernels on the GGML layout (tile, row1, tile8, matmul) and the entry points;
 // - q8_repack.h, q8_repack_x8.cpp, q8_repack_k.cpp: the kernels on the regrouped layouts
 //   (minerva/kernels/repack.py) of the 32-weight block types and of the K-quants, and the
-//   K-quant panels regrouped at run time.
+//   K-quant panels regrouped at run time;
+// - q8_q6k.cpp: Q6_K's units of 16 rows (where the build has AVX-512 VNNI), its one-row kernel
+//   and their dispatch.
 
 #include <torch/extension.h>
 #include <immintrin.h>
@@ -453,7 +455,7 @@ torch::Tensor grouped_qmatmul_q8(const torch::Tensor& x, const std::vector<torch
         const int64_t M = starts[e + 1] - starts[e], per = x8_per<QT>(M, cols);
         TORCH_CHECK(M >= 0, "grouped_qmatmul_q8: starts must not decrease");
         if (M > 0) {
-          check_args<QT>(w[e], 8 * groups, cols);
+          check_args<QT>(w[e], padded_rows<QT>(rows), cols);
           TORCH_CHECK(!bias[e].defined() || bias[e].numel() == 0 ||
                           (bias[e].dtype() == torch::kFloat32 && bias[e].is_contiguous() && bias[e].numel() == rows),
                       "grouped_qmatmul_q8: a bias must be float32 [", rows, "]");
@@ -598,7 +600,7 @@ std::optional<RowMatrices> row_matrices(const std::vector<torch::Tensor>& packed
     const bool ok = with_format(qtypes[i] & ~REGROUPED, [&]<int QT>() -> bool {
       if constexpr (has_w8<QT>) {
         if (regrouped && !has_x8<QT>) return false;
-        check_args<QT>(packed[i], regrouped ? (rows[i] + 7) / 8 * 8 : rows[i], cols);
+        check_args<QT>(packed[i], regrouped ? padded_rows<QT>(rows[i]) : rows[i], cols);
         return true;
       }
       return false;
@@ -664,7 +666,7 @@ torch::Tensor qmatmul_q8(torch::Tensor x, torch::Tensor packed, int64_t qtype, i
   if (qtype & REGROUPED) {
     return with_format(qtype & ~REGROUPED, [&]<int QT>() -> torch::Tensor {
       if constexpr (has_x8<QT>) {
-        check_args<QT>(packed, (rows + 7) / 8 * 8, cols);
+        check_args<QT>(packed, padded_rows<QT>(rows), cols);
         const Quantized a(checked(x, cols), is_k<QT> ? 256 : 32);
         const int64_t M = a.rows();
         if (x.dtype() == torch::kBFloat16) {  // rounded as each work item finishes

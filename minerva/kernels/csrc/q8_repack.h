@@ -107,6 +107,12 @@ constexpr int64_t Q6_PLAIN_FROM = 128;
 constexpr int64_t PANEL_PLAIN_FROM_V8 = 16;
 template <class V, int QT>
 void decode_once(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, uint8_t* out);
+// q8_repack_k.cpp: groups of tile_panel's layout against all rows of x (as matmul_panels takes
+// them), and a unit of Q6_K regrouped at load (q8_q6k.cpp) as two such groups
+template <int QT>
+void panel_tiles(const Q8& a, int64_t M, const uint8_t* panel, int64_t gb, int64_t groups, int64_t left, float* y,
+                 int64_t ldy, std::vector<uint8_t>& plain_buffer);
+void q6_unit_to_panels(const uint8_t* unit, int64_t G, int64_t gb, uint8_t* out);
 template <class V, int QT, int mr, bool PRE = false>
 void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, int valid, float* y, int64_t ldy,
                 const uint8_t* end = nullptr, const uint8_t* plain = nullptr);

@@ -1,6 +1,7 @@
 // The K-quants regrouped (Q2_K .. Q5_K at load, minerva/kernels/repack.py; Q3_K and Q6_K also
-// panel by panel at run time): their kernels on V8 / V16, the regrouped dispatch for them
-// (q8_repack.h) and matmul_panels. q8_matmul.cpp describes the design.
+// panel by panel at run time, Q6_K's units regrouped at load too: q8_q6k.cpp): their kernels on
+// V8 / V16, the regrouped dispatch for them (q8_repack.h), matmul_panels and panel_tiles.
+// q8_matmul.cpp describes the design.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -226,7 +227,7 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
 // Q3_K and Q6_K regrouped: Q3_K at load (minerva/kernels/repack.py) for 8-bit activations;
 // Q6_K, and a Q3_K matrix left in the GGML layout (one that is also the embedding), panel by
 // panel at run time with PANELS_FROM or more rows of x (regroup_panel, into a buffer of the
-// work item's). Each group of 8 rows keeps its super-block's fields in the GGML order, the 8
+// work item's; Q6_K's units of 16 rows, regrouped at load, likewise: q6_unit_to_panels). Each group of 8 rows keeps its super-block's fields in the GGML order, the 8
 // rows' chunk q of a field (its bytes 4q .. 4q + 3) of row j at 32q + 4j, and the kernel below
 // takes one weight row per lane:
 // - Q6_K: ql[1024] | qh[512] | scales[128] | d[8] (f16). Sub-block s = 4 part + t (as
@@ -245,7 +246,8 @@ void tile_xk(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes, i
 // kilobyte apart in each super-block): without the software prefetch below a 65536 x 2048
 // Q6_K matrix streamed at 14 GB/s against 41-52 for the GGML layout's `row1`, and with it the
 // 1.1B shape's Q6_K matrices (22 layers of Q/K/V, output, gate/up and down in turn, 2 threads)
-// still took 26-29 ms against 23-26, so Q6_K stays in the GGML layout for one row of x. Q3_K,
+// still took 26-29 ms against 23-26, so one row of x reads Q6_K in the GGML layout or in
+// units read front to back (q8_q6k.cpp), not in these groups. Q3_K,
 // whose GGML kernel is bound by its instructions, gains: greedy decode of the 1.1B Q3_K_M
 // shape, the two ways alternating in one process, medians: 16.90 against 17.68 ms a token
 // where a read probe taken with each pair gave under 45 GB/s (122 pairs), and (with two groups
@@ -576,9 +578,85 @@ void decode_once(const uint8_t* groups, int64_t gb, int64_t G, int64_t units, ui
     }
 }
 
-// Q3_K and Q6_K, M >= PANELS_FROM: panels of PANEL weight rows, each regrouped into the work
-// item's buffer (a last group of fewer than 8 rows repeats its last row; those outputs are
-// dropped), then tiles of x8_mr rows of x against its groups (with V16, pairs of them)
+// a unit of 16 Q6_K rows regrouped at load (q8_q6k.cpp) as two groups of tile_panel's layout,
+// the second gb bytes after the first: the first and the second 32 bytes of each 64-byte chunk
+void q6_unit_to_panels(const uint8_t* unit, int64_t G, int64_t gb, uint8_t* out) {
+  using P = Panel<Q6_K>;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* u = unit + g * 2 * P::BYTES;
+    uint8_t* o = out + g * P::BYTES;
+    auto chunk = [&](const uint8_t* from, int64_t to) {
+      std::memcpy(o + to, from, 32);
+      std::memcpy(o + gb + to, from + 32, 32);
+    };
+    for (int p = 0; p < 2; ++p)
+      for (int c = 0; c < 8; ++c) {
+        const uint8_t* at = u + 1536 * p + 192 * c;
+        chunk(at, P::QS_AT + 32 * (16 * p + c));
+        chunk(at + 64, P::QS_AT + 32 * (16 * p + 8 + c));
+        chunk(at + 128, P::HI_AT + 32 * (8 * p + c));
+      }
+    for (int k = 0; k < 4; ++k) chunk(u + 3072 + 64 * k, P::SC_AT + 32 * k);
+    std::memcpy(o + P::D_AT, u + 3328, 16);
+    std::memcpy(o + gb + P::D_AT, u + 3344, 16);
+  }
+}
+
+// `groups` groups of tile_panel's layout at `panel`, gb bytes apart, against all M rows of x
+// (`left` weight rows from the first on; outputs past them dropped), group grp's outputs at
+// y + 8 grp: tiles of x8_mr rows of x (with V16, pairs of groups), from Q6_PLAIN_FROM rows (V8:
+// PANEL_PLAIN_FROM_V8) each group decoded once into `plain_buffer` first
+template <int QT>
+void panel_tiles(const Q8& a, int64_t M, const uint8_t* panel, int64_t gb, int64_t groups, int64_t left, float* y,
+                 int64_t ldy, std::vector<uint8_t>& plain_buffer) {
+#if defined(MINERVA_V16)
+  auto valid = [&](int64_t grp, int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, left - 8 * grp)); };
+  if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
+    const int64_t pairs = groups / 2;
+    uint8_t* const plain = plain_space(plain_buffer, pairs * PLAIN_BYTES * a.G);
+    decode_once<V16, QT>(panel, gb, a.G, pairs, plain);
+    x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
+      constexpr int r = decltype(tile_rows)::value;
+      int64_t grp = 0;
+      for (int64_t p = 0; p < pairs; ++p, grp += 2)
+        tile_panel<V16, QT, r, true>(a, m, panel + grp * gb, gb, valid(grp, 16), y + m * ldy + 8 * grp, ldy, nullptr,
+                                     plain + p * a.G * PLAIN_BYTES);
+      if (grp < groups) tile_panel<V8, QT, r>(a, m, panel + grp * gb, gb, valid(grp, 8), y + m * ldy + 8 * grp, ldy);
+    });
+    return;
+  }
+  x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
+    constexpr int r = decltype(tile_rows)::value;
+    int64_t grp = 0;
+    for (; grp + 2 <= groups; grp += 2)
+      tile_panel<V16, QT, r>(a, m, panel + grp * gb, gb, valid(grp, 16), y + m * ldy + 8 * grp, ldy);
+    if (grp < groups) tile_panel<V8, QT, r>(a, m, panel + grp * gb, gb, valid(grp, 8), y + m * ldy + 8 * grp, ldy);
+  });
+#else
+  if (M >= PANEL_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
+    constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
+    uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
+    decode_once<V8, QT>(panel, gb, a.G, groups, plain);
+    x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
+      for (int64_t grp = 0; grp < groups; ++grp)
+        tile_panel<V8, QT, decltype(tile_rows)::value, true>(
+            a, m, panel + grp * gb, gb, static_cast<int>(std::min<int64_t>(8, left - 8 * grp)), y + m * ldy + 8 * grp, ldy,
+            nullptr, plain + grp * a.G * PLAIN8);
+    });
+    return;
+  }
+  x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
+    for (int64_t grp = 0; grp < groups; ++grp)
+      tile_panel<V8, QT, decltype(tile_rows)::value>(a, m, panel + grp * gb, gb,
+                                                     static_cast<int>(std::min<int64_t>(8, left - 8 * grp)),
+                                                     y + m * ldy + 8 * grp, ldy);
+  });
+#endif
+}
+
+// Q3_K and Q6_K in the GGML layout, M >= PANELS_FROM: panels of PANEL weight rows, each
+// regrouped into the work item's buffer (a last group of fewer than 8 rows repeats its last
+// row; those outputs are dropped), then panel_tiles
 template <int QT>
 void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y_all, at::BFloat16* yb) {
   const int64_t rb = row_bytes<QT>(a.K), gb = a.G * Panel<QT>::BYTES;  // a group's bytes in the panel
@@ -588,56 +666,12 @@ void matmul_panels(const Q8& a, int64_t M, const uint8_t* W, int64_t N, float* y
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n0 = PANEL * blk, groups = (std::min(N, n0 + PANEL) - n0 + 7) / 8;
       columns_out(M, N, n0, std::min(N, n0 + PANEL), y_all, yb, [&](float* y, int64_t ldy) {
-      for (int64_t grp = 0; grp < groups; ++grp) {
-        const uint8_t* rows[8];
-        for (int j = 0; j < 8; ++j) rows[j] = W + std::min(n0 + 8 * grp + j, N - 1) * rb;
-        regroup_panel<QT>(rows, a.G, panel.data() + grp * gb);
-      }
-#if defined(MINERVA_V16)
-      if (QT == Q6_K && M >= Q6_PLAIN_FROM) {  // the panel decoded once (q8_repack.h)
-        const int64_t pairs = groups / 2;
-        uint8_t* const plain = plain_space(plain_buffer, pairs * PLAIN_BYTES * a.G);
-        decode_once<V16, QT>(panel.data(), gb, a.G, pairs, plain);
-        x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
-          constexpr int r = decltype(tile_rows)::value;
-          int64_t grp = 0;
-          auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
-          for (int64_t p = 0; p < pairs; ++p, grp += 2)
-            tile_panel<V16, QT, r, true>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * ldy + 8 * grp, ldy, nullptr,
-                                         plain + p * a.G * PLAIN_BYTES);
-          if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
-        });
-        return;
-      }
-      x_tiles<V16_MR>(M, [&](int64_t m, auto tile_rows) {
-        constexpr int r = decltype(tile_rows)::value;
-        int64_t grp = 0;
-        auto valid = [&](int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, N - n0 - 8 * grp)); };
-        for (; grp + 2 <= groups; grp += 2)
-          tile_panel<V16, QT, r>(a, m, panel.data() + grp * gb, gb, valid(16), y + m * ldy + 8 * grp, ldy);
-        if (grp < groups) tile_panel<V8, QT, r>(a, m, panel.data() + grp * gb, gb, valid(8), y + m * ldy + 8 * grp, ldy);
-      });
-#else
-      if (M >= PANEL_PLAIN_FROM_V8) {  // each group decoded once, 32 bytes a chunk (as V16 above)
-        constexpr int64_t PLAIN8 = PLAIN_BYTES / 2;
-        uint8_t* const plain = plain_space(plain_buffer, groups * PLAIN8 * a.G);
-        decode_once<V8, QT>(panel.data(), gb, a.G, groups, plain);
-        x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
-          for (int64_t grp = 0; grp < groups; ++grp)
-            tile_panel<V8, QT, decltype(tile_rows)::value, true>(
-                a, m, panel.data() + grp * gb, gb, static_cast<int>(std::min<int64_t>(8, N - n0 - 8 * grp)),
-                y + m * ldy + 8 * grp, ldy, nullptr, plain + grp * a.G * PLAIN8);
-        });
-        return;
-      }
-      x_tiles<x8_mr<QT>>(M, [&](int64_t m, auto tile_rows) {
         for (int64_t grp = 0; grp < groups; ++grp) {
-          const int64_t n = n0 + 8 * grp;
-          tile_panel<V8, QT, decltype(tile_rows)::value>(a, m, panel.data() + grp * gb, gb,
-                                                         static_cast<int>(std::min<int64_t>(8, N - n)), y + m * ldy + 8 * grp, ldy);
+          const uint8_t* rows[8];
+          for (int j = 0; j < 8; ++j) rows[j] = W + std::min(n0 + 8 * grp + j, N - 1) * rb;
+          regroup_panel<QT>(rows, a.G, panel.data() + grp * gb);
         }
-      });
-#endif
+        panel_tiles<QT>(a, M, panel.data(), gb, groups, N - n0, y, ldy, plain_buffer);
       });
     }
   });
@@ -649,5 +683,7 @@ MINERVA_Q8_REGROUPED(Q4_K);
 MINERVA_Q8_REGROUPED(Q5_K);
 template void matmul_panels<Q3_K>(const Q8&, int64_t, const uint8_t*, int64_t, float*, at::BFloat16*);
 template void matmul_panels<Q6_K>(const Q8&, int64_t, const uint8_t*, int64_t, float*, at::BFloat16*);
+template void panel_tiles<Q6_K>(const Q8&, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*, int64_t,
+                                std::vector<uint8_t>&);
 
 }  // namespace minerva::q8

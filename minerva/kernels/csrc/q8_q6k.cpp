@@ -145,27 +145,21 @@ void regroup_q6_k_(torch::Tensor packed) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && packed.is_contiguous() && packed.device().is_cpu() && packed.dim() == 2 &&
                   packed.size(0) % 16 == 0 && packed.size(1) % B == 0,
               "regroup_q6_k_ takes a contiguous CPU uint8 [rows (a multiple of 16), row bytes] tensor");
-  const int64_t rb = packed.size(1), G = rb / B, units = packed.size(0) / 16;
-  uint8_t* base = packed.data_ptr<uint8_t>();
-  minerva::parallel_for(0, units, 4, [&](int64_t u0, int64_t u1) {
-    std::vector<uint8_t> rows(16 * rb);
-    for (int64_t u = u0; u < u1; ++u) {
-      uint8_t* dst = base + u * 16 * rb;
-      std::memcpy(rows.data(), dst, 16 * rb);
-      for (int64_t g = 0; g < G; ++g) {
-        uint8_t* o = dst + g * 16 * B;
-        for (int j = 0; j < 16; ++j) {
-          const uint8_t* b = rows.data() + j * rb + g * B;
-          for (int p = 0; p < 2; ++p)
-            for (int c = 0; c < 8; ++c) {
-              uint8_t* at = o + 1536 * p + 192 * c + 4 * j;
-              std::memcpy(at, b + 4 * (16 * p + c), 4);            // ql chunk 16p + c
-              std::memcpy(at + 64, b + 4 * (16 * p + 8 + c), 4);   // ql chunk 16p + 8 + c
-              std::memcpy(at + 128, b + 128 + 4 * (8 * p + c), 4);  // qh chunk 8p + c
-            }
-          for (int k = 0; k < 4; ++k) std::memcpy(o + 3072 + 64 * k + 4 * j, b + 192 + 4 * k, 4);  // scales
-          std::memcpy(o + 3328 + 2 * j, b + 208, 2);  // d
-        }
+  const int64_t rb = packed.size(1), G = rb / B;
+  regroup_in_place(packed, 16, 4, [&](const uint8_t* rows, uint8_t* dst) {
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* o = dst + g * 16 * B;
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t* b = rows + j * rb + g * B;
+        for (int p = 0; p < 2; ++p)
+          for (int c = 0; c < 8; ++c) {
+            uint8_t* at = o + 1536 * p + 192 * c + 4 * j;
+            std::memcpy(at, b + 4 * (16 * p + c), 4);            // ql chunk 16p + c
+            std::memcpy(at + 64, b + 4 * (16 * p + 8 + c), 4);   // ql chunk 16p + 8 + c
+            std::memcpy(at + 128, b + 128 + 4 * (8 * p + c), 4);  // qh chunk 8p + c
+          }
+        for (int k = 0; k < 4; ++k) std::memcpy(o + 3072 + 64 * k + 4 * j, b + 192 + 4 * k, 4);  // scales
+        std::memcpy(o + 3328 + 2 * j, b + 208, 2);  // d
       }
     }
   });

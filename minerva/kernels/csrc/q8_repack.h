@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
@@ -55,6 +56,23 @@ void columns_out(int64_t M, int64_t N, int64_t c0, int64_t c1, float* y, at::BFl
   if (static_cast<int64_t>(buffer.size()) < M * w) buffer.resize(M * w);
   compute(buffer.data(), w);
   for (int64_t m = 0; m < M; ++m) round_bf16(buffer.data() + m * w, yb + m * N + c0, w);
+}
+
+// The rows of `packed` [a multiple of n, row bytes] rearranged n at a time in place, `grain`
+// groups a work item: each group's bytes copied aside, then write(rows, dst) writes its new bytes
+// over them (regroup_, regroup_q6_k_)
+template <class F>
+void regroup_in_place(const torch::Tensor& packed, int64_t n, int64_t grain, const F& write) {
+  const int64_t rb = packed.size(1), groups = packed.size(0) / n;
+  uint8_t* base = packed.data_ptr<uint8_t>();
+  minerva::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> rows(n * rb);
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      uint8_t* dst = base + grp * n * rb;
+      std::memcpy(rows.data(), dst, n * rb);
+      write(rows.data(), dst);
+    }
+  });
 }
 
 // The kernels: q8_repack_x8.cpp's for the 32-weight block types, q8_repack_k.cpp's for the

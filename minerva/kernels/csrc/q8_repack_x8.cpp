@@ -388,33 +388,27 @@ void regroup_(torch::Tensor packed, int64_t block_bytes, std::vector<int64_t> fi
                   packed.dim() == 2 && packed.size(0) % 8 == 0 && packed.size(1) % block_bytes == 0,
               "regroup_ takes a contiguous CPU uint8 [rows (a multiple of 8), row bytes] tensor");
   TORCH_CHECK(fields.size() % 2 == 0 && moves.size() == 64, "regroup_: bad field or bit tables");
-  const int64_t rb = packed.size(1), blocks = rb / block_bytes, groups = packed.size(0) / 8;
-  uint8_t* base = packed.data_ptr<uint8_t>();
-  minerva::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> rows(8 * rb);
-    for (int64_t grp = g0; grp < g1; ++grp) {
-      uint8_t* dst = base + grp * 8 * rb;
-      std::memcpy(rows.data(), dst, 8 * rb);
-      for (int64_t b = 0; b < blocks; ++b) {
-        int64_t at = 0;
-        for (size_t f = 0; f < fields.size(); f += 2) {
-          const int64_t width = fields[f], kind = fields[f + 1];
-          for (int r = 0; r < 8; ++r) {
-            const uint8_t* src = rows.data() + r * rb + b * block_bytes + at;
-            if (kind == 2) {
-              for (int64_t k = 0; k < width / 4; ++k) std::memcpy(dst + 32 * k + 4 * r, src + 4 * k, 4);
-            } else if (kind == 1) {
-              uint32_t word, out = 0;
-              std::memcpy(&word, src, 4);
-              for (int i = 0; i < 32; ++i) out |= ((word >> moves[2 * i]) & 1u) << moves[2 * i + 1];
-              std::memcpy(dst + 4 * r, &out, 4);
-            } else {
-              std::memcpy(dst + width * r, src, width);
-            }
+  const int64_t rb = packed.size(1), blocks = rb / block_bytes;
+  minerva::q8::regroup_in_place(packed, 8, 16, [&](const uint8_t* rows, uint8_t* dst) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int64_t at = 0;
+      for (size_t f = 0; f < fields.size(); f += 2) {
+        const int64_t width = fields[f], kind = fields[f + 1];
+        for (int r = 0; r < 8; ++r) {
+          const uint8_t* src = rows + r * rb + b * block_bytes + at;
+          if (kind == 2) {
+            for (int64_t k = 0; k < width / 4; ++k) std::memcpy(dst + 32 * k + 4 * r, src + 4 * k, 4);
+          } else if (kind == 1) {
+            uint32_t word, out = 0;
+            std::memcpy(&word, src, 4);
+            for (int i = 0; i < 32; ++i) out |= ((word >> moves[2 * i]) & 1u) << moves[2 * i + 1];
+            std::memcpy(dst + 4 * r, &out, 4);
+          } else {
+            std::memcpy(dst + width * r, src, width);
           }
-          dst += 8 * width;
-          at += width;
         }
+        dst += 8 * width;
+        at += width;
       }
     }
   });

@@ -49,10 +49,15 @@ constexpr int64_t Q6_L2_AHEAD = 32768;
 
 namespace {
 
-// the GF(2) matrix of an affine transform that moves bits `from`, from + 1 of each byte to 4, 5
-// and clears the others (row i, byte 7 - i of the qword, selects the source of result bit i)
-constexpr int64_t high_bits_at_4(int from) {
-  return static_cast<int64_t>(((1ULL << from) << 24) | ((2ULL << from) << 16));
+// bits `from`, from + 1 of each byte moved to 4, 5, the others cleared: with GFNI one affine
+// transform (row i of its bit matrix, byte 7 - i of the qword, selects the source of result bit
+// i), else a shift and a mask (AVX-512 VNNI without GFNI: Intel's Cascade Lake)
+inline __m512i high_bits(__m512i qh, int from) {
+#if defined(__GFNI__)
+  return _mm512_gf2p8affine_epi64_epi8(qh, _mm512_set1_epi64(static_cast<int64_t>(((1ULL << from) << 24) | ((2ULL << from) << 16))), 0);
+#else
+  return move_bits(qh, from, 4, 2);
+#endif
 }
 
 inline __m512i dot4x16(__m512i acc, __m512i u, const int8_t* p) {  // as V16::dot4x
@@ -87,13 +92,10 @@ void unit_row(const Q8& a, const uint8_t* unit, int valid, float* y, const uint8
         for (int c = 4 * h; c < 4 * h + 4; ++c) {
           const uint8_t* at = b + 1536 * p + 192 * c;
           const __m512i q0 = _mm512_loadu_si512(at), q1 = _mm512_loadu_si512(at + 64), qh = _mm512_loadu_si512(at + 128);
-          const __m512i w[4] = {
-              _mm512_or_si512(_mm512_and_si512(q0, low), _mm512_gf2p8affine_epi64_epi8(qh, _mm512_set1_epi64(high_bits_at_4(0)), 0)),
-              _mm512_or_si512(_mm512_and_si512(q1, low), _mm512_gf2p8affine_epi64_epi8(qh, _mm512_set1_epi64(high_bits_at_4(2)), 0)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low),
-                              _mm512_gf2p8affine_epi64_epi8(qh, _mm512_set1_epi64(high_bits_at_4(4)), 0)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low),
-                              _mm512_gf2p8affine_epi64_epi8(qh, _mm512_set1_epi64(high_bits_at_4(6)), 0))};
+          const __m512i w[4] = {_mm512_or_si512(_mm512_and_si512(q0, low), high_bits(qh, 0)),
+                                _mm512_or_si512(_mm512_and_si512(q1, low), high_bits(qh, 2)),
+                                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low), high_bits(qh, 4)),
+                                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low), high_bits(qh, 6))};
           for (int t = 0; t < 4; ++t) dot[t] = dot4x16(dot[t], w[t], xg + 32 * (4 * p + t) + 4 * c);
         }
         for (int t = 0; t < 4; ++t) {  // scale j: byte j & 3 of each lane of scales chunk j >> 2, with its sign

@@ -67,17 +67,18 @@ struct X8Block {
   __m256 m = _mm256_setzero_ps();
   explicit X8Block(const uint8_t* b) {
     if constexpr (X::OFFSET) m = _mm256_cvtph_ps(load128(b + X::M_AT));
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = load256(b + X::QS_AT + 32 * k);
-      lo[k] = X::values(low4(v));
-      hi[k] = X::values(high4(v));
-    }
+    const __m256i qh = X::FIFTH ? load256(b + X::QH_AT) : _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) chunk(b, qh, k, lo[k], hi[k]);
+  }
+  // chunk k's values alone (qh: the block's fifth bits, Q5_0/Q5_1)
+  static void chunk(const uint8_t* b, __m256i qh, int k, __m256i& lo, __m256i& hi) {
+    const __m256i v = load256(b + X::QS_AT + 32 * k);
+    lo = X::values(low4(v));
+    hi = X::values(high4(v));
     if constexpr (X::FIFTH) {
-      const __m256i qh = load256(b + X::QH_AT), bit4 = _mm256_set1_epi8(0x10);
-      for (int k = 0; k < 4; ++k) {
-        lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(_mm256_srli_epi32(qh, k), bit4));
-        hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(_mm256_slli_epi32(qh, 4 - k), bit4));
-      }
+      const __m256i bit4 = _mm256_set1_epi8(0x10);
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_srli_epi32(qh, k), bit4));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - k), bit4));
     }
   }
   __m256i dot(const int8_t* xq) const {
@@ -116,6 +117,14 @@ struct X8Block {
 // widened to i32 on their own; with VNNI (no i16 pair sums to saturate) w + 128 as the unsigned
 // operand against x, and 128 sum(x) subtracted: the same exact sum in fewer steps (x enters as
 // an embedded broadcast, where |w| against x given w's signs needs x in a register).
+//
+// Q4_0 and Q4_1 without VNNI go chunk by chunk, each chunk decoded once for the tile's rows and
+// each row's i16 sum kept in a register, where X8Block's 8 decoded chunks with the tile's 4
+// rows' float sums outgrew AVX2's 16 registers (GCC kept the sums in the stack, a store and a
+// reload a block and row). The same i16 sums, so the same bits. Zen 4, MINERVA_ISA=avx2, 2
+// threads, 2048 x 5632 (benchmarks/kernel_ab.py, medians of the pairs' ratios): Q4_0 1.141x
+// at 512 rows of x and 1.160x at 16, Q4_1 1.186x and 1.165x. (Q5_0, Q5_1 and MXFP4, whose
+// runs are half as long, did not gain so: 0.97-1.07x.)
 template <int QT, int mr>
 void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, int64_t ldy,
              const uint8_t* end) {
@@ -153,6 +162,24 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
         if constexpr (VNNI) dot_i = _mm256_sub_epi32(dot_i, _mm256_set1_epi32(a.n[(m0 + i) * a.G + g] << 7));
         acc[i] = block_step<X>(a, m0 + i, g, dot_i, dw, _mm256_setzero_ps(), acc[i]);
       }
+      continue;
+    }
+    if constexpr (!VNNI && !X::WIDE) {  // chunk by chunk, each row's maddubs lanes summed in i16 (X8Block::dot's sum)
+      __m256i run[mr];
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        __m256i lo, hi;
+        X8Block<QT>::chunk(b, _mm256_setzero_si256(), k, lo, hi);
+        for (int i = 0; i < mr; ++i) {
+          const int8_t* xq = a.q + (m0 + i) * a.K + 32 * g;
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * k)),
+                                             _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * k)));
+          run[i] = k == 0 ? p : kept(_mm256_add_epi16(run[i], p));
+        }
+      }
+      const __m256 m = X::OFFSET ? _mm256_cvtph_ps(load128(b + X::M_AT)) : _mm256_setzero_ps();
+      for (int i = 0; i < mr; ++i)
+        acc[i] = kept(block_step<X>(a, m0 + i, g, _mm256_madd_epi16(run[i], ones16()), dw, m, acc[i]));
       continue;
     }
     const X8Block<QT> blk(b);

@@ -345,7 +345,11 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
   // products at most 2 * 63 * 127 for Q6_K's 6-bit values, 2 * 7 * 127 for Q3_K's), then one
   // madd by the scale, as tile_xk does, where dot4 is a maddubs, a madd by ones and an add a
   // chunk and the scale an i32 multiply; the bias's part is taken apart (above the loop). The
-  // same exact i32 sum, so the same bits.
+  // same exact i32 sum, so the same bits. x's sums of 16 (the bias's part, Q2_K's mins) are
+  // broadcast by their loads (V::i32_at), where a copy through a register had cost a move and a
+  // shuffle each: Zen 4, MINERVA_ISA=avx2, 2 threads, 5632 x 2048 at 512 rows of x
+  // (benchmarks/kernel_ab.py): Q6_K 1.096x, Q3_K 1.071x, Q2_K 1.024x (one row, 2048 x 5632:
+  // 1.067x); the AVX-512 build's Q2_K the same (0.993x).
   constexpr bool RUNS = !VNNI;
   constexpr int RUN = QT == Q6_K ? 2 : 4;
   static_assert(!RUNS || !TWO, "V16 needs VNNI");
@@ -407,9 +411,8 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         I bs = V::zero();
         for (int k = 0; k < 4; ++k) {  // scales 4k .. 4k + 3, sign-extended to i16 pairs
           const I sc = scales(k), lo = V::sar16(V::shuffle(sc, pair01_high), 8), hi = V::sar16(V::shuffle(sc, pair23_high), 8);
-          int32_t xs[2];
-          std::memcpy(xs, a.p + (m0 + i) * a.lp + 16 * g + 4 * k, 8);
-          bs = V::dot2(V::dot2(bs, lo, V::i32(xs[0])), hi, V::i32(xs[1]));
+          const int32_t* xs = reinterpret_cast<const int32_t*>(a.p + (m0 + i) * a.lp + 16 * g + 4 * k);
+          bs = V::dot2(V::dot2(bs, lo, V::i32_at(xs)), hi, V::i32_at(xs + 1));
         }
         isum[i] = V::sub(V::zero(), V::shl32(bs, P::BIAS));
       }
@@ -437,9 +440,8 @@ void tile_panel(const Q8& a, int64_t m0, const uint8_t* grp, int64_t group_bytes
         const I mn = V::and_(V::shr32(scales(k), 4), V::bytes(0x0F));
         const I lo = V::shuffle(mn, pair01), hi = V::shuffle(mn, pair23);
         for (int i = 0; i < mr; ++i) {
-          int32_t xs[2];
-          std::memcpy(xs, a.p + (m0 + i) * a.lp + 16 * g + 4 * k, 8);
-          ms[i] = V::dot2(V::dot2(ms[i], lo, V::i32(xs[0])), hi, V::i32(xs[1]));
+          const int32_t* xs = reinterpret_cast<const int32_t*>(a.p + (m0 + i) * a.lp + 16 * g + 4 * k);  // x's sums, a pair each
+          ms[i] = V::dot2(V::dot2(ms[i], lo, V::i32_at(xs)), hi, V::i32_at(xs + 1));
         }
       }
       const F ndmin = V::sub(V::zerof(), V::halves(b + P::DMIN_AT, gb));

@@ -314,6 +314,10 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
 // row, so the weights are read from memory once and decoded once for all of them, where
 // tile_x8 reads a group at a time (no L2 prefetch) and decodes it once per tile of rows.
 // Per output the same operations as tile_x8<QT, 1>: a row's bits do not depend on MR.
+// Q4_0 and Q4_1 without VNNI take each group chunk by chunk, as tile_x8 does: Zen 4,
+// MINERVA_ISA=avx2, 2 threads, 2048 x 5632 against 592202d's build (benchmarks/kernel_ab.py),
+// Q4_0 at 2, 4 and 8 rows of x 2.03x, 1.14x and 1.23x, Q4_1 at 4 rows 1.19x (one row, which
+// keeps X8Block, 0.98x).
 template <int QT, int NG, int MR>
 void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, int64_t ldy, const uint8_t* end) {
   using X = X8<QT>;
@@ -329,8 +333,26 @@ void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, 
       const uint8_t* b = grp + n * gb + g * X::BYTES;
       if (g < far_g)
         for (int64_t o = lo; o < hi; o += 64) prefetch_l2(grp + n * gb + far + o);
-      const X8Block<QT> blk(b);
       const __m256 dw = X::scales(b);
+      if constexpr (!VNNI && !X::WIDE && MR > 1) {  // chunk by chunk, as tile_x8 without VNNI
+        __m256i run[MR];
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          __m256i vlo, vhi;
+          X8Block<QT>::chunk(b, _mm256_setzero_si256(), k, vlo, vhi);
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xq = a.q + (m0 + i) * a.K + 32 * g;
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(vlo, bcast4(xq + 4 * k)),
+                                               _mm256_maddubs_epi16(vhi, bcast4(xq + 16 + 4 * k)));
+            run[i] = k == 0 ? p : kept(_mm256_add_epi16(run[i], p));
+          }
+        }
+        const __m256 m = X::OFFSET ? _mm256_cvtph_ps(load128(b + X::M_AT)) : _mm256_setzero_ps();
+        for (int i = 0; i < MR; ++i)
+          acc[n][i] = kept(block_step<X>(a, m0 + i, g, _mm256_madd_epi16(run[i], ones16()), dw, m, acc[n][i]));
+        continue;
+      }
+      const X8Block<QT> blk(b);
       for (int i = 0; i < MR; ++i)
         acc[n][i] = block_step<X>(a, m0 + i, g, blk.dot(a.q + (m0 + i) * a.K + 32 * g), dw, blk.m, acc[n][i]);
     }

@@ -85,6 +85,13 @@ inline __m256i bcast4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
+// *p in every lane, broadcast by the load (of a value that is then shifted, GCC would load it
+// into a general register, shift it there and move it over: three more instructions)
+inline __m256i bcast_i32(const int32_t* p) {
+  __m256i v;
+  asm("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
+  return v;
+}
 
 // dot4 against the 4 signed bytes at p in every lane. With AVX-512 VNNI one instruction with
 // an embedded broadcast: GCC otherwise issues a vpbroadcastd for each, and x's broadcasts

@@ -55,7 +55,7 @@ inline void store_rows(const __m256* acc, int valid, float* y, int64_t ldy) {
 // (Q4_1/Q5_1): acc = fma(dot - 2^BIAS * sum(q), d_w * d_x, acc), then acc = fma(m, d_x * sum(q), acc)
 template <typename B>
 inline __m256 block_step(const Q8& a, int64_t r, int64_t g, __m256i dot, __m256 dw, __m256 m, __m256 acc) {
-  if constexpr (B::BIAS > 0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(a.n[r * a.G + g] << B::BIAS));
+  if constexpr (B::BIAS > 0) dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(bcast_i32(a.n + r * a.G + g), B::BIAS));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * a.G + g])), acc);
   if constexpr (B::OFFSET) acc = _mm256_fmadd_ps(m, _mm256_set1_ps(a.s[r * a.G + g]), acc);
   return acc;

@@ -39,11 +39,7 @@ struct V8 {
   }
   static I bytes(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
   static I i32(int32_t v) { return _mm256_set1_epi32(v); }
-  static I i32_at(const int32_t* p) {  // *p in every lane, broadcast by the load (GCC would move it through a register)
-    I v;
-    asm("vpbroadcastd %1, %0" : "=v"(v) : "m"(*p));
-    return v;
-  }
+  static I i32_at(const int32_t* p) { return bcast_i32(p); }  // (q8_blocks.h)
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }

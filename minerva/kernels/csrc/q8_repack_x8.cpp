@@ -159,7 +159,7 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
       }
       for (int i = 0; i < mr; ++i) {
         __m256i dot_i = _mm256_add_epi32(dot[0][i], dot[1][i]);
-        if constexpr (VNNI) dot_i = _mm256_sub_epi32(dot_i, _mm256_set1_epi32(a.n[(m0 + i) * a.G + g] << 7));
+        if constexpr (VNNI) dot_i = _mm256_sub_epi32(dot_i, _mm256_slli_epi32(bcast_i32(a.n + (m0 + i) * a.G + g), 7));
         acc[i] = block_step<X>(a, m0 + i, g, dot_i, dw, _mm256_setzero_ps(), acc[i]);
       }
       continue;
@@ -279,7 +279,7 @@ void tile_x8_pair(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, int v
       for (int i = 0; i < mr; ++i) {
         const int64_t r = (m0 + i) * a.G + g;
         V::I d = C == 2 ? V::add(dot[0][i], dot[C - 1][i]) : dot[0][i];
-        if constexpr (SHIFT > 0) d = V::sub(d, V::i32(a.n[r] << SHIFT));
+        if constexpr (SHIFT > 0) d = V::sub(d, V::shl32(V::i32_at(a.n + r), SHIFT));
         acc[n][i] = V::fmadd(V::cvt(d), V::mul(dw, V::f32(a.d[r])), acc[n][i]);
         if constexpr (X::OFFSET) acc[n][i] = V::fmadd(m, V::f32(a.s[r]), acc[n][i]);
       }
@@ -410,7 +410,7 @@ void q8_0_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y
       for (int i = 0; i < MR; ++i) {
         __m256i d = dot[n][i][0];
         if constexpr (C == 2) d = _mm256_add_epi32(d, dot[n][i][1]);
-        if constexpr (VNNI) d = _mm256_sub_epi32(d, _mm256_set1_epi32(a.n[(m0 + i) * a.G + g] << 7));
+        if constexpr (VNNI) d = _mm256_sub_epi32(d, _mm256_slli_epi32(bcast_i32(a.n + (m0 + i) * a.G + g), 7));
         acc[n][i] = block_step<X>(a, m0 + i, g, d, dw, _mm256_setzero_ps(), acc[n][i]);
       }
     }

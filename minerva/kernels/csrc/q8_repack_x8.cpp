@@ -106,6 +106,30 @@ struct X8Block {
   }
 };
 
+// Q4_0 or Q4_1 without VNNI (not X::WIDE): block g at b against rows m0 .. m0 + mr - 1 of x,
+// chunk by chunk, each chunk decoded once for the rows and each row's maddubs lanes summed in
+// i16 in a register (X8Block::dot's sum), then acc[i] = block_step(...): X8Block's outputs with
+// fewer registers (tile_x8, x8_rows)
+template <int QT, int mr>
+MINERVA_INLINE inline void x8_block_by_chunks(const Q8& a, int64_t m0, int64_t g, const uint8_t* b, __m256 dw, __m256* acc) {
+  using X = X8<QT>;
+  __m256i run[mr];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    __m256i lo, hi;
+    X8Block<QT>::chunk(b, _mm256_setzero_si256(), k, lo, hi);
+    for (int i = 0; i < mr; ++i) {
+      const int8_t* xq = a.q + (m0 + i) * a.K + 32 * g;
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * k)),
+                                         _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * k)));
+      run[i] = k == 0 ? p : kept(_mm256_add_epi16(run[i], p));
+    }
+  }
+  const __m256 m = X::OFFSET ? _mm256_cvtph_ps(load128(b + X::M_AT)) : _mm256_setzero_ps();
+  for (int i = 0; i < mr; ++i)
+    acc[i] = kept(block_step<X>(a, m0 + i, g, _mm256_madd_epi16(run[i], ones16()), dw, m, acc[i]));
+}
+
 // The same outputs as tile8 on the GGML layout, bit for bit: per block the same exact
 // integer dot product per row (here summed in i16 before one madd: a lane of maddubs is at
 // most 2 * 15 * 127 = 3810 for 4-bit values, so 8 of them fit; 5-bit values, at most 7874,
@@ -164,22 +188,8 @@ void tile_x8(const Q8& a, int64_t m0, const uint8_t* grp, int valid, float* y, i
       }
       continue;
     }
-    if constexpr (!VNNI && !X::WIDE) {  // chunk by chunk, each row's maddubs lanes summed in i16 (X8Block::dot's sum)
-      __m256i run[mr];
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        __m256i lo, hi;
-        X8Block<QT>::chunk(b, _mm256_setzero_si256(), k, lo, hi);
-        for (int i = 0; i < mr; ++i) {
-          const int8_t* xq = a.q + (m0 + i) * a.K + 32 * g;
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xq + 4 * k)),
-                                             _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * k)));
-          run[i] = k == 0 ? p : kept(_mm256_add_epi16(run[i], p));
-        }
-      }
-      const __m256 m = X::OFFSET ? _mm256_cvtph_ps(load128(b + X::M_AT)) : _mm256_setzero_ps();
-      for (int i = 0; i < mr; ++i)
-        acc[i] = kept(block_step<X>(a, m0 + i, g, _mm256_madd_epi16(run[i], ones16()), dw, m, acc[i]));
+    if constexpr (!VNNI && !X::WIDE) {
+      x8_block_by_chunks<QT, mr>(a, m0, g, b, dw, acc);
       continue;
     }
     const X8Block<QT> blk(b);
@@ -334,22 +344,8 @@ void x8_rows(const Q8& a, int64_t m0, const uint8_t* grp, int64_t gb, float* y, 
       if (g < far_g)
         for (int64_t o = lo; o < hi; o += 64) prefetch_l2(grp + n * gb + far + o);
       const __m256 dw = X::scales(b);
-      if constexpr (!VNNI && !X::WIDE && MR > 1) {  // chunk by chunk, as tile_x8 without VNNI
-        __m256i run[MR];
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          __m256i vlo, vhi;
-          X8Block<QT>::chunk(b, _mm256_setzero_si256(), k, vlo, vhi);
-          for (int i = 0; i < MR; ++i) {
-            const int8_t* xq = a.q + (m0 + i) * a.K + 32 * g;
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(vlo, bcast4(xq + 4 * k)),
-                                               _mm256_maddubs_epi16(vhi, bcast4(xq + 16 + 4 * k)));
-            run[i] = k == 0 ? p : kept(_mm256_add_epi16(run[i], p));
-          }
-        }
-        const __m256 m = X::OFFSET ? _mm256_cvtph_ps(load128(b + X::M_AT)) : _mm256_setzero_ps();
-        for (int i = 0; i < MR; ++i)
-          acc[n][i] = kept(block_step<X>(a, m0 + i, g, _mm256_madd_epi16(run[i], ones16()), dw, m, acc[n][i]));
+      if constexpr (!VNNI && !X::WIDE && MR > 1) {  // as tile_x8 without VNNI
+        x8_block_by_chunks<QT, MR>(a, m0, g, b, dw, acc[n]);
         continue;
       }
       const X8Block<QT> blk(b);
